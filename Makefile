@@ -1,0 +1,49 @@
+# WanDistiller. Every target creates/updates the virtual environment itself.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch 2.13.0 lies on this project's machines; on a GPU box pip picks the CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+RUNS ?= runs
+TINY_TEACHER := $(RUNS)/tiny-teacher
+TEACHER ?= $(TINY_TEACHER)
+PROMPTS ?= data/prompts.txt
+CACHE ?= $(RUNS)/cache
+PLACEMENT ?= auto
+# Sizes for the tiny teacher; a real teacher uses the stage's defaults (480x832, 40 steps) or CONFIG.
+ifeq ($(TEACHER),$(TINY_TEACHER))
+CONFIG ?= configs/tiny-teacher-cache.toml
+endif
+CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
+TEACHER_CACHE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install teacher-cache test clean help
+
+help:
+	@echo "make demo | test | teacher-cache | train-student | install | clean"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(TINY_TEACHER)/model_index.json: | $(STAMP)
+	$(BIN)/wandistiller tiny-teacher --out $(TINY_TEACHER) --variant wan2.2
+
+tiny-teacher: $(TINY_TEACHER)/model_index.json
+
+teacher-cache: $(STAMP) $(if $(filter $(TINY_TEACHER),$(TEACHER)),$(TINY_TEACHER)/model_index.json,)
+	$(BIN)/wandistiller teacher-cache $(CONFIG_FLAG) --teacher $(TEACHER) --prompts $(PROMPTS) \
+		--out $(CACHE) --placement $(PLACEMENT) $(TEACHER_CACHE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(RUNS)

@@ -1,0 +1,142 @@
+"""The on-disk cache format: every file, member, array and manifest name, defined once.
+
+Outside readers rely on these names: add new ones, never rename. See ARCHITECTURE.md, "The cache".
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+
+# Files and folders below CACHE_DIR.
+MANIFEST = "manifest.json"
+PARTS_DIR = "parts"
+SHARDS_DIR = "shards"
+PROGRESS = "progress.json"
+PROMPTS_ZARR = "prompts.zarr"
+NEGATIVE = "negative.safetensors"
+RESOLVED_CONFIG = "config.json"
+# Anything being written carries this suffix until it is complete; readers never look at it.
+TMP_SUFFIX = ".tmp"
+
+# Arrays of each part's prompts.zarr.
+Z_PROMPT_IDX = "prompt_idx"
+Z_TEXT = "text"
+Z_EMBEDS = "embeds"
+Z_SEQ_LENS = "seq_lens"
+Z_INIT_NOISE = "init_noise"
+Z_FINAL_LATENTS = "final_latents"
+# Attribute holding the torch dtype of an array stored as raw bits (bfloat16 has no numpy dtype).
+Z_ATTR_TORCH_DTYPE = "torch_dtype"
+
+# Members of one sample in a tar shard: `<key>.safetensors` and `<key>.json`.
+EXT_TENSORS = "safetensors"
+EXT_META = "json"
+T_X_T = "x_t"
+T_TARGET = "target"
+T_TARGET_COND = "target_cond"
+T_TARGET_UNCOND = "target_uncond"
+M_PROMPT_IDX = "prompt_idx"
+M_SEED_IDX = "seed_idx"
+M_STEP = "step"
+M_TIMESTEP = "timestep"
+M_SIGMA = "sigma"
+M_EXPERT = "expert"
+M_GUIDANCE = "guidance"
+META_KEYS = (M_PROMPT_IDX, M_SEED_IDX, M_STEP, M_TIMESTEP, M_SIGMA, M_EXPERT, M_GUIDANCE)
+
+# Negative-prompt file tensors.
+NEG_EMBEDS = "embeds"
+NEG_SEQ_LEN = "seq_len"
+
+# manifest.json fields (the stable ones named in ARCHITECTURE.md, then additions).
+F_FORMAT_VERSION = "format_version"
+F_FINGERPRINT = "fingerprint"
+F_TEACHER = "teacher"
+F_DTYPE = "dtype"
+F_STEPS = "steps"
+F_TIMESTEPS = "timesteps"
+F_GUIDANCE = "guidance"
+F_GUIDANCE_2 = "guidance_2"
+F_BOUNDARY_RATIO = "boundary_ratio"
+F_HEIGHT = "height"
+F_WIDTH = "width"
+F_FRAMES = "frames"
+F_LATENT_SHAPE = "latent_shape"
+F_MAX_SEQUENCE_LENGTH = "max_sequence_length"
+F_NEGATIVE_PROMPT = "negative_prompt"
+F_SEEDS_PER_PROMPT = "seeds_per_prompt"
+F_SEED = "seed"
+F_PROMPTS = "prompts"
+F_SAMPLES = "samples"
+F_BYTES = "bytes"
+F_NUM_PARTS = "num_parts"
+F_SHARDS = "shards"
+# additions
+F_SIGMAS = "sigmas"
+F_EXPERTS = "experts"  # expert used at each step (1 = high-noise `transformer`, 2 = `transformer_2`)
+F_EXPAND_TIMESTEPS = "expand_timesteps"
+F_TEXT_DIM = "text_dim"
+F_IN_CHANNELS = "in_channels"
+F_PATCH_SIZE = "patch_size"
+F_SCHEDULER = "scheduler"
+F_PROMPT_SET_SHA256 = "prompt_set_sha256"
+F_PARTS = "parts"
+F_CREATED = "created"
+# shard records (in the manifest and in progress.json)
+S_PATH = "path"
+S_PART = "part"
+S_SAMPLES = "samples"
+S_BYTES = "bytes"
+S_SHA256 = "sha256"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_KEY_RE = re.compile(r"^p(\d{8})_s(\d{2})_k(\d{3})$")
+
+
+def sample_key(prompt_idx: int, seed_idx: int, step: int) -> str:
+    """The tar key of one (prompt, seed, step) sample."""
+    return f"p{prompt_idx:08d}_s{seed_idx:02d}_k{step:03d}"
+
+
+def parse_key(key: str) -> tuple[int, int, int]:
+    """Inverse of `sample_key`; raises ValueError for a foreign key."""
+    m = _KEY_RE.match(key)
+    if not m:
+        raise ValueError(f"not a WanDistiller sample key: {key!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def part_dirname(part: int) -> str:
+    return f"part-{part:05d}"
+
+
+def shard_relpath(part: int, index: int) -> str:
+    """Path of a shard relative to CACHE_DIR."""
+    return f"{SHARDS_DIR}/part-{part:05d}-{index:06d}.tar"
+
+
+def torch_to_storage(t: torch.Tensor) -> np.ndarray:
+    """A numpy view that keeps the tensor's bits (bfloat16 travels as uint16)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    return t.numpy()
+
+
+def storage_to_torch(a: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """Inverse of `torch_to_storage`."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype_name == "bfloat16":
+        return t.view(torch.bfloat16)
+    return t.to(DTYPES[dtype_name])
+
+
+def storage_numpy_dtype(dtype_name: str) -> str:
+    return "uint16" if dtype_name == "bfloat16" else dtype_name

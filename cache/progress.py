@@ -1,0 +1,66 @@
+"""Per-part progress record: which trajectory blocks are done and which shards hold them.
+
+`progress.json` is rewritten atomically after each shard is renamed into place, so every shard it lists
+exists and is complete, and every block it calls done is inside a listed shard. A crash between the
+rename and the rewrite leaves an unlisted shard, which the part's next run deletes and recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .atomic import atomic_write_json
+from .errors import CacheError
+from .format import FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
+
+
+@dataclass
+class PartProgress:
+    """State of one part; see module docstring for the invariants."""
+
+    part: int
+    num_parts: int
+    fingerprint: str
+    prompts: int  # prompts in this part
+    blocks: int  # trajectory blocks in this part
+    batch_size: int  # trajectories per block: block ids mean nothing under another batch size
+    encoded: bool = False  # every prompt row of prompts.zarr written
+    done_blocks: list[int] = field(default_factory=list)
+    shards: list[dict] = field(default_factory=list)
+    complete: bool = False
+    header: dict = field(default_factory=dict)  # the run's manifest fields, identical in every part
+    format_version: int = FORMAT_VERSION
+
+    @staticmethod
+    def path(cache_dir: str | os.PathLike, part: int) -> Path:
+        return Path(cache_dir) / PARTS_DIR / part_dirname(part) / PROGRESS
+
+    def save(self, cache_dir: str | os.PathLike) -> None:
+        p = self.path(cache_dir, self.part)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(p, asdict(self))
+
+    @classmethod
+    def load(cls, cache_dir: str | os.PathLike, part: int) -> PartProgress | None:
+        p = cls.path(cache_dir, part)
+        if not p.exists():
+            return None
+        try:
+            return cls(**json.loads(p.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise CacheError(f"{p} is unreadable ({e}); delete the part folder or rerun with --overwrite") from e
+
+
+def list_parts(cache_dir: str | os.PathLike) -> list[int]:
+    """Part numbers that have a progress record."""
+    root = Path(cache_dir) / PARTS_DIR
+    if not root.is_dir():
+        return []
+    parts = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith("part-") and (d / PROGRESS).exists():
+            parts.append(int(d.name.split("-")[1]))
+    return parts

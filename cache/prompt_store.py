@@ -1,0 +1,114 @@
+"""Per-part prompt store (zarr v3): prompt text, text embeddings, initial noise and final latents.
+
+Each part writes only its own `parts/part-P/prompts.zarr`, one chunk per prompt row, so no two processes
+ever touch the same chunk. Rows never written read back as the fill value: `seq_lens` is filled with -1
+so a reader can tell "never written" from "empty", and the part's progress record says which rows and
+trajectories are complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import zarr
+
+from .format import (
+    PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX,
+    Z_SEQ_LENS, Z_TEXT, part_dirname, storage_numpy_dtype, storage_to_torch, torch_to_storage,
+)
+
+UNWRITTEN_SEQ_LEN = -1
+
+
+def prompt_store_path(cache_dir: str | os.PathLike, part: int) -> Path:
+    return Path(cache_dir) / PARTS_DIR / part_dirname(part) / PROMPTS_ZARR
+
+
+def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int, dtype_name: str,
+                        seeds: int, latent_shape: tuple[int, ...]) -> zarr.Group:
+    """Create (or truncate) the store of one part holding `n` prompts."""
+    g = zarr.open_group(str(path), mode="w")
+    g.create_array(Z_PROMPT_IDX, shape=(n,), dtype="int64", chunks=(max(n, 1),), fill_value=-1)
+    g.create_array(Z_TEXT, shape=(n,), dtype=str, chunks=(1,))
+    g.create_array(Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=(1,), fill_value=UNWRITTEN_SEQ_LEN)
+    emb = g.create_array(Z_EMBEDS, shape=(n, max_len, dim), dtype=storage_numpy_dtype(dtype_name),
+                         chunks=(1, max_len, dim), fill_value=0)
+    emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
+    for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
+        g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32",
+                       chunks=(1, seeds, *latent_shape), fill_value=0.0)
+    return g
+
+
+def open_prompt_store(path: str | os.PathLike, mode: str = "r") -> zarr.Group:
+    return zarr.open_group(str(path), mode=mode)
+
+
+def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], texts: list[str],
+                      embeds: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Write encoded prompts. `embeds` is [b, L, D] zero-padded past each `seq_lens` (as the pipeline pads)."""
+    store = torch_to_storage(embeds)
+    for j, r in enumerate(rows):
+        g[Z_TEXT][r] = texts[j]
+        g[Z_EMBEDS][r] = store[j]
+        g[Z_SEQ_LENS][r] = int(seq_lens[j])
+    idx = g[Z_PROMPT_IDX]
+    all_idx = idx[:]
+    all_idx[rows] = prompt_idx
+    idx[:] = all_idx
+
+
+def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int], latents: torch.Tensor) -> None:
+    """Write per-trajectory latents (`init_noise` or `final_latents`); rows grouped per chunk."""
+    arr = g[name]
+    lat = latents.detach().float().cpu().numpy()
+    by_row: dict[int, list[int]] = {}
+    for j, r in enumerate(rows):
+        by_row.setdefault(r, []).append(j)
+    for r, js in by_row.items():
+        cur = arr[r]
+        for j in js:
+            cur[seed_idx[j]] = lat[j]
+        arr[r] = cur
+
+
+def read_embeds(g: zarr.Group, row: int) -> tuple[torch.Tensor, int]:
+    """Padded embedding [L, D] of one row and its real length (-1 if never written)."""
+    arr = g[Z_EMBEDS]
+    return storage_to_torch(arr[row], arr.attrs[Z_ATTR_TORCH_DTYPE]), int(g[Z_SEQ_LENS][row])
+
+
+class EmbeddingCache:
+    """Bounded LRU over the prompt stores of a cache: prompt_idx -> padded embedding [L, D].
+
+    Prompt `i` lives in part `i % num_parts`, row `i // num_parts`. Embeddings are padded with zeros to
+    `max_sequence_length` exactly as the teacher's pipeline padded them when it ran.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096):
+        self.cache_dir = Path(cache_dir)
+        self.num_parts = num_parts
+        self.capacity = capacity
+        self._groups: dict[int, zarr.Group] = {}
+        self._lru: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def _group(self, part: int) -> zarr.Group:
+        if part not in self._groups:
+            self._groups[part] = open_prompt_store(prompt_store_path(self.cache_dir, part))
+        return self._groups[part]
+
+    def get(self, prompt_idx: int) -> torch.Tensor:
+        hit = self._lru.get(prompt_idx)
+        if hit is not None:
+            self._lru.move_to_end(prompt_idx)
+            return hit
+        emb, seq_len = read_embeds(self._group(prompt_idx % self.num_parts), prompt_idx // self.num_parts)
+        if seq_len < 0:
+            raise ValueError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written)")
+        self._lru[prompt_idx] = emb
+        if len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+        return emb

@@ -1,0 +1,175 @@
+"""`wandistiller`: one subcommand per stage. Each command parses, builds its config and calls the stage."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import warnings
+
+import click
+
+from .errors import UserError, user_errors
+
+
+def _quiet_libraries() -> None:
+    # diffusers/transformers progress bars and advisory warnings would drown our own bar and summary.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*upcast_vae.*")
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()
+        dlog.set_verbosity_error()
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def common_options(fn):
+    """Options every stage command takes: a TOML config and the log level."""
+
+    @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                  help="TOML file with this stage's settings; flags given on the command line override it.")
+    @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                  show_default=True, help="Verbosity of WanDistiller's own log.")
+    @functools.wraps(fn)
+    def wrapper(*args, log_level, **kwargs):
+        logging.basicConfig(level=log_level.upper(), format="%(message)s")
+        _quiet_libraries()
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="wandistiller")
+def main():
+    """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
+
+    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains a
+    DDP student from that cache alone.
+    """
+
+
+@main.command("tiny-teacher")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to write the pipeline to.")
+@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v"]), default="wan2.2", show_default=True,
+              help="wan2.2: two experts + boundary ratio; wan2.1: one transformer; ti2v: expand_timesteps.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed, same bytes).")
+@user_errors("tiny-teacher")
+def tiny_teacher_cmd(out, variant, seed):
+    """Write the embedded tiny Wan teacher (diffusers format, random weights, no download).
+
+    Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2
+    """
+    _quiet_libraries()
+    from .tiny_teacher import write_tiny_teacher
+
+    try:
+        path = write_tiny_teacher(out, variant, seed)
+    except OSError as e:
+        raise UserError(f"cannot write the tiny teacher to {out} ({e.strerror}); choose a writable --out") from e
+    click.echo(f"tiny {variant} teacher written to {path}")
+
+
+@main.command("teacher-cache")
+@click.option("--teacher", help="Wan pipeline: local diffusers folder or hub id (e.g. Wan-AI/Wan2.2-T2V-A14B-Diffusers).")
+@click.option("--revision", help="Hub revision of --teacher (branch, tag or commit).")
+@click.option("--prompts", type=click.Path(), help="Prompt file: .txt (one a line, # comments) or .jsonl.")
+@click.option("--out", type=click.Path(), help="CACHE_DIR to write (or resume).")
+@click.option("--placement", help="Where teacher weights live: auto | cpu | cuda.  [default: auto]")
+@click.option("--device", type=int, help="CUDA device index for --placement cuda.  [default: 0]")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Teacher dtype.  [default: bfloat16 on CUDA, float32 on CPU]")
+@click.option("--steps", type=int, help="Denoising steps; one sample per step.  [default: 40]")
+@click.option("--guidance", type=float, help="CFG scale (high-noise expert for Wan 2.2).  [default: 4.0]")
+@click.option("--guidance-2", "guidance_2", type=float, help="CFG scale of the low-noise expert (Wan 2.2).")
+@click.option("--height", type=int, help="Image height in pixels.  [default: 480]")
+@click.option("--width", type=int, help="Image width in pixels.  [default: 832]")
+@click.option("--frames", type=int, help="Frames (1 = images).  [default: 1]")
+@click.option("--seeds-per-prompt", type=int, help="Trajectories per prompt.  [default: 1]")
+@click.option("--seed", type=int, help="Base seed of the initial noise.  [default: 0]")
+@click.option("--negative-prompt", help="Negative prompt for CFG.  [default: empty]")
+@click.option("--max-sequence-length", type=int, help="Text tokens (padding length).  [default: 512]")
+@click.option("--batch-size", type=int, help="Trajectories run together.  [default: 4]")
+@click.option("--samples-per-shard", type=int, help="Samples per tar shard (at block boundaries).  [default: 1024]")
+@click.option("--part", type=int, help="This process's part (with --num-parts), e.g. one per node.")
+@click.option("--num-parts", type=int, help="Number of parts the prompt set is split into.")
+@click.option("--overwrite/--no-overwrite", default=None, help="Replace a cache made with other settings.")
+@click.option("--save-cond-uncond/--no-save-cond-uncond", default=None,
+              help="Also store the conditional and unconditional predictions.")
+@common_options
+@user_errors("teacher-cache")
+def teacher_cache_cmd(config_file, **flags):
+    """Stage one: run the teacher over prompts x seeds x steps and write a resumable cache.
+
+    Rerunning the same command resumes; under torchrun each rank is one part.
+
+    Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt
+    --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
+    """
+    from stages import teacher_cache
+
+    from .config import TeacherCacheConfig, load_config
+
+    cfg = load_config(TeacherCacheConfig, config_file, flags)
+    teacher_cache.run(cfg)
+
+
+@main.group("cache")
+def cache_group():
+    """Inspect and check a teacher cache."""
+
+
+@cache_group.command("info")
+@click.argument("cache_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors("cache")
+def cache_info_cmd(cache_dir, as_json):
+    """Summarise a finished cache: samples, shards, prompts, steps, latent shape, bytes, fingerprint.
+
+    Example: wandistiller cache info runs/cache --json
+    """
+    from cache.manifest import summarize
+
+    info = summarize(cache_dir)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for k, v in info.items():
+        click.echo(f"{k:>18}: {v}")
+
+
+@cache_group.command("verify")
+@click.argument("cache_dir", type=click.Path())
+@user_errors("cache")
+def cache_verify_cmd(cache_dir):
+    """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not.
+
+    Example: wandistiller cache verify runs/cache
+    """
+    from cache.verify import verify_cache
+
+    problems = verify_cache(cache_dir, progress=sys.stderr.isatty())
+    if problems:
+        for p in problems:
+            click.echo(f"BAD {p}")
+        click.echo(f"{len(problems)} problem(s) in {cache_dir}; rebuild the named shards by deleting them "
+                   "and rerunning teacher-cache, or rebuild the cache with --overwrite", err=True)
+        sys.exit(1)
+    click.echo(f"OK {cache_dir}: every shard matches its sha256, counts, shapes and prompt rows")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+
+

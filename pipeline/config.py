@@ -1,0 +1,129 @@
+"""Stage configs: one frozen dataclass per stage, loaded from TOML with CLI flags on top.
+
+Every field is documented where it is declared; `__post_init__` rejects values that cannot work with a
+ValueError naming the field, which the CLI turns into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+
+PLACEMENTS = ("auto", "cpu", "cuda", "balanced", "sequential", "offload", "disk")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
+    """Build `cls` from a TOML file (optional) with `overrides` (CLI flags that were given) on top.
+
+    TOML keys may use dashes or underscores, at the top level or under a table named after the stage.
+    Unknown keys and bad values end in a UserError naming the key and the file.
+    """
+    values: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    if toml_path is not None:
+        p = Path(toml_path)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist; pass an existing TOML file to --config")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"config file {p} is not valid TOML: {e}") from e
+        section = getattr(cls, "TOML_SECTION", None)
+        if section and isinstance(data.get(section), dict):
+            data = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data[section]}
+        for k, v in data.items():
+            key = k.replace("-", "_")
+            if key not in names:
+                raise UserError(f"config file {p}: unknown key {k!r}; valid keys: {', '.join(sorted(names))}")
+            values[key] = v
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**values)
+    except TypeError as e:  # missing required field
+        raise UserError(f"incomplete configuration: {e}") from e
+    except ValueError as e:
+        where = f" (config file {toml_path})" if toml_path else ""
+        raise UserError(f"{e}{where}") from e
+
+
+def save_resolved(cfg, path: str | os.PathLike) -> None:
+    """Write the resolved config next to an output, so every result says how it was made."""
+    Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherCacheConfig:
+    """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
+
+    TOML_SECTION = "teacher_cache"
+
+    teacher: str  # local diffusers folder or hub id of a Wan 2.x pipeline
+    prompts: str  # .txt (one prompt a line, '#' comments) or .jsonl ({"prompt": ...} a line)
+    out: str  # CACHE_DIR
+    revision: str | None = None  # hub revision (branch, tag or commit) when `teacher` is a hub id
+    placement: str = "auto"  # where the teacher's weights live, see docs/placements.md
+    device: int = 0  # CUDA device index for placement `cuda` (and the execution device of offload)
+    dtype: str | None = None  # float32 | bfloat16 | float16; default bfloat16 on CUDA, float32 on CPU
+    steps: int = 40  # denoising steps of the teacher's sampler; one sample per step
+    guidance: float = 4.0  # CFG scale (of the high-noise expert for Wan 2.2); <= 1 disables CFG
+    guidance_2: float | None = None  # CFG scale of the low-noise expert (Wan 2.2); default = guidance
+    height: int = 480
+    width: int = 832
+    frames: int = 1  # 1 = images; video teachers take 4k+1
+    seeds_per_prompt: int = 1  # trajectories per prompt, each from its own seeded noise
+    seed: int = 0  # base seed; noise of (prompt, seed_idx) is seeded from (seed, prompt_idx, seed_idx)
+    negative_prompt: str = ""
+    max_sequence_length: int = 512  # text tokens (padding length), as WanPipeline's argument
+    batch_size: int = 4  # trajectories run together (CFG doubles the forward batch)
+    samples_per_shard: int = 1024  # a shard closes at the first block boundary past this many samples
+    part: int | None = None  # this process's part; default RANK under torchrun, else 0
+    num_parts: int | None = None  # default WORLD_SIZE under torchrun, else 1
+    overwrite: bool = False  # replace an existing cache made with other settings
+    offload_dir: str | None = None  # placement `disk`: folder for streamed weights (default CACHE_DIR/offload)
+    max_memory: str | None = None  # placements balanced/sequential: "0=70GiB,1=70GiB,cpu=200GiB"
+    save_cond_uncond: bool = False  # also store the conditional and unconditional predictions
+
+    def __post_init__(self):
+        for name in ("teacher", "prompts", "out"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.placement not in PLACEMENTS and not self.placement.endswith(".json"):
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)} or a device-map .json file, "
+                             f"got {self.placement!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        for name in ("steps", "height", "width", "frames", "seeds_per_prompt", "max_sequence_length",
+                     "batch_size", "samples_per_shard"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        _positive("guidance", self.guidance, allow_zero=True)
+        if self.guidance_2 is not None:
+            _positive("guidance-2", self.guidance_2, allow_zero=True)
+        if self.seeds_per_prompt > 99:
+            raise ValueError("seeds-per-prompt must be at most 99 (sample keys hold two digits)")
+        if self.steps > 999:
+            raise ValueError("steps must be at most 999 (sample keys hold three digits)")
+        if (self.part is None) != (self.num_parts is None):
+            raise ValueError("give --part and --num-parts together")
+        if self.num_parts is not None:
+            if self.num_parts < 1:
+                raise ValueError(f"num-parts must be >= 1, got {self.num_parts}")
+            if not 0 <= self.part < self.num_parts:
+                raise ValueError(f"part must be in [0, num-parts); got part {self.part} with num-parts "
+                                 f"{self.num_parts}")
+        if self.device < 0:
+            raise ValueError(f"device must be a CUDA device index >= 0, got {self.device}")

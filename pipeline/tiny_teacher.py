@@ -1,0 +1,164 @@
+"""The embedded default teacher: a tiny, deterministic Wan pipeline in diffusers format.
+
+It has every component of the real Wan 2.x checkpoints (UMT5 text encoder, T5 tokenizer, Wan VAE,
+UniPC flow scheduler, one or two `WanTransformer3DModel` experts with a boundary ratio), only small, so
+that the loading and sampling code of WanDistiller runs unchanged on it and on
+`Wan-AI/Wan2.2-T2V-A14B-Diffusers`. Weights are random but seeded: the same seed writes byte-identical
+files. Nothing is downloaded: the tokenizer is a Unigram vocabulary built here.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("wan2.2", "wan2.1", "ti2v")
+
+# Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
+_WORDS = """
+a an the of in on at with and or to from by under over above below behind near beside between
+inside outside through across along around into onto during while its their his her
+red orange yellow green blue purple pink brown black white grey gray gold silver teal cyan
+magenta violet crimson amber beige turquoise navy pastel neon dark light bright pale golden
+small large big tiny huge tall short long round square triangle circle star heart hexagon
+top bottom left right center middle corner upper lower background foreground scene view
+cat dog bird fish horse fox owl bear wolf deer rabbit lion tiger elephant whale dolphin
+frog turtle butterfly bee dragon robot astronaut knight wizard child woman man girl boy
+people crowd chef painter dancer musician sailor farmer city street road bridge river lake
+sea ocean beach island mountain mountains hill valley forest tree trees flower flowers garden
+field desert snow rain fog storm cloud clouds sky sun moon stars night morning evening dawn
+dusk sunset sunrise winter spring summer autumn fall house castle tower temple church market
+cafe kitchen room library window door table chair lamp book cup bowl plate bread cake fruit
+apple orange lemon coffee tea soup pizza car train boat ship bicycle plane airplane balloon
+rocket spaceship planet galaxy nebula lighthouse village harbor harbour station tunnel
+painting photo photograph watercolor watercolour oil sketch pencil drawing illustration render
+pixel art style detailed cinematic lighting portrait landscape macro closeup wide angle shot
+abstract pattern texture geometric minimalist vintage futuristic ancient modern old new
+glowing shining floating flying running sitting standing walking sleeping reading playing
+covered made full empty wet dry warm cold soft hard glass wooden stone metal paper
+""".split()
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of one tiny variant: small enough for CPU tests, shaped like the real models."""
+
+    two_experts: bool
+    expand_timesteps: bool
+    z_dim: int
+    vae_spatial: int
+    flow_shift: float
+    boundary_ratio: float | None
+
+
+SPECS = {
+    # Wan2.2-T2V-A14B: high-noise + low-noise experts, switch at boundary_ratio * 1000.
+    "wan2.2": TinySpec(True, False, 16, 8, 3.0, 0.875),
+    # Wan2.1-T2V: one transformer.
+    "wan2.1": TinySpec(False, False, 16, 8, 3.0, None),
+    # Wan2.2-TI2V-5B: one transformer, per-token timesteps, 48-channel VAE with 16x spatial factor.
+    "ti2v": TinySpec(False, True, 48, 16, 5.0, None),
+}
+
+TEXT_DIM = 32
+
+
+def build_tokenizer():
+    """A T5 (Unigram) tokenizer over whole words plus single-character fallbacks."""
+    from transformers import T5TokenizerFast
+
+    chars = [c for c in string.printable if c not in string.whitespace]
+    pieces: dict[str, float] = {}
+    for w in _WORDS:
+        pieces.setdefault("\u2581" + w, -5.0)
+    pieces.setdefault("\u2581", -8.0)
+    for c in chars:
+        pieces.setdefault("\u2581" + c, -9.0)
+        pieces.setdefault(c, -10.0)
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + list(pieces.items())
+    return T5TokenizerFast(vocab=vocab, extra_ids=0)
+
+
+def _text_encoder(vocab_size: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return UMT5EncoderModel(cfg)
+
+
+def _vae(spec: TinySpec):
+    from diffusers import AutoencoderKLWan
+
+    if spec.z_dim == 16:
+        return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                temperal_downsample=[False, True, True])
+    # TI2V: residual VAE on 2x2-patchified pixels (12 channels), 16x spatial compression, 48 latent channels.
+    gen = torch.Generator().manual_seed(0)
+    mean = [round(float(v), 4) for v in torch.randn(spec.z_dim, generator=gen) * 0.5]
+    std = [round(float(v), 4) for v in torch.rand(spec.z_dim, generator=gen) + 0.75]
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=spec.z_dim, dim_mult=[1, 1, 1, 1],
+                            num_res_blocks=1, temperal_downsample=[False, True, True], is_residual=True,
+                            in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+                            latents_mean=mean, latents_std=std)
+
+
+def _transformer(spec: TinySpec):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=spec.z_dim,
+        out_channels=spec.z_dim, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+
+
+def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
+    """Build the tiny `WanPipeline` of `variant` with weights drawn from `seed` (CPU, float32)."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    if variant not in SPECS:
+        raise ValueError(f"unknown tiny-teacher variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    spec = SPECS[variant]
+    # Each component draws from its own seeded stream so adding one never changes the others.
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder = _text_encoder(len(tokenizer)).eval()
+    torch.manual_seed(seed + 2)
+    vae = _vae(spec).eval()
+    torch.manual_seed(seed + 3)
+    transformer = _transformer(spec).eval()
+    transformer_2 = None
+    if spec.two_experts:
+        torch.manual_seed(seed + 4)
+        transformer_2 = _transformer(spec).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=spec.flow_shift)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=transformer_2,
+                       boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.expand_timesteps)
+
+
+def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:
+    """Write the tiny pipeline to `out` in diffusers format (safetensors); return the folder."""
+    out = Path(out)
+    pipe = build_tiny_pipeline(variant, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,154 @@
+"""Find and check a Wan teacher (local diffusers folder or hub id) and read its configs without weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
+CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
+                "transformer": "config.json", "transformer_2": "config.json"}
+WEIGHT_SUFFIXES = (".safetensors",)
+_SAMPLE = 1 << 16  # bytes read at each end of a weight file for its identity
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """What WanDistiller needs to know of a teacher before loading any weight."""
+
+    name: str  # as the user gave it (path or hub id)
+    path: Path  # local folder
+    revision: str | None
+    model_index: dict
+    configs: dict  # component -> its config dict
+    experts: tuple[str, ...]  # "transformer" and/or "transformer_2", in expert order 1, 2
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        return self.model_index.get("boundary_ratio") if len(self.experts) == 2 else None
+
+    @property
+    def expand_timesteps(self) -> bool:
+        return bool(self.model_index.get("expand_timesteps", False))
+
+    @property
+    def transformer_config(self) -> dict:
+        return self.configs[self.experts[0]]
+
+    @property
+    def vae_spatial(self) -> int:
+        return int(self.configs["vae"].get("scale_factor_spatial") or 8)
+
+    @property
+    def vae_temporal(self) -> int:
+        return int(self.configs["vae"].get("scale_factor_temporal") or 4)
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.transformer_config.get("patch_size", (1, 2, 2)))
+
+    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int, int]:
+        """[C, F, H, W] of the teacher's latents, exactly as WanPipeline.prepare_latents computes it."""
+        return (int(self.transformer_config["in_channels"]), (frames - 1) // self.vae_temporal + 1,
+                height // self.vae_spatial, width // self.vae_spatial)
+
+    def check_sizes(self, height: int, width: int, frames: int) -> None:
+        _, ph, pw = self.patch_size
+        for name, v, m in (("height", height, self.vae_spatial * ph), ("width", width, self.vae_spatial * pw)):
+            if v % m:
+                lo, hi = v // m * m, (v // m + 1) * m
+                raise UserError(f"--{name} {v} is not divisible by {m} (VAE factor {self.vae_spatial} x patch "
+                                f"{m // self.vae_spatial}); use {lo or hi} or {hi}")
+        if (frames - 1) % self.vae_temporal:
+            raise UserError(f"--frames {frames} must be 1 or 4k+1 for this VAE (temporal factor {self.vae_temporal})")
+
+    def identity(self) -> dict:
+        """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""
+        h = {"model_index": _hash_json(self.model_index)}
+        h.update({k: _hash_json(v) for k, v in sorted(self.configs.items())})
+        weights = {}
+        for comp in ("text_encoder", *self.experts):
+            for f in sorted((self.path / comp).glob("*.safetensors")):
+                weights[f"{comp}/{f.name}"] = _sample_file(f)
+        h["weights"] = weights
+        return h
+
+
+def _hash_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _sample_file(path: Path) -> str:
+    """sha256 of size + first and last 64 KiB: cheap, and tells apart teachers that share configs."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_SAMPLE))
+        if size > _SAMPLE:
+            f.seek(max(size - _SAMPLE, _SAMPLE))
+            h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def _fetch(name: str, revision: str | None) -> Path:
+    """Download (or find in the HF cache) a hub pipeline; only the files diffusers loads."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*"]))
+    except Exception as e:  # network, auth, missing repo: all the user's to fix
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"teacher {name!r} is not a local folder and could not be fetched from the hub ({first}); "
+                        "pass a local diffusers folder or check the hub id, revision and your login") from e
+
+
+def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
+    """Locate the teacher and check it is a Wan pipeline; say what is missing if it is not."""
+    p = Path(name).expanduser()
+    if not p.exists():
+        if name.count("/") != 1 or name.startswith((".", "/", "~")):
+            raise UserError(f"teacher {name!r} does not exist; pass a diffusers folder or a hub id like "
+                            "Wan-AI/Wan2.2-T2V-A14B-Diffusers (build the tiny one with `wandistiller tiny-teacher`)")
+        p = _fetch(name, revision)
+    if not p.is_dir():
+        raise UserError(f"teacher {name!r} is a file, not a diffusers pipeline folder")
+    mi_path = p / "model_index.json"
+    if not mi_path.is_file():
+        raise UserError(f"teacher {name!r} is not a diffusers pipeline: model_index.json is missing in {p}")
+    try:
+        mi = json.loads(mi_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"teacher {name!r}: {mi_path} is not valid JSON ({e})") from e
+    if mi.get("_class_name") != "WanPipeline":
+        raise UserError(f"teacher {name!r} is a {mi.get('_class_name')!r}, not a WanPipeline (text-to-video "
+                        "Wan 2.1/2.2 in diffusers format)")
+    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
+    missing = [c for c in REQUIRED if not (isinstance(mi.get(c), list) and mi[c][0])]
+    if not experts:
+        missing.append("transformer")
+    configs = {}
+    for comp in (*REQUIRED, *experts):
+        if comp == "tokenizer":
+            if comp not in missing and not (p / comp).is_dir():
+                missing.append(f"{comp}/")
+            continue
+        cf = p / comp / CONFIG_FILES[comp]
+        if comp in missing:
+            continue
+        if not cf.is_file():
+            missing.append(f"{comp}/{CONFIG_FILES[comp]}")
+            continue
+        configs[comp] = json.loads(cf.read_text())
+    for comp in ("text_encoder", *experts):
+        if comp in configs and not any((p / comp).glob("*.safetensors")):
+            missing.append(f"{comp}/*.safetensors")
+    if missing:
+        raise UserError(f"teacher {name!r} is not a complete Wan pipeline: missing {', '.join(missing)} in {p}")
+    if len(experts) == 2 and mi.get("boundary_ratio") is None:
+        raise UserError(f"teacher {name!r} has two transformers but no boundary_ratio in model_index.json")
+    return TeacherSpec(name=name, path=p, revision=revision, model_index=mi, configs=configs, experts=experts)

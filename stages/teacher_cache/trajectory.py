@@ -1,0 +1,141 @@
+"""The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__`, recording every step.
+
+For a block of trajectories it yields, per denoising step, the model input x_t and the guided prediction
+the sampler used (the distillation target), and returns the final latents. Numerics follow the pipeline
+exactly (same scheduler calls, same dtype casts, same expert switch, same CFG formula) except that the
+conditional and unconditional passes run as one batched forward, which halves weight traffic when the
+weights are streamed (offload, disk).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+def noise_seed(base_seed: int, prompt_idx: int, seed_idx: int) -> int:
+    """Seed of one trajectory's noise: a function of (base seed, prompt, seed index) only, so the cache
+    does not depend on batch composition, part count, world size or interruptions."""
+    digest = hashlib.sha256(f"wandistiller/{base_seed}/{prompt_idx}/{seed_idx}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:
+    """float32 noise [C, F, H, W], drawn on the CPU so every device and placement gets the same bits."""
+    g = torch.Generator("cpu").manual_seed(noise_seed(base_seed, prompt_idx, seed_idx))
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The sampler's timestep schedule and which expert runs each step."""
+
+    timesteps: list[float]
+    sigmas: list[float]
+    experts: list[int]  # 1 or 2 per step
+    guidance: list[float]  # CFG scale per step (1.0 where CFG is off)
+    cfg: bool
+
+    @classmethod
+    def build(cls, scheduler, steps: int, boundary_ratio: float | None, guidance: float,
+              guidance_2: float | None) -> Schedule:
+        s = copy.deepcopy(scheduler)
+        s.set_timesteps(steps, device="cpu")
+        boundary = None if boundary_ratio is None else boundary_ratio * s.config.num_train_timesteps
+        g2 = guidance if guidance_2 is None else guidance_2
+        cfg = guidance > 1.0  # WanPipeline.do_classifier_free_guidance looks at the first scale only
+        experts, scales = [], []
+        for t in s.timesteps:
+            high = boundary is None or t >= boundary
+            experts.append(1 if high else 2)
+            scales.append((guidance if high else g2) if cfg else 1.0)
+        return cls([float(t) for t in s.timesteps], [float(x) for x in s.sigmas[: len(s.timesteps)]],
+                   experts, scales, cfg)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    timestep: float
+    sigma: float
+    expert: int
+    guidance: float
+    x_t: torch.Tensor  # [B, C, F, H, W] the model input (teacher dtype), on CPU
+    target: torch.Tensor  # [B, ...] guided prediction the sampler stepped with (teacher dtype), on CPU
+    target_cond: torch.Tensor | None = None
+    target_uncond: torch.Tensor | None = None
+
+
+class TrajectoryRunner:
+    """Runs blocks of trajectories with the teacher's experts and scheduler."""
+
+    def __init__(self, experts: list[torch.nn.Module], scheduler, schedule: Schedule, steps: int,
+                 dtype: torch.dtype, device: torch.device, expand_timesteps: bool, keep_cond_uncond: bool = False):
+        self.experts = experts
+        self.scheduler = scheduler
+        self.schedule = schedule
+        self.steps = steps
+        self.dtype = dtype
+        self.device = device
+        self.expand_timesteps = expand_timesteps
+        self.keep_cond_uncond = keep_cond_uncond
+
+    def _model(self, expert: int) -> torch.nn.Module:
+        return self.experts[expert - 1]
+
+    @torch.inference_mode()
+    def run(self, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | None, on_step=None,
+            experts: tuple[int, ...] | None = None, state=None):
+        """Denoise `noise` [B, C, F, H, W] (float32) with prompt embeddings `cond` [B, L, D].
+
+        `on_step(StepRecord)` receives every step. With `experts`, only steps of those experts run, and the
+        returned state (latents + scheduler) continues in a later call: that is the expert-major order.
+        Returns (final latents float32 on CPU, state).
+        """
+        if state is None:
+            sched = copy.deepcopy(self.scheduler)
+            sched.set_timesteps(self.steps, device=self.device)
+            sched.set_begin_index(0)
+            latents = noise.to(self.device, torch.float32)
+        else:
+            latents, sched = state
+        cond = cond.to(self.device, self.dtype)
+        if self.schedule.cfg:
+            uncond = uncond.to(self.device, self.dtype).expand(cond.shape[0], -1, -1)
+            context = torch.cat([cond, uncond])
+        else:
+            context = cond
+        b = latents.shape[0]
+        mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
+        for i, t in enumerate(sched.timesteps):
+            expert = self.schedule.experts[i]
+            if experts is not None and expert not in experts:
+                continue
+            model = self._model(expert)
+            scale = self.schedule.guidance[i]
+            latent_in = latents.to(self.dtype)
+            if self.expand_timesteps:
+                temp_ts = (mask[0][0][:, ::2, ::2] * t).flatten()
+                timestep = temp_ts.unsqueeze(0).expand(b, -1)
+            else:
+                timestep = t.expand(b)
+            if self.schedule.cfg:
+                out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
+                            encoder_hidden_states=context, return_dict=False)[0]
+                noise_cond, noise_uncond = out.chunk(2)
+                noise_pred = noise_uncond + scale * (noise_cond - noise_uncond)
+            else:
+                noise_cond = noise_uncond = None
+                noise_pred = model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=context,
+                                   return_dict=False)[0]
+            if on_step is not None:
+                keep = self.keep_cond_uncond and noise_cond is not None
+                on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
+                                   noise_pred.to(self.dtype).cpu(),
+                                   noise_cond.to(self.dtype).cpu() if keep else None,
+                                   noise_uncond.to(self.dtype).cpu() if keep else None))
+            latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
+        return latents.float().cpu(), (latents, sched)

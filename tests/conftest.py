@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny Wan teachers and a tiny cache, built once per session on the CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Small settings that every stage-one test shares (64x64 images -> 8x8 latents, 4 steps).
+TINY_CACHE_ARGS = dict(steps=4, guidance=4.0, height=64, width=64, frames=1, max_sequence_length=32,
+                       negative_prompt="blurry, low quality", batch_size=3, samples_per_shard=12)
+
+TEST_PROMPTS = [
+    "a red circle on a blue background",
+    "a small green square in the top left",
+    "a lighthouse at night under the stars",
+    "a cat sleeping on a wooden chair",
+    "watercolor painting of a mountain lake at dawn",
+    "a yellow triangle next to a purple star",
+    "pixel art of a rocket flying to the moon",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_factory(tmp_path_factory):
+    """tiny_teacher_factory(variant, seed=0) -> path of a tiny teacher folder (built once per variant/seed)."""
+    from pipeline.tiny_teacher import write_tiny_teacher
+
+    built: dict[tuple[str, int], Path] = {}
+
+    def make(variant: str = "wan2.2", seed: int = 0) -> Path:
+        if (variant, seed) not in built:
+            built[(variant, seed)] = write_tiny_teacher(tmp_path_factory.mktemp(f"teacher-{variant}"), variant, seed)
+        return built[(variant, seed)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tiny_teacher_factory) -> Path:
+    return tiny_teacher_factory("wan2.2")
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("# test prompts\n" + "\n".join(TEST_PROMPTS) + "\n")
+    return p
+
+
+def make_cache(teacher: Path, prompts: Path, out: Path, **overrides):
+    """Run stage one in-process and return the cache path."""
+    from pipeline.config import TeacherCacheConfig
+    from stages import teacher_cache
+
+    args = dict(TINY_CACHE_ARGS, teacher=str(teacher), prompts=str(prompts), out=str(out), placement="cpu")
+    args.update(overrides)
+    teacher_cache.run(TeacherCacheConfig(**args))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_teacher, prompts_file, tmp_path_factory) -> Path:
+    """A finished cache of the two-expert tiny teacher: 7 prompts x 1 seed x 4 steps = 28 samples."""
+    return make_cache(tiny_teacher, prompts_file, tmp_path_factory.mktemp("cache") / "cache")
