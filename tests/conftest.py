@@ -79,3 +79,24 @@ def make_cache(teacher: Path, prompts: Path, out: Path, **overrides):
 def tiny_cache(tiny_teacher, prompts_file, tmp_path_factory) -> Path:
     """A finished cache of the two-expert tiny teacher: 7 prompts x 1 seed x 4 steps = 28 samples."""
     return make_cache(tiny_teacher, prompts_file, tmp_path_factory.mktemp("cache") / "cache")
+
+
+def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
+    """key -> (tensors, meta) for every sample listed in the manifest (test helper; not the stage-two reader)."""
+    import tarfile
+
+    from cache import format as F
+    from cache.manifest import load_manifest
+    from cache.writer import decode_sample
+
+    out: dict[str, tuple[dict, dict]] = {}
+    for rec in load_manifest(cache_dir)[F.F_SHARDS]:
+        members: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(Path(cache_dir) / rec[F.S_PATH]) as tar:
+            for info in tar:
+                key, _, ext = info.name.partition(".")
+                members.setdefault(key, {})[ext] = tar.extractfile(info).read()
+        for key, mem in members.items():
+            assert key not in out, f"duplicate sample {key}"
+            out[key] = decode_sample(mem)
+    return out

@@ -1,0 +1,160 @@
+"""Crash safety of stage one: SIGKILL at many moments, resume, and end with exactly the uninterrupted cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache import format as F
+from cache.manifest import load_manifest
+from cache.prompt_store import open_prompt_store, prompt_store_path
+from cache.verify import verify_cache
+from conftest import ROOT, TINY_CACHE_ARGS, read_all_samples
+
+pytestmark = pytest.mark.slow
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+SHAPES = ["circle", "square", "triangle", "star", "heart"]
+
+
+@pytest.fixture(scope="module")
+def many_prompts(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("many") / "prompts.txt"
+    p.write_text("\n".join(f"a {c} {s} on a {COLOURS[(i + 3) % 8]} background"
+                           for i, (c, s) in enumerate((c, s) for c in COLOURS for s in SHAPES)) + "\n")
+    return p
+
+
+def _cmd(teacher, prompts, out, **over):
+    kw = dict(TINY_CACHE_ARGS, placement="cpu", batch_size=2, samples_per_shard=8)
+    kw.update(over)
+    args = [sys.executable, "-m", "pipeline.cli", "teacher-cache", "--teacher", str(teacher), "--prompts",
+            str(prompts), "--out", str(out)]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _state(out: Path) -> dict:
+    prog_path = out / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS
+    prog = json.loads(prog_path.read_text()) if prog_path.exists() else None
+    shards = list((out / F.SHARDS_DIR).glob("*")) if (out / F.SHARDS_DIR).exists() else []
+    return {"prog": prog, "zarr": prompt_store_path(out, 0).exists(),
+            "tmp": any(s.name.endswith(F.TMP_SUFFIX) for s in shards),
+            "tars": sum(s.name.endswith(".tar") for s in shards)}
+
+
+# Moments to kill at: each is a predicate over the on-disk state, polled every millisecond.
+MOMENTS = {
+    "while encoding": lambda s: s["zarr"] and s["prog"] is not None and not s["prog"]["encoded"],
+    "mid-shard": lambda s: s["tmp"],
+    "between rename and progress": lambda s: s["prog"] is not None and s["tars"] > len(s["prog"]["shards"]),
+    "after some blocks": lambda s: s["prog"] is not None and len(s["prog"]["done_blocks"]) >= 9,
+    "near the end": lambda s: s["prog"] is not None and len(s["prog"]["done_blocks"]) >= 18,
+}
+
+
+def _kill_when(cmd, out, predicate, deadline_s=60.0) -> bool:
+    """Start the stage, SIGKILL it as soon as `predicate(state)` holds; True if it was killed."""
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    try:
+        while proc.poll() is None and time.time() - t0 < deadline_s:
+            try:
+                if predicate(_state(out)):
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    return True
+            except (json.JSONDecodeError, FileNotFoundError):
+                pass  # caught a file mid-rename: just poll again
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return False
+
+
+def _assert_same_cache(a: Path, b: Path) -> None:
+    sa, sb = read_all_samples(a), read_all_samples(b)
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        (ta, ma), (tb, mb) = sa[key], sb[key]
+        assert ma == mb, key
+        assert ta.keys() == tb.keys()
+        for name in ta:
+            assert torch.equal(ta[name], tb[name]), (key, name)
+    ma, mb = load_manifest(a), load_manifest(b)
+    assert ma[F.F_FINGERPRINT] == mb[F.F_FINGERPRINT] and ma[F.F_SAMPLES] == mb[F.F_SAMPLES]
+    ga, gb = open_prompt_store(prompt_store_path(a, 0)), open_prompt_store(prompt_store_path(b, 0))
+    for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS, F.Z_PROMPT_IDX):
+        np.testing.assert_array_equal(ga[name][:], gb[name][:], err_msg=name)
+
+
+def _assert_consistent(out: Path) -> None:
+    m = load_manifest(out)
+    listed = {s[F.S_PATH] for s in m[F.F_SHARDS]}
+    on_disk = {f"{F.SHARDS_DIR}/{p.name}" for p in (out / F.SHARDS_DIR).iterdir()}
+    assert on_disk == listed, "orphan or missing shard files"
+    assert not [p for p in out.rglob(f"*{F.TMP_SUFFIX}")], "temporary files left behind"
+    assert verify_cache(out, progress=False) == []
+
+
+def test_sigkill_at_any_moment_then_resume_equals_uninterrupted(tiny_teacher, many_prompts, tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(_cmd(tiny_teacher, many_prompts, ref), env=_env(), cwd=ROOT, check=True, capture_output=True)
+    m = load_manifest(ref)
+    assert m[F.F_SAMPLES] == 40 * 4
+
+    out = tmp_path / "killed"
+    killed = []
+    for name, predicate in MOMENTS.items():
+        if _kill_when(_cmd(tiny_teacher, many_prompts, out), out, predicate):
+            killed.append(name)
+        assert not (out / F.MANIFEST).exists() or name == "near the end"
+    # and a few at random times
+    rng = random.Random(0)
+    for _ in range(2):
+        delay = rng.uniform(0.0, 2.0)
+        proc = subprocess.Popen(_cmd(tiny_teacher, many_prompts, out), env=_env(), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3.0 + delay)  # interpreter + torch import take ~3 s
+        proc.kill()
+        proc.wait()
+    assert len(killed) >= 4, f"only caught {killed}"
+    r = subprocess.run(_cmd(tiny_teacher, many_prompts, out), env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    _assert_consistent(out)
+    _assert_same_cache(out, ref)
+
+
+def test_two_parts_as_processes_equal_one_part(tiny_teacher, many_prompts, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs = [subprocess.Popen(_cmd(tiny_teacher, many_prompts, two, part=p, num_parts=2), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
+    subprocess.run(_cmd(tiny_teacher, many_prompts, one), env=_env(), cwd=ROOT, check=True, capture_output=True)
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    m1, m2 = load_manifest(one), load_manifest(two)
+    assert m2[F.F_NUM_PARTS] == 2 and m1[F.F_FINGERPRINT] == m2[F.F_FINGERPRINT]
+    s1, s2 = read_all_samples(one), read_all_samples(two)
+    assert sorted(s1) == sorted(s2) and len(s1) == 160
+    for key in s1:
+        for name in s1[key][0]:
+            assert torch.equal(s1[key][0][name], s2[key][0][name]), (key, name)
+    _assert_consistent(two)
