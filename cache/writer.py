@@ -38,8 +38,11 @@ class _HashingFile:
         self.f = f
         self.sha = hashlib.sha256()
         self.bytes = 0
+        self.discard = False  # set on abort: late flushes of the tar stream go nowhere
 
     def write(self, data) -> int:
+        if self.discard:
+            return len(data)
         self.sha.update(data)
         self.bytes += len(data)
         return self.f.write(data)
@@ -83,7 +86,11 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the unfinished shard (on error): nothing half-written stays behind."""
+        self._hf.discard = True
         try:
+            self._tar.close()
             self._f.close()
+        except OSError:
+            pass  # the disk that failed the write may fail the close too; the file goes either way
         finally:
             self.tmp.unlink(missing_ok=True)

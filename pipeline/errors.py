@@ -6,6 +6,7 @@ Exit codes: 2 = the user's input is wrong (paths, prompts, configs, caches), 3 =
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import resource
@@ -69,6 +70,16 @@ def oom_message(stage: str, exc: BaseException) -> str:
     return "\n".join(lines)
 
 
+# Write failures the user fixes by freeing space, raising a quota or fixing permissions.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def disk_message(exc: OSError) -> str:
+    where = f" while writing {exc.filename}" if exc.filename else ""
+    return (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and rerun the same "
+            "command: everything finished so far is kept and the run resumes where it stopped")
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """Print one error line (prefixed with the rank under torchrun) to stderr and exit."""
     click.echo(f"{_rank_prefix()}error: {message}", err=True)
@@ -90,6 +101,10 @@ def user_errors(stage: str):
                 click.echo(oom_message(stage, e), err=True)
                 sys.stderr.flush()
                 sys.exit(EXIT_OOM)
+            except OSError as e:
+                if e.errno not in _DISK_ERRNOS:
+                    raise
+                fail(disk_message(e))
             except MemoryError as e:
                 click.echo(oom_message(stage, e), err=True)
                 sys.exit(EXIT_OOM)

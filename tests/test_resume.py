@@ -158,3 +158,42 @@ def test_two_parts_as_processes_equal_one_part(tiny_teacher, many_prompts, tmp_p
         for name in s1[key][0]:
             assert torch.equal(s1[key][0][name], s2[key][0][name]), (key, name)
     _assert_consistent(two)
+
+
+@pytest.mark.dist
+def test_torchrun_ranks_are_parts(tiny_teacher, many_prompts, tmp_path):
+    """Under torchrun each rank is a part; rank 0 writes the manifest after a barrier."""
+    out = tmp_path / "torchrun"
+    cmd = _cmd(tiny_teacher, many_prompts, out)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    r = subprocess.run(torchrun + cmd[1:], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = load_manifest(out)
+    assert m[F.F_NUM_PARTS] == 2 and m[F.F_SAMPLES] == 160
+    _assert_consistent(out)
+    ref = tmp_path / "ref"
+    subprocess.run(_cmd(tiny_teacher, many_prompts, ref), env=_env(), cwd=ROOT, check=True, capture_output=True)
+    s1, s2 = read_all_samples(ref), read_all_samples(out)
+    assert sorted(s1) == sorted(s2)
+    assert all(torch.equal(s1[k][0][F.T_TARGET], s2[k][0][F.T_TARGET]) for k in s1)
+
+
+def test_full_disk_stops_cleanly_and_resumes(tiny_teacher, many_prompts, tmp_path):
+    """A write error (file-size limit standing in for a full disk) ends in one line; the rerun completes."""
+    import resource
+
+    out = tmp_path / "full"
+
+    def limit():  # shards are ~100 KB here: the first one cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+
+    r = subprocess.run(_cmd(tiny_teacher, many_prompts, out), env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "File too large" in errors[0] and "rerun the same command" in errors[0]
+    assert "Traceback" not in r.stderr
+    assert not list((out / F.SHARDS_DIR).iterdir()), "a partial shard was left behind"
+    r = subprocess.run(_cmd(tiny_teacher, many_prompts, out), env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    _assert_consistent(out)

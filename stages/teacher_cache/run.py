@@ -301,6 +301,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             sink.abort()
+            bar.close()  # end the bar's line so the error message starts on its own
             raise
         pool.shutdown(wait=True)
         bar.close()
