@@ -270,6 +270,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         prog.save(out)
 
     # 5. the trajectories, block by block; the writer thread packs shards while the teacher computes.
+    loop_s = 0.0
     todo = [b for b in range(len(blocks)) if b not in set(prog.done_blocks)]
     if todo and not prog.complete:
         if device.type == "cuda":
@@ -284,6 +285,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         sink = _BlockSink(out, prog, store, cfg.samples_per_shard, num_parts, bar)
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         pending: cf.Future | None = None
+        t_loop = time.perf_counter()
         try:
             for b in todo:
                 traj = blocks[b]
@@ -304,6 +306,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
             bar.close()  # end the bar's line so the error message starts on its own
             raise
         pool.shutdown(wait=True)
+        loop_s = time.perf_counter() - t_loop
         bar.close()
         del experts, runner
     if not prog.complete:
@@ -323,7 +326,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         "bytes": sum(s[F.S_BYTES] for s in prog.shards), "wall_s": round(time.time() - t0, 2),
         "peak_rss_gib": round(peak_rss, 3),
         "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
-        "manifest": manifest is not None,
+        "manifest": manifest is not None, "loop_s": round(loop_s, 3),
     }
     gpu = f", peak CUDA {summary['peak_cuda_gib']:.2f} GiB" if summary["peak_cuda_gib"] is not None else ""
     _log(f"part {part}: {summary['samples']} samples in {summary['shards']} shards, "
