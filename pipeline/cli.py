@@ -125,6 +125,113 @@ def teacher_cache_cmd(config_file, **flags):
     teacher_cache.run(cfg)
 
 
+def inference_options(fn):
+    """Options of the commands that run a trained student: which weights, on which device, in which dtype."""
+    options = [
+        click.option("--student", help="train-student --out folder (student/, distill.json) or a student model folder."),
+        click.option("--weights", type=click.Choice(["auto", "ema", "raw"]),
+                     help="Student weights: auto = student_ema/ when the run saved it, else student/.  [default: auto]"),
+        click.option("--device", help="auto | cpu | cuda | cuda:N.  [default: auto, the first GPU if any]"),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+                     help="Model dtype.  [default: bfloat16 on CUDA, float32 on CPU]"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@main.command("sample")
+@inference_options
+@click.option("--teacher", help="Wan pipeline folder or hub id.  [default: the teacher named in distill.json]")
+@click.option("--prompts", type=click.Path(), help="Prompt file (.txt or .jsonl); one grid row per prompt.")
+@click.option("--out", type=click.Path(), help="PNG grid to write; the settings used go to OUT.json.")
+@click.option("--steps", type=int, help="Denoising steps for both.  [default: distill.json's, else 40]")
+@click.option("--guidance", type=float, help="The teacher's CFG scale.  [default: distill.json's, else 4.0]")
+@click.option("--guidance-2", "guidance_2", type=float, help="The teacher's low-noise expert scale (Wan 2.2).")
+@click.option("--student-guidance", type=float,
+              help="[default: 1.0 if the student learned guided targets, else --guidance]")
+@click.option("--negative-prompt", help="Negative prompt for CFG.  [default: distill.json's, else empty]")
+@click.option("--seed", type=int, help="Noise seed; prompt i starts from seed + i.  [default: 0]")
+@click.option("--height", type=int, help="Image height.  [default: the training resolution, else 480]")
+@click.option("--width", type=int, help="Image width.  [default: the training resolution, else 832]")
+@click.option("--max-sequence-length", type=int, help="Text tokens.  [default: distill.json's, else 512]")
+@click.option("--max-prompts", type=int, help="Use the first K prompts of the file.  [default: 8]")
+@common_options
+@user_errors("sample")
+def sample_cmd(config_file, **flags):
+    """Teacher and student images from the same noise, side by side: one PNG row per prompt.
+
+    \b
+    Example:
+      wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
+        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
+    """
+    from stages.sample import sample
+    from stages.sample.config import SampleConfig
+
+    from .config import load_config
+
+    sample.run(load_config(SampleConfig, config_file, flags))
+
+
+@main.command("export")
+@click.option("--student", help="train-student --out folder (student/, distill.json) or a student model folder.")
+@click.option("--weights", type=click.Choice(["auto", "ema", "raw"]),
+              help="Student weights: auto = student_ema/ when the run saved it, else student/.  [default: auto]")
+@click.option("--teacher", help="Wan pipeline folder or hub id.  [default: the teacher named in distill.json]")
+@click.option("--out", type=click.Path(), help="Pipeline folder to create.")
+@click.option("--copy/--symlink", "copy", default=None,
+              help="Copy the teacher's text encoder, tokenizer, VAE and scheduler, or symlink them.  [default: symlink]")
+@click.option("--overwrite/--no-overwrite", default=None, help="Replace an earlier export at --out.")
+@common_options
+@user_errors("sample")
+def export_cmd(config_file, **flags):
+    """Write a diffusers pipeline folder with the student as its one transformer.
+
+    `DiffusionPipeline.from_pretrained(OUT)` loads it; its README and model_index.json say which guidance to use.
+
+    \b
+    Example:
+      wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
+    """
+    from stages.sample import export
+    from stages.sample.config import ExportConfig
+
+    from .config import load_config
+
+    export.run(load_config(ExportConfig, config_file, flags))
+
+
+@main.command("eval")
+@inference_options
+@click.option("--cache", type=click.Path(), help="CACHE_DIR whose trajectories to compare with (ideally held out).")
+@click.option("--prompts", type=click.Path(), help="Held-out prompt file: only the cache's prompts listed there.")
+@click.option("--max-prompts", type=int, help="Use the first K selected prompts (all their seeds).  [default: all]")
+@click.option("--report", type=click.Path(), help="JSON report; the plot goes next to it.  [default: STUDENT/eval.json]")
+@click.option("--teacher", help="Teacher for the timing comparison.  [default: the cache manifest's teacher]")
+@click.option("--teacher-timing/--no-teacher-timing", default=None, help="Time the teacher too.  [default: on]")
+@click.option("--timing-runs", type=int, help="Trajectories timed per model, after a warm-up.  [default: 2]")
+@click.option("--init-seed", type=int,
+              help="Seed of the untrained baseline.  [default: student_init/ if saved, else distill.json's, else 0]")
+@click.option("--batch-size", type=int, help="Samples or trajectories per forward.  [default: 8]")
+@common_options
+@user_errors("sample")
+def eval_cmd(config_file, **flags):
+    """Compare the student with the teacher's cached trajectories: velocity error per step, error of the
+    sampled final latent (trained and untrained), and sampling time of student vs teacher.
+
+    \b
+    Example:
+      wandistiller eval --student runs/student --cache runs/heldout-cache --max-prompts 16
+    """
+    from stages.sample import evaluate
+    from stages.sample.config import EvalConfig
+
+    from .config import load_config
+
+    evaluate.run(load_config(EvalConfig, config_file, flags))
+
+
 @main.group("cache")
 def cache_group():
     """Inspect and check a teacher cache."""

@@ -1,0 +1,154 @@
+"""`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument.
+
+    PIPE_DIR/
+      model_index.json   the teacher's, with transformer_2 and boundary_ratio null (one transformer, no
+                         expert switch) and a `_wandistiller` entry: how to sample (guidance, steps, size)
+      transformer/       the student's weights, always copied (a later train-student run into the same OUT
+                         must not change an exported pipeline under its user's feet)
+      text_encoder/ tokenizer/ vae/ scheduler/
+                         the teacher's, symlinked (absolute paths) by default, copied with --copy
+      distill.json       the student's, when it has one
+      README.md          how to load it and which guidance to use
+
+diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
+The folder is built under a temporary name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from pipeline.errors import UserError
+
+from .config import ExportConfig
+from .models import (
+    BORROWED, DISTILL_JSON, Student, check_compatible, find_student, teacher_dir, teacher_transformer_config,
+)
+
+MARK = "_wandistiller"  # model_index key of an export; also what lets --overwrite replace a folder
+
+
+def _sampling_hints(student: Student, vae_spatial: int) -> dict:
+    """What a user of the exported pipeline should pass: guidance 1 for a student of guided targets."""
+    teacher_guidance = student.setting("guidance")
+    guidance = 1.0 if student.guided else teacher_guidance
+    hints = {"guidance_scale": guidance, "guided_targets": student.guided,
+             "teacher_guidance_scale": teacher_guidance}
+    for key in ("steps", "max_sequence_length", "negative_prompt", "height", "width", "latent_shape"):
+        if student.setting(key) is not None:
+            hints["num_inference_steps" if key == "steps" else key] = student.setting(key)
+    shape = hints.get("latent_shape")
+    if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
+        hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
+    return hints
+
+
+def _readme(out: Path, hints: dict, student: Student, teacher: str) -> str:
+    g = hints["guidance_scale"]
+    g_text = (f"guidance_scale={g}" if g is not None else
+              "guidance_scale=<the teacher's scale> (distill.json did not record it)")
+    why = ("The student learned the teacher's CFG-guided predictions, so guidance is already inside it: "
+           "sample at guidance_scale=1.0 (one forward per step; larger values apply CFG twice)."
+           if student.guided else
+           "The student learned the teacher's conditional predictions: sample with classifier-free guidance "
+           "at the teacher's scale.")
+    extra = "".join(f", {k}={hints[k]!r}" for k in ("height", "width", "num_inference_steps", "max_sequence_length")
+                    if k in hints)
+    return f"""# WanDistiller student pipeline
+
+Student `{student.path}` ({student.weights} weights) in the pipeline of teacher `{teacher}`:
+the student is the only transformer (`transformer_2` and `boundary_ratio` are null).
+
+{why}
+
+```python
+import torch
+from diffusers import DiffusionPipeline
+
+pipe = DiffusionPipeline.from_pretrained("{out}", torch_dtype=torch.bfloat16).to("cuda")
+image = pipe("a lighthouse at night", num_frames=1, {g_text}{extra},
+             output_type="pil").frames[0][0]
+```
+
+The same settings are in `model_index.json` under `{MARK}`.
+"""
+
+
+def _place(src: Path, dst: Path, copy: bool) -> None:
+    if copy:
+        shutil.copytree(src, dst, symlinks=False)
+    else:
+        os.symlink(src.resolve(), dst, target_is_directory=True)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder for the pipeline")
+    if not any(out.iterdir()):
+        return
+    try:
+        ours = MARK in json.loads((out / "model_index.json").read_text())
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not overwrite:
+        raise UserError(f"--out {out} is not empty; choose a new folder"
+                        + (" or add --overwrite to replace this earlier export" if ours else ""))
+    if not ours:
+        raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
+
+
+def run(cfg: ExportConfig) -> dict:
+    """Write the pipeline folder; returns the summary."""
+    student = find_student(cfg.student, cfg.weights)
+    teacher_name = cfg.teacher or student.teacher
+    if teacher_name is None:
+        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
+    tpath = teacher_dir(teacher_name)
+    index = json.loads((tpath / "model_index.json").read_text())
+    missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
+    if missing:
+        raise UserError(f"teacher {teacher_name!r} lacks {', '.join(missing)} in {tpath}; export needs them")
+    tcfg = teacher_transformer_config(tpath)
+    check_compatible(student, in_channels=int(tcfg["in_channels"]), text_dim=int(tcfg["text_dim"]),
+                     latent_hw=None, expand_timesteps=index.get("expand_timesteps", False),
+                     against=f"teacher {teacher_name}")
+    out = Path(cfg.out)
+    _check_out(out, cfg.overwrite)
+
+    vae_cfg = tpath / "vae" / "config.json"
+    vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
+    hints = _sampling_hints(student, vae_spatial)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        shutil.copytree(student.path, tmp / "transformer")
+        for comp in tqdm(BORROWED, desc="export", unit="component", dynamic_ncols=True):
+            _place(tpath / comp, tmp / comp, cfg.copy)
+        index.update({
+            "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
+            "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
+            MARK: {**hints, "student": str(student.path.resolve()), "weights": student.weights,
+                   "teacher": teacher_name, "cache_fingerprints": student.fingerprints,
+                   "components": "copied" if cfg.copy else "symlinked"},
+        })
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if student.distill:
+            (tmp / DISTILL_JSON).write_text(json.dumps(student.distill, indent=2) + "\n")
+        (tmp / "README.md").write_text(_readme(out.resolve(), hints, student, teacher_name))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
+               f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}")
+    return {"out": str(out), **index[MARK]}

@@ -1,0 +1,283 @@
+"""Find and load what the inference commands run: the trained student (with its distill.json), its untrained
+twin, the teacher pipeline, and a WanPipeline with the student as its one transformer.
+
+Stage two writes OUT/student/ (a WanTransformer3DModel in diffusers format), OUT/student_ema/ when EMA is
+on, and OUT/distill.json. distill.json is read defensively: a bare student folder works too, and then the
+student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+STUDENT_DIR = "student"
+STUDENT_EMA_DIR = "student_ema"
+# Initial weights, if stage two saved them: the exact "untrained" baseline of `eval`.
+STUDENT_INIT_DIR = "student_init"
+DISTILL_JSON = "distill.json"
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+PIPELINE_CLASS = "WanPipeline"
+# Teacher components a student pipeline borrows (everything but the transformers).
+BORROWED = ("tokenizer", "text_encoder", "vae", "scheduler")
+
+
+@dataclass(frozen=True)
+class Student:
+    """A trained student: which weights, and what distill.json says about how it was trained."""
+
+    root: Path  # train-student OUT (or the folder given, for a bare student folder)
+    path: Path  # the transformer folder whose weights are used
+    weights: str  # "ema", "raw" or "folder" (a bare folder was given)
+    config: dict  # the transformer's config.json
+    distill: dict = field(default_factory=dict)  # distill.json, {} when there is none
+
+    @property
+    def guided(self) -> bool:
+        """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
+        return bool(self.distill.get("cfg", True))
+
+    @property
+    def teacher(self) -> str | None:
+        t = self.distill.get("teacher")
+        if isinstance(t, dict):
+            t = t.get("path") or t.get("name")
+        return t if isinstance(t, str) and t else None
+
+    @property
+    def fingerprints(self) -> list[str]:
+        """Fingerprints of the cache(s) the student was trained on, under any of the likely spellings."""
+        found: list[str] = []
+        for key in ("cache_fingerprints", "cache_fingerprint", "fingerprints", "fingerprint"):
+            v = self.distill.get(key)
+            if isinstance(v, str):
+                found.append(v)
+            elif isinstance(v, list):
+                found += [x for x in v if isinstance(x, str)]
+        caches = self.distill.get("caches", self.distill.get("cache"))
+        for c in caches if isinstance(caches, list) else [caches]:
+            if isinstance(c, dict) and isinstance(c.get("fingerprint"), str):
+                found.append(c["fingerprint"])
+        return list(dict.fromkeys(found))
+
+    def setting(self, key: str, default=None):
+        v = self.distill.get(key)
+        return default if v is None else v
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.config["in_channels"])
+
+    @property
+    def out_channels(self) -> int:
+        return int(self.config.get("out_channels") or self.config["in_channels"])
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.config.get("patch_size", (1, 2, 2)))
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "weights": self.weights, "distill_json": bool(self.distill),
+                "guided_targets": self.guided}
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path} is not readable JSON ({e}); rewrite it or remove it") from e
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} {path} holds a {type(obj).__name__}, expected a JSON object")
+    return obj
+
+
+def _transformer_config(folder: Path) -> dict | None:
+    """config.json of a WanTransformer3DModel folder; None if `folder` holds no model config."""
+    cf = folder / "config.json"
+    if not cf.is_file():
+        return None
+    cfg = _read_json(cf, "model config")
+    if cfg.get("_class_name") != TRANSFORMER_CLASS:
+        raise UserError(f"{folder} holds a {cfg.get('_class_name')!r}, not a {TRANSFORMER_CLASS} student")
+    if not any(folder.glob("*.safetensors")):
+        raise UserError(f"student folder {folder} has a config but no *.safetensors weights; "
+                        "rerun train-student or point --student at a finished run")
+    return cfg
+
+
+def find_student(path: str, weights: str = "auto") -> Student:
+    """Locate the student: OUT of train-student (student/, student_ema/, distill.json) or a bare folder."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"student {p} does not exist; pass the --out folder of `wandistiller train-student` "
+                        f"(holding {STUDENT_DIR}/) or a {TRANSFORMER_CLASS} folder")
+    if not p.is_dir():
+        raise UserError(f"student {p} is a file; pass the train-student output folder")
+    bare = _transformer_config(p)
+    if bare is not None:
+        # OUT/student given directly: its distill.json is one level up.
+        parent = p.parent / DISTILL_JSON
+        distill = _read_json(parent, "distill file") if p.name in (STUDENT_DIR, STUDENT_EMA_DIR) and parent.is_file() else {}
+        root = p.parent if distill else p
+        return Student(root=root, path=p, weights="folder", config=bare, distill=distill)
+    raw, ema = p / STUDENT_DIR, p / STUDENT_EMA_DIR
+    if weights == "ema" and not (ema / "config.json").is_file():
+        raise UserError(f"--weights ema: {p} has no {STUDENT_EMA_DIR}/ (EMA was off in train-student); "
+                        "use --weights raw or auto")
+    chosen, kind = (ema, "ema") if weights == "ema" or (weights == "auto" and (ema / "config.json").is_file()) \
+        else (raw, "raw")
+    cfg = _transformer_config(chosen)
+    if cfg is None:
+        raise UserError(f"{p} holds no student: {chosen.name}/config.json is missing; pass the --out folder of "
+                        "a finished `wandistiller train-student` run")
+    distill = _read_json(p / DISTILL_JSON, "distill file") if (p / DISTILL_JSON).is_file() else {}
+    if not distill:
+        log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL_JSON)
+    return Student(root=p, path=chosen, weights=kind, config=cfg, distill=distill)
+
+
+def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The device (auto = first CUDA GPU if any) and dtype (bfloat16 on CUDA, float32 on CPU by default)."""
+    from cache.format import DTYPES
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} needs a CUDA GPU and none is visible; use --device cpu")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise UserError(f"--device {device} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    return dev, DTYPES[name]
+
+
+def load_transformer(student: Student, dtype: torch.dtype, device: torch.device):
+    from diffusers import WanTransformer3DModel
+
+    try:
+        model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"cannot load the student from {student.path} ({str(e).splitlines()[0]}); "
+                        "rerun train-student or pass another --student") from e
+    return model.to(device).eval().requires_grad_(False)
+
+
+def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
+    """The student before training, and how it was obtained.
+
+    Exact when stage two saved OUT/student_init/. Otherwise the architecture is re-instantiated from the
+    student's config.json under `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`,
+    else its `seed`, else 0): that is the untrained student only if stage two built it the same way (plain
+    `WanTransformer3DModel(**config)` after seeding), not if it copied teacher blocks into it.
+    """
+    from diffusers import WanTransformer3DModel
+
+    init_dir = student.root / STUDENT_INIT_DIR
+    if seed is None and _transformer_config(init_dir) is not None:
+        model = WanTransformer3DModel.from_pretrained(init_dir, torch_dtype=dtype)
+        how = {"source": f"{STUDENT_INIT_DIR}/", "exact": True}
+    else:
+        if seed is None:
+            seed = int(student.setting("init_seed", student.setting("seed", 0)))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = WanTransformer3DModel.from_config(student.config)
+        model = model.to(dtype)
+        how = {"source": "config.json", "seed": seed, "exact": False,
+               "note": "re-instantiated with torch.manual_seed(seed); equals the initial weights only if "
+                       "train-student built the student the same way"}
+    return model.to(device).eval().requires_grad_(False), how
+
+
+def check_compatible(student: Student, *, in_channels: int, text_dim: int, latent_hw: tuple[int, int] | None,
+                     expand_timesteps: bool | None, against: str) -> None:
+    """Refuse a student that cannot run on these latents and text embeddings, with one line saying why."""
+    problems = []
+    if student.in_channels != in_channels or student.out_channels != in_channels:
+        problems.append(f"latent channels {student.in_channels}->{student.out_channels}, {against} has {in_channels}")
+    if int(student.config.get("text_dim", -1)) != text_dim:
+        problems.append(f"text_dim {student.config.get('text_dim')}, {against} has {text_dim}")
+    if latent_hw is not None:
+        _, ph, pw = student.patch_size
+        if latent_hw[0] % ph or latent_hw[1] % pw:
+            problems.append(f"patch size {list(student.patch_size)} does not tile the {latent_hw[0]}x{latent_hw[1]} "
+                            "latent grid")
+    learned = student.distill.get("expand_timesteps")
+    if expand_timesteps is not None and learned is not None and bool(learned) != bool(expand_timesteps):
+        problems.append(f"trained with expand_timesteps={bool(learned)}, {against} uses {bool(expand_timesteps)}")
+    if problems:
+        raise UserError(f"student {student.path} does not fit {against}: {'; '.join(problems)}")
+
+
+def teacher_dir(name: str) -> Path:
+    """Local folder of a Wan teacher pipeline (a hub id is looked up in / fetched to the HF cache)."""
+    p = Path(name).expanduser()
+    if not p.exists():
+        if name.count("/") != 1 or name.startswith((".", "/", "~")):
+            raise UserError(f"teacher {name!r} does not exist; pass a diffusers WanPipeline folder or a hub id")
+        try:
+            from huggingface_hub import snapshot_download
+
+            p = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                             "tokenizer*/*"]))
+        except Exception as e:  # network, auth, missing repo: all the user's to fix
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"teacher {name!r} is not a local folder and could not be fetched ({first})") from e
+    mi = p / "model_index.json"
+    if not mi.is_file():
+        raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")
+    cls = _read_json(mi, "teacher index").get("_class_name")
+    if cls != PIPELINE_CLASS:
+        raise UserError(f"teacher {name!r} is a {cls!r}, not a {PIPELINE_CLASS}")
+    return p
+
+
+def teacher_transformer_config(path: Path) -> dict:
+    """Config of the teacher's (first) transformer, read without loading weights."""
+    for comp in ("transformer", "transformer_2"):
+        cf = path / comp / "config.json"
+        if cf.is_file():
+            return _read_json(cf, "teacher config")
+    raise UserError(f"teacher {path} has no transformer/config.json")
+
+
+def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: bool = True, vae: bool = True):
+    """The teacher as diffusers' WanPipeline; without its text encoder and/or VAE when they are not needed."""
+    from diffusers import WanPipeline
+
+    skip = {} if text else {"text_encoder": None, "tokenizer": None}
+    if not vae:
+        skip["vae"] = None
+    try:
+        pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype, **skip)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the teacher from {path} ({str(e).splitlines()[0]})") from e
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def student_pipeline(transformer, *, teacher=None, scheduler=None, expand_timesteps: bool | None = None):
+    """A WanPipeline with the student as its only transformer (no expert switch), borrowing the teacher's
+    tokenizer, text encoder, VAE and a copy of its scheduler; or, without a teacher, only a scheduler
+    (enough for prompt embeddings in, latents out)."""
+    from diffusers import WanPipeline
+
+    parts = {c: getattr(teacher, c) if teacher is not None else None for c in BORROWED}
+    parts["scheduler"] = copy.deepcopy(scheduler if scheduler is not None else teacher.scheduler)
+    if expand_timesteps is None:
+        expand_timesteps = bool(teacher.config.expand_timesteps)
+    pipe = WanPipeline(**parts, transformer=transformer, transformer_2=None, boundary_ratio=None,
+                       expand_timesteps=expand_timesteps)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,166 @@
+"""`wandistiller sample`: teacher and student images from the same initial noise, side by side in one grid.
+
+Both run through diffusers' WanPipeline: the teacher as itself (its experts, its CFG), the student as the
+one transformer of a pipeline that borrows the teacher's tokenizer, text encoder, scheduler and VAE. Each
+prompt is encoded once and both get the same embeddings and the same initial latents, so the two columns
+differ only by the denoiser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from pipeline.errors import UserError
+from pipeline.prompts import dedupe, read_prompt_file
+
+from .config import SampleConfig
+from .grid import draw_grid
+from .models import (
+    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, student_pipeline,
+    teacher_dir,
+)
+
+COLUMNS = ["teacher", "student"]
+# WanPipeline's and stage one's defaults, used when neither the flags nor distill.json say otherwise.
+DEFAULT_STEPS = 40
+DEFAULT_GUIDANCE = 4.0
+DEFAULT_HEIGHT, DEFAULT_WIDTH = 480, 832
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Everything that decides the two images of a prompt, resolved from flags, distill.json and defaults."""
+
+    steps: int
+    guidance: float  # the teacher's
+    guidance_2: float | None  # the teacher's low-noise expert (two-expert teachers only)
+    student_guidance: float  # 1.0 when the student learned guided targets
+    negative_prompt: str
+    height: int
+    width: int
+    max_sequence_length: int
+    seed: int
+
+
+def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSettings:
+    """Flags first, then distill.json, then the defaults; refuse sizes the teacher or student cannot tile."""
+    vae_spatial = teacher.vae_scale_factor_spatial
+    shape = student.setting("latent_shape")
+    from_distill = isinstance(shape, list) and len(shape) == 4
+    height = cfg.height or (shape[2] * vae_spatial if from_distill else student.setting("height", DEFAULT_HEIGHT))
+    width = cfg.width or (shape[3] * vae_spatial if from_distill else student.setting("width", DEFAULT_WIDTH))
+    for name, v, axis in (("height", height, 1), ("width", width, 2)):
+        m = vae_spatial * max(teacher.transformer.config.patch_size[axis], student.patch_size[axis])
+        if v % m:
+            raise UserError(f"--{name} {v} is not a multiple of {m} (VAE factor {vae_spatial} x patch); "
+                            f"use {max(m, v // m * m)} or {(v // m + 1) * m}")
+    guidance = float(cfg.guidance if cfg.guidance is not None else student.setting("guidance", DEFAULT_GUIDANCE))
+    guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else student.setting("guidance_2")
+    if teacher.config.boundary_ratio is None:
+        if cfg.guidance_2 is not None:
+            raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it")
+        guidance_2 = None
+    student_guidance = cfg.student_guidance
+    if student_guidance is None:
+        student_guidance = 1.0 if student.guided else guidance
+    return SamplingSettings(
+        steps=int(cfg.steps or student.setting("steps", DEFAULT_STEPS)), guidance=guidance,
+        guidance_2=None if guidance_2 is None else float(guidance_2), student_guidance=float(student_guidance),
+        negative_prompt=cfg.negative_prompt if cfg.negative_prompt is not None
+        else str(student.setting("negative_prompt", "")),
+        height=int(height), width=int(width),
+        max_sequence_length=int(cfg.max_sequence_length or student.setting("max_sequence_length",
+                                                                            DEFAULT_MAX_SEQUENCE_LENGTH)),
+        seed=cfg.seed)
+
+
+def initial_latents(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 noise drawn on the CPU: the same bits on every device, for the teacher and the student."""
+    return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+
+
+def to_image(frames: np.ndarray) -> Image.Image:
+    """First frame of a WanPipeline 'np' output [B, F, H, W, 3] in [0, 1] as an RGB image."""
+    return Image.fromarray((np.clip(frames[0][0], 0.0, 1.0) * 255).round().astype(np.uint8))
+
+
+def _write_png(img: Image.Image, out: Path) -> None:
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, out)
+
+
+def run(cfg: SampleConfig) -> dict:
+    """Sample every prompt with teacher and student and write the grid; returns the summary."""
+    t0 = time.time()
+    prompts, _ = dedupe(read_prompt_file(cfg.prompts))
+    prompts = prompts[: cfg.max_prompts]
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
+    student = find_student(cfg.student, cfg.weights)
+    teacher_name = cfg.teacher or student.teacher
+    if teacher_name is None:
+        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
+    device, dtype = pick_device(cfg.device, cfg.dtype)
+
+    # setup: the teacher pipeline, the student transformer in a pipeline of its own.
+    tpath = teacher_dir(teacher_name)
+    teacher = load_teacher(tpath, dtype, device)
+    tcfg = teacher.transformer.config
+    settings = resolve_settings(cfg, student, teacher)
+    vs = teacher.vae_scale_factor_spatial
+    check_compatible(student, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
+                     latent_hw=(settings.height // vs, settings.width // vs),
+                     expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+    spipe = student_pipeline(load_transformer(student, dtype, device), teacher=teacher)
+    shape = (1, tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
+    common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
+                  max_sequence_length=settings.max_sequence_length, output_type="np")
+    teacher_kw = dict(guidance_scale=settings.guidance)
+    if settings.guidance_2 is not None:
+        teacher_kw["guidance_scale_2"] = settings.guidance_2
+
+    # sample: per prompt, encode once, then teacher and student from the same latents.
+    rows: list[list[Image.Image]] = []
+    seconds = {"teacher": 0.0, "student": 0.0}
+    for i, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
+        latents = initial_latents(settings.seed + i, shape)
+        with torch.inference_mode():
+            embeds, neg = teacher.encode_prompt(prompt, negative_prompt=settings.negative_prompt,
+                                                do_classifier_free_guidance=True,
+                                                max_sequence_length=settings.max_sequence_length, device=device)
+        t = time.perf_counter()
+        t_img = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(), **common,
+                        **teacher_kw).frames
+        seconds["teacher"] += time.perf_counter() - t
+        t = time.perf_counter()
+        s_img = spipe(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(), **common,
+                      guidance_scale=settings.student_guidance).frames
+        seconds["student"] += time.perf_counter() - t
+        rows.append([to_image(t_img), to_image(s_img)])
+
+    # save: the grid, and next to it how it was made.
+    grid = draw_grid(prompts, rows, COLUMNS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_png(grid, out)
+    summary = {"grid": str(out), "rows": len(prompts), "size": list(grid.size), "prompts": prompts,
+               "teacher": teacher_name, "student": student.describe(), "settings": dataclasses.asdict(settings),
+               "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+               "seconds": {k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(time.time() - t0, 2),
+               "config": dataclasses.asdict(cfg)}
+    out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=2) + "\n")
+    tqdm.write(f"grid of {len(prompts)} prompt(s) x {COLUMNS} written to {out} ({grid.size[0]}x{grid.size[1]}); "
+               f"teacher {seconds['teacher']:.1f}s, student {seconds['student']:.1f}s at {settings.steps} steps")
+    return summary

@@ -1,0 +1,303 @@
+"""sample / export / eval: the grid, the exported pipeline and the eval report, on the tiny teacher and cache.
+
+Stage two's output is stood in for by a tiny student built here (1 layer, 2 heads x 8), briefly fitted to the
+cached targets, saved as OUT/student/ with a distill.json like train-student's.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from cache import format as F
+from cache.manifest import load_manifest
+from cache.prompt_store import EmbeddingCache
+from cache.writer import decode_sample
+from pipeline.cli import main
+from stages.sample.grid import GridLayout, draw_grid
+from stages.sample.sample import initial_latents, to_image
+
+from conftest import TEST_PROMPTS, TINY_CACHE_ARGS, make_cache
+
+INIT_SEED = 3
+SIDE = TINY_CACHE_ARGS["height"]  # 64 px images, 8x8 latents
+LATENT = (1, 16, 1, SIDE // 8, SIDE // 8)
+
+
+def invoke(args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+def tiny_student(text_dim: int = 32, in_channels: int = 16, seed: int = INIT_SEED):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
+        out_channels=in_channels, text_dim=text_dim, freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+
+def cached_samples(cache):
+    """Every (tensors, meta) of a cache, read with tarfile like any outside reader."""
+    out = []
+    for rec in load_manifest(cache)[F.F_SHARDS]:
+        members: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(cache / rec[F.S_PATH]) as tar:
+            for info in tar:
+                key, _, ext = info.name.partition(".")
+                members.setdefault(key, {})[ext] = tar.extractfile(info).read()
+        out += [decode_sample(m) for m in members.values()]
+    return out
+
+
+def fit(model, cache, steps: int = 60):
+    """A few full-batch Adam steps on the cached guided targets: enough to beat the untrained twin."""
+    samples = cached_samples(cache)
+    emb = EmbeddingCache(cache, 1)
+    x = torch.stack([s[F.T_X_T] for s, _ in samples])
+    target = torch.stack([s[F.T_TARGET] for s, _ in samples])
+    t = torch.tensor([m[F.M_TIMESTEP] for _, m in samples])
+    enc = torch.stack([emb.get(m[F.M_PROMPT_IDX]) for _, m in samples])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x, t, enc, return_dict=False)[0], target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def write_run(out, model, cache, teacher, **distill_over):
+    """OUT/student/ + OUT/distill.json, as train-student writes them."""
+    m = load_manifest(cache)
+    model.save_pretrained(out / "student")
+    distill = {"cache_fingerprints": [m[F.F_FINGERPRINT]], "cfg": True, "guidance": m[F.F_GUIDANCE],
+               "max_sequence_length": m[F.F_MAX_SEQUENCE_LENGTH], "expand_timesteps": False,
+               "latent_shape": m[F.F_LATENT_SHAPE], "teacher": str(teacher), "steps": m[F.F_STEPS],
+               "negative_prompt": m[F.F_NEGATIVE_PROMPT], "init_seed": INIT_SEED, **distill_over}
+    (out / "distill.json").write_text(json.dumps(distill))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_cache, tiny_teacher, tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("run") / "trained", fit(tiny_student(), tiny_cache), tiny_cache,
+                     tiny_teacher)
+
+
+@pytest.fixture(scope="module")
+def grid_prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("grid-prompts") / "three.txt"
+    p.write_text("\n".join(TEST_PROMPTS[:3]) + "\n")
+    return p
+
+
+@pytest.fixture(scope="module")
+def grid(trained_run, tiny_teacher, grid_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid") / "grid.png"
+    r = invoke(["sample", "--student", trained_run, "--teacher", tiny_teacher, "--prompts", grid_prompts,
+                "--out", out, "--seed", 5])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def crop(img: Image.Image, layout: GridLayout, row: int, col: int) -> np.ndarray:
+    x, y = layout.origin(row, col)
+    return np.asarray(img.crop((x, y, x + layout.cell_w, y + layout.cell_h)), dtype=np.int16)
+
+
+def test_grid_geometry_and_labels():
+    colors = [(255, 0, 0), (0, 0, 255)]
+    rows = [[Image.new("RGB", (48, 40), c) for c in colors] for _ in range(3)]
+    layout = GridLayout(cell_w=48, cell_h=40)
+    img = draw_grid(["first prompt", "a much longer second prompt " * 4, "third"], rows, ["teacher", "student"])
+    assert img.size == layout.size(3, 2) == (layout.label_w + 2 * 52 + 4, layout.header_h + 3 * 44 + 4)
+    px = np.asarray(img)
+    for r in range(3):
+        for c, color in enumerate(colors):
+            assert (crop(img, layout, r, c) == color).all()
+        _, y = layout.origin(r, 0)
+        assert (px[y:y + 40, :layout.label_w] < 128).any(), f"row {r} has no label text"
+    for c in range(2):
+        x, _ = layout.origin(0, c)
+        assert (px[:layout.header_h, x:x + 48] < 128).any(), f"column {c} has no header"
+    with pytest.raises(ValueError):
+        draw_grid(["one"], [[rows[0][0]]], ["teacher", "student"])
+
+
+@pytest.mark.slow
+def test_sample_grid_rows_columns_and_same_noise(grid, tiny_teacher):
+    from diffusers import WanPipeline
+
+    img = Image.open(grid)
+    img.load()
+    layout = GridLayout(cell_w=SIDE, cell_h=SIDE)
+    assert img.format == "PNG" and img.size == layout.size(3, 2)
+    meta = json.loads(grid.with_name(grid.name + ".json").read_text())
+    assert meta["rows"] == 3 and meta["prompts"] == TEST_PROMPTS[:3]
+    s = meta["settings"]
+    # distill.json decided what the flags did not: steps, size, guidance 1 for a student of guided targets.
+    assert (s["steps"], s["height"], s["width"], s["guidance"], s["student_guidance"]) == (4, 64, 64, 4.0, 1.0)
+    assert not np.array_equal(crop(img, layout, 0, 0), crop(img, layout, 0, 1))
+    # The teacher column is the teacher's own WanPipeline from the row's noise (seed + row).
+    pipe = WanPipeline.from_pretrained(tiny_teacher)
+    ref = pipe(TEST_PROMPTS[1], negative_prompt=s["negative_prompt"], latents=initial_latents(5 + 1, LATENT),
+               height=SIDE, width=SIDE, num_frames=1, num_inference_steps=4, guidance_scale=4.0,
+               max_sequence_length=s["max_sequence_length"], output_type="np").frames
+    assert np.abs(crop(img, layout, 1, 0) - np.asarray(to_image(ref), dtype=np.int16)).max() <= 1
+
+
+@pytest.mark.slow
+def test_export_loads_with_from_pretrained_and_matches_the_grid(trained_run, tiny_teacher, grid, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "pipe"
+    r = invoke(["export", "--student", trained_run, "--out", out])  # the teacher comes from distill.json
+    assert r.exit_code == 0, r.output
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["transformer_2"] == [None, None] and index["boundary_ratio"] is None
+    assert index["_wandistiller"]["guidance_scale"] == 1.0 and "guidance_scale=1.0" in (out / "README.md").read_text()
+    assert all((out / c).is_symlink() for c in ("text_encoder", "tokenizer", "vae", "scheduler"))
+    assert not (out / "transformer").is_symlink()
+
+    pipe = DiffusionPipeline.from_pretrained(out)
+    assert type(pipe).__name__ == "WanPipeline" and pipe.transformer_2 is None
+    assert pipe.transformer.config.num_layers == 1
+    frames = pipe(TEST_PROMPTS[0], latents=initial_latents(5, LATENT), height=SIDE, width=SIDE, num_frames=1,
+                  num_inference_steps=4, guidance_scale=1.0, max_sequence_length=TINY_CACHE_ARGS["max_sequence_length"],
+                  output_type="np").frames
+    # Same student, same noise, same settings: the exported pipeline reproduces the grid's student column.
+    grid_img = Image.open(grid)
+    student_cell = crop(grid_img, GridLayout(cell_w=SIDE, cell_h=SIDE), 0, 1)
+    assert np.abs(student_cell - np.asarray(to_image(frames), dtype=np.int16)).max() <= 1
+
+    # --copy: a self-contained folder that loads the same way; --overwrite replaces only an earlier export.
+    assert_one_line_error(invoke(["export", "--student", trained_run, "--out", out]), "not empty", "--overwrite")
+    r = invoke(["export", "--student", trained_run, "--out", out, "--copy", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert not any((out / c).is_symlink() for c in ("text_encoder", "tokenizer", "vae", "scheduler"))
+    assert (tiny_teacher / "transformer_2").is_dir(), "replacing the export must not touch the teacher"
+    copied = DiffusionPipeline.from_pretrained(out)
+    img = copied(TEST_PROMPTS[0], height=SIDE, width=SIDE, num_frames=1, num_inference_steps=2, guidance_scale=1.0,
+                 output_type="pil").frames[0][0]
+    assert img.size == (SIDE, SIDE)
+
+
+@pytest.mark.slow
+def test_eval_report_on_held_out_prompts(trained_run, tiny_cache, tmp_path):
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(f"{TEST_PROMPTS[4]}\na prompt the cache never saw\n{TEST_PROMPTS[2]}\n")
+    report_path = tmp_path / "ev" / "eval.json"
+    r = invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--prompts", heldout,
+                "--report", report_path, "--timing-runs", 1])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(report_path.read_text())
+    assert rep["selection"]["prompts"] == 2 and rep["selection"]["heldout_not_in_cache"] == 1
+    assert rep["trajectories"] == 2 and rep["target"] == F.T_TARGET and rep["student_guidance"] == 1.0
+    per_step = rep["velocity_mse"]["per_step"]
+    assert [p["step"] for p in per_step] == [0, 1, 2, 3] and all(p["samples"] == 2 for p in per_step)
+    vel, fin = rep["velocity_mse"]["mean"], rep["final_latent_mse"]
+    assert 0 < vel["student"] < vel["untrained"], vel
+    assert fin["student"] > 0 and fin["untrained"] > 0 and len(fin["per_trajectory"]) == 2
+    t = rep["timing"]
+    assert t["student_s_per_image"] > 0 and t["teacher_s_per_image"] > 0 and t["teacher_forwards_per_step"] == 2
+    assert t["teacher_final_mse"] < 1e-8, "re-running the teacher here must reproduce the cached final latents"
+    assert rep["cache"]["in_training_cache"] is True and any("not held out" in w for w in rep["warnings"])
+    plot = Image.open(report_path.with_suffix(".png"))
+    assert plot.format == "PNG" and plot.size[0] > 400
+
+
+@pytest.mark.slow
+def test_eval_untrained_twin_is_the_initial_student(tiny_cache, tiny_teacher, tmp_path):
+    """A student saved at its initial weights scores exactly like the re-instantiated untrained one."""
+    run = write_run(tmp_path / "run", tiny_student(), tiny_cache, tiny_teacher)
+    r = invoke(["eval", "--student", run / "student", "--cache", tiny_cache, "--max-prompts", 1,
+                "--no-teacher-timing"])  # the bare student folder: distill.json is found one level up
+    assert r.exit_code == 0, r.output
+    rep = json.loads((run / "eval.json").read_text())
+    assert rep["timing"] is None and rep["student"]["init"]["seed"] == INIT_SEED
+    assert all(p["student"] == p["untrained"] for p in rep["velocity_mse"]["per_step"])
+    assert rep["final_latent_mse"]["student"] == rep["final_latent_mse"]["untrained"]
+
+
+@pytest.mark.slow
+def test_eval_of_the_teacher_itself_is_exact_on_ti2v(tiny_teacher_factory, tmp_path):
+    """The teacher's own transformer as the student, on a CFG-free TI2V cache (per-token timesteps, 48-channel
+    latents): eval's forward inputs and sampler are the teacher's, so both errors are exactly zero."""
+    teacher = tiny_teacher_factory("ti2v")
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("\n".join(TEST_PROMPTS[:2]) + "\n")
+    cache = make_cache(teacher, prompts, tmp_path / "cache", guidance=1.0)
+    r = invoke(["eval", "--student", teacher / "transformer", "--cache", cache, "--report", tmp_path / "e.json",
+                "--timing-runs", 1])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "e.json").read_text())
+    assert rep["cache"]["cfg"] is False and rep["student_guidance"] == 1.0
+    assert rep["velocity_mse"]["mean"]["student"] < 1e-10 < rep["velocity_mse"]["mean"]["untrained"]
+    assert rep["final_latent_mse"]["student"] < 1e-10 and rep["timing"]["teacher_final_mse"] < 1e-8
+
+
+@pytest.fixture(scope="module")
+def narrow_run(tiny_cache, tiny_teacher, tmp_path_factory):
+    """A student whose text embeddings are 16-wide: it cannot read this teacher's 32-wide ones."""
+    return write_run(tmp_path_factory.mktemp("narrow") / "run", tiny_student(text_dim=16), tiny_cache, tiny_teacher)
+
+
+def test_bad_inputs_end_in_one_line(tiny_teacher, tiny_cache, prompts_file, narrow_run, tmp_path):
+    missing = tmp_path / "no-such-run"
+    assert_one_line_error(invoke(["sample", "--student", missing, "--teacher", tiny_teacher, "--prompts",
+                                  prompts_file, "--out", tmp_path / "g.png"]), "no-such-run", "does not exist")
+    assert_one_line_error(invoke(["export", "--student", missing, "--teacher", tiny_teacher, "--out",
+                                  tmp_path / "p"]), "does not exist")
+    assert_one_line_error(invoke(["eval", "--student", missing, "--cache", tiny_cache]), "does not exist")
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    assert_one_line_error(invoke(["eval", "--student", empty, "--cache", tiny_cache]), "holds no student")
+    assert_one_line_error(invoke(["sample", "--student", narrow_run, "--teacher", tiny_teacher, "--prompts",
+                                  tmp_path / "nope.txt", "--out", tmp_path / "g.png"]), "nope.txt", "does not exist")
+    assert_one_line_error(invoke(["export", "--student", narrow_run, "--out", tmp_path / "p"]),
+                          "does not fit teacher", "text_dim 16")
+    assert_one_line_error(invoke(["eval", "--student", narrow_run, "--cache", tiny_cache]),
+                          "does not fit cache", "text_dim 16")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    assert_one_line_error(invoke(["export", "--student", narrow_run, "--teacher", tiny_teacher, "--out", foreign,
+                                  "--overwrite"]), "does not fit")  # compatibility is checked before the folder
+    assert (foreign / "keep.txt").exists()
+    assert_one_line_error(invoke(["eval", "--student", narrow_run, "--cache", tmp_path / "no-cache"]),
+                          "does not exist")
+
+
+@pytest.mark.slow
+def test_bad_inputs_that_need_a_model(trained_run, narrow_run, tiny_teacher, tiny_cache, grid_prompts, tmp_path):
+    assert_one_line_error(invoke(["sample", "--student", narrow_run, "--teacher", tiny_teacher, "--prompts",
+                                  grid_prompts, "--out", tmp_path / "g.png"]), "does not fit teacher", "text_dim 16")
+    unseen = tmp_path / "unseen.txt"
+    unseen.write_text("nothing the cache holds\n")
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--prompts", unseen]),
+                          "none of the 1 prompts")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    assert_one_line_error(invoke(["export", "--student", trained_run, "--out", foreign, "--overwrite"]),
+                          "not a WanDistiller export")
+    assert (foreign / "keep.txt").read_text() == "mine"
+    assert_one_line_error(invoke(["sample", "--student", trained_run, "--prompts", grid_prompts, "--out",
+                                  tmp_path / "g.png", "--height", 72]), "--height 72")
