@@ -92,6 +92,7 @@ def write_run(out, model, cache, teacher, **distill_over):
                "latent_shape": m[F.F_LATENT_SHAPE], "teacher": str(teacher), "steps": m[F.F_STEPS],
                "negative_prompt": m[F.F_NEGATIVE_PROMPT], "init_seed": INIT_SEED, **distill_over}
     (out / "distill.json").write_text(json.dumps(distill))
+    (out / "config.json").write_text(json.dumps({"cache": [str(cache)], "lr": 3e-3}))  # the run's own settings
     return out
 
 
@@ -225,13 +226,17 @@ def test_eval_report_on_held_out_prompts(trained_run, tiny_cache, tmp_path):
 
 @pytest.mark.slow
 def test_eval_untrained_twin_is_the_initial_student(tiny_cache, tiny_teacher, tmp_path):
-    """A student saved at its initial weights scores exactly like the re-instantiated untrained one."""
-    run = write_run(tmp_path / "run", tiny_student(), tiny_cache, tiny_teacher)
-    r = invoke(["eval", "--student", run / "student", "--cache", tiny_cache, "--max-prompts", 1,
+    """A student saved at its initial weights scores exactly like the re-instantiated untrained one; on the
+    training cache, eval defaults to the prompts train-student held out."""
+    run = write_run(tmp_path / "run", tiny_student(), tiny_cache, tiny_teacher, heldout_prompts=[5, 1])
+    r = invoke(["eval", "--student", run / "student", "--cache", tiny_cache,
                 "--no-teacher-timing"])  # the bare student folder: distill.json is found one level up
     assert r.exit_code == 0, r.output
     rep = json.loads((run / "eval.json").read_text())
-    assert rep["timing"] is None and rep["student"]["init"]["seed"] == INIT_SEED
+    assert rep["selection"]["source"] == "heldout_prompts of distill.json" and rep["trajectories"] == 2
+    assert [t["prompt_idx"] for t in rep["final_latent_mse"]["per_trajectory"]] == [1, 5]
+    assert rep["cache"]["in_training_cache"] is True and rep["warnings"] == []
+    assert rep["timing"] is None and rep["student"]["init"]["seed"] == INIT_SEED and rep["student"]["init"]["exact"]
     assert all(p["student"] == p["untrained"] for p in rep["velocity_mse"]["per_step"])
     assert rep["final_latent_mse"]["student"] == rep["final_latent_mse"]["untrained"]
 

@@ -29,8 +29,8 @@ from pipeline.errors import UserError
 from . import trajectories
 from .config import EvalConfig
 from .models import (
-    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, student_pipeline,
-    teacher_dir, untrained_transformer,
+    Student, check_compatible, find_student, init_exact, load_teacher, load_transformer, pick_device,
+    student_pipeline, teacher_dir, untrained_transformer,
 )
 from .plot import plot_report
 
@@ -228,7 +228,10 @@ def run(cfg: EvalConfig) -> dict:
             teacher_path = teacher_dir(name)
         except UserError as e:
             raise UserError(f"{e} (timing needs the cache's teacher: pass --teacher PATH or --no-teacher-timing)") from e
-    trajs, selection = trajectories.select(cache_dir, manifest, cfg.prompts, cfg.max_prompts)
+    # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
+    in_training = (manifest[F.F_FINGERPRINT] in student.fingerprints) if student.fingerprints else None
+    kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
+    trajs, selection = trajectories.select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     guided_cache = bool(manifest.get("cfg", float(manifest[F.F_GUIDANCE]) > 1.0))
     target_key = F.T_TARGET_COND if guided_cache and not student.guided else F.T_TARGET
@@ -236,9 +239,14 @@ def run(cfg: EvalConfig) -> dict:
     scheduler = scheduler_from_manifest(manifest)
     scheduler.set_timesteps(int(manifest[F.F_STEPS]))
     warnings = _settings_warnings(student, manifest, scheduler.timesteps.tolist())
-    in_training = (manifest[F.F_FINGERPRINT] in student.fingerprints) if student.fingerprints else None
     if in_training:
-        warnings.append("this is the student's training cache: its trajectories are not held out")
+        seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
+        if seen:
+            warnings.append(f"{len(seen)} of the {selection['prompts']} prompts evaluated were trained on (this is "
+                            "the student's training cache): they are not held out")
+    if student.setting("init_from_teacher") and not init_exact(student, cfg.init_seed):
+        warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
+                        "random initialisation, not its starting point (save student_init/ to compare with that)")
     for w in warnings:
         tqdm.write(f"warning: {w}")
     models = {"student": load_transformer(student, dtype, device)}
@@ -246,6 +254,10 @@ def run(cfg: EvalConfig) -> dict:
 
     # (a) velocity error per step.
     velocity = velocity_errors(models, cache_dir, manifest, trajs, target_key, cfg.batch_size, device, dtype)
+    trained_steps = student.setting("train_steps")
+    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
+        for row in velocity["per_step"]:
+            row["trained_step"] = row["step"] in trained_steps
 
     # (b) final latents sampled from the cached noise.
     neg = trajectories.negative_embeds(cache_dir)[None]

@@ -122,14 +122,18 @@ def find_student(path: str, weights: str = "auto") -> Student:
                         f"(holding {STUDENT_DIR}/) or a {TRANSFORMER_CLASS} folder")
     if not p.is_dir():
         raise UserError(f"student {p} is a file; pass the train-student output folder")
-    bare = _transformer_config(p)
-    if bare is not None:
+    raw, ema = p / STUDENT_DIR, p / STUDENT_EMA_DIR
+    # A train-student OUT holds student/ (and its own config.json, the run's settings); anything else must be
+    # a transformer folder itself.
+    if not (raw.is_dir() or ema.is_dir() or (p / DISTILL_JSON).is_file()):
+        bare = _transformer_config(p)
+        if bare is None:
+            raise UserError(f"{p} holds no student: neither {STUDENT_DIR}/ nor a model config.json; pass the --out "
+                            "folder of a finished `wandistiller train-student` run")
         # OUT/student given directly: its distill.json is one level up.
         parent = p.parent / DISTILL_JSON
         distill = _read_json(parent, "distill file") if p.name in (STUDENT_DIR, STUDENT_EMA_DIR) and parent.is_file() else {}
-        root = p.parent if distill else p
-        return Student(root=root, path=p, weights="folder", config=bare, distill=distill)
-    raw, ema = p / STUDENT_DIR, p / STUDENT_EMA_DIR
+        return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, distill=distill)
     if weights == "ema" and not (ema / "config.json").is_file():
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA_DIR}/ (EMA was off in train-student); "
                         "use --weights raw or auto")
@@ -172,31 +176,40 @@ def load_transformer(student: Student, dtype: torch.dtype, device: torch.device)
     return model.to(device).eval().requires_grad_(False)
 
 
+def _has_init_dir(student: Student) -> bool:
+    return _transformer_config(student.root / STUDENT_INIT_DIR) is not None
+
+
+def init_exact(student: Student, seed: int | None) -> bool:
+    """Whether `untrained_transformer` reproduces the student's starting weights: saved ones, or train-student's
+    own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in."""
+    if seed is None and _has_init_dir(student):
+        return True
+    return seed is None and "init_seed" in student.distill and not student.setting("init_from_teacher")
+
+
 def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
     """The student before training, and how it was obtained.
 
-    Exact when stage two saved OUT/student_init/. Otherwise the architecture is re-instantiated from the
-    student's config.json under `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`,
-    else its `seed`, else 0): that is the untrained student only if stage two built it the same way (plain
-    `WanTransformer3DModel(**config)` after seeding), not if it copied teacher blocks into it.
+    OUT/student_init/ when stage two saved it. Otherwise the architecture is re-instantiated from the student's
+    config.json after `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`, else its
+    `seed`, else 0), which is how train-student builds a student: the same weights, unless it then copied
+    teacher blocks in (`init_from_teacher`), which this cannot redo without the teacher.
     """
     from diffusers import WanTransformer3DModel
 
-    init_dir = student.root / STUDENT_INIT_DIR
-    if seed is None and _transformer_config(init_dir) is not None:
-        model = WanTransformer3DModel.from_pretrained(init_dir, torch_dtype=dtype)
-        how = {"source": f"{STUDENT_INIT_DIR}/", "exact": True}
+    exact = init_exact(student, seed)
+    if seed is None and _has_init_dir(student):
+        model = WanTransformer3DModel.from_pretrained(student.root / STUDENT_INIT_DIR, torch_dtype=dtype)
+        how = {"source": f"{STUDENT_INIT_DIR}/", "exact": exact}
     else:
         if seed is None:
             seed = int(student.setting("init_seed", student.setting("seed", 0)))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = WanTransformer3DModel.from_config(student.config)
-        model = model.to(dtype)
-        how = {"source": "config.json", "seed": seed, "exact": False,
-               "note": "re-instantiated with torch.manual_seed(seed); equals the initial weights only if "
-                       "train-student built the student the same way"}
-    return model.to(device).eval().requires_grad_(False), how
+        how = {"source": "config.json + torch.manual_seed", "seed": seed, "exact": exact}
+    return model.to(device, dtype).eval().requires_grad_(False), how
 
 
 def check_compatible(student: Student, *, in_channels: int, text_dim: int, latent_hw: tuple[int, int] | None,

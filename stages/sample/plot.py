@@ -38,7 +38,7 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     right.set_title("sampled final latent", fontsize=10)
     right.grid(alpha=0.3, axis="y")
 
-    fig.suptitle(f"{report['student']['path']} on {report['cache']['path']} "
-                 f"({report['trajectories']} trajectories)", fontsize=9)
+    fig.suptitle(f"{report['student']['path']} on {report['cache']['path']}: {report['trajectories']} trajectories "
+                 f"({report['selection']['source']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")

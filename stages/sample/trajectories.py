@@ -52,19 +52,26 @@ def cache_prompts(cache_dir: str | os.PathLike, manifest: dict) -> dict[int, str
     return dict(sorted(out.items()))
 
 
-def select(cache_dir: str | os.PathLike, manifest: dict, heldout: str | None,
-           max_prompts: int | None) -> tuple[list[Trajectory], dict]:
-    """All seeds of the cache's prompts (only those listed in `heldout` when given), first `max_prompts`."""
+def select(cache_dir: str | os.PathLike, manifest: dict, heldout: str | None, max_prompts: int | None,
+           only: list[int] | None = None) -> tuple[list[Trajectory], dict]:
+    """All seeds of the cache's prompts, first `max_prompts`: those whose text is listed in the file `heldout`,
+    else those whose index is in `only` (stage two's held-out prompts), else all."""
     texts = cache_prompts(cache_dir, manifest)
-    info: dict = {"cache_prompts": len(texts)}
+    info: dict = {"cache_prompts": len(texts), "source": "all prompts of the cache"}
     if heldout is not None:
         wanted, _ = dedupe(read_prompt_file(heldout))
         by_text = {t: i for i, t in texts.items()}
         chosen = [by_text[t] for t in wanted if t in by_text]
-        info.update(heldout_file=str(heldout), heldout_prompts=len(wanted), heldout_not_in_cache=len(wanted) - len(chosen))
+        info.update(source=f"prompts of {heldout}", heldout_file=str(heldout), heldout_prompts=len(wanted),
+                    heldout_not_in_cache=len(wanted) - len(chosen))
         if not chosen:
             raise UserError(f"none of the {len(wanted)} prompts of {heldout} is in the cache {cache_dir}; build a "
                             "cache of the held-out prompts with `wandistiller teacher-cache` and evaluate on it")
+    elif only:
+        chosen = [p for p in sorted(set(only)) if p in texts]
+        info["source"] = "heldout_prompts of distill.json"
+        if not chosen:
+            raise UserError(f"distill.json's held-out prompts {sorted(only)[:5]} are not in the cache {cache_dir}")
     else:
         chosen = list(texts)
     chosen = chosen[:max_prompts] if max_prompts else chosen
