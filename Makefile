@@ -20,7 +20,7 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install teacher-cache test clean help
+.PHONY: install teacher-cache train-student test clean help
 
 help:
 	@echo "make demo | test | teacher-cache | train-student | install | clean"
@@ -41,6 +41,21 @@ tiny-teacher: $(TINY_TEACHER)/model_index.json
 teacher-cache: $(STAMP) $(if $(filter $(TINY_TEACHER),$(TEACHER)),$(TINY_TEACHER)/model_index.json,)
 	$(BIN)/wandistiller teacher-cache $(CONFIG_FLAG) --teacher $(TEACHER) --prompts $(PROMPTS) \
 		--out $(CACHE) --placement $(PLACEMENT) $(TEACHER_CACHE_ARGS)
+
+# Stage two. NPROC > 1 runs torchrun on this node (one rank per GPU, or per CPU process with gloo);
+# several nodes: see docs/multi-gpu.md.
+STUDENT_CONFIG ?= configs/student-tiny.json
+OUT ?= $(RUNS)/student
+NPROC ?= 1
+# Demo settings for the tiny student on the tiny cache (a minute on a CPU); real runs pass their own.
+ifeq ($(STUDENT_CONFIG),configs/student-tiny.json)
+TRAIN_ARGS ?= --epochs 3 --batch-size 32 --lr 2e-3 --warmup-steps 10 --holdout-prompts 16 --eval-every 25
+endif
+TRAIN_ARGS ?=
+TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline.cli,$(BIN)/wandistiller)
+
+train-student: $(STAMP)
+	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

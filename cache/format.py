@@ -87,6 +87,10 @@ F_SCHEDULER = "scheduler"
 F_PROMPT_SET_SHA256 = "prompt_set_sha256"
 F_PARTS = "parts"
 F_CREATED = "created"
+F_CFG = "cfg"  # whether targets are CFG-guided predictions (guidance > 1)
+F_SAVE_COND_UNCOND = "save_cond_uncond"
+F_TEACHER_PATH = "teacher_path"  # absolute local folder of the teacher when stage one ran
+F_REVISION = "revision"
 # shard records (in the manifest and in progress.json)
 S_PATH = "path"
 S_PART = "part"

@@ -232,6 +232,57 @@ def eval_cmd(config_file, **flags):
     evaluate.run(load_config(EvalConfig, config_file, flags))
 
 
+@main.command("train-student")
+@click.option("--cache", multiple=True, type=click.Path(),
+              help="CACHE_DIR of stage one; repeat for several caches with the same fingerprint.")
+@click.option("--student-config", type=click.Path(), help="Student WanTransformer3DModel JSON (configs/student-*.json).")
+@click.option("--out", type=click.Path(), help="Output folder: student/, checkpoints/, metrics.jsonl, loss.png.")
+@click.option("--epochs", type=int, help="Passes over the cache.  [default: 1, or what --max-steps needs]")
+@click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
+@click.option("--batch-size", type=int, help="Samples per rank per micro-step.  [default: 8]")
+@click.option("--grad-accum", type=int, help="Micro-steps per optimizer step.  [default: 1]")
+@click.option("--lr", type=float, help="Peak AdamW learning rate.  [default: 1e-4]")
+@click.option("--min-lr-ratio", type=float, help="Cosine floor as a fraction of --lr.  [default: 0]")
+@click.option("--warmup-steps", type=int, help="Linear warmup steps.  [default: 100]")
+@click.option("--weight-decay", type=float, help="AdamW weight decay of matrices.  [default: 0.01]")
+@click.option("--max-grad-norm", type=float, help="Gradient clipping norm; 0 disables.  [default: 1.0]")
+@click.option("--ema-decay", type=float, help="EMA decay (e.g. 0.999); 0 = no EMA.  [default: 0]")
+@click.option("--mixed-precision", type=click.Choice(["no", "bf16", "fp16"]),
+              help="Autocast dtype.  [default: bf16 on CUDA, no on CPU]")
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
+              help="Recompute activations in the backward pass (less memory).")
+@click.option("--num-workers", type=int, help="DataLoader workers per rank.  [default: 2]")
+@click.option("--seed", type=int, help="Student init and epoch order seed.  [default: 0]")
+@click.option("--checkpoint-every", type=int, help="Optimizer steps between checkpoints; 0 = none.  [default: 500]")
+@click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept.  [default: 2]")
+@click.option("--resume/--no-resume", default=None, help="Continue from the newest complete checkpoint in --out.")
+@click.option("--train-steps", help="Train only on these cached step indices, e.g. 0,4,8.  [default: all]")
+@click.option("--init-from-teacher", type=click.Path(),
+              help="Teacher pipeline/transformer folder to copy matching weights from.")
+@click.option("--teacher-blocks", help="Teacher block for each student block, e.g. 0,4,8.  [default: spread]")
+@click.option("--holdout-prompts", type=int, help="Prompts kept out of training for the held-out loss.  [default: 0]")
+@click.option("--eval-every", type=int, help="Steps between held-out evaluations.  [default: 100]")
+@click.option("--log-every", type=int, help="Steps between metrics.jsonl lines.  [default: 10]")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), help="Training device.  [default: auto]")
+@click.option("--verify", type=click.Choice(["sha256", "size"]),
+              help="Shard check before training.  [default: sha256]")
+@click.option("--collective-timeout-s", type=float, help="Seconds a rank may wait in a collective.  [default: 600]")
+@common_options
+@user_errors("train-student")
+def train_student_cmd(config_file, cache, **flags):
+    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP under torchrun.
+
+    Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
+    --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
+    """
+    from stages import train_student
+
+    from .config import TrainStudentConfig, load_config
+
+    cfg = load_config(TrainStudentConfig, config_file, {"cache": list(cache) or None, **flags})
+    train_student.run(cfg)
+
+
 @main.group("cache")
 def cache_group():
     """Inspect and check a teacher cache."""

@@ -127,3 +127,98 @@ class TeacherCacheConfig:
                                  f"{self.num_parts}")
         if self.device < 0:
             raise ValueError(f"device must be a CUDA device index >= 0, got {self.device}")
+
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+SHARD_CHECKS = ("sha256", "size")
+
+
+def _int_list(name: str, value) -> tuple[int, ...] | None:
+    """'0,4,8' or [0, 4, 8] -> (0, 4, 8); ValueError naming the field otherwise."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = tuple(int(str(v).strip()) for v in items if str(v).strip() != "")
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be comma-separated integers like 0,4,8, got {value!r}") from None
+    if not out or any(v < 0 for v in out):
+        raise ValueError(f"{name} must list integers >= 0, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStudentConfig:
+    """Stage two: train a student `WanTransformer3DModel` from one or more finished caches."""
+
+    TOML_SECTION = "train_student"
+
+    cache: tuple[str, ...]  # CACHE_DIR(s) of stage one; several must share one fingerprint
+    student_config: str  # JSON config of the student WanTransformer3DModel (configs/student-*.json)
+    out: str  # OUT: student/, student_ema/, checkpoints/, metrics.jsonl, loss.png, distill.json
+    epochs: int | None = None  # passes over the cache; default 1, or as many as --max-steps needs
+    max_steps: int | None = None  # stop after this many optimizer steps (first of epochs/max_steps wins)
+    batch_size: int = 8  # samples per rank per micro-step; global batch = batch_size x world x grad_accum
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 1e-4  # peak AdamW learning rate, reached after warmup_steps
+    min_lr_ratio: float = 0.0  # the cosine decays to lr x min_lr_ratio at the last step
+    warmup_steps: int = 100  # linear warmup from 0 (in optimizer steps)
+    weight_decay: float = 0.01  # AdamW decay of matrices (biases, norms and tables are not decayed)
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables clipping
+    ema_decay: float = 0.0  # EMA of the weights (e.g. 0.999); 0 = off. Saved as OUT/student_ema
+    mixed_precision: str | None = None  # no | bf16 | fp16 autocast; default bf16 on CUDA, no on CPU
+    gradient_checkpointing: bool = False  # recompute block activations in backward (less memory, ~30% slower)
+    num_workers: int = 2  # DataLoader worker processes per rank reading shards
+    seed: int = 0  # student init and the epoch order, which is a function of (seed, epoch)
+    checkpoint_every: int = 500  # optimizer steps between checkpoints; 0 = none
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+    resume: bool = False  # continue from the newest complete checkpoint in OUT/checkpoints
+    train_steps: tuple[int, ...] | None = None  # train only on these cached step indices ("0,4,8"); default all
+    init_from_teacher: str | None = None  # teacher pipeline/transformer folder or .safetensors to copy weights from
+    teacher_blocks: tuple[int, ...] | None = None  # teacher block of each student block ("0,4,8"); default spread
+    holdout_prompts: int = 0  # prompts kept out of training; their cached samples give the held-out loss
+    eval_every: int = 100  # optimizer steps between held-out evaluations (also at start and end); 0 = ends only
+    log_every: int = 10  # optimizer steps between metrics.jsonl lines
+    device: str = "auto"  # auto (CUDA if present) | cuda | cpu
+    verify: str = "sha256"  # shard check before training: sha256 (size + hash + member index) | size
+    embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
+    collective_timeout_s: float = 600.0  # a rank waiting longer than this in a collective fails
+
+    def __post_init__(self):
+        caches = (self.cache,) if isinstance(self.cache, str) else tuple(self.cache or ())
+        object.__setattr__(self, "cache", caches)
+        if not caches or not all(isinstance(c, str) and c for c in caches):
+            raise ValueError("cache must name at least one CACHE_DIR (--cache)")
+        for name in ("student_config", "out"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name.replace('_', '-')} must be a non-empty string")
+        for name in ("batch_size", "grad_accum", "num_workers", "checkpoint_every", "keep_checkpoints",
+                     "warmup_steps", "holdout_prompts", "eval_every", "log_every", "embedding_cache_size", "seed"):
+            v = getattr(self, name)
+            low = 1 if name in ("batch_size", "grad_accum", "keep_checkpoints", "log_every",
+                                "embedding_cache_size") else 0
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        for name in ("epochs", "max_steps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        _positive("lr", self.lr)
+        _positive("weight-decay", self.weight_decay, allow_zero=True)
+        _positive("max-grad-norm", self.max_grad_norm, allow_zero=True)
+        _positive("collective-timeout-s", self.collective_timeout_s)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema-decay must be in [0, 1) (0 = off), got {self.ema_decay!r}")
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed-precision must be one of {', '.join(MIXED_PRECISION)}, "
+                             f"got {self.mixed_precision!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if self.verify not in SHARD_CHECKS:
+            raise ValueError(f"verify must be one of {', '.join(SHARD_CHECKS)}, got {self.verify!r}")
+        object.__setattr__(self, "train_steps", _int_list("train-steps", self.train_steps))
+        object.__setattr__(self, "teacher_blocks", _int_list("teacher-blocks", self.teacher_blocks))
+        if self.teacher_blocks is not None and self.init_from_teacher is None:
+            raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")

@@ -1,0 +1,346 @@
+"""Random-access reader of finished caches: shard index, exact epoch partition, resumable positions.
+
+webdataset's streaming reader visits shards in whatever order its workers pull them, so it cannot
+promise "every sample exactly once per epoch across all ranks and workers", nor equal step counts per
+rank, nor a resumable position. Here the manifest already says how many samples every shard holds, so
+each sample gets a fixed row number before any byte is read; the tar headers give the byte offset of
+each member, and a sample is read with two `pread`s. The epoch order is a permutation of rows seeded
+from (seed, epoch); rank r of W takes positions r, r+W, r+2W, ... of it, so a micro-step's union over
+the ranks is exactly the window a one-process run with the same global batch would take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tarfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+
+from . import format as F
+from .errors import CacheError
+from .manifest import load_manifest
+
+# Manifest field "the targets are CFG-guided", written by stage one as a literal; belongs in format.py.
+F_CFG = "cfg"
+
+# Columns of an index table (int64): one row per sample.
+C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
+N_COLS = 9
+# Columns that `scan_shard` fills (the shard and cache ids are known to the caller).
+SCAN_COLS = (C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN)
+
+_CHUNK = 1 << 20
+
+# Why a shard failed its check; small integers so ranks can exchange them in a tensor.
+SHARD_OK, SHARD_MISSING, SHARD_SIZE, SHARD_SHA256, SHARD_TAR, SHARD_MEMBERS = range(6)
+SHARD_PROBLEMS = {
+    SHARD_MISSING: "is missing",
+    SHARD_SIZE: "has another size than the manifest records (truncated or replaced)",
+    SHARD_SHA256: "fails its sha256 check (content changed after it was written)",
+    SHARD_TAR: "is not a readable tar",
+    SHARD_MEMBERS: "holds other samples than the manifest records (count or members)",
+}
+
+
+class ShardError(CacheError):
+    """A shard that does not match its manifest record; `code` is one of the SHARD_* values."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def shard_problem(cache_dir: str | os.PathLike, rec: dict, code: int) -> str:
+    """The one-line message for a bad shard, with the remedy."""
+    return (f"shard {Path(cache_dir) / rec[F.S_PATH]} {SHARD_PROBLEMS[code]}; delete it and rerun the same "
+            "`wandistiller teacher-cache` command to rebuild it (`wandistiller cache verify` lists every problem)")
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One finished cache: its folder and manifest."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest[F.F_FINGERPRINT]
+
+    @property
+    def shards(self) -> list[dict]:
+        return self.manifest[F.F_SHARDS]
+
+
+def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
+    """Load the manifests of `dirs`; refuse missing, empty or duplicated caches and mixed fingerprints."""
+    if not dirs:
+        raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
+    caches, seen = [], {}
+    for d in dirs:
+        path = Path(d)
+        real = path.resolve()
+        if real in seen:
+            raise CacheError(f"cache {path} is given twice (also as {seen[real]}); pass each CACHE_DIR once")
+        seen[real] = path
+        m = load_manifest(path)
+        if not m[F.F_SHARDS] or m[F.F_SAMPLES] <= 0:
+            raise CacheError(f"cache {path} holds no samples; rebuild it with `wandistiller teacher-cache`")
+        caches.append(CacheInfo(path, m))
+    fps = {c.fingerprint for c in caches}
+    if len(fps) > 1:
+        listed = ", ".join(f"{c.path} ({c.fingerprint[:12]})" for c in caches)
+        raise CacheError(f"the caches were made with different settings and their targets cannot be mixed: "
+                         f"{listed}; train on caches that share one fingerprint")
+    return caches
+
+
+class _HashingReader:
+    """Sequential file reader that hashes and counts everything read through it."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.sha.update(data)
+        self.bytes += len(data)
+        return data
+
+
+def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = True) -> np.ndarray:
+    """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded.
+
+    With `check_sha256`, the shard is read once, sequentially (tar stream mode), and the same pass both
+    hashes it and collects the member offsets; without it only the tar headers are read (seeks).
+    """
+    path = Path(cache_dir) / rec[F.S_PATH]
+    if not path.is_file():
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_MISSING), SHARD_MISSING)
+    if path.stat().st_size != rec[F.S_BYTES]:
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
+    members: dict[str, dict[str, tuple[int, int]]] = {}
+    with open(path, "rb") as f:
+        reader = _HashingReader(f) if check_sha256 else None
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") if reader else tarfile.open(fileobj=f, mode="r:") as tar:
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    key, _, ext = info.name.partition(".")
+                    members.setdefault(key, {})[ext] = (info.offset_data, info.size)
+            if reader is not None:
+                while reader.read(_CHUNK):
+                    pass
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise ShardError(shard_problem(cache_dir, rec, SHARD_TAR) + f" ({e})", SHARD_TAR) from e
+    if reader is not None and (reader.bytes != rec[F.S_BYTES] or reader.sha.hexdigest() != rec[F.S_SHA256]):
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_SHA256), SHARD_SHA256)
+    rows = []
+    for key, mem in members.items():
+        try:
+            p, s, k = F.parse_key(key)
+        except ValueError:
+            rows = None
+            break
+        if F.EXT_META not in mem or F.EXT_TENSORS not in mem:
+            rows = None
+            break
+        rows.append((p, s, k, *mem[F.EXT_META], *mem[F.EXT_TENSORS]))
+    if rows is None or len(rows) != rec[F.S_SAMPLES]:
+        found = "unpaired or foreign members" if rows is None else f"{len(rows)} samples, manifest says {rec[F.S_SAMPLES]}"
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_MEMBERS) + f" ({found})", SHARD_MEMBERS)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_COLS))
+
+
+def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
+    """Every shard of `caches` in order: (cache id, cache dir, record, first row). Rows follow the manifests."""
+    out, row = [], 0
+    for ci, c in enumerate(caches):
+        for rec in c.shards:
+            out.append((ci, c.path, rec, row))
+            row += int(rec[F.S_SAMPLES])
+    return out
+
+
+def empty_table(caches: list[CacheInfo]) -> np.ndarray:
+    """A zeroed table with one row per sample listed in the manifests (filled by `fill_table`)."""
+    return np.zeros((sum(int(r[F.S_SAMPLES]) for c in caches for r in c.shards), N_COLS), dtype=np.int64)
+
+
+def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, scanned: np.ndarray) -> None:
+    """Place one shard's scan in the table (rows first_row .. first_row + len)."""
+    rows = slice(first_row, first_row + len(scanned))
+    table[rows, C_CACHE] = cache_id
+    table[rows, C_SHARD] = shard_id
+    for j, c in enumerate(SCAN_COLS):
+        table[rows, c] = scanned[:, j]
+
+
+class CacheIndex:
+    """Every sample of one or more caches (sharing one fingerprint), addressable by row.
+
+    The same (prompt, seed, step) held by two caches is the same target (same fingerprint, deterministic
+    stage one), so it is kept once: the first cache's copy.
+    """
+
+    def __init__(self, caches: list[CacheInfo], table: np.ndarray):
+        self.caches = caches
+        self.shards = shard_list(caches)
+        key = sample_code(table)
+        _, first = np.unique(key, return_index=True)
+        self.duplicates = len(table) - len(first)
+        self.table = table[np.sort(first)] if self.duplicates else table
+        m = caches[0].manifest
+        self.latent_shape = tuple(m[F.F_LATENT_SHAPE])
+        self.dtype = m[F.F_DTYPE]
+        self.steps = int(m[F.F_STEPS])
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def manifest(self) -> dict:
+        return self.caches[0].manifest
+
+    def key(self, row: int) -> str:
+        r = self.table[row]
+        return F.sample_key(int(r[C_PROMPT]), int(r[C_SEED]), int(r[C_STEP]))
+
+    def shard_path(self, row: int) -> Path:
+        _, cache_dir, rec, _ = self.shards[int(self.table[row, C_SHARD])]
+        return cache_dir / rec[F.S_PATH]
+
+
+def sample_code(table: np.ndarray) -> np.ndarray:
+    """One int64 per sample identifying (prompt, seed, step) (seed < 100, step < 1000 by the key format)."""
+    return (table[:, C_PROMPT] * 100 + table[:, C_SEED]) * 1000 + table[:, C_STEP]
+
+
+class SampleReader:
+    """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files."""
+
+    def __init__(self, index: CacheIndex, max_open: int = 64):
+        self.index = index
+        self.max_open = max_open
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():  # inherited through fork: the parent's descriptors are not ours to close
+            self._fds, self._pid = OrderedDict(), os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            _, cache_dir, rec, _ = self.index.shards[shard]
+            try:
+                fd = os.open(cache_dir / rec[F.S_PATH], os.O_RDONLY)
+            except OSError as e:
+                raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
+                                 "it was moved or deleted after training started") from e
+            self._fds[shard] = fd
+            if len(self._fds) > self.max_open:
+                os.close(self._fds.popitem(last=False)[1])
+        else:
+            self._fds.move_to_end(shard)
+        return fd
+
+    def _pread(self, fd: int, off: int, n: int, row: int) -> bytes:
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            raise CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
+                             "training?); run `wandistiller cache verify`")
+        return data
+
+    def read(self, row: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode."""
+        r = self.index.table[row]
+        fd = self._fd(int(r[C_SHARD]))
+        meta_b = self._pread(fd, int(r[C_META_OFF]), int(r[C_META_LEN]), row)
+        tens_b = self._pread(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
+        try:
+            tensors, meta = st_load(tens_b), json.loads(meta_b)
+        except Exception as e:  # any parse failure is corruption of that member
+            raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)} does not decode "
+                             f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
+        for name in (F.T_X_T, F.T_TARGET):
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != self.index.latent_shape:
+                raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)}: tensor {name} is "
+                                 f"{None if t is None else list(t.shape)}, expected {list(self.index.latent_shape)}")
+        return tensors, meta
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds.clear()
+
+
+def epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([int(seed), int(epoch), 0x57414E])  # "WAN": keeps it apart from other uses
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The exact partition of an epoch of `n` samples over `world` ranks.
+
+    Micro-step i covers positions [i*G, (i+1)*G) of the epoch's permutation, G = batch x world; rank r
+    takes the positions congruent to r modulo world. An optimizer step is `accum` micro-steps (the last
+    one of an epoch may have fewer). Every rank runs the same number of micro-steps: in the last window
+    a rank may get fewer samples, or none (the caller then runs a zero-weight dummy so the collective
+    still happens).
+    """
+
+    n: int
+    world: int
+    batch: int  # per rank per micro-step
+    accum: int = 1
+
+    def __post_init__(self):
+        if self.n < 1 or self.world < 1 or self.batch < 1 or self.accum < 1:
+            raise ValueError(f"EpochPlan needs positive sizes, got {self}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.world
+
+    @property
+    def micro_steps(self) -> int:
+        return math.ceil(self.n / self.global_batch)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per epoch (equal on every rank)."""
+        return math.ceil(self.micro_steps / self.accum)
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only."""
+        return np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch))).permutation(self.n)
+
+    def micro_range(self, step: int) -> range:
+        """Micro-steps of optimizer step `step` (0-based within the epoch)."""
+        return range(step * self.accum, min((step + 1) * self.accum, self.micro_steps))
+
+    def positions(self, micro: int, rank: int) -> np.ndarray:
+        """Positions of the permutation that `rank` takes at micro-step `micro` (may be empty)."""
+        lo, hi = micro * self.global_batch, min((micro + 1) * self.global_batch, self.n)
+        return np.arange(lo + rank, hi, self.world)
+
+    def step_samples(self, step: int) -> int:
+        """Samples of optimizer step `step` over all ranks: the loss denominator of that step."""
+        r = self.micro_range(step)
+        return min(r.stop * self.global_batch, self.n) - r.start * self.global_batch
+
+    def rank_share(self, rank: int) -> int:
+        """Samples `rank` sees per epoch."""
+        return len(range(rank, self.n, self.world))

@@ -1,0 +1,220 @@
+"""Stage two's data: the checked shard index, the train / held-out split, and per-rank loaders.
+
+The shards are checked and indexed once before training, the work split over the ranks (each scans
+every W-th shard, sha256 and member offsets in one sequential read) and the results summed across
+ranks, so a corrupt cache is refused by every rank with the same message before any step runs.
+Loaders read by row (`cache.reader`), in the exact order `EpochPlan` prescribes; worker processes only
+fetch, so the order and the exactly-once guarantee do not depend on their number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from cache import format as F
+from cache.errors import CacheError
+from cache.prompt_store import EmbeddingCache
+from cache.reader import (
+    C_CACHE, C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError, empty_table,
+    fill_table, sample_code, scan_shard, shard_list, shard_problem,
+)
+from pipeline.errors import UserError
+from pipeline.runtime import DistEnv
+
+from .comm import all_reduce_numpy
+
+log = logging.getLogger(__name__)
+
+_SCAN_THREADS = 4  # hashing releases the GIL: a few shards at once per rank keep the disk busy
+
+
+def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str) -> CacheIndex:
+    """Check every shard against the manifest and index its members; CacheError naming the first bad shard."""
+    shards = shard_list(caches)
+    mine = list(range(env.rank, len(shards), env.world_size))
+    table = empty_table(caches)
+    codes = np.zeros(len(shards), dtype=np.int64)
+    details: dict[int, str] = {}
+
+    def scan(sid: int):
+        ci, cache_dir, rec, first = shards[sid]
+        try:
+            fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, check_sha256=check == "sha256"))
+        except ShardError as e:
+            codes[sid] = e.code
+            details[sid] = str(e)
+
+    with ThreadPoolExecutor(max_workers=_SCAN_THREADS) as pool:
+        list(pool.map(scan, mine))
+    codes = all_reduce_numpy(codes, device)
+    bad = np.flatnonzero(codes != SHARD_OK)
+    if len(bad):
+        sid = int(bad[0])
+        _, cache_dir, rec, _ = shards[sid]
+        more = f" ({len(bad) - 1} more shard(s) also fail)" if len(bad) > 1 else ""
+        msg = details.get(sid, shard_problem(cache_dir, rec, int(codes[sid])))
+        err = CacheError(msg + more)
+        err.all_ranks = True  # every rank raises it: rank 0 alone prints it
+        raise err
+    table = all_reduce_numpy(table, device)  # each row was filled by exactly one rank, zeros elsewhere
+    return CacheIndex(caches, table)
+
+
+def holdout_set(prompts: np.ndarray, n: int) -> np.ndarray:
+    """`n` prompt indices chosen by a stable hash: the same prompts whatever the seed, world size or order."""
+    uniq = np.unique(prompts)
+    if n >= len(uniq):
+        raise UserError(f"--holdout-prompts {n} leaves no prompt to train on: the cache has {len(uniq)} prompts")
+    order = sorted(uniq.tolist(), key=lambda p: hashlib.sha256(f"wandistiller/holdout/{p}".encode()).digest())
+    return np.asarray(sorted(order[:n]), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    index: CacheIndex
+    train_rows: np.ndarray  # index rows trained on
+    heldout_rows: np.ndarray  # index rows of the held-out prompts (evaluated, never trained on)
+    heldout_prompts: np.ndarray
+    train_steps: tuple[int, ...]  # cached step indices used
+
+    def digest(self) -> str:
+        """Identity of the training set: a resumed run must see the very same rows."""
+        h = hashlib.sha256()
+        h.update(sample_code(self.index.table[self.train_rows]).tobytes())
+        h.update(sample_code(self.index.table[self.heldout_rows]).tobytes())
+        return h.hexdigest()
+
+
+def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
+    """Rows to train on (optionally only some step indices) and the held-out prompts' rows."""
+    steps_col = index.table[:, C_STEP]
+    present = sorted(set(np.unique(steps_col).tolist()))
+    if train_steps is None:
+        use_steps = tuple(present)
+    else:
+        missing = sorted(set(train_steps) - set(present))
+        if missing:
+            raise UserError(f"--train-steps {','.join(map(str, train_steps))}: the cache has no step "
+                            f"{','.join(map(str, missing))} (it holds steps {present[0]}..{present[-1]} of "
+                            f"{index.steps}); choose from those")
+        use_steps = tuple(sorted(set(train_steps)))
+    keep = np.isin(steps_col, use_steps)
+    prompts = index.table[:, C_PROMPT]
+    held = holdout_set(prompts, holdout_prompts) if holdout_prompts else np.zeros(0, dtype=np.int64)
+    is_held = np.isin(prompts, held)
+    return DataSplit(index, np.flatnonzero(keep & ~is_held), np.flatnonzero(keep & is_held), held, use_steps)
+
+
+class SampleDataset(Dataset):
+    """Items are (row, weight) pairs; reads the sample and its prompt embedding, padded as the teacher saw it.
+
+    Embeddings come from the caches' zarr stores through a bounded LRU per process; stores are opened
+    lazily, so each DataLoader worker opens its own after the fork.
+    """
+
+    def __init__(self, index: CacheIndex, embedding_cache_size: int):
+        self.index = index
+        self.embedding_cache_size = embedding_cache_size
+        self.max_len = int(index.manifest[F.F_MAX_SEQUENCE_LENGTH])
+        self._reader: SampleReader | None = None
+        self._embeds: list[EmbeddingCache] | None = None
+
+    def _open(self) -> None:
+        self._reader = SampleReader(self.index)
+        self._embeds = [EmbeddingCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size)
+                        for c in self.index.caches]
+
+    def __getitem__(self, item: tuple[int, float]) -> dict:
+        if self._reader is None:
+            self._open()
+        row, weight = item
+        tensors, meta = self._reader.read(row)
+        r = self.index.table[row]
+        prompt = int(r[C_PROMPT])
+        if meta.get(F.M_PROMPT_IDX) != prompt or meta.get(F.M_STEP) != int(r[C_STEP]):
+            raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)} carries metadata of "
+                             "another sample; run `wandistiller cache verify`")
+        try:
+            context = self._embeds[int(r[C_CACHE])].get(prompt)
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            raise CacheError(f"prompt embedding of prompt {prompt} unreadable in "
+                             f"{self.index.caches[int(r[C_CACHE])].path}: {e}") from e
+        if context.shape[0] != self.max_len:
+            raise CacheError(f"prompt store of {self.index.caches[int(r[C_CACHE])].path} pads to {context.shape[0]} "
+                             f"tokens, the manifest says max_sequence_length {self.max_len}")
+        return {"x_t": tensors[F.T_X_T], "target": tensors[F.T_TARGET], "context": context,
+                "timestep": float(meta[F.M_TIMESTEP]), "weight": float(weight), "key": self.index.key(row)}
+
+    def __getitems__(self, items: list[tuple[int, float]]) -> list[dict]:
+        return [self[i] for i in items]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def collate(items: list[dict]) -> dict:
+    return {
+        "x_t": torch.stack([i["x_t"] for i in items]),
+        "target": torch.stack([i["target"] for i in items]),
+        "context": torch.stack([i["context"] for i in items]),
+        "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
+        "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
+        "keys": [i["key"] for i in items if i["weight"] > 0],
+    }
+
+
+class RankBatches(Sampler):
+    """Batch sampler: this rank's micro-batches of one epoch, from optimizer step `start_step` on.
+
+    A rank whose share of a micro-step is empty (only in an epoch's last window) gets one zero-weight
+    sample, so it still runs forward/backward and joins the gradient all-reduce.
+    """
+
+    def __init__(self, plan: EpochPlan, rows: np.ndarray, seed: int, epoch: int, rank: int, start_step: int = 0):
+        self.plan, self.rows, self.seed, self.epoch, self.rank = plan, rows, seed, epoch, rank
+        self.start_step = start_step
+
+    def __iter__(self):
+        perm = self.plan.order(self.seed, self.epoch)
+        for step in range(self.start_step, self.plan.steps):
+            for micro in self.plan.micro_range(step):
+                pos = self.plan.positions(micro, self.rank)
+                if len(pos):
+                    yield [(int(self.rows[perm[p]]), 1.0) for p in pos]
+                else:
+                    yield [(int(self.rows[perm[0]]), 0.0)]
+
+    def __len__(self) -> int:
+        return sum(len(self.plan.micro_range(s)) for s in range(self.start_step, self.plan.steps))
+
+
+def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      pin_memory=pin, prefetch_factor=4 if num_workers else None)
+
+
+def eval_batches(rows: np.ndarray, rank: int, world: int, batch: int) -> list[list[tuple[int, float]]]:
+    """This rank's share of the held-out rows (positions rank, rank+W, ...), in batches."""
+    mine = rows[rank::world]
+    return [[(int(r), 1.0) for r in mine[i:i + batch]] for i in range(0, len(mine), batch)]
+
+
+def prepare(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str,
+            train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
+    """Check and index the caches (opened with `cache.reader.open_caches`), then split them into
+    training and held-out rows."""
+    index = build_index(caches, env, device, check)
+    if index.duplicates:
+        log.info(f"{index.duplicates} sample(s) appear in more than one cache; each is trained on once")
+    data = split(index, train_steps, holdout_prompts)
+    if len(data.train_rows) == 0:
+        raise UserError(f"no sample left to train on in {', '.join(str(c.path) for c in caches)} after --train-steps / "
+                        "--holdout-prompts")
+    return data

@@ -1,0 +1,320 @@
+"""The training loop: MSE to the cached targets, AdamW with warmup + cosine, clipping, accumulation,
+autocast, EMA, held-out evaluation, metrics and checkpoints.
+
+Loss scaling: every optimizer step's loss is the mean over *all* its samples on all ranks. Each rank
+backpropagates sum(per-sample loss) x world / samples_in_step; DDP averages gradients over the world,
+which gives exactly sum over all samples / samples_in_step: the gradient a single process computes
+with the same global batch, even when an epoch's last batch is short or empty on some ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from cache.reader import EpochPlan
+from pipeline.runtime import DistEnv
+
+from . import checkpoint
+from .comm import all_gather_bytes, all_reduce, barrier
+from .data import DataSplit, RankBatches, SampleDataset, collate, eval_batches, make_loader
+
+# Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
+# with an out-of-memory error when ":oom" is given. DEBUG_DIR: each rank writes the sample keys of its
+# micro-batches and a hash of its final parameters to DEBUG_DIR/rank-R.json.
+FAIL_AT_ENV = "WANDISTILLER_FAIL_AT"
+DEBUG_DIR_ENV = "WANDISTILLER_DEBUG_DIR"
+
+METRICS = "metrics.jsonl"
+LOSS_PNG = "loss.png"
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to peak x min_ratio."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def maybe_fail(rank: int, step: int) -> None:
+    spec = os.environ.get(FAIL_AT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if int(parts[0]) == rank and int(parts[1]) == step:
+        where = f"(injected by {FAIL_AT_ENV}={spec} at step {step} on rank {rank})"
+        if len(parts) > 2 and parts[2] == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB {where}")
+        raise RuntimeError(f"injected failure {where}")
+
+
+class EMA:
+    """Float32 exponential moving average of the parameters, with the usual warmup of the decay
+    (min(decay, (1+n)/(10+n))) so short runs are not dominated by the random initialisation."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, state: dict[str, torch.Tensor] | None = None):
+        self.decay = decay
+        params = dict(model.named_parameters())
+        self.shadow = {k: (state[k] if state is not None else p.detach()).to(p.device, torch.float32).clone()
+                       for k, p in params.items()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, updates: int) -> None:
+        d = min(self.decay, (1 + updates) / (10 + updates))
+        for k, p in model.named_parameters():
+            self.shadow[k].lerp_(p.detach().float(), 1 - d)
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(self.shadow[k].to(p.dtype))
+
+
+@dataclass
+class TrainState:
+    """Where training stands: saved in every checkpoint, restored on --resume."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch
+    epoch_step: int = 0  # optimizer steps done in the current epoch (position in its exact sequence)
+    samples: int = 0  # samples trained on, all ranks
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # run identity checked on resume
+
+
+@dataclass
+class ModelInputs:
+    """Model inputs built from a collated batch, on the device."""
+
+    x_t: torch.Tensor
+    timestep: torch.Tensor
+    context: torch.Tensor
+    target: torch.Tensor
+    weight: torch.Tensor
+
+
+def to_inputs(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> ModelInputs:
+    x = batch["x_t"].to(device, torch.float32, non_blocking=True)
+    t = batch["timestep"].to(device)
+    if expand_timesteps:
+        # Per-token timesteps, laid out as WanPipeline does for TI2V: one per latent patch position.
+        f, h, w = x.shape[2:]
+        t = t[:, None].expand(-1, f * len(range(0, h, patch[1])) * len(range(0, w, patch[2])))
+    return ModelInputs(x, t, batch["context"].to(device, torch.float32, non_blocking=True),
+                   batch["target"].to(device, torch.float32, non_blocking=True), batch["weight"].to(device))
+
+
+def per_sample_loss(model, b: ModelInputs, autocast) -> torch.Tensor:
+    """MSE of each sample against its cached target, in float32: [B]."""
+    with autocast():
+        pred = model(hidden_states=b.x_t, timestep=b.timestep, encoder_hidden_states=b.context, return_dict=False)[0]
+    return (pred.float() - b.target).pow(2).flatten(1).mean(1)
+
+
+class Trainer:
+    """Runs optimizer steps from `state` to `total` over the exact epoch sequence of `plan`."""
+
+    def __init__(self, *, cfg, env: DistEnv, device: torch.device, model: torch.nn.Module, ddp, data: DataSplit,
+                 plan: EpochPlan, optimizer, scaler, ema: EMA | None, state: TrainState, total: int, out: Path,
+                 mixed_dtype: torch.dtype | None, expand_timesteps: bool, patch: tuple[int, int, int],
+                 checkpoint_extra: dict):
+        self.cfg, self.env, self.device, self.model, self.ddp = cfg, env, device, model, ddp
+        self.data, self.plan, self.optimizer, self.scaler, self.ema = data, plan, optimizer, scaler, ema
+        self.state, self.total, self.out = state, total, out
+        self.expand_timesteps, self.patch = expand_timesteps, patch
+        self.checkpoint_extra = checkpoint_extra
+        self.dataset = SampleDataset(data.index, cfg.embedding_cache_size)
+        self.autocast = (lambda: torch.autocast(device.type, dtype=mixed_dtype)) if mixed_dtype else contextlib.nullcontext
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
+        self.trained_keys: list[list[str]] = []
+        self.metrics = open(out / METRICS, "a") if env.is_main else None
+        self.last_eval: float | None = None
+
+    # -- logging -------------------------------------------------------------------------------------
+    def log(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the held-out prompts' samples (all ranks), or None without a held-out set."""
+        rows = self.data.heldout_rows
+        if len(rows) == 0:
+            return None
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for items in eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size):
+            b = to_inputs(collate(self.dataset.__getitems__(items)), self.device, self.expand_timesteps, self.patch)
+            total += torch.tensor([per_sample_loss(self.model, b, self.autocast).sum().item(), len(items)],
+                                  dtype=torch.float64)
+        self.model.train()
+        total = all_reduce(total, self.device)
+        return float(total[0] / total[1])
+
+    def log_eval(self) -> None:
+        loss = self.evaluate()
+        if loss is not None:
+            self.log({"type": "eval", "step": self.state.step, "heldout_loss": loss,
+                      "heldout_samples": int(len(self.data.heldout_rows))})
+            self.last_eval = loss
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        rng = all_gather_bytes(json.dumps(checkpoint.rng_state()).encode(), self.device)
+        if self.env.is_main:
+            state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
+                                          "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+            state["extra"] = self.checkpoint_extra
+            checkpoint.save(self.out, self.state.step, self.model, self.ema.shadow if self.ema else None,
+                            self.optimizer, state, self.cfg.keep_checkpoints)
+            plot_losses(self.out)
+        barrier(self.device)
+
+    # -- training ------------------------------------------------------------------------------------
+    def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int]:
+        """One optimizer step; returns (mean loss over all ranks' samples, grad norm, samples)."""
+        cfg, plan = self.cfg, self.plan
+        count = plan.step_samples(epoch_step)
+        micros = plan.micro_range(epoch_step)
+        world = self.env.world_size
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        keys = []
+        for j, _ in enumerate(micros):
+            batch = next(loader_iter)
+            keys.append(batch["keys"])
+            b = to_inputs(batch, self.device, self.expand_timesteps, self.patch)
+            last = j == len(micros) - 1
+            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                per = per_sample_loss(self.ddp or self.model, b, self.autocast)
+                weighted = (per * b.weight).sum()
+                self.scaler.scale(weighted * (world / count)).backward()
+            loss_sum += weighted.detach().double().cpu()
+        if self.debug_dir:
+            self.trained_keys.extend(keys)
+        self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model, self.state.step + 1)
+        loss = all_reduce(loss_sum, self.device).item() / count
+        return loss, float(grad_norm), count
+
+    def fit(self) -> TrainState:
+        cfg, st, env = self.cfg, self.state, self.env
+        if st.step == 0:
+            self.log_eval()
+        bar = tqdm(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
+                   disable=not env.is_main)
+        t_start = time.time() - st.wall_s
+        rate = None
+        pin = self.device.type == "cuda"
+        while st.step < self.total:
+            sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
+            loader = make_loader(self.dataset, sampler, cfg.num_workers, pin)
+            it = iter(loader)
+            while st.epoch_step < self.plan.steps and st.step < self.total:
+                maybe_fail(env.rank, st.step + 1)
+                lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+                t0 = time.time()
+                loss, grad_norm, count = self.step(it, st.epoch_step)
+                dt = time.time() - t0
+                rate = count / dt if rate is None else 0.9 * rate + 0.1 * count / dt
+                st.step += 1
+                st.epoch_step += 1
+                st.samples += count
+                st.wall_s = time.time() - t_start
+                if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
+                    raise FloatingPointError(f"loss became {loss} at step {st.step}; lower --lr or use "
+                                             "--mixed-precision bf16 instead of fp16")
+                if st.step % cfg.log_every == 0 or st.step == self.total:
+                    self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
+                              "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
+                              "wall_s": round(st.wall_s, 3)})
+                post = {"loss": f"{loss:.4f}", "samples/s": f"{rate:.1f}", "epoch": st.epoch}
+                if self.last_eval is not None:
+                    post["heldout"] = f"{self.last_eval:.4f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
+                    self.log_eval()
+                if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
+                    self.save_checkpoint()
+            del it, loader  # stops the workers of this epoch
+            if st.epoch_step >= self.plan.steps:
+                st.epoch += 1
+                st.epoch_step = 0
+        bar.close()
+        self.log_eval()
+        if self.metrics is not None:
+            self.metrics.close()
+        return st
+
+    def write_debug(self, param_sha: str) -> None:
+        if not self.debug_dir:
+            return
+        Path(self.debug_dir).mkdir(parents=True, exist_ok=True)
+        record = {"rank": self.env.rank, "world": self.env.world_size, "micro_batches": self.trained_keys,
+                  "steps": self.state.step, "param_sha256": param_sha}
+        (Path(self.debug_dir) / f"rank-{self.env.rank}.json").write_text(json.dumps(record))
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """Drop metrics past `step` (written after the checkpoint a run resumes from)."""
+    path = out / METRICS
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def plot_losses(out: Path) -> Path | None:
+    """OUT/loss.png: training loss per logged step and held-out loss, log scale."""
+    path = out / METRICS
+    if not path.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, held = [], []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        (train if r["type"] == "train" else held).append((r["step"], r.get("loss", r.get("heldout_loss"))))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*np.asarray(train).T, label="train loss", lw=1)
+    if held:
+        ax.plot(*np.asarray(held).T, "o-", label="held-out loss", ms=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("MSE to cached target")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = out / LOSS_PNG
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return png

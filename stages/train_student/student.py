@@ -1,0 +1,159 @@
+"""The student: a `WanTransformer3DModel` built from a JSON config, checked against the cache, and
+optionally initialised from a subset of the teacher's blocks read lazily from safetensors."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from cache import format as F
+from pipeline.errors import UserError
+
+_BLOCK_PREFIX = "blocks."
+_SAFETENSORS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def _model_class():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel
+
+
+def config_keys() -> set[str]:
+    """The architecture arguments `WanTransformer3DModel` takes."""
+    return {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
+
+
+def load_student_config(path: str | os.PathLike) -> dict:
+    """Read and check a student JSON config; keys starting with '_' (diffusers metadata) are ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"student config {p} does not exist; pass a JSON file like configs/student-tiny.json")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"student config {p} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"student config {p} must be a JSON object of WanTransformer3DModel arguments")
+    cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
+    valid = config_keys()
+    unknown = sorted(set(cfg) - valid)
+    if unknown:
+        raise UserError(f"student config {p}: unknown key(s) {', '.join(unknown)}; WanTransformer3DModel takes "
+                        f"{', '.join(sorted(valid))}")
+    if "patch_size" in cfg:
+        cfg["patch_size"] = tuple(cfg["patch_size"])
+    return cfg
+
+
+def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
+    """Refuse a student that cannot consume the cache's latents and prompt embeddings."""
+    defaults = {k: v.default for k, v in inspect.signature(_model_class().__init__).parameters.items()}
+    get = lambda k: cfg.get(k, defaults.get(k))  # noqa: E731
+    c, f, h, w = manifest[F.F_LATENT_SHAPE]
+    problems = []
+    if get("in_channels") != c:
+        problems.append(f"in_channels {get('in_channels')} but the cache's latents have {c} channels")
+    if (get("out_channels") or get("in_channels")) != c:
+        problems.append(f"out_channels {get('out_channels')} but the targets have {c} channels")
+    text_dim = manifest.get(F.F_TEXT_DIM)
+    if text_dim is not None and get("text_dim") != text_dim:
+        problems.append(f"text_dim {get('text_dim')} but the cache's prompt embeddings have {text_dim}")
+    pt, ph, pw = tuple(get("patch_size"))
+    if f % pt or h % ph or w % pw:
+        problems.append(f"patch_size {[pt, ph, pw]} does not divide the latent grid {[f, h, w]}")
+    teacher_patch = manifest.get(F.F_PATCH_SIZE)
+    if teacher_patch is not None and manifest.get(F.F_EXPAND_TIMESTEPS) and [pt, ph, pw] != list(teacher_patch):
+        problems.append(f"patch_size {[pt, ph, pw]} differs from the teacher's {teacher_patch}, and this cache "
+                        "uses per-token timesteps laid out on the teacher's patch grid")
+    if problems:
+        raise UserError(f"student config {path} does not fit the cache: " + "; ".join(problems)
+                        + f" (cache: latent {[c, f, h, w]}, text_dim {text_dim}, patch {teacher_patch})")
+
+
+def build_student(cfg: dict, path: str, seed: int) -> torch.nn.Module:
+    """A float32 student with weights drawn from `seed` (same seed, same weights on every rank)."""
+    torch.manual_seed(seed)
+    try:
+        return _model_class()(**cfg).float()
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        raise UserError(f"student config {path} cannot build a WanTransformer3DModel: {e}") from e
+
+
+def _teacher_weights(path: str | os.PathLike) -> tuple[list[Path], dict]:
+    """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder
+    or a single .safetensors file)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        cfg_path = p.parent / "config.json"
+        return [p], json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    if (p / "model_index.json").is_file():
+        p = p / "transformer"
+    if not p.is_dir():
+        raise UserError(f"--init-from-teacher {path} is neither a Wan pipeline folder, a transformer folder nor a "
+                        ".safetensors file")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--init-from-teacher {path}: no .safetensors weights in {p}")
+    cfg_path = p / "config.json"
+    return files, json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+
+def default_blocks(student_layers: int, teacher_layers: int) -> list[int]:
+    """Teacher blocks spread evenly over its depth, first and last included."""
+    if student_layers == 1:
+        return [0]
+    return [round(i * (teacher_layers - 1) / (student_layers - 1)) for i in range(student_layers)]
+
+
+def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...] | None) -> dict:
+    """Copy into `model` the teacher tensors whose names and shapes match; student block i takes teacher
+    block blocks[i]. Only the needed tensors are read (safetensors `safe_open`, shapes from headers).
+    Returns counts of copied and skipped tensors."""
+    from safetensors import safe_open
+
+    files, tcfg = _teacher_weights(path)
+    n_student = len(model.blocks)
+    n_teacher = tcfg.get("num_layers")
+    if blocks is None:
+        if n_teacher is None:
+            raise UserError(f"--init-from-teacher {path} has no config.json giving num_layers; pass --teacher-blocks")
+        blocks = tuple(default_blocks(n_student, n_teacher))
+    if len(blocks) != n_student:
+        raise UserError(f"--teacher-blocks lists {len(blocks)} blocks but the student has {n_student} "
+                        f"(num_layers); give one teacher block per student block")
+    if n_teacher is not None and max(blocks) >= n_teacher:
+        raise UserError(f"--teacher-blocks {','.join(map(str, blocks))}: the teacher has blocks 0..{n_teacher - 1}")
+    # student name -> teacher name
+    wanted = {}
+    for name in model.state_dict():
+        if name.startswith(_BLOCK_PREFIX):
+            i, rest = name[len(_BLOCK_PREFIX):].split(".", 1)
+            wanted[name] = f"{_BLOCK_PREFIX}{blocks[int(i)]}.{rest}"
+        else:
+            wanted[name] = name
+    by_teacher = {t: s for s, t in wanted.items()}
+    state = model.state_dict()
+    copied, shape_mismatch = [], []
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for tname in f.keys():
+                    sname = by_teacher.get(tname)
+                    if sname is None:
+                        continue
+                    if list(f.get_slice(tname).get_shape()) != list(state[sname].shape):
+                        shape_mismatch.append(sname)
+                        continue
+                    state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
+                    copied.append(sname)
+    if not copied:
+        raise UserError(f"--init-from-teacher {path}: no teacher tensor matches the student's names and shapes "
+                        f"({len(shape_mismatch)} differ in shape); use a student as wide as the teacher "
+                        "(same num_attention_heads x attention_head_dim, ffn_dim) or drop --init-from-teacher")
+    return {"copied": len(copied), "shape_mismatch": len(shape_mismatch),
+            "missing": len(state) - len(copied) - len(shape_mismatch), "teacher_blocks": list(blocks)}

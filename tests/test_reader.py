@@ -1,0 +1,148 @@
+"""cache/reader.py: the shard index, random-access reads, the exact epoch partition, refusal of bad caches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+
+from cache import format as F
+from cache.errors import CacheError
+from cache.reader import (
+    SHARD_MEMBERS, SHARD_SHA256, SHARD_SIZE, CacheIndex, EpochPlan, SampleReader, ShardError, empty_table,
+    fill_table, open_caches, scan_shard, shard_list,
+)
+from cache.writer import decode_sample
+
+
+def build_index(dirs, check_sha256=True) -> CacheIndex:
+    caches = open_caches(list(dirs))
+    table = empty_table(caches)
+    for sid, (ci, d, rec, first) in enumerate(shard_list(caches)):
+        fill_table(table, sid, ci, first, scan_shard(d, rec, check_sha256))
+    return CacheIndex(caches, table)
+
+
+@pytest.fixture
+def cache_copy(tiny_cache, tmp_path) -> Path:
+    """A private copy of the tiny cache that a test may damage."""
+    return Path(shutil.copytree(tiny_cache, tmp_path / "cache"))
+
+
+def _streamed(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
+    """Every sample as webdataset's streaming reader sees it."""
+    m = json.loads((cache_dir / F.MANIFEST).read_text())
+    urls = [str(cache_dir / s[F.S_PATH]) for s in m[F.F_SHARDS]]
+    out = {}
+    for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        out[s["__key__"]] = decode_sample({F.EXT_TENSORS: s[F.EXT_TENSORS], F.EXT_META: s[F.EXT_META]})
+    return out
+
+
+@pytest.mark.parametrize("check_sha256", [True, False])
+def test_index_reads_every_sample_as_webdataset_does(tiny_cache, check_sha256):
+    index = build_index([tiny_cache], check_sha256)
+    streamed = _streamed(tiny_cache)
+    m = json.loads((tiny_cache / F.MANIFEST).read_text())
+    assert len(index) == m[F.F_SAMPLES] == len(streamed) == 28
+    reader = SampleReader(index, max_open=1)  # forces reopening: descriptors are evicted and reopened
+    for row in reversed(range(len(index))):  # random access, not stream order
+        tensors, meta = reader.read(row)
+        want_t, want_m = streamed[index.key(row)]
+        assert meta == want_m
+        assert set(tensors) == set(want_t)
+        for k in tensors:
+            assert torch.equal(tensors[k], want_t[k])
+    reader.close()
+
+
+@pytest.mark.parametrize("n,world,batch,accum", [
+    (28, 1, 4, 1), (28, 2, 3, 1), (28, 3, 2, 2), (21, 2, 2, 2), (29, 4, 3, 3), (7, 2, 3, 1), (1, 1, 1, 1),
+])
+def test_partition_is_exact(n, world, batch, accum):
+    plan = EpochPlan(n, world, batch, accum)
+    one = EpochPlan(n, 1, batch * world, accum)  # one process, same global batch
+    assert plan.steps == one.steps and plan.micro_steps == one.micro_steps
+    for epoch in range(2):
+        perm = plan.order(seed=3, epoch=epoch)
+        assert sorted(perm.tolist()) == list(range(n))
+        seen = [[] for _ in range(world)]
+        for step in range(plan.steps):
+            step_total = 0
+            for micro in plan.micro_range(step):
+                parts = [plan.positions(micro, r) for r in range(world)]
+                union = np.sort(np.concatenate(parts))
+                # the micro-step's union over ranks is the one-process batch
+                assert union.tolist() == one.positions(micro, 0).tolist()
+                for r in range(world):
+                    seen[r] += perm[parts[r]].tolist()
+                step_total += len(union)
+            assert step_total == plan.step_samples(step)
+        flat = [k for s in seen for k in s]
+        assert len(flat) == len(set(flat)) == n  # disjoint, and the union is the epoch
+        assert [len(s) for s in seen] == [plan.rank_share(r) for r in range(world)]
+        assert sum(plan.step_samples(s) for s in range(plan.steps)) == n
+
+
+def test_order_is_a_function_of_seed_and_epoch():
+    plan = EpochPlan(100, 2, 4)
+    assert np.array_equal(plan.order(0, 1), EpochPlan(100, 4, 7).order(0, 1))  # not of world or batch
+    assert not np.array_equal(plan.order(0, 0), plan.order(0, 1))
+    assert not np.array_equal(plan.order(0, 0), plan.order(1, 0))
+
+
+def test_flipped_byte_fails_sha256_but_not_the_size_check(cache_copy):
+    m = json.loads((cache_copy / F.MANIFEST).read_text())
+    rec = m[F.F_SHARDS][1]
+    path = cache_copy / rec[F.S_PATH]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    scan_shard(cache_copy, rec, check_sha256=False)  # same size, headers intact
+    with pytest.raises(ShardError) as e:
+        scan_shard(cache_copy, rec, check_sha256=True)
+    assert e.value.code == SHARD_SHA256 and rec[F.S_PATH] in str(e.value) and "sha256" in str(e.value)
+
+
+def test_truncated_shard_and_wrong_count_are_refused(cache_copy):
+    m = json.loads((cache_copy / F.MANIFEST).read_text())
+    rec = m[F.F_SHARDS][0]
+    path = cache_copy / rec[F.S_PATH]
+    full = path.read_bytes()
+    path.write_bytes(full[: len(full) // 2])
+    with pytest.raises(ShardError) as e:
+        scan_shard(cache_copy, rec, check_sha256=False)
+    assert e.value.code == SHARD_SIZE and rec[F.S_PATH] in str(e.value)
+    path.write_bytes(full)
+    lying = dict(rec, samples=rec[F.S_SAMPLES] + 1)
+    with pytest.raises(ShardError) as e:
+        scan_shard(cache_copy, lying, check_sha256=True)
+    assert e.value.code == SHARD_MEMBERS and "manifest says" in str(e.value)
+
+
+def test_open_caches_refuses_missing_empty_twice_and_mixed(tiny_cache, cache_copy, tmp_path):
+    with pytest.raises(CacheError, match="does not exist"):
+        open_caches([tmp_path / "nope"])
+    with pytest.raises(CacheError, match="given twice"):
+        open_caches([tiny_cache, Path(str(tiny_cache) + "/.")])
+    other = Path(shutil.copytree(tiny_cache, tmp_path / "other"))
+    m = json.loads((other / F.MANIFEST).read_text())
+    m[F.F_FINGERPRINT] = "0" * 64
+    (other / F.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CacheError, match="different settings"):
+        open_caches([tiny_cache, other])
+    m.update({F.F_SHARDS: [], F.F_SAMPLES: 0})
+    (other / F.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CacheError, match="holds no samples"):
+        open_caches([other])
+
+
+def test_two_copies_of_one_cache_give_each_sample_once(tiny_cache, cache_copy):
+    index = build_index([tiny_cache, cache_copy])
+    assert len(index) == 28 and index.duplicates == 28
+    assert len({index.key(r) for r in range(len(index))}) == 28

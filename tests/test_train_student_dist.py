@@ -1,0 +1,87 @@
+"""Stage two under torchrun with two CPU processes (gloo): the exact partition, DDP equivalence with one
+process, and a failure on one rank ending the whole job with its message."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train_student import TINY, max_rel_diff, metrics, train, weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 7 prompts x steps 0,1,2 = 21 samples; batch 2 on 2 ranks = global 4: the last window of each epoch
+# holds a single sample, so rank 1 runs that micro-step with an empty share.
+ARGS = dict(train_steps="0,1,2", batch_size=2, grad_accum=2, epochs=2, lr=1e-3, warmup_steps=1, ema_decay=0.9,
+            seed=11)
+
+
+def torchrun(cache: Path, out: Path, env_extra: dict, timeout: float, **kw) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "pipeline.cli", "train-student", "--cache", str(cache), "--student-config", TINY, "--out", str(out),
+            "--num-workers", "1", "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0"]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _debug(folder: Path) -> dict[int, dict]:
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in folder.glob("rank-*.json"))}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_partition_exactly_and_match_one_process(tiny_cache, tmp_path, monkeypatch):
+    out2, dbg2 = tmp_path / "two", tmp_path / "debug-two"
+    proc = torchrun(tiny_cache, out2, {"WANDISTILLER_DEBUG_DIR": str(dbg2)}, 240, **ARGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    out1, dbg1 = tmp_path / "one", tmp_path / "debug-one"
+    monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(dbg1))
+    train(tiny_cache, out1, **(ARGS | dict(batch_size=4)))
+
+    ranks, one = _debug(dbg2), _debug(dbg1)[0]
+    assert sorted(ranks) == [0, 1]
+    # equal optimizer and micro-step counts on both ranks, identical weights
+    assert ranks[0]["steps"] == ranks[1]["steps"] == one["steps"] == 6
+    assert len(ranks[0]["micro_batches"]) == len(ranks[1]["micro_batches"]) == len(one["micro_batches"]) == 12
+    assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]
+    # per epoch (6 micro-steps each): disjoint ranks, union = the whole epoch; per micro-step: union = one process
+    all_keys = {k for b in one["micro_batches"][:6] for k in b}
+    assert len(all_keys) == 21
+    for epoch in range(2):
+        sl = slice(6 * epoch, 6 * epoch + 6)
+        k0 = [k for b in ranks[0]["micro_batches"][sl] for k in b]
+        k1 = [k for b in ranks[1]["micro_batches"][sl] for k in b]
+        assert not set(k0) & set(k1) and len(k0) + len(k1) == 21 and set(k0) | set(k1) == all_keys
+        assert (len(k0), len(k1)) == (11, 10)  # rank 1's last share of the epoch is empty
+    for i, ref in enumerate(one["micro_batches"]):
+        assert sorted(ranks[0]["micro_batches"][i] + ranks[1]["micro_batches"][i]) == sorted(ref)
+    # same global batch, same numbers: losses and final weights agree to float32 rounding
+    l2, l1 = [r["loss"] for r in metrics(out2)], [r["loss"] for r in metrics(out1)]
+    assert max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
+    diffs = {name: max_rel_diff(weights(out2 / name), weights(out1 / name)) for name in ("student", "student_ema")}
+    print(f"one vs two processes, max relative difference: {diffs}")
+    assert max(diffs.values()) <= 1e-5
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_whole_job_with_its_message(tiny_cache, tmp_path):
+    t0 = time.time()
+    proc = torchrun(tiny_cache, tmp_path / "run", {"WANDISTILLER_FAIL_AT": "1:2:oom"}, 120, max_steps=50,
+                    batch_size=2)
+    elapsed = time.time() - t0
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to end"
+    assert "[rank 1] error: out of memory in train-student" in output, output[-4000:]
+    assert "memory: peak host RSS" in output and "--gradient-checkpointing" in output
+    assert not (tmp_path / "run" / "student").exists()
