@@ -28,9 +28,6 @@ from . import format as F
 from .errors import CacheError
 from .manifest import load_manifest
 
-# Manifest field "the targets are CFG-guided", written by stage one as a literal; belongs in format.py.
-F_CFG = "cfg"
-
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
 N_COLS = 9

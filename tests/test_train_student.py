@@ -247,17 +247,13 @@ def test_per_token_timesteps_of_a_ti2v_cache(tiny_teacher_factory, prompts_file,
 
 @pytest.fixture(scope="module")
 def demo_cache(tiny_teacher, tmp_path_factory) -> Path:
-    """The demo cache of `make teacher-cache` (configs/tiny-teacher-cache.toml: 8 steps, CFG, 64x64) over the
-    first 80 prompts of data/prompts.txt: a third of the demo's stage-one time, the same kind of targets."""
-    from pipeline.prompts import read_prompt_file
+    """The demo cache of `make teacher-cache`: configs/tiny-teacher-cache.toml over data/prompts.txt."""
     from stages import teacher_cache
 
-    tmp = tmp_path_factory.mktemp("demo")
-    prompts = tmp / "prompts.txt"
-    prompts.write_text("\n".join(read_prompt_file(ROOT / "data" / "prompts.txt")[:80]) + "\n")
-    out = tmp / "cache"
+    out = tmp_path_factory.mktemp("demo") / "cache"
     cfg = load_config(TeacherCacheConfig, ROOT / "configs" / "tiny-teacher-cache.toml",
-                      dict(teacher=str(tiny_teacher), prompts=str(prompts), out=str(out), placement="cpu"))
+                      dict(teacher=str(tiny_teacher), prompts=str(ROOT / "data" / "prompts.txt"), out=str(out),
+                           placement="cpu"))
     teacher_cache.run(cfg)
     return out
 

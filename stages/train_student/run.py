@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cache import format as F
 from cache.errors import CacheError
-from cache.reader import F_CFG, EpochPlan, open_caches
+from cache.reader import EpochPlan, open_caches
 from pipeline.config import TrainStudentConfig, save_resolved
 from pipeline.errors import EXIT_OOM, EXIT_USAGE, UserError, oom_message
 from pipeline.runtime import DistEnv, dist_env, init_distributed, teardown
@@ -178,9 +178,9 @@ def _distill_record(cfg: TrainStudentConfig, data: DataSplit, state: TrainState,
         "student": STUDENT, "student_ema": STUDENT_EMA if ema else None,
         "caches": [{"path": str(c.path), "fingerprint": c.fingerprint} for c in data.index.caches],
         "fingerprints": sorted({c.fingerprint for c in data.index.caches}),
-        "teacher": m.get(F.F_TEACHER), "revision": m.get("revision"),
+        "teacher": m.get(F.F_TEACHER), "teacher_path": m.get(F.F_TEACHER_PATH), "revision": m.get(F.F_REVISION),
         # The targets are the teacher's *guided* predictions when cfg is true: sample the student without CFG.
-        "cfg": m.get(F_CFG), "guidance": m.get(F.F_GUIDANCE), "guidance_2": m.get(F.F_GUIDANCE_2),
+        "cfg": m.get(F.F_CFG), "guidance": m.get(F.F_GUIDANCE), "guidance_2": m.get(F.F_GUIDANCE_2),
         "boundary_ratio": m.get(F.F_BOUNDARY_RATIO), "negative_prompt": m.get(F.F_NEGATIVE_PROMPT),
         "max_sequence_length": m.get(F.F_MAX_SEQUENCE_LENGTH), "expand_timesteps": m.get(F.F_EXPAND_TIMESTEPS),
         "latent_shape": m.get(F.F_LATENT_SHAPE), "height": m.get(F.F_HEIGHT), "width": m.get(F.F_WIDTH),
@@ -279,10 +279,13 @@ def _run(cfg: TrainStudentConfig, env: DistEnv) -> dict:
     # 5. save: the student in diffusers format (and its EMA), the distillation record, the loss curve.
     if env.is_main:
         _save_pretrained(model, out / STUDENT)
-        if ema is not None:
-            ema_model = build_student(student_cfg, cfg.student_config, cfg.seed)
-            ema.copy_to(ema_model)
-            _save_pretrained(ema_model, out / STUDENT_EMA)
+        if ema is not None:  # swap the EMA weights in for the save (no second model to initialise)
+            raw = {k: p.detach().to("cpu", copy=True) for k, p in model.named_parameters()}
+            ema.copy_to(model)
+            _save_pretrained(model, out / STUDENT_EMA)
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_(raw[k])
         (out / DISTILL).write_text(json.dumps(_distill_record(cfg, data, state, ema is not None), indent=2) + "\n")
         plot_losses(out)
     barrier(device)
