@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import zarr
 
+from .errors import CacheError
 from .format import (
     PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX,
     Z_SEQ_LENS, Z_TEXT, part_dirname, storage_numpy_dtype, storage_to_torch, torch_to_storage,
@@ -93,7 +94,7 @@ class EmbeddingCache:
         self.num_parts = num_parts
         self.capacity = capacity
         self._groups: dict[int, zarr.Group] = {}
-        self._lru: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lru: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
 
     def _group(self, part: int) -> zarr.Group:
         if part not in self._groups:
@@ -102,13 +103,18 @@ class EmbeddingCache:
 
     def get(self, prompt_idx: int) -> torch.Tensor:
         hit = self._lru.get(prompt_idx)
-        if hit is not None:
+        if hit is None:
+            emb, seq_len = read_embeds(self._group(prompt_idx % self.num_parts), prompt_idx // self.num_parts)
+            if seq_len < 0:
+                raise CacheError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written); "
+                                 "rerun teacher-cache on that cache to complete it")
+            # Keep only the real tokens: a padded real row is 512 x 4096, mostly zeros.
+            hit = (emb[:seq_len].clone(), emb.shape[0])
+            self._lru[prompt_idx] = hit
+            if len(self._lru) > self.capacity:
+                self._lru.popitem(last=False)
+        else:
             self._lru.move_to_end(prompt_idx)
-            return hit
-        emb, seq_len = read_embeds(self._group(prompt_idx % self.num_parts), prompt_idx // self.num_parts)
-        if seq_len < 0:
-            raise ValueError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written)")
-        self._lru[prompt_idx] = emb
-        if len(self._lru) > self.capacity:
-            self._lru.popitem(last=False)
-        return emb
+        trimmed, max_len = hit
+        # Zero padding past the real length, exactly as WanPipeline pads its prompt embeddings.
+        return torch.cat([trimmed, trimmed.new_zeros(max_len - trimmed.shape[0], trimmed.shape[1])])
