@@ -20,7 +20,7 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install teacher-cache train-student test clean help
+.PHONY: install tiny-teacher teacher-cache train-student demo test clean help
 
 help:
 	@echo "make demo | test | teacher-cache | train-student | install | clean"
@@ -56,6 +56,22 @@ TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --npr
 
 train-student: $(STAMP)
 	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)
+
+# The whole pipeline on the embedded tiny teacher: stage one -> stage two -> sample -> eval (minutes on a CPU).
+DEMO ?= $(RUNS)/demo
+demo: $(STAMP) $(TINY_TEACHER)/model_index.json
+	$(MAKE) --no-print-directory teacher-cache TEACHER=$(TINY_TEACHER) CACHE=$(DEMO)/cache
+	rm -rf $(DEMO)/student  # the demo trains afresh each time; the cache above is reused when complete
+	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO)/student STUDENT_CONFIG=configs/student-tiny.json
+	$(BIN)/wandistiller sample --student $(DEMO)/student --teacher $(TINY_TEACHER) --prompts $(PROMPTS) \
+		--out $(DEMO)/grid.png --max-prompts 6
+	$(BIN)/wandistiller eval --student $(DEMO)/student --cache $(DEMO)/cache --report $(DEMO)/eval.json
+	@echo
+	@echo "demo done:"
+	@echo "  cache      $(DEMO)/cache        (wandistiller cache info $(DEMO)/cache)"
+	@echo "  student    $(DEMO)/student/student  (diffusers WanTransformer3DModel; loss curve $(DEMO)/student/loss.png)"
+	@echo "  grid       $(DEMO)/grid.png     (teacher | student, same noise, one row per prompt)"
+	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
