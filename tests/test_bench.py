@@ -1,0 +1,70 @@
+"""Smoke test of the benchmarks: every piece of `make bench` runs for real at the smallest sizes, and the
+results file has the documented schema. The figures themselves mean nothing at these sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from bench import run_all
+from bench.common import ROOT, exponent, machine_line, result, table
+
+STUDENT = ROOT / "configs" / "student-tiny.json"
+KEYS = {"name", "value", "baseline", "ratio", "target", "met", "unit", "note", "machine"}
+
+
+def test_bench_pieces_and_results_schema(tiny_teacher, tiny_cache, prompts_file, tmp_path):
+    from bench import online, stage_one, stage_two
+
+    cpu = torch.device("cpu")
+    records = []
+
+    # stage two: the stage's own step vs the bare step; the reader vs a raw read and vs consumption
+    bench = stage_two.StepBench(tiny_cache, STUDENT, tmp_path / "out", cpu, batch_size=4, num_workers=0)
+    step = stage_two.overhead(bench, steps_per_rep=2, reps=1)
+    records.append(result("stage_two_overhead", step["stage"], step["bare"], "s/step", 1.10, "<="))
+    ld = stage_two.loader(bench, reps=1)
+    assert ld["bytes_per_sample"] > 0
+    records.append(result("loader_vs_raw_read", ld["reader_sps"], ld["raw_sps"], "samples/s", 0.8, ">="))
+    records.append(result("loader_vs_consumption", ld["reader_sps"], ld["consume_sps"], "samples/s", 10, ">="))
+
+    # the online step (teacher CFG forward in the loop) on the same teacher, student and batch
+    on = online.Online(str(tiny_teacher), str(prompts_file), str(STUDENT), cpu, steps=4, size=64, max_len=32,
+                       batch_size=4)
+    on.step()
+    assert on.teacher_params > 0
+
+    # stage one: the compute-only baseline and the naive cache
+    args = argparse.Namespace(steps=4, batch_size=3, device=cpu)
+    assert stage_one._compute_only(tiny_teacher, tiny_cache, args) > 0
+    assert stage_one._naive(tiny_cache, tmp_path, k=4) > 0
+
+    # the placements' JSON as bench/placements.py writes it -> records
+    rows = [{"placement": p, "batch": b, "samples_per_s": s, "vs_in_memory": s / 10.0}
+            for b in (1, 32) for p, s in (("cpu", 10.0), ("offload", 9.0), ("disk", 4.0))]
+    placed = run_all.placement_records({"weights_bytes": 2**20, "throughput": rows}, ["--steps", "2"])
+    assert [r["name"] for r in placed] == ["disk_vs_memory_b32", "offload_vs_memory_b32"]
+    assert [r["met"] for r in placed] == [False, True]
+    records += placed
+
+    out = tmp_path / "results.json"
+    run_all.write(records, out, machine_line(), merge=False)
+    saved = json.loads(out.read_text())
+    assert isinstance(saved, list) and len(saved) == len(records)
+    for r in saved:
+        assert set(r) == KEYS, r
+        assert isinstance(r["met"], bool) and r["target"].split()[0] in ("<=", ">=")
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("value", "baseline", "ratio")), r
+    assert "loader_vs_consumption" in table(saved)
+
+
+def test_exponent_and_merge(tmp_path):
+    assert abs(exponent([1, 2, 4], [3.0, 6.0, 12.0]) - 1.0) < 1e-9
+    out = tmp_path / "results.json"
+    run_all.write([result("a", 1, 2, "s", 1, "<=")], out, "m", merge=False)
+    run_all.write([result("b", 2, 1, "s", 1, "<=")], out, "m", merge=True)
+    assert [r["name"] for r in json.loads(Path(out).read_text())] == ["a", "b"]
