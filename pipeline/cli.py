@@ -86,8 +86,18 @@ def tiny_teacher_cmd(out, variant, seed):
 @click.option("--revision", help="Hub revision of --teacher (branch, tag or commit).")
 @click.option("--prompts", type=click.Path(), help="Prompt file: .txt (one a line, # comments) or .jsonl.")
 @click.option("--out", type=click.Path(), help="CACHE_DIR to write (or resume).")
-@click.option("--placement", help="Where teacher weights live: auto | cpu | cuda.  [default: auto]")
+@click.option("--placement", help="Where teacher weights live: auto | cpu | cuda | balanced | sequential | offload | "
+              "disk | a device-map .json (docs/placements.md; `wandistiller plan` explains auto).  [default: auto]")
 @click.option("--device", type=int, help="CUDA device index for --placement cuda.  [default: 0]")
+@click.option("--max-memory", help="balanced/sequential: memory per device, e.g. \"0=70GiB,1=70GiB,cpu=200GiB\".")
+@click.option("--offload-dir", type=click.Path(file_okay=False),
+              help="--placement disk: folder the weights stream from.  [default: CACHE_DIR/offload]")
+@click.option("--expert-order", type=click.Choice(["auto", "step", "expert"]),
+              help="Two experts: expert = one expert resident at a time (same cache).  [default: auto]")
+@click.option("--teacher_on_cpu", "teacher_on_cpu", is_flag=True, default=None, hidden=True)
+@click.option("--teacher_device_strategy", "teacher_device_strategy", hidden=True,
+              type=click.Choice(["cpu", "balanced", "gpu0", "auto"]))
+@click.option("--teacher_dtype", "teacher_dtype", type=click.Choice(["float32", "bfloat16", "float16"]), hidden=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Teacher dtype.  [default: bfloat16 on CUDA, float32 on CPU]")
 @click.option("--steps", type=int, help="Denoising steps; one sample per step.  [default: 40]")
@@ -118,9 +128,12 @@ def teacher_cache_cmd(config_file, **flags):
     --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
     """
     from stages import teacher_cache
+    from stages.teacher_cache.placement import legacy_flags
 
     from .config import TeacherCacheConfig, load_config
 
+    for note in legacy_flags(flags):
+        click.echo(note, err=True)
     cfg = load_config(TeacherCacheConfig, config_file, flags)
     teacher_cache.run(cfg)
 
@@ -281,6 +294,46 @@ def train_student_cmd(config_file, cache, **flags):
 
     cfg = load_config(TrainStudentConfig, config_file, {"cache": list(cache) or None, **flags})
     train_student.run(cfg)
+
+
+@main.command("plan")
+@click.option("--teacher", required=True, help="Wan pipeline folder; configs alone are enough (no weights needed).")
+@click.option("--placement", default="auto", show_default=True,
+              help="auto | cpu | cuda | balanced | sequential | offload | disk | a device-map .json.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Teacher dtype.  [default: bfloat16 with a GPU, float32 without]")
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Trajectories run together.")
+@click.option("--height", type=int, default=480, show_default=True)
+@click.option("--width", type=int, default=832, show_default=True)
+@click.option("--frames", type=int, default=1, show_default=True)
+@click.option("--max-sequence-length", type=int, default=512, show_default=True, help="Text tokens.")
+@click.option("--max-memory", help="balanced/sequential: memory per device, e.g. \"0=70GiB,1=70GiB,cpu=200GiB\".")
+@click.option("--expert-order", type=click.Choice(["auto", "step", "expert"]), default="auto", show_default=True)
+@click.option("--offload-dir", type=click.Path(file_okay=False), help="Where disk offload would go (for free space).")
+@click.option("--assume-gpus", help="Plan for other GPUs than this machine's: 4x24GiB, 80GiB,40GiB or none.")
+@click.option("--assume-ram", help="Plan for this much available RAM (e.g. 256GiB).")
+@click.option("--assume-disk", help="Plan for this much free disk under --offload-dir (e.g. 2TiB).")
+@click.option("--ranks-per-node", type=int, default=1, show_default=True, help="torchrun processes per node.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors("plan")
+def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length, max_memory,
+             expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node, as_json):
+    """Where the teacher's weights would live, what each device holds, and (auto) why: from configs alone.
+
+    \b
+    Example:
+      wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
+    """
+    _quiet_libraries()
+    from stages.teacher_cache.placement import parse_max_memory, read_device_map
+    from stages.teacher_cache.planner import Inventory, make_plan
+
+    inv = Inventory.assume(assume_gpus, assume_ram, assume_disk, ranks_per_node,
+                           Inventory.measure(offload_dir, ranks_per_node))
+    dmap = read_device_map(placement, check_devices=assume_gpus is None)[0] if placement.endswith(".json") else None
+    plan = make_plan(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
+                     inventory=inv, max_memory=parse_max_memory(max_memory), device_map=dmap, expert_order=expert_order)
+    click.echo(plan.to_json() if as_json else plan.render())
 
 
 @main.group("cache")

@@ -17,6 +17,7 @@ from typing import Any
 from .errors import UserError
 
 PLACEMENTS = ("auto", "cpu", "cuda", "balanced", "sequential", "offload", "disk")
+EXPERT_ORDERS = ("auto", "step", "expert")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
@@ -94,6 +95,10 @@ class TeacherCacheConfig:
     overwrite: bool = False  # replace an existing cache made with other settings
     offload_dir: str | None = None  # placement `disk`: folder for streamed weights (default CACHE_DIR/offload)
     max_memory: str | None = None  # placements balanced/sequential: "0=70GiB,1=70GiB,cpu=200GiB"
+    # Two-expert teachers: "step" runs every step of a block before the next block; "expert" runs a window of
+    # blocks with expert 1, then with expert 2, so one expert is resident at a time; "auto" picks "expert"
+    # when both experts do not fit where the placement keeps them. The cache is the same either way.
+    expert_order: str = "auto"
     save_cond_uncond: bool = False  # also store the conditional and unconditional predictions
 
     def __post_init__(self):
@@ -103,6 +108,8 @@ class TeacherCacheConfig:
         if self.placement not in PLACEMENTS and not self.placement.endswith(".json"):
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)} or a device-map .json file, "
                              f"got {self.placement!r}")
+        if self.expert_order not in EXPERT_ORDERS:
+            raise ValueError(f"expert-order must be one of {', '.join(EXPERT_ORDERS)}, got {self.expert_order!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         for name in ("steps", "height", "width", "frames", "seeds_per_prompt", "max_sequence_length",

@@ -1,0 +1,331 @@
+"""Streaming a transformer's weights block by block: from CPU RAM (`offload`) or from a folder (`disk`).
+
+Both are diffusers group offloading at block level (one `WanTransformerBlock` per group; everything outside
+the blocks is one more group), with CUDA-stream prefetch of the next block when the execution device is a
+GPU. This module adds what diffusers leaves to the caller for `disk`:
+
+- **One folder per expert, tied to the weights.** diffusers names a group file after the group alone
+  (`blocks_0_0`, ...), not after the model, and reuses any file already there. Two experts sharing a folder
+  would silently run the first expert's weights, and a folder left by other weights would be trusted. So each
+  expert streams from `OFFLOAD_DIR/<component>-<fingerprint>/`, where the fingerprint covers the weights'
+  identity, the dtype and the group layout; the folder is complete only once its marker (written last) is
+  there; anything else under a name of ours is rebuilt, never reused.
+- **Building the folder without the model in RAM.** The model is built on the meta device, its parameters
+  replaced by empty CPU tensors, and diffusers is left to lay out its groups; each group's file is then
+  written from the checkpoint tensors of that group alone, so peak RAM is one block, not one expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+
+from .teacher import TeacherSpec, _hash_json, _sample_file
+
+MARKER = "wandistiller-offload.json"
+# Bump when the way a folder is laid out changes: older folders then fail their fingerprint and are rebuilt.
+LAYOUT_VERSION = 1
+_GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}
+
+
+# --- the meta model -------------------------------------------------------------------------------------------
+
+def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it: floating parameters in
+    `dtype`, except those under the class's `_keep_in_fp32_modules` (norms, time embedder, modulation tables),
+    which diffusers keeps in float32."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            out[name] = p.dtype
+        elif any(k in name.split(".") for k in keep):
+            out[name] = torch.float32
+        else:
+            out[name] = dtype
+    return out
+
+
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of `model`'s parameters once loaded in `dtype` (works on the meta device)."""
+    dtypes = param_dtypes(model, dtype)
+    return sum(p.numel() * dtypes[n].itemsize for n, p in model.named_parameters())
+
+
+def meta_transformer(path: Path, comp: str, real_buffers: bool = True) -> torch.nn.Module:
+    """`WanTransformer3DModel` of `path/comp` with its parameters on the meta device (no memory).
+
+    With `real_buffers` the buffers (the rotary tables, computed from the config) are real, which streaming
+    needs; accelerate then builds each weight on the CPU before moving it to meta, so callers that only
+    measure pass False: every tensor is born on meta and the process heap is left as it was.
+    """
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    config = WanTransformer3DModel.load_config(Path(path) / comp)
+    with init_empty_weights(include_buffers=not real_buffers):
+        model = WanTransformer3DModel.from_config(config)
+    return model.eval().requires_grad_(False)
+
+
+def hollow_transformer(path: Path, comp: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The meta model with every parameter replaced by an empty CPU tensor of its load dtype.
+
+    Group offloading fills a parameter's data with the real tensor when its group runs and empties it again
+    afterwards, so the weights never need to exist in this process all at once.
+    """
+    model = meta_transformer(path, comp)
+    dtypes = param_dtypes(model, dtype)
+    for mname, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None:
+                full = f"{mname}.{pname}" if mname else pname
+                module._parameters[pname] = torch.nn.Parameter(torch.empty(0, dtype=dtypes[full]), requires_grad=False)
+    return model
+
+
+# --- group offloading ------------------------------------------------------------------------------------------
+
+def group_offload(model: torch.nn.Module, device: torch.device, folder: Path | None) -> None:
+    """diffusers block-level group offloading onto `device`; weights kept in CPU RAM, or in `folder`.
+
+    On CUDA the next block is copied on a side stream while the current one computes (`use_stream`), and
+    `record_stream` lets the allocator reuse a block's memory as soon as the compute stream is done with it.
+    """
+    cuda = device.type == "cuda"
+    model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), use_stream=cuda,
+                               record_stream=cuda, offload_to_disk_path=None if folder is None else str(folder),
+                               **_GROUPING)
+
+
+def _groups(model: torch.nn.Module) -> list:
+    """The distinct diffusers `ModuleGroup`s of a group-offloaded model."""
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    seen = {}
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
+        if hook is not None:
+            seen.setdefault(id(hook.group), hook.group)
+    groups = list(seen.values())
+    if not groups or not all(hasattr(g, "tensor_to_key") and hasattr(g, "safetensors_file_path") for g in groups):
+        import diffusers
+
+        raise RuntimeError(f"diffusers {diffusers.__version__} lays out disk group offloading differently than "
+                           "WanDistiller expects (ModuleGroup.tensor_to_key / safetensors_file_path)")
+    return groups
+
+
+# --- the checkpoint --------------------------------------------------------------------------------------------
+
+def checkpoint_files(path: Path, comp: str) -> dict[str, Path]:
+    """tensor name -> safetensors file of component `comp` (sharded via its index, or a single file)."""
+    from safetensors import safe_open
+
+    folder = Path(path) / comp
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        weight_map = json.loads(index[0].read_text())["weight_map"]
+        return {k: folder / v for k, v in weight_map.items()}
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            out.update({k: f for k in st.keys()})
+    return out
+
+
+def expert_fingerprint(spec: TeacherSpec, comp: str, dtype: torch.dtype) -> str:
+    """Identity of one expert's offload folder: its config and weight files, dtype, and the group layout."""
+    import diffusers
+
+    weights = {f.name: _sample_file(f) for f in sorted((spec.path / comp).glob("*.safetensors"))}
+    return _hash_json({"component": comp, "config": _hash_json(spec.configs[comp]), "weights": weights,
+                       "dtype": str(dtype), "layout": LAYOUT_VERSION, "grouping": _GROUPING,
+                       "diffusers": diffusers.__version__})
+
+
+def expert_folder(root: Path, comp: str, fp: str) -> Path:
+    return Path(root) / f"{comp}-{fp[:16]}"
+
+
+def _folder_ok(folder: Path, fp: str) -> bool:
+    """True if `folder` is a complete folder for fingerprint `fp`: marker matches, every listed file whole."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if marker.get("fingerprint") != fp or not isinstance(marker.get("files"), dict):
+        return False
+    for name, size in marker["files"].items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(root: Path, comp: str, keep: Path) -> None:
+    """Delete this component's folders for other weights, and build folders of dead processes on this host.
+    Only names WanDistiller creates are touched."""
+    host = socket.gethostname()
+    for p in root.iterdir() if root.is_dir() else ():
+        if not p.is_dir() or p == keep:
+            continue
+        name = p.name
+        if name.startswith(f"{comp}-") and len(name) == len(comp) + 17 and name[len(comp) + 1:].isalnum():
+            shutil.rmtree(p, ignore_errors=True)
+            (root / f".{name}.lock").unlink(missing_ok=True)
+        elif name.startswith(f".{comp}-") and ".build-" in name:
+            owner = name.rsplit(".build-", 1)[1]
+            h, _, pid = owner.rpartition("-")
+            if h == host and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, build: Path) -> dict:
+    """Lay the expert's groups out in `build`, one safetensors file per group, reading one group at a time."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = hollow_transformer(spec.path, comp, dtype)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # offloading empties them; keep the values
+    group_offload(model, device, build)  # writes empty placeholder files that we overwrite below
+    names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
+                                   *model.named_buffers(remove_duplicate=False)]}
+    params = dict(model.named_parameters())
+    where = checkpoint_files(spec.path, comp)
+    missing = sorted(set(params) - set(where))
+    unexpected = sorted(set(where) - set(params))
+    if missing or unexpected:
+        raise UserError(f"teacher {spec.name!r}: {comp} weights do not match its config "
+                        f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-download the teacher")
+    files = {}
+    for group in _groups(model):
+        wanted = {key: names[id(t)] for t, key in group.tensor_to_key.items()}
+        tensors = {}
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for key, name in wanted.items():
+            if name in buffers:
+                tensors[key] = buffers[name].contiguous()
+            else:
+                by_file.setdefault(where[name], []).append((key, name))
+        for f, items in by_file.items():
+            # Opened per group: the pages read count towards RSS only while the file is mapped.
+            with safe_open(f, framework="pt") as st:
+                for key, name in items:
+                    tensors[key] = st.get_tensor(name).to(params[name].dtype).contiguous()
+        dest = Path(group.safetensors_file_path)
+        save_file(tensors, dest)
+        files[dest.name] = dest.stat().st_size
+        del tensors
+    del model
+    return files
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock file: the ranks of one node build a folder once, the others wait and reuse it."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
+                        log=print) -> Path:
+    """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built.
+
+    Folders of this expert made for other weights, dtypes or layouts are deleted (they are never valid again),
+    so give concurrent runs of different teachers different --offload-dir.
+    """
+    root = Path(root)
+    fp = expert_fingerprint(spec, comp, dtype)
+    folder = expert_folder(root, comp, fp)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{folder.name}.lock"):
+        if _folder_ok(folder, fp):
+            _remove_stale(root, comp, folder)
+            return folder
+        need = weight_bytes(meta_transformer(spec.path, comp, real_buffers=False), dtype)
+        free = shutil.disk_usage(root).free
+        if need > free:
+            raise UserError(f"--offload-dir {root} has {free / 2**30:.1f} GiB free; expert {comp} needs "
+                            f"{need / 2**30:.1f} GiB there; free space or pass another --offload-dir")
+        _remove_stale(root, comp, folder)
+        shutil.rmtree(folder, ignore_errors=True)  # incomplete, or not made for these weights: never reused
+        # Built under another name and renamed when complete: a crash never leaves a folder that looks whole.
+        build = root / f".{folder.name}.build-{socket.gethostname()}-{os.getpid()}"
+        shutil.rmtree(build, ignore_errors=True)
+        log(f"building the offload folder of {comp} in {folder} (once per weights and dtype)")
+        try:
+            files = _write_groups(spec, comp, dtype, device, build)
+            (build / MARKER).write_text(json.dumps({"fingerprint": fp, "component": comp, "teacher": spec.name,
+                                                    "dtype": str(dtype), "files": files}, indent=1))
+            os.rename(build, folder)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+    return folder
+
+
+def _map_large_allocations() -> None:
+    """Have glibc serve allocations of 128 KiB and more from their own mappings, unmapped when freed.
+
+    Each time a group goes back to disk, diffusers leaves an uninitialised placeholder the size of every weight
+    of the group. Under glibc's default (a threshold that rises to 32 MiB as large blocks are freed) those land
+    in heap pages that earlier weights touched, and RSS creeps towards the size of the model; mapped
+    placeholders are never touched, so they cost address space only. Freezing the threshold at glibc's initial
+    value keeps RSS at one block (measured in bench/placements.py).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator is left as it is
+
+
+def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
+                     log=print) -> torch.nn.Module:
+    """Expert `comp` with its weights streamed from its offload folder, one block at a time."""
+    _map_large_allocations()
+    folder = prepare_disk_folder(spec, comp, dtype, device, root, log)
+    model = hollow_transformer(spec.path, comp, dtype)
+    group_offload(model, device, folder)
+    listed = set(json.loads((folder / MARKER).read_text())["files"])
+    stray = [g for g in _groups(model) if Path(g.safetensors_file_path).name not in listed]
+    if stray:  # diffusers would have written (empty) files of its own: the layout changed under us
+        raise RuntimeError(f"offload folder {folder} lacks groups {[g.group_id for g in stray][:3]}; delete it")
+    return model
+
+
+def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Expert `comp` with its weights in CPU RAM, streamed block by block to `device` (placement `offload`)."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)
+    model.eval().requires_grad_(False)
+    group_offload(model, device, None)
+    return model

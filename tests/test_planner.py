@@ -1,0 +1,156 @@
+"""The placement planner: sizes from configs alone, and its decision on made-up machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.errors import UserError
+from stages.teacher_cache import planner
+from stages.teacher_cache.planner import GiB, Inventory, Needs, decide
+
+A14B = Path(__file__).parent / "data" / "wan22-a14b-configs"
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: transformer/diffusion_pytorch_model.safetensors.index.json lists
+# metadata.total_size = 57,153,966,336 bytes of float32 tensors per expert, i.e. 14,288,491,584 parameters.
+A14B_EXPERT_PARAMS = 57_153_966_336 // 4
+
+
+@pytest.fixture(scope="module")
+def a14b_bf16():
+    return planner.teacher_sizes(A14B, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def a14b_needs(a14b_bf16):
+    act = planner.activation_bytes(a14b_bf16, 4, 480, 832, 1)
+    return Needs.of(a14b_bf16, act)
+
+
+def test_a14b_sizes_from_configs_alone(a14b_bf16):
+    assert not list(A14B.rglob("*.safetensors"))  # configs only
+    s = a14b_bf16
+    assert s.experts == ("transformer", "transformer_2")
+    for e in s.experts:
+        c = s.components[e]
+        assert abs(c.params - A14B_EXPERT_PARAMS) / A14B_EXPERT_PARAMS < 0.01
+        assert c.params == A14B_EXPERT_PARAMS  # exact, in fact
+        assert c.blocks == 40 and c.checkpoint_bytes is None
+        # bfloat16, but the modules diffusers keeps in float32 (norms, time embedder, modulation) are counted so
+        assert 2 * c.params < c.bytes < 2.01 * c.params
+        assert c.blocks * c.block_bytes < c.bytes
+    # umt5-xxl encoder: the embedding is shared with the encoder stack (counted once), 5.68 B parameters
+    assert s.components["text_encoder"].params == 5_680_910_336
+    assert 120e6 < s.components["vae"].params < 135e6
+    assert planner.tokens_per_sample(s, 480, 832, 1) == 30 * 52
+
+
+def _inv(gpus=(), ram=0, disk=0, ranks=1):
+    return Inventory(tuple(int(g * GiB) for g in gpus), (), int(ram * GiB), int(disk * GiB), ranks, "assumed")
+
+
+@pytest.mark.parametrize("inv, placement, order", [
+    (_inv([80], 256, 2000), "cuda", "step"),  # both experts (53 GiB) fit an 80 GB GPU
+    (_inv([48], 256, 2000), "cuda", "expert"),  # one expert fits a 48 GB GPU, both do not
+    (_inv([24] * 4, 256, 2000), "balanced", "step"),  # 4 x 24 GB hold both, no block split
+    (_inv([24] * 2, 256, 2000), "balanced", "expert"),  # 2 x 24 GB hold one expert at a time
+    (_inv([16] * 2, 256, 2000), "offload", "step"),  # GPUs too small: weights in RAM, blocks streamed
+    (_inv([16], 48, 2000), "offload", "expert"),  # RAM holds one expert
+    (_inv([16], 16, 2000), "disk", "step"),  # RAM holds no expert
+    (_inv([24] * 4, 256, 2000, ranks=4), "offload", "step"),  # torchrun: never balanced; RAM split 4 ways
+    (_inv([24] * 4, 100, 2000, ranks=4), "disk", "step"),
+    (_inv([80] * 8, 256, 2000, ranks=8), "cuda", "step"),  # one replica per GPU
+])
+def test_decide_on_made_up_machines(a14b_needs, inv, placement, order):
+    d = decide(a14b_needs, inv)
+    assert (d.placement, d.expert_order) == (placement, order), d.reasons
+    assert d.reasons
+
+
+@pytest.fixture(scope="module")
+def a14b_fp32_needs():
+    s = planner.teacher_sizes(A14B, "float32")
+    return Needs.of(s, planner.activation_bytes(s, 4, 480, 832, 1))
+
+
+@pytest.mark.parametrize("ram, placement, order", [(256, "cpu", "step"), (128, "cpu", "expert"), (32, "disk", "step")])
+def test_decide_without_gpu(a14b_fp32_needs, ram, placement, order):
+    d = decide(a14b_fp32_needs, _inv([], ram, 2000))
+    assert (d.placement, d.expert_order) == (placement, order), d.reasons
+
+
+def test_decide_refuses_when_nothing_fits(a14b_needs):
+    with pytest.raises(UserError, match="fits nowhere"):
+        decide(a14b_needs, _inv([8], 16, 20))
+
+
+def test_decide_is_pure(a14b_needs):
+    inv = _inv([24] * 4, 256, 2000)
+    assert decide(a14b_needs, inv) == decide(a14b_needs, inv)
+
+
+def test_expert_order_for_explicit_placements(a14b_needs):
+    assert planner.expert_order_for("cuda", a14b_needs, _inv([80], 256, 0)) == "step"
+    assert planner.expert_order_for("cuda", a14b_needs, _inv([40], 256, 0)) == "expert"
+    assert planner.expert_order_for("offload", a14b_needs, _inv([24], 40, 0)) == "expert"
+    assert planner.expert_order_for("disk", a14b_needs, _inv([24], 1, 0)) == "step"
+
+
+def test_balanced_map_never_splits_a_block(a14b_needs):
+    import torch
+
+    from stages.teacher_cache.offload import meta_transformer
+
+    model = meta_transformer(A14B, "transformer", real_buffers=False)
+    cap = 20 * GiB
+    dmap = planner.device_map_for(model, "balanced", {0: cap, 1: cap, 2: cap, 3: cap, "cpu": 100 * GiB},
+                                  torch.bfloat16)
+    assert all(not k.startswith("blocks.") or k.count(".") == 1 for k in dmap), "a WanTransformerBlock was split"
+    per_dev = planner.map_bytes(model, dmap, torch.bfloat16)
+    assert set(per_dev) == {"cuda:0", "cuda:1", "cuda:2", "cuda:3"}
+    assert sum(per_dev.values()) == a14b_needs.experts[0]
+    assert max(per_dev.values()) < 1.5 * min(per_dev.values())  # balanced, not filled in order
+
+
+def test_plan_reports_layout(a14b_bf16):
+    p = planner.make_plan(str(A14B), "offload", "bfloat16", inventory=_inv([24], 256, 2000))
+    comps = {c["name"]: c for c in p.components}
+    one = comps["transformer"]["bytes"]
+    assert p.placement == "offload" and p.expert_order == "step"
+    assert p.streamed_bytes_per_step == one
+    assert p.resident_bytes["cpu"] == 2 * one
+    assert p.resident_bytes["cuda:0"] < 4.5 * GiB  # two blocks + the rest + activations
+    assert "not loaded in stage one" in comps["vae"]["where"]
+    d = planner.make_plan(str(A14B), "disk", "bfloat16", inventory=_inv([], 64, 2000))
+    assert d.resident_bytes["cpu"] < 4 * GiB and d.resident_bytes["disk"] == 2 * one
+
+
+def test_plan_cli_json_on_config_only_folder():
+    res = CliRunner().invoke(main, ["plan", "--teacher", str(A14B), "--assume-gpus", "1x80GiB", "--assume-ram",
+                                    "256GiB", "--assume-disk", "2TiB", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.output)
+    assert p["placement"] == "cuda" and p["expert_order"] == "step" and p["dtype"] == "bfloat16"
+    assert {c["name"] for c in p["components"]} == {"text_encoder", "transformer", "transformer_2", "vae"}
+    assert p["decision"] and p["activations_bytes"] > 0
+
+
+def test_plan_cli_text_on_tiny_teacher(tiny_teacher):
+    res = CliRunner().invoke(main, ["plan", "--teacher", str(tiny_teacher), "--assume-gpus", "none",
+                                    "--batch-size", "2", "--height", "64", "--width", "64"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "placement   cpu (step-major order), picked by auto" in res.output
+    assert "checkpoint on disk" in res.output  # safetensors headers read when weights are there
+
+
+def test_sizes_and_gpus_parse():
+    assert planner.parse_size("24GiB") == 24 * GiB and planner.parse_size("80GB") == 80 * 10**9
+    assert planner.parse_size("2TiB") == 2 * 2**40 and planner.parse_size("1.5GiB") == int(1.5 * GiB)
+    with pytest.raises(UserError, match="cannot read the size"):
+        planner.parse_size("big")
+    assert planner._parse_gpus("4x24GiB") == (24 * GiB,) * 4
+    assert planner._parse_gpus("80GiB,40GiB") == (80 * GiB, 40 * GiB)
+    assert planner._parse_gpus("none") == ()
