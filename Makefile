@@ -20,10 +20,10 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tiny-teacher teacher-cache train-student demo test bench clean help
+.PHONY: install tiny-teacher teacher-cache train-student demo test faults bench clean help
 
 help:
-	@echo "make demo | test | bench | teacher-cache | train-student | install | clean"
+	@echo "make demo | test | faults | bench | teacher-cache | train-student | install | clean"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ demo: $(STAMP) $(TINY_TEACHER)/model_index.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Kills, corrupt caches, full disks, bad input: a table of what was tried and what survived
+# (docs/reliability.md). `make test` runs the same scenarios through tests/test_faults.py.
+# FAULTS_ARGS="--only stage1-kill -v --seed 7"; see python -m tests.faults --help.
+FAULTS_ARGS ?=
+faults: $(STAMP)
+	$(BIN)/python -m tests.faults $(FAULTS_ARGS)
 
 # Every benchmark against its baseline in one run: bench/results.json and a table. BENCH_ARGS="--quick" for a
 # smoke run, "--device cuda" on a GPU box; see python -m bench.run_all --help.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from .format import TMP_SUFFIX
@@ -22,7 +23,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
+    """Replace `path` with `data` atomically; `before_replace` (fault injection) runs just before the rename."""
     path = Path(path)
     # The pid keeps two writers of the same name (e.g. two parts finishing together) off each other's file.
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
@@ -31,6 +33,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -38,5 +42,5 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def atomic_write_json(path: str | os.PathLike, obj, before_replace: Callable[[], None] | None = None) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), before_replace)

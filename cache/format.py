@@ -97,6 +97,7 @@ S_PART = "part"
 S_SAMPLES = "samples"
 S_BYTES = "bytes"
 S_SHA256 = "sha256"
+S_BLOCKS = "blocks"  # the part's trajectory blocks the shard holds (lets a lost shard be recomputed alone)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .atomic import atomic_write_json
@@ -31,8 +32,10 @@ def manifest_path(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / MANIFEST
 
 
-def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int) -> dict | None:
-    """Write the manifest if all `num_parts` parts are complete; return it, or None if some part is not."""
+def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
+                       before_replace: Callable[[], None] | None = None) -> dict | None:
+    """Write the manifest if all `num_parts` parts are complete; return it, or None if some part is not.
+    `before_replace` (fault injection) runs when its temporary file is complete, just before the rename."""
     parts = []
     for p in range(num_parts):
         prog = PartProgress.load(cache_dir, p)
@@ -55,7 +58,7 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int) -> dict | N
         F_SHARDS: shards,
         F_CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    atomic_write_json(manifest_path(cache_dir), manifest)
+    atomic_write_json(manifest_path(cache_dir), manifest, before_replace)
     return manifest
 
 

@@ -76,6 +76,27 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
         arr[r] = cur
 
 
+def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int) -> None:
+    """CacheError naming the store and prompt if any part's store lacks a row stage two will read: training
+    must not discover it thousands of steps in (zarr returns the fill value for a row never written)."""
+    for part in range(num_parts):
+        path = prompt_store_path(cache_dir, part)
+        try:
+            g = open_prompt_store(path)
+            seq, idx = g[Z_SEQ_LENS][:], g[Z_PROMPT_IDX][:]
+        except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
+            raise CacheError(f"prompt store {path} is unreadable ({type(e).__name__}: {e}); rebuild the cache "
+                             "with the same `wandistiller teacher-cache` command and --overwrite") from e
+        want = list(range(part, prompts, num_parts))
+        bad = [r for r in range(len(want)) if r >= len(seq) or seq[r] < 0 or idx[r] != want[r]]
+        if bad:
+            r = bad[0]
+            more = f" ({len(bad) - 1} more row(s) too)" if len(bad) > 1 else ""
+            raise CacheError(f"prompt store {path}: row {r} (prompt {want[r]}) was never written{more}, yet the "
+                             "part is marked complete (the store was damaged); rebuild the cache with the same "
+                             "`wandistiller teacher-cache` command and --overwrite")
+
+
 def read_embeds(g: zarr.Group, row: int) -> tuple[torch.Tensor, int]:
     """Padded embedding [L, D] of one row and its real length (-1 if never written)."""
     arr = g[Z_EMBEDS]

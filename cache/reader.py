@@ -219,6 +219,43 @@ class CacheIndex:
         return cache_dir / rec[F.S_PATH]
 
 
+def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: list) -> None:
+    """CacheError unless the indexed samples of `cache` are exactly one per (prompt, seed, step) its manifest
+    promises: a manifest edited by hand (a shard dropped or listed twice) must not become a partial or
+    skewed epoch. `shards` is `shard_list` of the caches the table was built from."""
+    m = cache.manifest
+    try:
+        dims = (int(m[F.F_PROMPTS]), int(m[F.F_SEEDS_PER_PROMPT]), int(m[F.F_STEPS]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheError(f"{cache.path / F.MANIFEST} lacks the field {e}; rebuild the cache with "
+                         "`wandistiller teacher-cache`") from e
+    rows = table[table[:, C_CACHE] == cache_id]
+    fix = (f"rerun the same `wandistiller teacher-cache` command on it: it rewrites {F.MANIFEST} from the parts' "
+           "progress records (`wandistiller cache verify` lists every problem)")
+    _, first, counts = np.unique(sample_code(rows), return_index=True, return_counts=True)
+    for cols, limit in zip((C_PROMPT, C_SEED, C_STEP), dims):
+        foreign = np.flatnonzero((rows[:, cols] < 0) | (rows[:, cols] >= limit))
+        if len(foreign):
+            r = rows[foreign[0]]
+            raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2][F.S_PATH]} holds sample "
+                             f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
+                             f"{dims[0]} prompts x {dims[1]} seeds x {dims[2]} steps of its manifest; {fix}")
+    if (counts > 1).any():
+        code = np.unique(sample_code(rows))[np.argmax(counts > 1)]
+        where = sorted({shards[int(r[C_SHARD])][2][F.S_PATH] for r in rows[sample_code(rows) == code]})
+        raise CacheError(f"cache {cache.path}: {int((counts > 1).sum())} sample(s) are listed more than once "
+                         f"(e.g. in {' and '.join(where) if len(where) > 1 else where[0] + ', listed twice'} of "
+                         f"{F.MANIFEST}); {fix}")
+    expected = dims[0] * dims[1] * dims[2]
+    if len(first) != expected:
+        listed = {rec[F.S_PATH] for ci, _, rec, _ in shards if ci == cache_id}
+        unlisted = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache.path / F.SHARDS_DIR).glob("*.tar")
+                          if f"{F.SHARDS_DIR}/{p.name}" not in listed)
+        why = f"; {', '.join(unlisted[:3])} exist(s) but {F.MANIFEST} does not list it" if unlisted else ""
+        raise CacheError(f"cache {cache.path} lists {len(first)} samples, its settings make {expected} "
+                         f"(prompts x seeds x steps): an epoch would miss {expected - len(first)}{why}; {fix}")
+
+
 def sample_code(table: np.ndarray) -> np.ndarray:
     """One int64 per sample identifying (prompt, seed, step) (seed < 100, step < 1000 by the key format)."""
     return (table[:, C_PROMPT] * 100 + table[:, C_SEED]) * 1000 + table[:, C_STEP]

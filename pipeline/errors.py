@@ -74,10 +74,19 @@ def oom_message(stage: str, exc: BaseException) -> str:
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
-def disk_message(exc: OSError) -> str:
+# How to pick up where a stage stopped (default: rerun the same command).
+RERUN = {"train-student": "rerun the same command with --resume"}
+
+
+def is_disk_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS
+
+
+def disk_message(exc: OSError, stage: str | None = None) -> str:
     where = f" while writing {exc.filename}" if exc.filename else ""
-    return (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and rerun the same "
-            "command: everything finished so far is kept and the run resumes where it stopped")
+    return (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and "
+            f"{RERUN.get(stage, 'rerun the same command')}: everything finished so far is kept and the run "
+            "resumes where it stopped")
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -104,7 +113,7 @@ def user_errors(stage: str):
             except OSError as e:
                 if e.errno not in _DISK_ERRNOS:
                     raise
-                fail(disk_message(e))
+                fail(disk_message(e, stage))
             except MemoryError as e:
                 click.echo(oom_message(stage, e), err=True)
                 sys.exit(EXIT_OOM)

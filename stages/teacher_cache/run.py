@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import gc
-import math
 import os
 import resource
 import shutil
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_bytes
+from cache.errors import CacheError
 from cache.manifest import fingerprint, load_manifest, manifest_path, try_write_manifest
 from cache.progress import PartProgress, list_parts
 from cache.prompt_store import (
@@ -26,11 +26,14 @@ from cache.prompt_store import (
 from cache.writer import ShardWriter
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError
+from pipeline.faults import fault_point
 from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, teardown
 
 from .encode import encode_prompts
-from .placement import choose_placement, expert_window, load_experts, load_scheduler, load_text_encoder
+from .placement import (
+    default_dtype, execution_device, load_experts, load_scheduler, load_text_encoder, resolve_placement,
+)
 from .teacher import resolve_teacher
 from .trajectory import Schedule, StepRecord, TrajectoryRunner, initial_noise
 
@@ -81,12 +84,47 @@ def _clear(out: Path, part: int | None) -> None:
         f.unlink()
 
 
-def _drop_orphans(out: Path, prog: PartProgress) -> None:
-    """Delete this part's shards that progress does not list (temporary, or renamed just before a crash)."""
+def _drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
+    """Delete what a crash of this part left half done: its shards that progress does not list (temporary,
+    or renamed just before the crash) and the temporary files of its atomic writes (progress record,
+    negative embedding, zarr chunks). Root files (manifest, negative) only when no other part writes
+    them meanwhile (`owns_root`): a part on another node may be renaming its manifest right now."""
     listed = {s[F.S_PATH] for s in prog.shards}
     for f in (out / F.SHARDS_DIR).glob(f"part-{prog.part:05d}-*"):
         if f"{F.SHARDS_DIR}/{f.name}" not in listed:
             f.unlink()
+    part_dir = out / F.PARTS_DIR / F.part_dirname(prog.part)
+    stale = [*part_dir.glob(f"*{F.TMP_SUFFIX}"), *(part_dir / F.PROMPTS_ZARR).rglob("*.partial")]
+    if owns_root:
+        stale += [*out.glob(f"{F.MANIFEST}.*{F.TMP_SUFFIX}"), *out.glob(f"{F.NEGATIVE}.*{F.TMP_SUFFIX}")]
+    for f in stale:
+        f.unlink(missing_ok=True)
+
+
+def _forget_lost_shards(out: Path, prog: PartProgress) -> None:
+    """Shards this part lists that are gone or have another size (deleted to be rebuilt, as `cache verify` and
+    stage two advise for a corrupt shard): forget them and their blocks, so this run computes them again.
+    Only existence and size are checked here (a stat per shard); `cache verify` re-hashes."""
+    lost = [s for s in prog.shards
+            if not (out / s[F.S_PATH]).is_file() or (out / s[F.S_PATH]).stat().st_size != s[F.S_BYTES]]
+    if not lost:
+        return
+    if any(F.S_BLOCKS not in s for s in lost):
+        raise UserError(f"shard {out / lost[0][F.S_PATH]} is missing or damaged and this cache does not record "
+                        "which blocks it held (made by an older WanDistiller); rebuild the cache with --overwrite")
+    blocks = {b for s in lost for b in s[F.S_BLOCKS]}
+    more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+    _log(f"part {prog.part}: shard {lost[0][F.S_PATH]}{more} missing or damaged; recomputing {len(blocks)} block(s)")
+    manifest_path(out).unlink(missing_ok=True)  # it lists them; rewritten once every part is complete again
+    prog.shards = [s for s in prog.shards if s not in lost]
+    prog.done_blocks = sorted(set(prog.done_blocks) - blocks)
+    prog.complete = False
+    prog.save(out)
+
+
+def _next_shard_index(prog: PartProgress) -> int:
+    """One past the highest shard number of the part (not the count: a recomputed shard gets a new name)."""
+    return 1 + max((int(Path(s[F.S_PATH]).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)
 
 
 class _BlockSink:
@@ -105,7 +143,7 @@ class _BlockSink:
 
     def add(self, block: int, traj: list[tuple[int, int]], records: list[StepRecord], final: torch.Tensor) -> None:
         if self.writer is None:
-            self.writer = ShardWriter(self.out, self.prog.part, len(self.prog.shards))
+            self.writer = ShardWriter(self.out, self.prog.part, _next_shard_index(self.prog))
         try:
             for rec in records:
                 for j, (p, s) in enumerate(traj):
@@ -116,6 +154,7 @@ class _BlockSink:
                     meta = {F.M_PROMPT_IDX: p, F.M_SEED_IDX: s, F.M_STEP: rec.step, F.M_TIMESTEP: rec.timestep,
                             F.M_SIGMA: rec.sigma, F.M_EXPERT: rec.expert, F.M_GUIDANCE: rec.guidance}
                     self.writer.write(F.sample_key(p, s, rec.step), tensors, meta)
+            fault_point("mid_shard")
         except BaseException:
             self.writer.abort()
             self.writer = None
@@ -129,11 +168,13 @@ class _BlockSink:
     def flush(self) -> None:
         if self.writer is None:
             return
-        record = self.writer.close()
+        record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
         self.writer = None
+        fault_point("after_rename")
         for _, traj, final in self.pending:
             rows = [p // self.num_parts for p, _ in traj]
             write_latent_rows(self.store, F.Z_FINAL_LATENTS, rows, [s for _, s in traj], final)
+        fault_point("before_progress")
         self.prog.shards.append(record)
         self.prog.done_blocks = sorted(set(self.prog.done_blocks) | {b for b, _, _ in self.pending})
         self.prog.save(self.out)
@@ -143,25 +184,6 @@ class _BlockSink:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
-
-
-def _denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs, neg: torch.Tensor):
-    """Run a window of blocks to their last step; returns [(block, records, final latents)] in block order.
-
-    phases [None] is step-major (every step of a block, then the next block); [(1,), (2,)] is expert-major:
-    every block's high-noise steps with expert 1, then their low-noise steps with expert 2, each block's
-    scheduler state carried across. Both orders make the same records: same steps, same inputs, same batches.
-    """
-    records: dict[int, list[StepRecord]] = {b: [] for b in window}
-    states: dict = {}
-    finals: dict[int, torch.Tensor] = {}
-    for phase in phases:
-        experts.activate(phase)
-        for b in window:
-            noise, cond = inputs(b)
-            finals[b], states[b] = runner.run(noise, cond, neg, on_step=records[b].append, experts=phase,
-                                              state=states.get(b))
-    return [(b, records[b], finals[b]) for b in window]
 
 
 def run(cfg: TeacherCacheConfig) -> dict:
@@ -192,8 +214,9 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
-    plan = choose_placement(cfg, spec)
-    placement, device, dtype_name = plan.name, plan.device, plan.dtype
+    placement = resolve_placement(cfg.placement)
+    device = execution_device(placement, cfg.device)
+    dtype_name = cfg.dtype or default_dtype(placement)
     dtype = F.DTYPES[dtype_name]
     scheduler = load_scheduler(spec)
     guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if spec.boundary_ratio else None)
@@ -228,8 +251,13 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
             barrier()
     else:
         if manifest_path(out).exists():
-            m = load_manifest(out)
-            if m[F.F_FINGERPRINT] != fp:
+            try:
+                m = load_manifest(out)
+            except CacheError:
+                if not list_parts(out):
+                    raise
+                m = None  # torn or edited by hand: rewritten from the parts' progress records, checked next
+            if m is not None and m[F.F_FINGERPRINT] != fp:
                 raise UserError(f"{out} holds a cache made with other settings (fingerprint {m[F.F_FINGERPRINT][:12]}, "
                                 f"this run {fp[:12]}); use a new --out or add --overwrite to replace it")
         for p in list_parts(out):
@@ -239,7 +267,6 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
                                 f"({other.num_parts} parts); use a new --out or add --overwrite to replace it")
     part_dir = out / F.PARTS_DIR / F.part_dirname(part)
     part_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, part_dir / F.RESOLVED_CONFIG)
 
     trajectories = [(p, s) for p in part_idx for s in range(cfg.seeds_per_prompt)]
     blocks = [trajectories[i:i + cfg.batch_size] for i in range(0, len(trajectories), cfg.batch_size)]
@@ -247,32 +274,32 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
     if prog is not None and prog.batch_size != cfg.batch_size:
         raise UserError(f"part {part} of {out} was started with --batch-size {prog.batch_size}; resume with that "
                         "value or add --overwrite to start again")
+    save_resolved(cfg, part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
     if prog is None:
         prog = PartProgress(part=part, num_parts=num_parts, fingerprint=fp, prompts=len(part_idx),
                             blocks=len(blocks), batch_size=cfg.batch_size, header=header)
         prog.save(out)
-    _drop_orphans(out, prog)
+    _forget_lost_shards(out, prog)
+    _drop_orphans(out, prog, owns_root=owner)
     store_path = prompt_store_path(out, part)
     n_done = len(prog.done_blocks)
     if prog.complete:
         _log(f"part {part}: already complete ({len(prog.shards)} shards)")
     else:
         _log(f"part {part}/{num_parts}: {len(part_idx)} prompts, {len(trajectories)} trajectories, "
-             f"{len(blocks)} blocks ({n_done} done), placement {placement}"
-             f"{' (expert-major)' if plan.expert_major else ''}, {dtype_name} on {device}")
-        if plan.reason:
-            _log(f"auto placement: {plan.reason}")
+             f"{len(blocks)} blocks ({n_done} done), placement {placement}, {dtype_name} on {device}")
 
     # 4. encode prompts once (and the negative prompt), write the zarr rows and initial noise; free the encoder.
     neg_path = part_dir / F.NEGATIVE
     if not prog.complete and not prog.encoded:
-        tokenizer, encoder = load_text_encoder(spec, dtype, device, plan)
+        tokenizer, encoder = load_text_encoder(spec, dtype, device)
         store = create_prompt_store(store_path, len(part_idx), cfg.max_sequence_length, tcfg["text_dim"],
                                     dtype_name, cfg.seeds_per_prompt, latent_shape)
         texts = [all_prompts[i] for i in part_idx]
         embeds, lens = encode_prompts(tokenizer, encoder, texts, cfg.max_sequence_length, dtype, device,
                                       progress=dist_env().is_main or not torchrun)
         write_prompt_rows(store, list(range(len(part_idx))), part_idx, texts, embeds, lens)
+        fault_point("after_encode_rows")
         neg, neg_len = encode_prompts(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype,
                                       device, progress=False)
         neg_bytes = st_save({F.NEG_EMBEDS: neg[0].contiguous(), F.NEG_SEQ_LEN: neg_len.to(torch.int64)})
@@ -297,7 +324,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
             torch.cuda.reset_peak_memory_stats(device)
         store = open_prompt_store(store_path, mode="r+")
         neg = st_load(neg_path.read_bytes())[F.NEG_EMBEDS].unsqueeze(0)
-        experts = load_experts(spec, dtype, device, plan, log=_log)
+        experts = load_experts(spec, dtype, device)
         runner = TrajectoryRunner(experts, scheduler, schedule, cfg.steps, dtype, device, spec.expand_timesteps,
                                   keep_cond_uncond=cfg.save_cond_uncond)
         bar = tqdm(total=sum(len(blocks[b]) for b in todo) * cfg.steps, desc=f"teacher-cache part {part}",
@@ -306,24 +333,17 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         pending: cf.Future | None = None
         t_loop = time.perf_counter()
-
-        def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = [p // num_parts for p, _ in blocks[b]]
-            cond = torch.stack([read_embeds(store, r)[0] for r in rows])
-            noise = torch.stack([initial_noise(cfg.seed, p, s, latent_shape) for p, s in blocks[b]])
-            return noise, cond
-
-        # Step-major: one block at a time, all its steps. Expert-major: a window of blocks with expert 1, then
-        # with expert 2, so one expert is resident at a time; the window's records wait in RAM meanwhile.
-        window = expert_window(cfg.batch_size, cfg.steps, math.prod(latent_shape), dtype.itemsize,
-                               cfg.save_cond_uncond) if plan.expert_major else 1
-        phases = [(e,) for e in range(1, len(experts) + 1)] if plan.expert_major else [None]
         try:
-            for w in range(0, len(todo), window):
-                for b, records, final in _denoise(runner, experts, phases, todo[w:w + window], inputs, neg):
-                    if pending is not None:
-                        pending.result()  # at most one block in flight: bounded memory, errors surface here
-                    pending = pool.submit(sink.add, b, blocks[b], records, final)
+            for b in todo:
+                traj = blocks[b]
+                rows = [p // num_parts for p, _ in traj]
+                cond = torch.stack([read_embeds(store, r)[0] for r in rows])
+                noise = torch.stack([initial_noise(cfg.seed, p, s, latent_shape) for p, s in traj])
+                records: list[StepRecord] = []
+                final, _ = runner.run(noise, cond, neg, on_step=records.append)
+                if pending is not None:
+                    pending.result()  # at most one block in flight: bounded memory, errors surface here
+                pending = pool.submit(sink.add, b, traj, records, final)
             if pending is not None:
                 pending.result()
             pool.submit(sink.flush).result()
@@ -335,7 +355,6 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         pool.shutdown(wait=True)
         loop_s = time.perf_counter() - t_loop
         bar.close()
-        experts.close()
         del experts, runner
     if not prog.complete:
         prog.complete = True
@@ -346,13 +365,13 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         barrier()
     manifest = None
     if not torchrun or part == 0:
-        manifest = try_write_manifest(out, num_parts)
+        manifest = try_write_manifest(out, num_parts, before_replace=lambda: fault_point("in_manifest"))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     summary = {
         "cache": str(out), "part": part, "num_parts": num_parts,
         "samples": sum(s[F.S_SAMPLES] for s in prog.shards), "shards": len(prog.shards),
         "bytes": sum(s[F.S_BYTES] for s in prog.shards), "wall_s": round(time.time() - t0, 2),
-        "peak_rss_gib": round(peak_rss, 3), "placement": placement, "expert_major": plan.expert_major,
+        "peak_rss_gib": round(peak_rss, 3),
         "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "manifest": manifest is not None, "loop_s": round(loop_s, 3),
     }

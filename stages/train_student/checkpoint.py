@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cache.atomic import fsync_dir
+from pipeline.faults import fault_point
 
 CHECKPOINTS = "checkpoints"
 MODEL = "model.safetensors"
@@ -29,6 +30,7 @@ OPTIMIZER = "optimizer.pt"
 STATE = "trainer_state.json"
 TMP = ".tmp"
 _NAME = re.compile(r"^step-(\d{8})$")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports the OS error of a failed write
 
 
 def step_dirname(step: int) -> str:
@@ -70,6 +72,62 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def as_os_error(e: Exception, path: Path) -> OSError | None:
+    """The OSError behind a safetensors write failure (it reports errno only in its message), or None."""
+    m = _OS_ERROR.search(str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; a failed write (full disk, quota) raises the OSError it is, which the CLI
+    turns into one line, instead of a SafetensorError and a traceback."""
+    try:
+        save_file(tensors, path)
+    except Exception as e:
+        err = as_os_error(e, path)
+        if err is None:
+            raise
+        raise err from e
+
+
+class _WriteRecorder:
+    """File wrapper that keeps the OSError of a failed write: torch.save reports it only as a RuntimeError."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save; a failed write raises the OSError it is, naming the file."""
+    sink = None
+    try:
+        with open(path, "wb") as f:
+            sink = _WriteRecorder(f)
+            torch.save(obj, sink)
+    except RuntimeError as e:
+        if sink is None or sink.error is None:
+            raise
+        raise OSError(sink.error.errno, sink.error.strerror, str(path)) from e
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e  # the final flush, on close
+
+
 def _state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
 
@@ -83,18 +141,21 @@ def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[st
     tmp = root / (step_dirname(step) + TMP)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(_state_dict(model), tmp / MODEL)
+    save_tensors(_state_dict(model), tmp / MODEL)
+    fault_point("in_checkpoint")
     if ema is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        save_tensors({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
+    _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
     (tmp / STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
     for f in tmp.iterdir():
         _fsync(f)
     fsync_dir(tmp)
+    fault_point("before_checkpoint_rename")
     if final.exists():  # the same step written again (a resumed run that re-reached it): replace whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
+    fault_point("after_checkpoint_rename")
     prune(out, keep)
     return final
 

@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from cache import format as F
 from cache.errors import CacheError
-from cache.prompt_store import EmbeddingCache
+from cache.prompt_store import EmbeddingCache, check_prompt_rows
 from cache.reader import (
-    C_CACHE, C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError, empty_table,
-    fill_table, sample_code, scan_shard, shard_list, shard_problem,
+    C_CACHE, C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError, check_complete,
+    empty_table, fill_table, sample_code, scan_shard, shard_list, shard_problem,
 )
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv
@@ -64,6 +64,13 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
         err.all_ranks = True  # every rank raises it: rank 0 alone prints it
         raise err
     table = all_reduce_numpy(table, device)  # each row was filled by exactly one rank, zeros elsewhere
+    try:  # every rank holds the whole table now and finds the same problem: rank 0 alone prints it
+        for ci, c in enumerate(caches):
+            check_complete(c, ci, table, shards)
+            check_prompt_rows(c.path, int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS]))
+    except CacheError as err:
+        err.all_ranks = True
+        raise
     return CacheIndex(caches, table)
 
 

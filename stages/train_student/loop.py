@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from cache.atomic import atomic_write_bytes
 from cache.reader import EpochPlan
+from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv
 
 from . import checkpoint
@@ -226,43 +228,48 @@ class Trainer:
         t_start = time.time() - st.wall_s
         rate = None
         pin = self.device.type == "cuda"
-        while st.step < self.total:
-            sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
-            loader = make_loader(self.dataset, sampler, cfg.num_workers, pin)
-            it = iter(loader)
-            while st.epoch_step < self.plan.steps and st.step < self.total:
-                maybe_fail(env.rank, st.step + 1)
-                lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-                for g in self.optimizer.param_groups:
-                    g["lr"] = lr
-                t0 = time.time()
-                loss, grad_norm, count = self.step(it, st.epoch_step)
-                dt = time.time() - t0
-                rate = count / dt if rate is None else 0.9 * rate + 0.1 * count / dt
-                st.step += 1
-                st.epoch_step += 1
-                st.samples += count
-                st.wall_s = time.time() - t_start
-                if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
-                    raise FloatingPointError(f"loss became {loss} at step {st.step}; lower --lr or use "
-                                             "--mixed-precision bf16 instead of fp16")
-                if st.step % cfg.log_every == 0 or st.step == self.total:
-                    self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
-                              "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
-                              "wall_s": round(st.wall_s, 3)})
-                post = {"loss": f"{loss:.4f}", "samples/s": f"{rate:.1f}", "epoch": st.epoch}
-                if self.last_eval is not None:
-                    post["heldout"] = f"{self.last_eval:.4f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-                if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
-                    self.log_eval()
-                if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
-                    self.save_checkpoint()
-            del it, loader  # stops the workers of this epoch
-            if st.epoch_step >= self.plan.steps:
-                st.epoch += 1
-                st.epoch_step = 0
+        try:
+            while st.step < self.total:
+                sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
+                loader = make_loader(self.dataset, sampler, cfg.num_workers, pin)
+                it = iter(loader)
+                while st.epoch_step < self.plan.steps and st.step < self.total:
+                    maybe_fail(env.rank, st.step + 1)
+                    fault_point("train_step")
+                    lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+                    for g in self.optimizer.param_groups:
+                        g["lr"] = lr
+                    t0 = time.time()
+                    loss, grad_norm, count = self.step(it, st.epoch_step)
+                    dt = time.time() - t0
+                    rate = count / dt if rate is None else 0.9 * rate + 0.1 * count / dt
+                    st.step += 1
+                    st.epoch_step += 1
+                    st.samples += count
+                    st.wall_s = time.time() - t_start
+                    if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
+                        raise FloatingPointError(f"loss became {loss} at step {st.step}; lower --lr or use "
+                                                 "--mixed-precision bf16 instead of fp16")
+                    if st.step % cfg.log_every == 0 or st.step == self.total:
+                        self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
+                                  "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
+                                  "wall_s": round(st.wall_s, 3)})
+                    post = {"loss": f"{loss:.4f}", "samples/s": f"{rate:.1f}", "epoch": st.epoch}
+                    if self.last_eval is not None:
+                        post["heldout"] = f"{self.last_eval:.4f}"
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                    if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
+                        self.log_eval()
+                    if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
+                        self.save_checkpoint()
+                del it, loader  # stops the workers of this epoch
+                if st.epoch_step >= self.plan.steps:
+                    st.epoch += 1
+                    st.epoch_step = 0
+        except BaseException:
+            bar.close()  # end the bar's line so the error message starts on its own
+            raise
         bar.close()
         self.log_eval()
         if self.metrics is not None:
@@ -283,8 +290,15 @@ def truncate_metrics(out: Path, step: int) -> None:
     path = out / METRICS
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return math.inf  # a line torn by a crash or a full disk: dropped
+
+    keep = [line for line in path.read_text().splitlines() if line.strip() and step_of(line) <= step]
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())  # a kill here must not empty it
 
 
 def plot_losses(out: Path) -> Path | None:

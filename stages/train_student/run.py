@@ -23,7 +23,7 @@ from cache import format as F
 from cache.errors import CacheError
 from cache.reader import EpochPlan, open_caches
 from pipeline.config import TrainStudentConfig, save_resolved
-from pipeline.errors import EXIT_OOM, EXIT_USAGE, UserError, oom_message
+from pipeline.errors import EXIT_OOM, EXIT_USAGE, UserError, disk_message, is_disk_error, oom_message
 from pipeline.runtime import DistEnv, dist_env, init_distributed, teardown
 
 from . import checkpoint
@@ -73,6 +73,8 @@ def _exit_rank(e: BaseException, env: DistEnv) -> None:
         msg, code = f"{prefix}error: {e}", EXIT_USAGE
         if getattr(e, "all_ranks", False) and env.rank != 0:
             msg = None  # the same line comes from rank 0
+    elif is_disk_error(e):
+        msg, code = f"{prefix}error: {disk_message(e, STAGE)}", EXIT_USAGE
     elif isinstance(e, dist.DistError) or "Connection closed by peer" in str(e) or "Connection reset" in str(e):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         msg, code = f"{prefix}error: lost contact with another rank ({first}); its own message says why", 1
@@ -164,7 +166,14 @@ def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
     """diffusers format, written beside its final name and renamed into place."""
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = checkpoint.as_os_error(e, tmp)
+        if err is None:
+            raise
+        raise err from e  # a full disk: one line from the CLI, not a SafetensorError traceback
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
 
@@ -208,7 +217,6 @@ def _run(cfg: TrainStudentConfig, env: DistEnv) -> dict:
     plan, total = _plan(cfg, data, env)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_resolved(cfg, out / RESOLVED)
     identity = {"fingerprints": sorted({c.fingerprint for c in data.index.caches}), "data": data.digest(),
                 "seed": cfg.seed, "global_batch": plan.global_batch, "grad_accum": cfg.grad_accum,
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
@@ -248,6 +256,8 @@ def _run(cfg: TrainStudentConfig, env: DistEnv) -> dict:
              "steps into it)")
     elif cfg.resume:
         _say(f"--resume: no complete checkpoint in {out / checkpoint.CHECKPOINTS}; starting from step 0")
+    if env.is_main:  # only now: a refused --resume leaves the run as it was
+        save_resolved(cfg, out / RESOLVED)
     if env.is_main and ckpt is None:
         (out / "metrics.jsonl").write_text("")
     ddp = None

@@ -1,0 +1,170 @@
+"""Run `wandistiller` commands in child processes forked from one preloaded server.
+
+Python + torch + diffusers take seconds to import; a suite that SIGKILLs stage one a dozen times would
+spend most of its time starting interpreters. A `forkserver` imports them once, and every command runs
+in a fresh fork of it: a real, separate process (its own exit code, its own SIGKILL, its own file-size
+limit), started in milliseconds. The server never runs torch kernels before forking, so its children
+start with clean thread pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+from multiprocessing import forkserver
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Imported once in the server; everything a command needs before its first output.
+PRELOAD = ["torch", "pipeline.cli", "stages.teacher_cache.run", "stages.train_student.run", "stages.sample.sample",
+           "stages.sample.export", "stages.sample.evaluate"]
+# Variables a command inherits only when the scenario sets them.
+FAULT_ENV = ("WANDISTILLER_KILL_AT", "WANDISTILLER_FAIL_AT", "WANDISTILLER_DEBUG_DIR")
+
+_ctx = None
+_logs: Path | None = None
+
+
+def _context():
+    global _ctx, _logs
+    if _ctx is None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(PRELOAD + [__name__, __name__.rsplit(".", 1)[0] + ".preload"])
+        # The server imports the preload list with the environment's path only (Python 3.11 ignores the
+        # sys.path it is handed; an import that fails is skipped silently and every command would then
+        # import diffusers' models itself): start it now with the repository and this package on it.
+        here = str(Path(__file__).resolve().parents[1])
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), here] + ([saved] if saved else []))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _logs = Path(tempfile.mkdtemp(prefix="wandistiller-faults-logs-"))
+    return _ctx
+
+
+@dataclass
+class Result:
+    """How a command ended: `code` is its exit status (-9 after SIGKILL, None if it hung)."""
+
+    argv: list[str]
+    code: int | None
+    out: str
+    err: str
+    wall_s: float
+
+    @property
+    def killed(self) -> bool:
+        return self.code == -signal.SIGKILL
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [ln for ln in self.err.splitlines() if ln.startswith("error:") or "] error:" in ln]
+
+    def describe(self) -> str:
+        tail = "\n".join((self.out + self.err).strip().splitlines()[-12:])
+        return f"`wandistiller {' '.join(self.argv)}` -> exit {self.code}\n{tail}"
+
+
+def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, fsize: int | None) -> None:
+    for k in FAULT_ENV:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    if fsize is not None:  # stands in for a full disk: writes past `fsize` bytes fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    import torch
+
+    torch.set_num_threads(1)
+    from pipeline.cli import main
+
+    code = 0
+    try:
+        main(argv, prog_name="wandistiller", standalone_mode=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # an escaped exception is what the suite looks for: keep its traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
+            kill_after_s: float | None = None, timeout_s: float = 300.0) -> Result:
+    """Run `wandistiller argv...` in a fresh process; SIGKILL it after `kill_after_s` if given."""
+    ctx = _context()
+    argv = [str(a) for a in argv]
+    fd, out_path = tempfile.mkstemp(dir=_logs, suffix=".out")
+    os.close(fd)
+    err_path = out_path[:-4] + ".err"
+    t0 = time.perf_counter()
+    p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize), daemon=True)
+    p.start()
+    p.join(kill_after_s if kill_after_s is not None else timeout_s)
+    if p.is_alive() and kill_after_s is not None:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout_s)
+    wall = time.perf_counter() - t0
+    code = p.exitcode
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        code = None
+    out, err = (Path(x).read_text(errors="replace") if Path(x).exists() else "" for x in (out_path, err_path))
+    for x in (out_path, err_path):
+        Path(x).unlink(missing_ok=True)
+    return Result(argv, code, out, err, wall)
+
+
+def warm_up() -> float:
+    """Start the server (imports torch & co. once); returns the seconds it took."""
+    t0 = time.perf_counter()
+    r = run_cli(["--version"])
+    if r.code != 0:
+        raise RuntimeError(f"the command server does not start: {r.describe()}")
+    return time.perf_counter() - t0
+
+
+def cleanup() -> None:
+    if _logs is not None:
+        shutil.rmtree(_logs, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of `size` at `path` (root only); yields a function that grows it, or None if not allowed."""
+    path.mkdir(parents=True)
+    mounted = os.geteuid() == 0 and shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+    def grow(new: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={new}", str(path)], check=True, capture_output=True)
+
+    try:
+        yield grow if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -1,0 +1,122 @@
+"""The fault-tolerance suite (tests/faults, also `make faults`) under pytest: kills, corruption, full disks
+and bad input; every attempt must survive with zero samples lost and zero duplicated. The table of what
+was tried is printed at the end of the session."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+
+import pytest
+
+from faults import SCENARIOS, Row, Workspace, render
+from faults.proc import cleanup
+from pipeline import faults
+
+ROWS: list[Row] = []
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_teacher, tmp_path_factory, request):
+    yield Workspace(tmp_path_factory.mktemp("faults"), teacher=tiny_teacher)
+    cleanup()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    if ROWS and capture is not None:
+        with capture.global_and_fixture_disabled():
+            print("\n\nfault-tolerance suite (python -m tests.faults prints the same table)\n" + render(ROWS))
+
+
+def _survived(rows: list[Row]) -> None:
+    ROWS.extend(rows)
+    for r in rows:
+        assert r.ok, render([r], verbose=True)
+        assert r.lost == 0 and r.duplicated == 0
+
+
+@pytest.mark.slow
+def test_stage_one_sigkilled_at_named_points_and_random_moments_resumes_to_the_same_cache(ws):
+    rows = SCENARIOS["stage1-kill"](ws, random.Random(0))
+    _survived(rows)
+    assert sum(r.attempts for r in rows) >= 10
+
+
+@pytest.mark.slow
+def test_stage_one_full_disk_stops_with_one_line_lists_nothing_partial_and_resumes(ws):
+    _survived(SCENARIOS["stage1-disk"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+def test_stage_two_sigkilled_in_training_or_checkpointing_resumes_to_the_same_weights(ws):
+    _survived(SCENARIOS["stage2-kill"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+def test_stage_two_full_disk_at_a_checkpoint_is_one_line_and_resumes(ws):
+    _survived(SCENARIOS["stage2-disk"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+def test_corrupt_caches_are_named_refused_and_repaired_by_the_printed_remedy(ws):
+    _survived(SCENARIOS["corrupt"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+def test_bad_inputs_end_in_one_line_exit_2_and_change_nothing(ws):
+    rows = SCENARIOS["bad-input"](ws, random.Random(0))
+    _survived(rows)
+    assert rows[0].attempts >= 25
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws):
+    _survived(SCENARIOS["rank-failure"](ws, random.Random(0)))
+
+
+# -- the injection hook itself ----------------------------------------------------------------------
+
+@pytest.fixture
+def hook(monkeypatch):
+    def arm(spec: str | None):
+        if spec is None:
+            monkeypatch.delenv(faults.KILL_AT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(faults.KILL_AT_ENV, spec)
+        faults.reset()
+
+    yield arm
+    monkeypatch.delenv(faults.KILL_AT_ENV, raising=False)
+    faults.reset()
+
+
+def test_fault_point_is_a_no_op_unless_armed(hook):
+    hook(None)
+    for _ in range(3):
+        faults.fault_point("mid_shard")
+
+
+def test_fault_point_fails_exactly_the_nth_time_at_its_point(hook):
+    hook("mid_shard:2:enospc")
+    faults.fault_point("mid_shard")
+    faults.fault_point("after_rename")
+    with pytest.raises(OSError) as e:
+        faults.fault_point("mid_shard")
+    assert e.value.errno == errno.ENOSPC
+    faults.fault_point("mid_shard")
+
+
+@pytest.mark.parametrize("spec", ["nowhere:1", "mid_shard", "mid_shard:0", "mid_shard:1:explode"])
+def test_a_bad_fault_spec_is_refused(hook, spec):
+    hook(spec)
+    with pytest.raises(ValueError, match=faults.KILL_AT_ENV):
+        faults.fault_point("mid_shard")
+
+
+def test_resume_drops_a_metrics_line_torn_by_a_crash(tmp_path):
+    from stages.train_student.loop import METRICS, truncate_metrics
+
+    lines = [json.dumps({"type": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    (tmp_path / METRICS).write_text("\n".join(lines) + '\n{"type": "train", "st')
+    truncate_metrics(tmp_path, 2)
+    assert (tmp_path / METRICS).read_text() == "".join(line + "\n" for line in lines[:2])
