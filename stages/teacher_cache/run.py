@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import gc
+import math
 import os
 import resource
 import shutil
@@ -31,9 +32,7 @@ from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, teardown
 
 from .encode import encode_prompts
-from .placement import (
-    default_dtype, execution_device, load_experts, load_scheduler, load_text_encoder, resolve_placement,
-)
+from .placement import choose_placement, expert_window, load_experts, load_scheduler, load_text_encoder
 from .teacher import resolve_teacher
 from .trajectory import Schedule, StepRecord, TrajectoryRunner, initial_noise
 
@@ -186,6 +185,25 @@ class _BlockSink:
             self.writer = None
 
 
+def _denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs, neg: torch.Tensor):
+    """Run a window of blocks to their last step; returns [(block, records, final latents)] in block order.
+
+    phases [None] is step-major (every step of a block, then the next block); [(1,), (2,)] is expert-major:
+    every block's high-noise steps with expert 1, then their low-noise steps with expert 2, each block's
+    scheduler state carried across. Both orders make the same records: same steps, same inputs, same batches.
+    """
+    records: dict[int, list[StepRecord]] = {b: [] for b in window}
+    states: dict = {}
+    finals: dict[int, torch.Tensor] = {}
+    for phase in phases:
+        experts.activate(phase)
+        for b in window:
+            noise, cond = inputs(b)
+            finals[b], states[b] = runner.run(noise, cond, neg, on_step=records[b].append, experts=phase,
+                                              state=states.get(b))
+    return [(b, records[b], finals[b]) for b in window]
+
+
 def run(cfg: TeacherCacheConfig) -> dict:
     """Build (or resume) the cache described by `cfg`; returns the closing summary."""
     t0 = time.time()
@@ -214,9 +232,8 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
-    placement = resolve_placement(cfg.placement)
-    device = execution_device(placement, cfg.device)
-    dtype_name = cfg.dtype or default_dtype(placement)
+    plan = choose_placement(cfg, spec)
+    placement, device, dtype_name = plan.name, plan.device, plan.dtype
     dtype = F.DTYPES[dtype_name]
     scheduler = load_scheduler(spec)
     guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if spec.boundary_ratio else None)
@@ -287,12 +304,15 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         _log(f"part {part}: already complete ({len(prog.shards)} shards)")
     else:
         _log(f"part {part}/{num_parts}: {len(part_idx)} prompts, {len(trajectories)} trajectories, "
-             f"{len(blocks)} blocks ({n_done} done), placement {placement}, {dtype_name} on {device}")
+             f"{len(blocks)} blocks ({n_done} done), placement {placement}"
+             f"{' (expert-major)' if plan.expert_major else ''}, {dtype_name} on {device}")
+        if plan.reason:
+            _log(f"auto placement: {plan.reason}")
 
     # 4. encode prompts once (and the negative prompt), write the zarr rows and initial noise; free the encoder.
     neg_path = part_dir / F.NEGATIVE
     if not prog.complete and not prog.encoded:
-        tokenizer, encoder = load_text_encoder(spec, dtype, device)
+        tokenizer, encoder = load_text_encoder(spec, dtype, device, plan)
         store = create_prompt_store(store_path, len(part_idx), cfg.max_sequence_length, tcfg["text_dim"],
                                     dtype_name, cfg.seeds_per_prompt, latent_shape)
         texts = [all_prompts[i] for i in part_idx]
@@ -324,7 +344,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
             torch.cuda.reset_peak_memory_stats(device)
         store = open_prompt_store(store_path, mode="r+")
         neg = st_load(neg_path.read_bytes())[F.NEG_EMBEDS].unsqueeze(0)
-        experts = load_experts(spec, dtype, device)
+        experts = load_experts(spec, dtype, device, plan, log=_log)
         runner = TrajectoryRunner(experts, scheduler, schedule, cfg.steps, dtype, device, spec.expand_timesteps,
                                   keep_cond_uncond=cfg.save_cond_uncond)
         bar = tqdm(total=sum(len(blocks[b]) for b in todo) * cfg.steps, desc=f"teacher-cache part {part}",
@@ -333,17 +353,24 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         pending: cf.Future | None = None
         t_loop = time.perf_counter()
+
+        def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [p // num_parts for p, _ in blocks[b]]
+            cond = torch.stack([read_embeds(store, r)[0] for r in rows])
+            noise = torch.stack([initial_noise(cfg.seed, p, s, latent_shape) for p, s in blocks[b]])
+            return noise, cond
+
+        # Step-major: one block at a time, all its steps. Expert-major: a window of blocks with expert 1, then
+        # with expert 2, so one expert is resident at a time; the window's records wait in RAM meanwhile.
+        window = expert_window(cfg.batch_size, cfg.steps, math.prod(latent_shape), dtype.itemsize,
+                               cfg.save_cond_uncond) if plan.expert_major else 1
+        phases = [(e,) for e in range(1, len(experts) + 1)] if plan.expert_major else [None]
         try:
-            for b in todo:
-                traj = blocks[b]
-                rows = [p // num_parts for p, _ in traj]
-                cond = torch.stack([read_embeds(store, r)[0] for r in rows])
-                noise = torch.stack([initial_noise(cfg.seed, p, s, latent_shape) for p, s in traj])
-                records: list[StepRecord] = []
-                final, _ = runner.run(noise, cond, neg, on_step=records.append)
-                if pending is not None:
-                    pending.result()  # at most one block in flight: bounded memory, errors surface here
-                pending = pool.submit(sink.add, b, traj, records, final)
+            for w in range(0, len(todo), window):
+                for b, records, final in _denoise(runner, experts, phases, todo[w:w + window], inputs, neg):
+                    if pending is not None:
+                        pending.result()  # at most one block in flight: bounded memory, errors surface here
+                    pending = pool.submit(sink.add, b, blocks[b], records, final)
             if pending is not None:
                 pending.result()
             pool.submit(sink.flush).result()
@@ -355,6 +382,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         pool.shutdown(wait=True)
         loop_s = time.perf_counter() - t_loop
         bar.close()
+        experts.close()
         del experts, runner
     if not prog.complete:
         prog.complete = True
@@ -371,7 +399,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         "cache": str(out), "part": part, "num_parts": num_parts,
         "samples": sum(s[F.S_SAMPLES] for s in prog.shards), "shards": len(prog.shards),
         "bytes": sum(s[F.S_BYTES] for s in prog.shards), "wall_s": round(time.time() - t0, 2),
-        "peak_rss_gib": round(peak_rss, 3),
+        "peak_rss_gib": round(peak_rss, 3), "placement": placement, "expert_major": plan.expert_major,
         "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "manifest": manifest is not None, "loop_s": round(loop_s, 3),
     }
