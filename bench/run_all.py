@@ -36,8 +36,9 @@ BENCHES = ("stage_one", "stage_two", "online", "placements")
 # bench/placements.py at sizes that keep it to a few minutes on 2 CPU cores (its own defaults are larger).
 PLACEMENTS_ARGS = "--dim 256 --ffn 1024 --layers 8 --batch-sizes 1,8,32 --steps 2 --repeats 2"
 PLACEMENTS_QUICK = "--dim 64 --ffn 256 --layers 2 --batch-sizes 1,8,32 --steps 2 --repeats 1"
-# The issue gives no target for the placements; this one says "streaming the weights costs at most half".
-PLACEMENT_TARGET = 0.5
+# Streaming the weights (from RAM or from disk) may cost at most 30% of in-memory throughput at batch 32:
+# the placement issue's target for `disk`, applied to `offload` as well.
+PLACEMENT_TARGET = 0.7
 
 
 def placements(argv: list[str]) -> list[dict]:
