@@ -12,6 +12,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 import zarr
 
@@ -114,23 +115,28 @@ class EmbeddingCache:
         self.cache_dir = Path(cache_dir)
         self.num_parts = num_parts
         self.capacity = capacity
-        self._groups: dict[int, zarr.Group] = {}
+        # per part: the embeds array handle, its dtype name and all its seq_lens, opened once
+        self._parts: dict[int, tuple[zarr.Array, str, np.ndarray]] = {}
         self._lru: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
 
-    def _group(self, part: int) -> zarr.Group:
-        if part not in self._groups:
-            self._groups[part] = open_prompt_store(prompt_store_path(self.cache_dir, part))
-        return self._groups[part]
+    def _part(self, part: int) -> tuple[zarr.Array, str, np.ndarray]:
+        if part not in self._parts:
+            g = open_prompt_store(prompt_store_path(self.cache_dir, part))
+            arr = g[Z_EMBEDS]
+            self._parts[part] = (arr, arr.attrs[Z_ATTR_TORCH_DTYPE], g[Z_SEQ_LENS][:])
+        return self._parts[part]
 
     def get(self, prompt_idx: int) -> torch.Tensor:
         hit = self._lru.get(prompt_idx)
         if hit is None:
-            emb, seq_len = read_embeds(self._group(prompt_idx % self.num_parts), prompt_idx // self.num_parts)
+            arr, dtype_name, seq_lens = self._part(prompt_idx % self.num_parts)
+            row = prompt_idx // self.num_parts
+            seq_len = int(seq_lens[row]) if row < len(seq_lens) else UNWRITTEN_SEQ_LEN
             if seq_len < 0:
                 raise CacheError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written); "
                                  "rerun teacher-cache on that cache to complete it")
-            # Keep only the real tokens: a padded real row is 512 x 4096, mostly zeros.
-            hit = (emb[:seq_len].clone(), emb.shape[0])
+            # One read per prompt, of the real tokens only: a padded real row is 512 x 4096, mostly zeros.
+            hit = (storage_to_torch(arr[row, :seq_len], dtype_name), arr.shape[1])
             self._lru[prompt_idx] = hit
             if len(self._lru) > self.capacity:
                 self._lru.popitem(last=False)
