@@ -30,6 +30,7 @@ OOM_REMEDIES = {
     "teacher-cache": [
         "use the next placement down: --placement offload (weights in RAM, streamed per block) or "
         "--placement disk (weights streamed from --offload-dir); `wandistiller plan` shows what fits",
+        "for a two-expert teacher, --expert-order expert (only one expert resident at a time)",
         "lower --batch-size (trajectories run together; each costs activations for 2x with CFG)",
         "use --dtype bfloat16 (half the weight and activation memory of float32)",
     ],
