@@ -9,6 +9,7 @@ start with clean thread pools.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 from multiprocessing import forkserver
@@ -58,6 +59,7 @@ def _context():
             else:
                 os.environ["PYTHONPATH"] = saved
         _logs = Path(tempfile.mkdtemp(prefix="wandistiller-faults-logs-"))
+        atexit.register(cleanup)
     return _ctx
 
 
