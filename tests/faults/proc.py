@@ -58,8 +58,9 @@ def _context():
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = saved
-        _logs = Path(tempfile.mkdtemp(prefix="wandistiller-faults-logs-"))
         atexit.register(cleanup)
+    if _logs is None:  # (again) after a cleanup(): the server lives on, the log folder is per use
+        _logs = Path(tempfile.mkdtemp(prefix="wandistiller-faults-logs-"))
     return _ctx
 
 
@@ -151,8 +152,10 @@ def warm_up() -> float:
 
 
 def cleanup() -> None:
+    global _logs
     if _logs is not None:
         shutil.rmtree(_logs, ignore_errors=True)
+        _logs = None
 
 
 @contextlib.contextmanager
