@@ -264,7 +264,8 @@ def eval_cmd(config_file, **flags):
               help="Autocast dtype.  [default: bf16 on CUDA, no on CPU]")
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
               help="Recompute activations in the backward pass (less memory).")
-@click.option("--num-workers", type=int, help="DataLoader workers per rank.  [default: 2]")
+@click.option("--num-workers", type=int,
+              help="DataLoader workers per rank.  [default: CPU cores per rank - 2, at most 4]")
 @click.option("--seed", type=int, help="Student init and epoch order seed.  [default: 0]")
 @click.option("--checkpoint-every", type=int, help="Optimizer steps between checkpoints; 0 = none.  [default: 500]")
 @click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept.  [default: 2]")

@@ -175,7 +175,10 @@ class TrainStudentConfig:
     ema_decay: float = 0.0  # EMA of the weights (e.g. 0.999); 0 = off. Saved as OUT/student_ema
     mixed_precision: str | None = None  # no | bf16 | fp16 autocast; default bf16 on CUDA, no on CPU
     gradient_checkpointing: bool = False  # recompute block activations in backward (less memory, ~30% slower)
-    num_workers: int = 2  # DataLoader worker processes per rank reading shards
+    # DataLoader worker processes per rank reading shards; default: the rank's share of CPU cores minus two
+    # (the training process and its torch threads), at most 4 -- 0 on a 2-core machine, where workers
+    # would only compete with training.
+    num_workers: int | None = None
     seed: int = 0  # student init and the epoch order, which is a function of (seed, epoch)
     checkpoint_every: int = 500  # optimizer steps between checkpoints; 0 = none
     keep_checkpoints: int = 2  # newest complete checkpoints kept
@@ -199,6 +202,9 @@ class TrainStudentConfig:
         for name in ("student_config", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name.replace('_', '-')} must be a non-empty string")
+        if self.num_workers is None:
+            world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+            object.__setattr__(self, "num_workers", max(0, min(4, (os.cpu_count() or 1) // world - 2)))
         for name in ("batch_size", "grad_accum", "num_workers", "checkpoint_every", "keep_checkpoints",
                      "warmup_steps", "holdout_prompts", "eval_every", "log_every", "embedding_cache_size", "seed"):
             v = getattr(self, name)
