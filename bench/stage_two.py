@@ -66,6 +66,7 @@ class StepBench:
         self.cfg = TrainStudentConfig(cache=(str(cache),), student_config=str(student_json), out=str(out),
                                       batch_size=batch_size, num_workers=num_workers, warmup_steps=0, eval_every=0,
                                       checkpoint_every=0, verify="size", device=device.type)
+        self.num_workers = self.cfg.num_workers  # None resolves to the stage's default for this machine
         env = dist_env()
         data = D.prepare(open_caches([cache]), env, device, "size", None, 0)
         self.plan = EpochPlan(len(data.train_rows), 1, batch_size)
@@ -239,7 +240,7 @@ def main(argv=None) -> list[dict]:
         k = max(2, min(10, bench.plan.steps))
         step = overhead(bench, k, args.reps)
         results.append(result("stage_two_overhead", step["stage"], step["bare"], "s/step", 1.10, "<=",
-                              note=f"batch {args.batch_size}, {args.num_workers} loader workers, "
+                              note=f"batch {args.batch_size}, {bench.num_workers} loader workers, "
                                    f"{bench.params / 1e3:.0f}k-param student, {args.size}x{args.size} images, "
                                    f"best of {args.reps} x {k} steps"))
         del bench
