@@ -1,0 +1,141 @@
+"""A rule-based reader of shapes images: does a generated image show what its caption says?
+
+For captions of `pipeline.shapes`' grammar it snaps every pixel to the nearest palette colour (so mild blur
+and noise do not matter) and reads, per image:
+  - the background colour: the most common palette colour of the image;
+  - the shape colours: the next most common palette colours, one per captioned shape, each covering at
+    least MIN_PIXELS pixels (fewer counts as no shape); they are compared with the caption's as a set, so
+    two shapes drawn in swapped places still have the right colours;
+  - each captioned shape's rough position: the centroid of the pixels of its colour, snapped to the nearest
+    of the five anchors (when that colour was read at all).
+The shape's kind and size are not read. Colours do not depend on where a shape is: Wan's transformer has no
+absolute position signal (RoPE in self-attention only), so a tiny one places shapes poorly long before it
+gets colours wrong, and the two are scored apart.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.shapes import COLOURS, POSITIONS, SIZE, parse_caption
+
+NAMES = list(COLOURS)
+PALETTE = np.array([COLOURS[n] for n in NAMES], dtype=np.float32)
+ANCHORS = np.array([POSITIONS[p] for p in POSITIONS], dtype=np.float32)
+ANCHOR_NAMES = list(POSITIONS)
+MIN_PIXELS = 12
+# Scores whose student / teacher ratio `compare` reports ("colour": background and every shape colour right).
+KEPT = ("background", "shape_colour", "position", "colour")
+
+
+def _as_array(img) -> np.ndarray:
+    a = np.asarray(img.convert("RGB") if hasattr(img, "convert") else img)
+    if a.dtype != np.uint8:  # float images in [0, 1]
+        a = (np.clip(a, 0, 1) * 255).round().astype(np.uint8)
+    if a.shape[:2] != (SIZE, SIZE):
+        raise ValueError(f"expected {SIZE}x{SIZE} RGB images, got shape {a.shape}")
+    return a
+
+
+def labels(img) -> np.ndarray:
+    """Index into NAMES of the nearest palette colour of every pixel: [64, 64] int."""
+    a = _as_array(img).astype(np.float32)
+    return ((a[:, :, None, :] - PALETTE[None, None]) ** 2).sum(-1).argmin(-1)
+
+
+def _mode(values: np.ndarray) -> int | None:
+    if values.size < MIN_PIXELS:
+        return None
+    return int(np.bincount(values, minlength=len(NAMES)).argmax())
+
+
+def read(img, n_shapes: int = 1) -> dict:
+    """What the image shows: the background colour, and up to `n_shapes` shape colours (most common first)
+    with the anchor nearest to each one's centroid."""
+    lab = labels(img)
+    counts = np.bincount(lab.ravel(), minlength=len(NAMES))
+    bg = int(counts.argmax())
+    shapes = []
+    for c in np.argsort(-counts, kind="stable"):
+        if len(shapes) == n_shapes or counts[c] < MIN_PIXELS:
+            break
+        if c == bg:
+            continue
+        ys, xs = np.nonzero(lab == c)
+        centre = np.array([xs.mean() + 0.5, ys.mean() + 0.5], dtype=np.float32)
+        shapes.append({"colour": NAMES[c], "position": ANCHOR_NAMES[int(((ANCHORS - centre) ** 2).sum(-1).argmin())]})
+    return {"background": NAMES[bg], "shapes": shapes}
+
+
+def score(images, captions) -> dict:
+    """Accuracy of `images` against their `captions` (same order), in [0, 1]: background colour; shape colour
+    (per captioned shape: its colour is among those read); position (per captioned shape: its colour was
+    read, at the captioned anchor); colour (per image: background and every shape colour right); all (per
+    image: colours and positions right)."""
+    images, captions = list(images), list(captions)
+    if len(images) != len(captions):
+        raise ValueError(f"{len(images)} images but {len(captions)} captions")
+    bg_ok = colour_ok = pos_ok = n_shapes = img_colour_ok = img_all_ok = 0
+    for img, cap in zip(images, captions):
+        scene = parse_caption(cap)
+        got = read(img, len(scene.shapes))
+        where = {g["colour"]: g["position"] for g in got["shapes"]}
+        b = got["background"] == scene.background
+        cs = [s.colour in where for s in scene.shapes]
+        ps = [where.get(s.colour) == s.position for s in scene.shapes]
+        bg_ok += b
+        colour_ok += sum(cs)
+        pos_ok += sum(ps)
+        n_shapes += len(scene.shapes)
+        img_colour_ok += b and all(cs)
+        img_all_ok += b and all(cs) and all(ps)
+    n = max(len(images), 1)
+    return {"images": len(images), "background": bg_ok / n, "shape_colour": colour_ok / max(n_shapes, 1),
+            "position": pos_ok / max(n_shapes, 1), "colour": img_colour_ok / n, "all": img_all_ok / n}
+
+
+def _u8(frames) -> list[np.ndarray]:
+    """WanPipeline 'np' frames [B, F, H, W, 3] in [0, 1] -> first frames as uint8 [H, W, 3]."""
+    return [(np.clip(f[0], 0.0, 1.0) * 255).round().astype(np.uint8) for f in frames]
+
+
+def compare(teacher, student_pipe, captions: list[str], settings, device, batch_size: int = 16,
+            keep: int = 0) -> dict:
+    """Draw every caption with the teacher (its experts, its CFG) and the student (one transformer, its own
+    guidance) from the same initial noise (caption i: seed + i, as `wandistiller sample` draws row i) and
+    score both. `settings` is a `sample.SamplingSettings`. Returns the two scores, the student's share of
+    the teacher's accuracy per attribute, and the first `keep` image pairs (uint8) under "images"."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .sample import initial_latents
+
+    tcfg = teacher.transformer.config
+    vs = teacher.vae_scale_factor_spatial
+    shape = (tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
+    common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
+                  max_sequence_length=settings.max_sequence_length, output_type="np")
+    teacher_kw = dict(guidance_scale=settings.guidance)
+    if settings.guidance_2 is not None:
+        teacher_kw["guidance_scale_2"] = settings.guidance_2
+    images = {"teacher": [], "student": []}
+    bar = tqdm(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
+    for s in range(0, len(captions), batch_size):
+        caps = captions[s:s + batch_size]
+        latents = torch.stack([initial_latents(settings.seed + s + i, shape) for i in range(len(caps))])
+        with torch.inference_mode():
+            embeds, neg = teacher.encode_prompt(caps, negative_prompt=[settings.negative_prompt] * len(caps),
+                                                do_classifier_free_guidance=True,
+                                                max_sequence_length=settings.max_sequence_length, device=device)
+            images["teacher"] += _u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
+                                             latents=latents.clone(), **common, **teacher_kw).frames)
+            images["student"] += _u8(student_pipe(prompt_embeds=embeds, negative_prompt_embeds=neg,
+                                                  latents=latents.clone(), **common,
+                                                  guidance_scale=settings.student_guidance).frames)
+        bar.update(len(caps))
+    bar.close()
+    result = {name: score(imgs, captions) for name, imgs in images.items()}
+    result["student_vs_teacher"] = {k: round(result["student"][k] / result["teacher"][k], 4)
+                                    if result["teacher"][k] else None for k in KEPT}
+    result["images"] = [(images["teacher"][i], images["student"][i]) for i in range(min(keep, len(captions)))]
+    return result
