@@ -227,15 +227,24 @@ def export_cmd(config_file, **flags):
 @click.option("--init-seed", type=int,
               help="Seed of the untrained baseline.  [default: student_init/ if saved, else distill.json's, else 0]")
 @click.option("--batch-size", type=int, help="Samples or trajectories per forward.  [default: 8]")
+@click.option("--attributes", type=click.Path(),
+              help="Shapes captions (data/shapes-heldout.txt) that teacher and student draw, scored by the "
+                   "attribute checker (colours, position); needs the teacher's text encoder and VAE.")
+@click.option("--attribute-max-prompts", type=int, help="Use the first K --attributes captions.  [default: all]")
+@click.option("--attribute-grid", type=int,
+              help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).  [default: 8]")
 @common_options
 @user_errors("sample")
 def eval_cmd(config_file, **flags):
     """Compare the student with the teacher's cached trajectories: velocity error per step, error of the
-    sampled final latent (trained and untrained), and sampling time of student vs teacher.
+    sampled final latent (trained and untrained), and sampling time of student vs teacher; with
+    --attributes, also what share of the teacher's attribute accuracy (shape and background colours,
+    position) the student keeps on shapes captions.
 
     \b
     Example:
       wandistiller eval --student runs/student --cache runs/heldout-cache --max-prompts 16
+      wandistiller eval --student runs/demo/student --cache runs/demo/cache --attributes data/shapes-heldout.txt
     """
     from stages.sample import evaluate
     from stages.sample.config import EvalConfig

@@ -20,6 +20,7 @@ from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
 from cache.writer import decode_sample
 from pipeline.cli import main
+from pipeline.prompts import read_prompt_file
 from stages.sample.grid import GridLayout, draw_grid
 from stages.sample.sample import initial_latents, to_image
 
@@ -306,3 +307,32 @@ def test_bad_inputs_that_need_a_model(trained_run, narrow_run, tiny_teacher, tin
     assert (foreign / "keep.txt").read_text() == "mine"
     assert_one_line_error(invoke(["sample", "--student", trained_run, "--prompts", grid_prompts, "--out",
                                   tmp_path / "g.png", "--height", 72]), "--height 72")
+
+
+@pytest.mark.slow
+def test_eval_attributes_scores_teacher_and_student_on_shapes_captions(trained_run, tiny_cache, tmp_path):
+    """--attributes: both models draw the shapes captions with the cache's settings and the checker scores
+    them (this random teacher draws noise, so only the report's shape is asserted, not the accuracy)."""
+    caps = read_prompt_file("data/shapes-heldout.txt")[:3]
+    captions = tmp_path / "caps.txt"
+    captions.write_text("\n".join(caps) + "\n")
+    report_path = tmp_path / "ev" / "eval.json"
+    r = invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--report", report_path,
+                "--no-teacher-timing", "--attributes", captions, "--attribute-grid", 2])
+    assert r.exit_code == 0, r.output
+    assert "colour accuracy teacher" in r.output
+    att = json.loads(report_path.read_text())["attributes"]
+    assert att["captions"] == 3 and att["settings"]["steps"] == 4 and att["settings"]["student_guidance"] == 1.0
+    for who in ("teacher", "student"):
+        assert att[who]["images"] == 3
+        assert all(0.0 <= att[who][k] <= 1.0 for k in ("background", "shape_colour", "position", "colour", "all"))
+    grid = Image.open(att["grid"])
+    assert att["grid"] == str(report_path.with_name("eval-attributes.png"))
+    assert grid.size == GridLayout(SIDE, SIDE).size(2, 2)
+
+
+def test_eval_attributes_refuses_captions_outside_the_grammar(trained_run, tiny_cache, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a red circle somewhere nice\n")
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--attributes", bad,
+                                  "--no-teacher-timing"]), "bad.txt", "not a shapes caption", "grammar")

@@ -113,6 +113,12 @@ class EvalConfig:
     init_seed: int | None = None  # seed of the untrained student; default: distill.json's init_seed/seed, else 0
     weights: str = "auto"  # auto | ema | raw
     batch_size: int = 8  # samples (velocity MSE) or trajectories (sampling) per forward
+    # Shapes captions (pipeline/shapes.py grammar, e.g. data/shapes-heldout.txt) that teacher and student draw
+    # from the same noise, read by the attribute checker (stages/sample/attributes.py); loads the teacher's
+    # text encoder and VAE. Default: none.
+    attributes: str | None = None
+    attribute_max_prompts: int | None = None  # the first K captions of --attributes; default all
+    attribute_grid: int = 8  # teacher | student pairs of the first K captions drawn into REPORT-attributes.png
     device: str = "auto"
     dtype: str | None = None
 
@@ -121,5 +127,8 @@ class EvalConfig:
         _check_runtime(self)
         if not isinstance(self.cache, str) or not self.cache:
             raise ValueError("cache must be a non-empty path")
-        _check_ints(self, ("max_prompts", "timing_runs", "batch_size"))
+        if self.attributes is not None and (not isinstance(self.attributes, str) or not self.attributes):
+            raise ValueError("attributes must be a non-empty path")
+        _check_ints(self, ("max_prompts", "timing_runs", "batch_size", "attribute_max_prompts"))
+        _check_ints(self, ("attribute_grid",), minimum=0)
         _check_ints(self, ("init_seed",), minimum=0)

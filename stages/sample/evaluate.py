@@ -25,6 +25,7 @@ from cache.atomic import atomic_write_json
 from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
 from pipeline.errors import UserError
+from pipeline.prompts import dedupe, read_prompt_file
 
 from . import trajectories
 from .config import EvalConfig
@@ -207,6 +208,60 @@ def time_sampling(student_pipe, teacher_pipe, cache_dir: Path, manifest: dict, t
     }
 
 
+def attribute_captions(path: str, max_prompts: int | None) -> list[str]:
+    """The shapes captions of an --attributes prompt file; refuse text the checker cannot read."""
+    from pipeline.shapes import parse_caption
+
+    captions = dedupe(read_prompt_file(path))[0][:max_prompts]
+    for c in captions:
+        try:
+            parse_caption(c)
+        except ValueError as e:
+            raise UserError(f"--attributes {path}: {e}; the attribute checker reads captions of pipeline/shapes.py's "
+                            "grammar, e.g. data/shapes-heldout.txt") from e
+    return captions
+
+
+def _share(attrs: dict, key: str) -> str:
+    v = attrs["student_vs_teacher"][key]
+    return "n/a (teacher 0%)" if v is None else f"{v:.1%} of the teacher's"
+
+
+def attribute_scores(cfg: EvalConfig, captions: list[str], teacher_path: Path, student_model, manifest: dict,
+                     student_guidance: float, device, dtype, grid_path: Path) -> dict:
+    """Teacher and student draw `captions` with the cache's settings (steps, guidance, negative prompt, size);
+    the attribute checker scores both; the first pairs go to `grid_path`."""
+    from PIL import Image
+
+    from .attributes import compare
+    from .grid import draw_grid
+    from .sample import COLUMNS, SamplingSettings
+
+    teacher = load_teacher(teacher_path, dtype, device)
+    shape = manifest[F.F_LATENT_SHAPE]
+    if int(teacher.transformer.config.in_channels) != int(shape[0]):
+        raise UserError(f"teacher {teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
+                        f"the cache {shape[0]}: it is not the cache's teacher; pass the right --teacher")
+    vs = teacher.vae_scale_factor_spatial
+    g2 = manifest.get(F.F_GUIDANCE_2)
+    settings = SamplingSettings(
+        steps=int(manifest[F.F_STEPS]), guidance=float(manifest[F.F_GUIDANCE]),
+        guidance_2=float(g2) if g2 is not None and teacher.config.boundary_ratio is not None else None,
+        student_guidance=student_guidance, negative_prompt=str(manifest.get(F.F_NEGATIVE_PROMPT) or ""),
+        height=int(shape[2]) * vs, width=int(shape[3]) * vs,
+        max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), seed=0)
+    res = compare(teacher, student_pipeline(student_model, teacher=teacher), captions, settings, device,
+                  cfg.batch_size, keep=cfg.attribute_grid)
+    pairs = res.pop("images")
+    if pairs:
+        grid = draw_grid(captions[:len(pairs)], [[Image.fromarray(t), Image.fromarray(s)] for t, s in pairs],
+                         COLUMNS)
+        grid_path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(grid_path)
+    return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
+            "grid": str(grid_path) if pairs else None}
+
+
 def run(cfg: EvalConfig) -> dict:
     """Evaluate, write the JSON report and the plot next to it; returns the report."""
     t_start = time.time()
@@ -222,12 +277,14 @@ def run(cfg: EvalConfig) -> dict:
                      text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
                      expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
     teacher_path = None
-    if cfg.teacher_timing:  # resolve now: fail before the long part, not after it
+    if cfg.teacher_timing or cfg.attributes:  # resolve now: fail before the long part, not after it
         name = cfg.teacher or manifest[F.F_TEACHER]
         try:
             teacher_path = teacher_dir(name)
         except UserError as e:
-            raise UserError(f"{e} (timing needs the cache's teacher: pass --teacher PATH or --no-teacher-timing)") from e
+            raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
+                            f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e
+    captions = attribute_captions(cfg.attributes, cfg.attribute_max_prompts) if cfg.attributes else None
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
     in_training = (manifest[F.F_FINGERPRINT] in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
@@ -267,7 +324,7 @@ def run(cfg: EvalConfig) -> dict:
 
     # (c) speed against the teacher on the same latents.
     timing = None
-    if teacher_path is not None:
+    if cfg.teacher_timing:
         teacher = load_teacher(teacher_path, dtype, device, text=False, vae=False)
         if int(teacher.transformer.config.in_channels) != int(shape[0]):
             raise UserError(f"teacher {teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
@@ -277,6 +334,13 @@ def run(cfg: EvalConfig) -> dict:
         timing["teacher"] = str(teacher_path)
         del teacher
 
+    # (d) attributes of images drawn from shapes captions (the teacher's text encoder and VAE load here).
+    attrs = None
+    if captions is not None:
+        grid_path = report_path.with_name(report_path.stem + "-attributes.png")
+        attrs = attribute_scores(cfg, captions, teacher_path, models["student"], manifest, student_guidance,
+                                 device, dtype, grid_path)
+
     report = {
         "student": {**student.describe(), "init": init_how},
         "cache": {"path": str(cache_dir), "fingerprint": manifest[F.F_FINGERPRINT], "teacher": manifest[F.F_TEACHER],
@@ -284,7 +348,8 @@ def run(cfg: EvalConfig) -> dict:
                   "in_training_cache": in_training},
         "selection": selection, "trajectories": len(trajs), "target": target_key,
         "student_guidance": student_guidance,
-        "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "warnings": warnings,
+        "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "attributes": attrs,
+        "warnings": warnings,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "wall_s": round(time.time() - t_start, 2),
         "config": dataclasses.asdict(cfg),
     }
@@ -294,7 +359,14 @@ def run(cfg: EvalConfig) -> dict:
     plot_report(report, plot_path)
     speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s vs "
              f"{timing['teacher_s_per_image']:.3f}s per image)") if timing else ""
+    kept = ""
+    if attrs:
+        t, s = attrs["teacher"], attrs["student"]
+        kept = (f"; attributes on {attrs['captions']} captions: colour accuracy teacher {t['colour']:.1%} (background "
+                f"{t['background']:.1%}, shape {t['shape_colour']:.1%}), student {s['colour']:.1%} (background "
+                f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {_share(attrs, 'colour')}; "
+                f"grid {attrs['grid']}")
     tqdm.write(f"eval of {len(trajs)} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
                f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
-               f"(untrained {finals['untrained']:.4g}){speed}; report {report_path}, plot {plot_path}")
+               f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
     return report
