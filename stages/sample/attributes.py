@@ -43,12 +43,6 @@ def labels(img) -> np.ndarray:
     return ((a[:, :, None, :] - PALETTE[None, None]) ** 2).sum(-1).argmin(-1)
 
 
-def _mode(values: np.ndarray) -> int | None:
-    if values.size < MIN_PIXELS:
-        return None
-    return int(np.bincount(values, minlength=len(NAMES)).argmax())
-
-
 def read(img, n_shapes: int = 1) -> dict:
     """What the image shows: the background colour, and up to `n_shapes` shape colours (most common first)
     with the anchor nearest to each one's centroid."""

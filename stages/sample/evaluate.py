@@ -208,6 +208,14 @@ def time_sampling(student_pipe, teacher_pipe, cache_dir: Path, manifest: dict, t
     }
 
 
+def _check_cache_teacher(teacher, teacher_path: Path, manifest: dict) -> None:
+    """Refuse a teacher whose latents are not the cache's (a different model than the one that wrote it)."""
+    channels = int(manifest[F.F_LATENT_SHAPE][0])
+    if int(teacher.transformer.config.in_channels) != channels:
+        raise UserError(f"teacher {teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
+                        f"the cache {channels}: it is not the cache's teacher; pass the right --teacher")
+
+
 def attribute_captions(path: str, max_prompts: int | None) -> list[str]:
     """The shapes captions of an --attributes prompt file; refuse text the checker cannot read."""
     from pipeline.shapes import parse_caption
@@ -235,20 +243,16 @@ def attribute_scores(cfg: EvalConfig, captions: list[str], teacher_path: Path, s
 
     from .attributes import compare
     from .grid import draw_grid
-    from .sample import COLUMNS, SamplingSettings
+    from .sample import COLUMNS, SamplingSettings, _write_png
 
     teacher = load_teacher(teacher_path, dtype, device)
-    shape = manifest[F.F_LATENT_SHAPE]
-    if int(teacher.transformer.config.in_channels) != int(shape[0]):
-        raise UserError(f"teacher {teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
-                        f"the cache {shape[0]}: it is not the cache's teacher; pass the right --teacher")
-    vs = teacher.vae_scale_factor_spatial
+    _check_cache_teacher(teacher, teacher_path, manifest)
     g2 = manifest.get(F.F_GUIDANCE_2)
     settings = SamplingSettings(
         steps=int(manifest[F.F_STEPS]), guidance=float(manifest[F.F_GUIDANCE]),
         guidance_2=float(g2) if g2 is not None and teacher.config.boundary_ratio is not None else None,
         student_guidance=student_guidance, negative_prompt=str(manifest.get(F.F_NEGATIVE_PROMPT) or ""),
-        height=int(shape[2]) * vs, width=int(shape[3]) * vs,
+        height=int(manifest[F.F_HEIGHT]), width=int(manifest[F.F_WIDTH]),
         max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), seed=0)
     res = compare(teacher, student_pipeline(student_model, teacher=teacher), captions, settings, device,
                   cfg.batch_size, keep=cfg.attribute_grid)
@@ -257,7 +261,7 @@ def attribute_scores(cfg: EvalConfig, captions: list[str], teacher_path: Path, s
         grid = draw_grid(captions[:len(pairs)], [[Image.fromarray(t), Image.fromarray(s)] for t, s in pairs],
                          COLUMNS)
         grid_path.parent.mkdir(parents=True, exist_ok=True)
-        grid.save(grid_path)
+        _write_png(grid, grid_path)
     return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
             "grid": str(grid_path) if pairs else None}
 
@@ -326,9 +330,7 @@ def run(cfg: EvalConfig) -> dict:
     timing = None
     if cfg.teacher_timing:
         teacher = load_teacher(teacher_path, dtype, device, text=False, vae=False)
-        if int(teacher.transformer.config.in_channels) != int(shape[0]):
-            raise UserError(f"teacher {teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
-                            f"the cache {shape[0]}: it is not the cache's teacher; pass the right --teacher")
+        _check_cache_teacher(teacher, teacher_path, manifest)
         timing = time_sampling(pipes["student"], teacher, cache_dir, manifest, trajs, neg, student_guidance,
                                cfg.timing_runs, device)
         timing["teacher"] = str(teacher_path)
