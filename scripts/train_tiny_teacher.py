@@ -39,19 +39,24 @@ from pipeline.prompts import read_prompt_file  # noqa: E402
 from pipeline.tiny_teacher import build_tiny_pipeline  # noqa: E402
 
 NEGATIVE_PROMPT = "blurry, low quality, distorted"
-MAX_SEQ = 64
-KEEP_TOKENS = 32  # captions are < 32 tokens; embeddings past seq_len are zeros, so only these are stored
+# Text tokens the experts see (WanPipeline's max_sequence_length; a teacher-cache of this teacher must match):
+# the captions are under 32 tokens, and Wan's cross-attention has no mask, so every zero-padded position is
+# attended and costs as much as a word.
+MAX_SEQ = 32
 EVAL = dict(num_inference_steps=8, guidance_scale=4.0, guidance_scale_2=3.0, height=64, width=64, num_frames=1,
             negative_prompt=NEGATIVE_PROMPT, max_sequence_length=MAX_SEQ)
 # The VAE: 4x spatial compression (one downsampling stage fewer than the random tiny
 # variants' 8x) so a small shape still spans several latent pixels.
 VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True],
            scale_factor_spatial=4)  # WanPipeline reads its latent grid size from scale_factor_spatial
-# The experts. Head dim 32, not the random variants' 16: Wan's RoPE gives height and width 2 * (head_dim // 6)
-# dims each, so at 16 they get the frequencies 1 and 0.01 rad per token (aliased and flat: no usable spatial
-# signal); at 32, five (1, 0.16, 0.025, ...). Patch 4x4 on the 16x16 latents: 16 tokens, each seeing the
-# whole image at short range (and 3x cheaper per step than 64 tokens).
-EXPERT = dict(patch_size=(1, 4, 4), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+# The experts. Wan's transformer has no skip from input to output: each token's velocity comes out of
+# proj_out(hidden), so the hidden width must exceed the patch's output size (patch_h * patch_w * 16 channels)
+# for the model to carry the noise through. Patch 4x4 (256 outputs per token) at width 64 could not: its
+# loss stalled near 0.88 and its samples kept the noise as coloured texture; patch 2x2 (64 outputs) at width
+# 128 reaches 0.24 in 1000 steps and draws flat backgrounds. Head dim 32, not the random variants' 16: Wan's
+# RoPE gives height and width 2 * (head_dim // 6) dims each, so at 16 they get the frequencies 1 and 0.01 rad
+# per token (aliased and flat); at 32, five (1, 0.16, 0.025, ...).
+EXPERT = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
               text_dim=32, freq_dim=32, ffn_dim=256, num_layers=4, cross_attn_norm=True,
               qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 
@@ -121,7 +126,7 @@ def reconstruction_score(vae, seed: int, n: int = 256) -> dict:
 
 @torch.no_grad()
 def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 256):
-    """Posterior means [n, 16, 1, 16, 16] and caption embeddings [n, KEEP_TOKENS, 32] of the first n examples."""
+    """Posterior means [n, 16, 1, 16, 16] and caption embeddings [n, MAX_SEQ, 32] of the first n examples."""
     lats, embs = [], []
     for start in range(0, n, chunk):
         u8, caps, _ = shapes.batch(seed, start, min(chunk, n - start), "train")
@@ -132,15 +137,12 @@ def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 256):
 
 @torch.no_grad()
 def text_embeds(pipe, captions: list[str]) -> torch.Tensor:
-    e = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQ,
+    """[B, MAX_SEQ, 32] UMT5 embeddings, zero past each caption's tokens (as WanPipeline makes them)."""
+    e = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=2 * MAX_SEQ,
                            device=torch.device("cpu"))[0]
-    if e[:, KEEP_TOKENS:].abs().max() > 0:
-        raise ValueError(f"a caption is longer than {KEEP_TOKENS} tokens")
-    return e[:, :KEEP_TOKENS].clone()
-
-
-def pad(e: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(e, (0, 0, 0, MAX_SEQ - e.shape[1]))
+    if e[:, MAX_SEQ:].abs().max() > 0:  # encoded with room to spare, so truncation shows
+        raise ValueError(f"a caption is longer than {MAX_SEQ} tokens")
+    return e[:, :MAX_SEQ].clone()
 
 
 def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -173,7 +175,7 @@ class FlowMatching:
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        pred = self.model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=pad(e), return_dict=False)[0]
+        pred = self.model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=e, return_dict=False)[0]
         loss = (pred - (noise - x0)).pow(2).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -270,10 +272,10 @@ def main(argv=None) -> None:
     ap.add_argument("--fg-weight", type=float, default=5.0, help="Weight of the shapes' pixels in the VAE loss.")
     ap.add_argument("--vae-from", help="Skip stage 1: load this trained VAE folder (with latents_mean/std set).")
     ap.add_argument("--pool", type=int, default=20000, help="Training examples encoded once for the experts.")
-    ap.add_argument("--shared-steps", type=int, default=2000, help="One transformer on all noise levels first.")
-    ap.add_argument("--expert-steps", type=int, default=800, help="Then each expert on its own noise levels.")
+    ap.add_argument("--shared-steps", type=int, default=3500, help="One transformer on all noise levels first.")
+    ap.add_argument("--expert-steps", type=int, default=1000, help="Then each expert on its own noise levels.")
     ap.add_argument("--expert-lr-scale", type=float, default=0.5, help="Peak LR of phase B / --expert-lr.")
-    ap.add_argument("--expert-batch", type=int, default=128)
+    ap.add_argument("--expert-batch", type=int, default=64)
     ap.add_argument("--train-shift", type=float, help="Shift of the training noise levels (1: uniform).  "
                     "[default: the scheduler's flow_shift]")
     ap.add_argument("--expert-lr", type=float, default=1e-3)
