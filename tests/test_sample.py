@@ -7,6 +7,7 @@ cached targets, saved as OUT/student/ with a distill.json like train-student's.
 from __future__ import annotations
 
 import json
+import shutil
 import tarfile
 
 import numpy as np
@@ -275,6 +276,11 @@ def test_bad_inputs_end_in_one_line(tiny_teacher, tiny_cache, prompts_file, narr
     empty = tmp_path / "empty-run"
     empty.mkdir()
     assert_one_line_error(invoke(["eval", "--student", empty, "--cache", tiny_cache]), "holds no student")
+    unfinished = tmp_path / "unfinished-run"  # killed after distill.json, before student/ was renamed in
+    shutil.copytree(narrow_run, unfinished)
+    shutil.rmtree(unfinished / "student")
+    assert_one_line_error(invoke(["sample", "--student", unfinished, "--teacher", tiny_teacher, "--prompts",
+                                  prompts_file, "--out", tmp_path / "g.png"]), "no finished student", "--resume")
     assert_one_line_error(invoke(["sample", "--student", narrow_run, "--teacher", tiny_teacher, "--prompts",
                                   tmp_path / "nope.txt", "--out", tmp_path / "g.png"]), "nope.txt", "does not exist")
     assert_one_line_error(invoke(["export", "--student", narrow_run, "--out", tmp_path / "p"]),

@@ -134,6 +134,9 @@ def find_student(path: str, weights: str = "auto") -> Student:
         parent = p.parent / DISTILL_JSON
         distill = _read_json(parent, "distill file") if p.name in (STUDENT_DIR, STUDENT_EMA_DIR) and parent.is_file() else {}
         return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, distill=distill)
+    if not raw.is_dir():  # train-student renames student/ into place last: without it the run did not finish
+        raise UserError(f"{p} holds no finished student: {STUDENT_DIR}/ is missing (train-student was stopped "
+                        "before it saved); rerun the same train-student command with --resume to finish it")
     if weights == "ema" and not (ema / "config.json").is_file():
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA_DIR}/ (EMA was off in train-student); "
                         "use --weights raw or auto")

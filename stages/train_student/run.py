@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cache import format as F
+from cache.atomic import atomic_write_json
 from cache.errors import CacheError
 from cache.reader import EpochPlan, open_caches
 from pipeline.config import TrainStudentConfig, save_resolved
@@ -124,7 +125,7 @@ def _check_out(out: Path, resume: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
     if out.is_dir() and not resume:
-        done = [p.name for p in out.iterdir() if p.name in (STUDENT, checkpoint.CHECKPOINTS)]
+        done = [p.name for p in out.iterdir() if p.name in (STUDENT, STUDENT_EMA, checkpoint.CHECKPOINTS)]
         if done:
             raise UserError(f"{out} already holds a training run ({done[0]}/); add --resume to continue it or "
                             "choose a new --out")
@@ -286,9 +287,10 @@ def _run(cfg: TrainStudentConfig, env: DistEnv) -> dict:
         raise RuntimeError(f"ranks ended with different weights ({[s[:12] for s in shas]}); this is a bug")
     trainer.write_debug(sha)
 
-    # 5. save: the student in diffusers format (and its EMA), the distillation record, the loss curve.
+    # 5. save: the EMA student, the distillation record, the loss curve, then the student in diffusers format.
+    # student/ is renamed into place last, so it exists only when the run finished: a kill before that leaves
+    # an OUT that `--resume` completes and `sample` refuses, never a raw student without its EMA or record.
     if env.is_main:
-        _save_pretrained(model, out / STUDENT)
         if ema is not None:  # swap the EMA weights in for the save (no second model to initialise)
             raw = {k: p.detach().to("cpu", copy=True) for k, p in model.named_parameters()}
             ema.copy_to(model)
@@ -296,8 +298,9 @@ def _run(cfg: TrainStudentConfig, env: DistEnv) -> dict:
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     p.copy_(raw[k])
-        (out / DISTILL).write_text(json.dumps(_distill_record(cfg, data, state, ema is not None), indent=2) + "\n")
+        atomic_write_json(out / DISTILL, _distill_record(cfg, data, state, ema is not None))
         plot_losses(out)
+        _save_pretrained(model, out / STUDENT)
     barrier(device)
     summary = {"out": str(out), "steps": state.step, "epochs": state.epoch, "samples": state.samples,
                "final_loss": _last(out, "train", "loss"), "heldout_loss": _last(out, "eval", "heldout_loss"),

@@ -98,8 +98,12 @@ def _attempt(ws: Workspace, row: Row, label: str, env: dict | None = None, kill_
         row.notes.append(f"{label}: {r.error_lines[0] if r.error_lines else r.describe()}")
     steps, partial = _complete_checkpoints(out)
     problems += partial
-    if (out / "student").exists():
-        problems.append("a student was saved although the run did not finish")
+    if (out / "student").exists():  # student/ is renamed in last: only a kill after the final save may leave it
+        unfinished = [n for n in ("student_ema", "distill.json", "loss.png") if not (out / n).exists()]
+        if unfinished or r.code != -9 or kill_after_s is None:
+            problems.append(f"a student was saved although the run did not finish (missing: {unfinished})")
+        else:
+            row.notes.append(f"{label}: the kill landed after the student was saved")
     if space_back is not None:
         space_back()
     lost, dup, final, note = _resume_and_compare(ws, out, max(steps, default=0))
