@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline import shapes
 from pipeline.prompts import read_prompt_file
@@ -79,4 +80,16 @@ def test_training_recipe_runs_end_to_end(tmp_path):
     assert report["heldout_captions"] == 2 and 0.0 <= report["heldout_score"]["colour"] <= 1.0
     pipe = WanPipeline.from_pretrained(out)
     assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875
-    assert pipe.vae_scale_factor_spatial == 4 and len(pipe.vae.config.latents_mean) == 16
+    assert pipe.vae_scale_factor_spatial == 16 and len(pipe.vae.config.latents_mean) == 16
+    # one token per image: the patch covers the whole 4x4 latent, and the width exceeds the patch's output
+    cfg = pipe.transformer.config
+    assert tuple(cfg.patch_size) == (1, 4, 4) and cfg.num_attention_heads * cfg.attention_head_dim > 16 * 4 * 4
+    from safetensors import safe_open
+
+    def saved_dtypes(component: str) -> set:
+        with safe_open(next((out / component).glob("*.safetensors")), "pt") as f:
+            return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+    assert saved_dtypes("transformer") == saved_dtypes("vae") == {"F16"}  # half the bytes in data/
+    assert saved_dtypes("text_encoder") == {"F32"}
+    assert pipe.transformer.dtype == torch.float32  # and loaded as float32 unless asked otherwise

@@ -88,9 +88,21 @@ def score(images, captions) -> dict:
             "position": pos_ok / max(n_shapes, 1), "colour": img_colour_ok / n, "all": img_all_ok / n}
 
 
-def _u8(frames) -> list[np.ndarray]:
+def first_frames_u8(frames) -> list[np.ndarray]:
     """WanPipeline 'np' frames [B, F, H, W, 3] in [0, 1] -> first frames as uint8 [H, W, 3]."""
     return [(np.clip(f[0], 0.0, 1.0) * 255).round().astype(np.uint8) for f in frames]
+
+
+def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int):
+    """Initial latents of captions start .. start + n - 1: caption i from seed + i (as `wandistiller sample`
+    draws row i), so every drawer of a caption list starts each caption from the same noise."""
+    import torch
+
+    from .sample import initial_latents
+
+    vs = pipe.vae_scale_factor_spatial
+    shape = (pipe.transformer.config.in_channels, 1, height // vs, width // vs)
+    return torch.stack([initial_latents(seed + start + i, shape) for i in range(n)])
 
 
 def compare(teacher, student_pipe, captions: list[str], settings, device, batch_size: int = 16,
@@ -102,11 +114,6 @@ def compare(teacher, student_pipe, captions: list[str], settings, device, batch_
     import torch
     from tqdm.auto import tqdm
 
-    from .sample import initial_latents
-
-    tcfg = teacher.transformer.config
-    vs = teacher.vae_scale_factor_spatial
-    shape = (tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
                   max_sequence_length=settings.max_sequence_length, output_type="np")
     teacher_kw = dict(guidance_scale=settings.guidance)
@@ -116,14 +123,14 @@ def compare(teacher, student_pipe, captions: list[str], settings, device, batch_
     bar = tqdm(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]
-        latents = torch.stack([initial_latents(settings.seed + s + i, shape) for i in range(len(caps))])
+        latents = caption_noise(teacher, settings.seed, s, len(caps), settings.height, settings.width)
         with torch.inference_mode():
             embeds, neg = teacher.encode_prompt(caps, negative_prompt=[settings.negative_prompt] * len(caps),
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
-            images["teacher"] += _u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
+            images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
                                              latents=latents.clone(), **common, **teacher_kw).frames)
-            images["student"] += _u8(student_pipe(prompt_embeds=embeds, negative_prompt_embeds=neg,
+            images["student"] += first_frames_u8(student_pipe(prompt_embeds=embeds, negative_prompt_embeds=neg,
                                                   latents=latents.clone(), **common,
                                                   guidance_scale=settings.student_guidance).frames)
         bar.update(len(caps))
