@@ -62,12 +62,16 @@ def main():
 
 @main.command("tiny-teacher")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to write the pipeline to.")
-@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v"]), default="wan2.2", show_default=True,
-              help="wan2.2: two experts + boundary ratio; wan2.1: one transformer; ti2v: expand_timesteps.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed, same bytes).")
+@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained"]), default="wan2.2",
+              show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one transformer; ti2v: "
+              "expand_timesteps (all three random); pretrained: a Wan 2.2 teacher trained to draw shapes captions "
+              "(data/tiny-teacher-pretrained).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Weights seed of the random variants (same seed, same bytes).")
 @user_errors("tiny-teacher")
 def tiny_teacher_cmd(out, variant, seed):
-    """Write the embedded tiny Wan teacher (diffusers format, random weights, no download).
+    """Write the embedded tiny Wan teacher (diffusers format, no download): random weights, or the trained
+    shapes teacher.
 
     Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2
     """

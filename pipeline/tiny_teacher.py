@@ -9,13 +9,20 @@ files. Nothing is downloaded: the tokenizer is a Unigram vocabulary built here.
 
 from __future__ import annotations
 
+import shutil
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
 VARIANTS = ("wan2.2", "wan2.1", "ti2v")
+# A tiny Wan 2.2 teacher trained to draw the shapes of pipeline/shapes.py (scripts/train_tiny_teacher.py); its
+# weights are committed, not built: `write_tiny_teacher(out, PRETRAINED)` copies them.
+PRETRAINED = "pretrained"
+PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny-teacher-pretrained"
 
 # Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
 _WORDS = """
@@ -156,8 +163,16 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
 
 
 def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:
-    """Write the tiny pipeline to `out` in diffusers format (safetensors); return the folder."""
+    """Write the tiny pipeline to `out` in diffusers format (safetensors); return the folder. The `pretrained`
+    variant is a copy of the trained shapes teacher committed under data/ (`seed` does not apply to it)."""
     out = Path(out)
+    if variant == PRETRAINED:
+        if not (PRETRAINED_DIR / "model_index.json").is_file():
+            raise UserError(f"the pretrained tiny teacher is missing from {PRETRAINED_DIR}; restore it with "
+                                    "`git checkout -- data/` or retrain it with `make tiny-teacher-train`")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(PRETRAINED_DIR, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.tmp"))
+        return out
     pipe = build_tiny_pipeline(variant, seed)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
