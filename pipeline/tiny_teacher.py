@@ -169,9 +169,8 @@ def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) 
     if variant == PRETRAINED:
         if not (PRETRAINED_DIR / "model_index.json").is_file():
             raise UserError(f"the pretrained tiny teacher is missing from {PRETRAINED_DIR}; restore it with "
-                                    "`git checkout -- data/` or retrain it with `make tiny-teacher-train`")
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(PRETRAINED_DIR, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.tmp"))
+                            "`git checkout -- data/` or retrain it with `make tiny-teacher-train`")
+        shutil.copytree(PRETRAINED_DIR, out, dirs_exist_ok=True)  # creates `out` and its parents
         return out
     pipe = build_tiny_pipeline(variant, seed)
     out.mkdir(parents=True, exist_ok=True)

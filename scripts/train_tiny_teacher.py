@@ -134,7 +134,7 @@ def reconstruction_score(vae, seed: int, n: int = 256) -> dict:
 
 @torch.no_grad()
 def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 256):
-    """Posterior means [n, 16, 1, 16, 16] and caption embeddings [n, MAX_SEQ, 32] of the first n examples."""
+    """Posterior means [n, 16, 1, 4, 4] and caption embeddings [n, MAX_SEQ, 32] of the first n examples."""
     lats, embs = [], []
     for start in range(0, n, chunk):
         u8, caps, _ = shapes.batch(seed, start, min(chunk, n - start), "train")
@@ -247,17 +247,11 @@ def assemble(pipe, vae, experts):
 
 
 @torch.no_grad()
-def generate(pipe, captions: list[str], seed: int, batch: int = 64, **overrides) -> list[np.ndarray]:
-    """uint8 [64, 64, 3] images of `captions`, caption i from the noise `eval --attributes` draws it from."""
-    from stages.sample.attributes import caption_noise, first_frames_u8
+def generate(pipe, captions: list[str], seed: int, **overrides) -> list[np.ndarray]:
+    """uint8 [64, 64, 3] images of `captions` at EVAL (+ overrides), each from the noise `eval --attributes` uses."""
+    from stages.sample.attributes import draw
 
-    kw = {**EVAL, **overrides}
-    out = []
-    for s in range(0, len(captions), batch):
-        caps = captions[s:s + batch]
-        lat = caption_noise(pipe, seed, s, len(caps), kw["height"], kw["width"])
-        out += first_frames_u8(pipe(prompt=caps, latents=lat, output_type="np", **kw).frames)
-    return out
+    return draw(pipe, captions, seed, **{**EVAL, **overrides})
 
 
 def evaluate(pipe, captions: list[str], seed: int = 0, **overrides) -> dict:
@@ -266,13 +260,18 @@ def evaluate(pipe, captions: list[str], seed: int = 0, **overrides) -> dict:
     return score(generate(pipe, captions, seed, **overrides), captions)
 
 
-def rescore(out: Path, held: list[str], seed: int) -> None:
-    """Score a saved teacher on `held` with the current EVAL settings; rewrite those fields of TRAINING.json."""
+def score_saved(out: Path, held: list[str], seed: int) -> dict:
+    """Held-out score of the pipeline saved in `out`, loaded in float32 as every stage of WanDistiller loads it."""
     from diffusers import WanPipeline
 
+    return evaluate(WanPipeline.from_pretrained(out, torch_dtype=torch.float32), held, seed)
+
+
+def rescore(out: Path, held: list[str], seed: int) -> None:
+    """Score a saved teacher on `held` with the current EVAL settings; rewrite those fields of TRAINING.json."""
     path = out / "TRAINING.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
-    heldout = evaluate(WanPipeline.from_pretrained(out, torch_dtype=torch.float32), held, seed)
+    heldout = score_saved(out, held, seed)
     report.update(eval_settings=EVAL, heldout_captions=len(held), heldout_score=heldout)
     path.write_text(json.dumps(report, indent=2) + "\n")
     log(f"held-out score {heldout} ({EVAL}); updated {path}")
@@ -342,16 +341,12 @@ def main(argv=None) -> None:
         return evaluate(assemble(base, vae, experts), held[:48], args.seed)
 
     experts, exp_s = train_experts(base, lat, emb, args, eval_fn)
-    # Saved in float16 (half the bytes; the text encoder stays float32) and scored as saved: reloaded in
-    # float32, as every stage of WanDistiller loads it.
+    # Saved in float16 (half the bytes; the text encoder stays float32) and scored as saved.
     for m in (*experts.values(), vae):
         m.to(torch.float16)
     assemble(base, vae, experts).save_pretrained(out, safe_serialization=True)
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(out, torch_dtype=torch.float32)
     t = time.time()
-    heldout = evaluate(pipe, held, args.seed)
+    heldout = score_saved(out, held, args.seed)
     report = {
         "recipe": {k: v for k, v in vars(args).items() if k not in ("out",)}, "expert_config": EXPERT,
         "eval_settings": EVAL, "heldout_captions": len(held), "heldout_score": heldout,

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from pipeline import tiny_teacher
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
-from stages.sample.attributes import caption_noise, first_frames_u8, score
+from stages.sample.attributes import draw, score
 
 DATA = tiny_teacher.PRETRAINED_DIR
 MAX_BYTES = 25 * 2**20  # what the repository may carry for it
@@ -56,11 +56,6 @@ def test_teacher_draws_the_heldout_captions_as_recorded():
     captions = read_prompt_file("data/shapes-heldout.txt")
     assert len(captions) == report["heldout_captions"]
     pipe = WanPipeline.from_pretrained(DATA, torch_dtype=torch.float32)
-    images = []
-    for s in range(0, len(captions), 64):
-        caps = captions[s:s + 64]
-        lat = caption_noise(pipe, 0, s, len(caps), settings["height"], settings["width"])
-        images += first_frames_u8(pipe(prompt=caps, latents=lat, output_type="np", **settings).frames)
-    got, want = score(images, captions), report["heldout_score"]
+    got, want = score(draw(pipe, captions, 0, **settings), captions), report["heldout_score"]
     for key in ("background", "shape_colour", "colour"):
         assert abs(got[key] - want[key]) <= 1.5 / len(captions), (key, got, want)

@@ -105,6 +105,17 @@ def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int):
     return torch.stack([initial_latents(seed + start + i, shape) for i in range(n)])
 
 
+def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> list[np.ndarray]:
+    """uint8 first frames of `pipe(prompt=..., **call)` on `captions`, caption i from `caption_noise` (seed + i);
+    `call` needs height and width."""
+    out = []
+    for s in range(0, len(captions), batch_size):
+        caps = captions[s:s + batch_size]
+        lat = caption_noise(pipe, seed, s, len(caps), call["height"], call["width"])
+        out += first_frames_u8(pipe(prompt=caps, latents=lat, output_type="np", **call).frames)
+    return out
+
+
 def compare(teacher, student_pipe, captions: list[str], settings, device, batch_size: int = 16,
             keep: int = 0) -> dict:
     """Draw every caption with the teacher (its experts, its CFG) and the student (one transformer, its own
@@ -129,10 +140,10 @@ def compare(teacher, student_pipe, captions: list[str], settings, device, batch_
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
             images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                             latents=latents.clone(), **common, **teacher_kw).frames)
+                                                         latents=latents.clone(), **common, **teacher_kw).frames)
             images["student"] += first_frames_u8(student_pipe(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                                  latents=latents.clone(), **common,
-                                                  guidance_scale=settings.student_guidance).frames)
+                                                              latents=latents.clone(), **common,
+                                                              guidance_scale=settings.student_guidance).frames)
         bar.update(len(caps))
     bar.close()
     result = {name: score(imgs, captions) for name, imgs in images.items()}
