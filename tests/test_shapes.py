@@ -60,6 +60,24 @@ def test_checker_survives_noise_and_rejects_wrong_captions():
     assert attributes.score(list(images), captions[1:] + captions[:1])["colour"] < 0.3
 
 
+def test_checker_scores_one_and_two_shape_captions_apart():
+    images, captions, scenes = shapes.batch(5, 0, 200)
+    two = [i for i, s in enumerate(scenes) if len(s.shapes) == 2]
+    assert 20 < len(two) < 180
+    # Every two-shape image swapped with the next two-shape one: those are wrong, the one-shape ones stay right.
+    swapped = list(images)
+    for a, b in zip(two, two[1:] + two[:1]):
+        swapped[a] = images[b]
+    s = attributes.score(swapped, captions)
+    assert set(s["by_shapes"]) == {"1", "2"}
+    assert s["by_shapes"]["2"]["images"] == len(two) and s["by_shapes"]["1"]["images"] == 200 - len(two)
+    assert s["by_shapes"]["1"]["colour"] >= 0.99 and s["by_shapes"]["2"]["colour"] < 0.3
+    assert "by_shapes" not in s["by_shapes"]["1"]
+    one_share = s["by_shapes"]["1"]["images"] / 200
+    assert s["colour"] == pytest.approx(one_share * s["by_shapes"]["1"]["colour"]
+                                        + (1 - one_share) * s["by_shapes"]["2"]["colour"])
+
+
 @pytest.mark.slow
 def test_training_recipe_runs_end_to_end(tmp_path):
     """scripts/train_tiny_teacher.py with a handful of steps: VAE, pool, shared phase, both experts, a pipeline

@@ -61,14 +61,17 @@ def read(img, n_shapes: int = 1) -> dict:
     return {"background": NAMES[bg], "shapes": shapes}
 
 
-def score(images, captions) -> dict:
+def score(images, captions, by_shapes: bool = True) -> dict:
     """Accuracy of `images` against their `captions` (same order), in [0, 1]: background colour; shape colour
     (per captioned shape: its colour is among those read); position (per captioned shape: its colour was
     read, at the captioned anchor); colour (per image: background and every shape colour right); all (per
-    image: colours and positions right)."""
+    image: colours and positions right). With `by_shapes`, "by_shapes" holds the same scores of the one-shape
+    and of the two-shape captions apart (keys "1", "2"): a small teacher can draw the first well and still
+    hedge on the second, blending the two colours or scattering them over the corners."""
     images, captions = list(images), list(captions)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions")
+    counts = [len(parse_caption(c).shapes) for c in captions]
     bg_ok = colour_ok = pos_ok = n_shapes = img_colour_ok = img_all_ok = 0
     for img, cap in zip(images, captions):
         scene = parse_caption(cap)
@@ -84,8 +87,13 @@ def score(images, captions) -> dict:
         img_colour_ok += b and all(cs)
         img_all_ok += b and all(cs) and all(ps)
     n = max(len(images), 1)
-    return {"images": len(images), "background": bg_ok / n, "shape_colour": colour_ok / max(n_shapes, 1),
-            "position": pos_ok / max(n_shapes, 1), "colour": img_colour_ok / n, "all": img_all_ok / n}
+    result = {"images": len(images), "background": bg_ok / n, "shape_colour": colour_ok / max(n_shapes, 1),
+              "position": pos_ok / max(n_shapes, 1), "colour": img_colour_ok / n, "all": img_all_ok / n}
+    if by_shapes:
+        result["by_shapes"] = {str(k): score([i for i, c in zip(images, counts) if c == k],
+                                             [cap for cap, c in zip(captions, counts) if c == k], by_shapes=False)
+                               for k in sorted(set(counts))}
+    return result
 
 
 def first_frames_u8(frames) -> list[np.ndarray]:
