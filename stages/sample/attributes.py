@@ -61,39 +61,39 @@ def read(img, n_shapes: int = 1) -> dict:
     return {"background": NAMES[bg], "shapes": shapes}
 
 
-def score(images, captions, by_shapes: bool = True) -> dict:
+def _checks(img, scene) -> tuple[bool, list[bool], list[bool]]:
+    """(background right, per captioned shape: colour read, colour read at the captioned anchor)."""
+    got = read(img, len(scene.shapes))
+    where = {g["colour"]: g["position"] for g in got["shapes"]}
+    return (got["background"] == scene.background, [s.colour in where for s in scene.shapes],
+            [where.get(s.colour) == s.position for s in scene.shapes])
+
+
+def _rates(checks) -> dict:
+    """The accuracies of `score` over a list of `_checks` results."""
+    n = max(len(checks), 1)
+    n_shapes = max(sum(len(cs) for _, cs, _ in checks), 1)
+    return {"images": len(checks), "background": sum(b for b, _, _ in checks) / n,
+            "shape_colour": sum(sum(cs) for _, cs, _ in checks) / n_shapes,
+            "position": sum(sum(ps) for _, _, ps in checks) / n_shapes,
+            "colour": sum(b and all(cs) for b, cs, _ in checks) / n,
+            "all": sum(b and all(cs) and all(ps) for b, cs, ps in checks) / n}
+
+
+def score(images, captions) -> dict:
     """Accuracy of `images` against their `captions` (same order), in [0, 1]: background colour; shape colour
     (per captioned shape: its colour is among those read); position (per captioned shape: its colour was
     read, at the captioned anchor); colour (per image: background and every shape colour right); all (per
-    image: colours and positions right). With `by_shapes`, "by_shapes" holds the same scores of the one-shape
-    and of the two-shape captions apart (keys "1", "2"): a small teacher can draw the first well and still
-    hedge on the second, blending the two colours or scattering them over the corners."""
+    image: colours and positions right). "by_shapes" holds the same scores of the one-shape and of the
+    two-shape captions apart (keys "1", "2"): a small teacher can draw the first well and still hedge on the
+    second, blending the two colours or scattering them over the corners."""
     images, captions = list(images), list(captions)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions")
-    counts = [len(parse_caption(c).shapes) for c in captions]
-    bg_ok = colour_ok = pos_ok = n_shapes = img_colour_ok = img_all_ok = 0
-    for img, cap in zip(images, captions):
-        scene = parse_caption(cap)
-        got = read(img, len(scene.shapes))
-        where = {g["colour"]: g["position"] for g in got["shapes"]}
-        b = got["background"] == scene.background
-        cs = [s.colour in where for s in scene.shapes]
-        ps = [where.get(s.colour) == s.position for s in scene.shapes]
-        bg_ok += b
-        colour_ok += sum(cs)
-        pos_ok += sum(ps)
-        n_shapes += len(scene.shapes)
-        img_colour_ok += b and all(cs)
-        img_all_ok += b and all(cs) and all(ps)
-    n = max(len(images), 1)
-    result = {"images": len(images), "background": bg_ok / n, "shape_colour": colour_ok / max(n_shapes, 1),
-              "position": pos_ok / max(n_shapes, 1), "colour": img_colour_ok / n, "all": img_all_ok / n}
-    if by_shapes:
-        result["by_shapes"] = {str(k): score([i for i, c in zip(images, counts) if c == k],
-                                             [cap for cap, c in zip(captions, counts) if c == k], by_shapes=False)
-                               for k in sorted(set(counts))}
-    return result
+    checks = [_checks(img, parse_caption(cap)) for img, cap in zip(images, captions)]
+    counts = sorted({len(cs) for _, cs, _ in checks})
+    return {**_rates(checks),
+            "by_shapes": {str(k): _rates([c for c in checks if len(c[1]) == k]) for k in counts}}
 
 
 def first_frames_u8(frames) -> list[np.ndarray]:
