@@ -306,8 +306,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    held = read_prompt_file(args.heldout)  # checked before any training, and used by --score-only as well
+    if any(not shapes.is_heldout(c) for c in held):
+        sys.exit(f"--heldout {args.heldout}: some captions are in the training split; use held-out captions")
     if args.score_only:
-        return rescore(out, read_prompt_file(args.heldout), args.seed)
+        return rescore(out, held, args.seed)
     t_start = time.time()
     base = build_tiny_pipeline("wan2.2", args.seed)  # tokenizer, frozen text encoder, scheduler
     base.text_encoder.requires_grad_(False)
@@ -319,9 +322,6 @@ def main(argv=None) -> None:
     else:
         vae, vae_s = train_vae(args.seed, args.vae_steps, args.vae_batch, args.vae_lr, args.kl_weight,
                                args.fg_weight, lambda v: reconstruction_score(v, args.seed, 128), args.eval_every // 2)
-    held = read_prompt_file(args.heldout)
-    if any(not shapes.is_heldout(c) for c in held):
-        sys.exit(f"--heldout {args.heldout}: some captions are in the training split; use held-out captions")
     vae_score = reconstruction_score(vae, args.seed)
     log(f"VAE reconstruction of held-out images, attribute score {vae_score}")
 
