@@ -45,6 +45,20 @@ def test_missing_weights_end_in_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "t" / "model_index.json").exists()
 
 
+def test_text_encoder_is_the_recipes():
+    """The committed UMT5 is what the recipe in TRAINING.json makes of the tiny teacher's random one: frozen, with
+    its relative-position bias scaled by --text-bias-scale and nothing else changed."""
+    from transformers import UMT5EncoderModel
+
+    recipe = json.loads((DATA / "TRAINING.json").read_text())["recipe"]
+    want = tiny_teacher.build_tiny_pipeline("wan2.2", recipe["seed"]).text_encoder.state_dict()
+    got = UMT5EncoderModel.from_pretrained(DATA / "text_encoder").state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        scale = recipe["text_bias_scale"] if "relative_attention_bias" in k else 1.0
+        assert torch.equal(got[k], v * scale), k
+
+
 @pytest.mark.slow
 def test_teacher_draws_the_heldout_captions_as_recorded():
     """Every held-out caption drawn as the recipe scored it (seed 0: caption i from noise seed i, the recipe's
