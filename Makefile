@@ -42,6 +42,7 @@ tiny-teacher: $(TINY_TEACHER)/model_index.json
 PRETRAINED_TEACHER := $(RUNS)/tiny-teacher-pretrained
 $(PRETRAINED_TEACHER)/model_index.json: $(wildcard data/tiny-teacher-pretrained/*/*) | $(STAMP)
 	$(BIN)/wandistiller tiny-teacher --out $(PRETRAINED_TEACHER) --variant pretrained
+	touch $@  # the copy keeps data/'s file times: without this the target would never be up to date
 
 # Train a tiny Wan 2.2 teacher (VAE + two experts, frozen UMT5) to draw the shapes captions of pipeline/shapes.py,
 # on CPU (under an hour on 2 cores); OUT/TRAINING.json gets the attribute checker's held-out score. Its output
@@ -75,7 +76,12 @@ train-student: $(STAMP)
 DEMO ?= $(RUNS)/demo
 DEMO_TRAIN_ARGS ?= --epochs 4 --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 \
 	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER)
-demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json
+# A new pretrained teacher (or new stage-one settings or captions) makes a cache left by an earlier demo stale,
+# and teacher-cache refuses it; start the cache again instead.
+$(DEMO)/cache.stamp: $(wildcard data/tiny-teacher-pretrained/*/*) configs/shapes-teacher-cache.toml data/shapes-prompts.txt
+	rm -rf $(DEMO)/cache
+	mkdir -p $(DEMO) && touch $@
+demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	$(MAKE) --no-print-directory teacher-cache TEACHER=$(PRETRAINED_TEACHER) CONFIG=configs/shapes-teacher-cache.toml \
 		PROMPTS=data/shapes-prompts.txt CACHE=$(DEMO)/cache
 	rm -rf $(DEMO)/student  # the demo trains afresh each time; the cache above is reused when complete
