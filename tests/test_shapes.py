@@ -120,3 +120,21 @@ def test_training_recipe_runs_end_to_end(tmp_path):
     assert got.keys() == want.keys() and any("relative_attention_bias" in k for k in want)
     for k, v in want.items():
         assert torch.equal(got[k], v * 16.0 if "relative_attention_bias" in k else v), k
+
+
+@pytest.mark.slow
+def test_text_binding_probe_compares_bias_scales():
+    """scripts/probe_text_binding.py (the measurement behind the recipe's TEXT_BIAS_SCALE) in miniature: one line
+    per scale, each with an accuracy per scoring step."""
+    import re
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "scripts/probe_text_binding.py", "--scales", "1", "16", "--captions", "64",
+                        "--test", "32", "--steps", "4", "--every", "2", "--threads", "1"],
+                       check=True, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["bias scale 1", "bias scale 16"], r.stdout
+    for ln in lines:
+        assert [int(s) for s in re.findall(r"at step (\d+)", ln)] == [2, 4], ln
+        assert all(0 <= float(p) <= 100 for p in re.findall(r"([\d.]+)% at step", ln)), ln
