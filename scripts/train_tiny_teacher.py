@@ -314,6 +314,8 @@ def main(argv=None) -> None:
                     "[default: the scheduler's flow_shift]")
     ap.add_argument("--expert-lr", type=float, default=2e-3)
     ap.add_argument("--ema", type=float, default=0.999)
+    ap.add_argument("--text-encoder-seed", type=int, default=0,
+                    help="Seed of the tiny teacher whose random UMT5 (and tokenizer) the recipe keeps frozen.")
     ap.add_argument("--text-bias-scale", type=float, default=TEXT_BIAS_SCALE,
                     help="Scale of the frozen UMT5's relative-position bias (1: as drawn; see TEXT_BIAS_SCALE).")
     ap.add_argument("--p-uncond", type=float, default=0.1)
@@ -331,7 +333,9 @@ def main(argv=None) -> None:
     if args.score_only:
         return rescore(out, held, args.seed)
     t_start = time.time()
-    base = build_tiny_pipeline("wan2.2", args.seed)  # tokenizer, frozen text encoder, scheduler
+    # tokenizer, frozen text encoder, scheduler: given parts of the model, as a pretrained UMT5 would be; --seed
+    # varies what the recipe trains (VAE, experts, data order, noise), not them
+    base = build_tiny_pipeline("wan2.2", args.text_encoder_seed)
     base.text_encoder.requires_grad_(False)
     scale_text_position_bias(base.text_encoder, args.text_bias_scale)
 

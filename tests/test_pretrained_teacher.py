@@ -51,7 +51,7 @@ def test_text_encoder_is_the_recipes():
     from transformers import UMT5EncoderModel
 
     recipe = json.loads((DATA / "TRAINING.json").read_text())["recipe"]
-    want = tiny_teacher.build_tiny_pipeline("wan2.2", recipe["seed"]).text_encoder.state_dict()
+    want = tiny_teacher.build_tiny_pipeline("wan2.2", recipe["text_encoder_seed"]).text_encoder.state_dict()
     got = UMT5EncoderModel.from_pretrained(DATA / "text_encoder").state_dict()
     assert got.keys() == want.keys()
     for k, v in want.items():
