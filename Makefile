@@ -40,7 +40,8 @@ tiny-teacher: $(TINY_TEACHER)/model_index.json
 
 # The pretrained tiny teacher (data/tiny-teacher-pretrained, trained by `make tiny-teacher-train`): draws shapes.
 PRETRAINED_TEACHER := $(RUNS)/tiny-teacher-pretrained
-$(PRETRAINED_TEACHER)/model_index.json: $(wildcard data/tiny-teacher-pretrained/*/*) | $(STAMP)
+PRETRAINED_FILES := $(wildcard data/tiny-teacher-pretrained/*/*)
+$(PRETRAINED_TEACHER)/model_index.json: $(PRETRAINED_FILES) | $(STAMP)
 	$(BIN)/wandistiller tiny-teacher --out $(PRETRAINED_TEACHER) --variant pretrained
 	touch $@  # the copy keeps data/'s file times: without this the target would never be up to date
 
@@ -78,7 +79,7 @@ DEMO_TRAIN_ARGS ?= --epochs 4 --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-
 	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER)
 # A new pretrained teacher (or new stage-one settings or captions) makes a cache left by an earlier demo stale,
 # and teacher-cache refuses it; start the cache again instead.
-$(DEMO)/cache.stamp: $(wildcard data/tiny-teacher-pretrained/*/*) configs/shapes-teacher-cache.toml data/shapes-prompts.txt
+$(DEMO)/cache.stamp: $(PRETRAINED_FILES) configs/shapes-teacher-cache.toml data/shapes-prompts.txt
 	rm -rf $(DEMO)/cache
 	mkdir -p $(DEMO) && touch $@
 demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp

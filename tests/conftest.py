@@ -100,3 +100,16 @@ def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
             assert key not in out, f"duplicate sample {key}"
             out[key] = decode_sample(mem)
     return out
+
+
+def assert_recipe_text_encoder(text_encoder, recipe: dict) -> None:
+    """`text_encoder` is what the tiny-teacher recipe (its TRAINING.json `recipe`) keeps frozen: the random UMT5 of
+    the tiny teacher of `text_encoder_seed`, with only its relative-position bias scaled by `text_bias_scale`."""
+    from pipeline.tiny_teacher import build_tiny_pipeline
+
+    want = build_tiny_pipeline("wan2.2", recipe["text_encoder_seed"]).text_encoder.state_dict()
+    got = text_encoder.state_dict()
+    assert got.keys() == want.keys() and any("relative_attention_bias" in k for k in want)
+    for k, v in want.items():
+        scale = recipe["text_bias_scale"] if "relative_attention_bias" in k else 1.0
+        assert torch.equal(got[k], v * scale), k

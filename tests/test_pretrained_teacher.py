@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import assert_recipe_text_encoder
 from pipeline import tiny_teacher
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
@@ -51,12 +52,7 @@ def test_text_encoder_is_the_recipes():
     from transformers import UMT5EncoderModel
 
     recipe = json.loads((DATA / "TRAINING.json").read_text())["recipe"]
-    want = tiny_teacher.build_tiny_pipeline("wan2.2", recipe["text_encoder_seed"]).text_encoder.state_dict()
-    got = UMT5EncoderModel.from_pretrained(DATA / "text_encoder").state_dict()
-    assert got.keys() == want.keys()
-    for k, v in want.items():
-        scale = recipe["text_bias_scale"] if "relative_attention_bias" in k else 1.0
-        assert torch.equal(got[k], v * scale), k
+    assert_recipe_text_encoder(UMT5EncoderModel.from_pretrained(DATA / "text_encoder"), recipe)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_recipe_text_encoder
 from pipeline import shapes
 from pipeline.prompts import read_prompt_file
 from pipeline.tiny_teacher import _WORDS
@@ -112,14 +113,8 @@ def test_training_recipe_runs_end_to_end(tmp_path):
     assert saved_dtypes("text_encoder") == {"F32"}
     assert pipe.transformer.dtype == torch.float32  # and loaded as float32 unless asked otherwise
     # the frozen text encoder: the tiny teacher's random UMT5, only its relative-position bias scaled up
-    from pipeline.tiny_teacher import build_tiny_pipeline
-
-    assert report["recipe"]["text_bias_scale"] == 16.0
-    want = build_tiny_pipeline("wan2.2", 0).text_encoder.state_dict()
-    got = pipe.text_encoder.state_dict()
-    assert got.keys() == want.keys() and any("relative_attention_bias" in k for k in want)
-    for k, v in want.items():
-        assert torch.equal(got[k], v * 16.0 if "relative_attention_bias" in k else v), k
+    assert report["recipe"]["text_bias_scale"] == 16.0 and report["recipe"]["text_encoder_seed"] == 0
+    assert_recipe_text_encoder(pipe.text_encoder, report["recipe"])
 
 
 @pytest.mark.slow
