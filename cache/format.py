@@ -19,7 +19,9 @@ SHARDS_DIR = "shards"
 PROGRESS = "progress.json"
 PROMPTS_ZARR = "prompts.zarr"
 NEGATIVE = "negative.safetensors"
+FEATURE_PROJECTION = "feature_projection.safetensors"  # the fixed matrix features are projected with
 RESOLVED_CONFIG = "config.json"
+TENSORBOARD = "tensorboard"  # parts/part-P/tensorboard: stage one's progress (teacher-cache --report-to tensorboard)
 # Anything being written carries this suffix until it is complete; readers never look at it.
 TMP_SUFFIX = ".tmp"
 
@@ -40,6 +42,7 @@ T_X_T = "x_t"
 T_TARGET = "target"
 T_TARGET_COND = "target_cond"
 T_TARGET_UNCOND = "target_uncond"
+T_FEATURES = "features"  # the teacher's hidden states after chosen blocks, projected to feature_dim (schema.py)
 M_PROMPT_IDX = "prompt_idx"
 M_SEED_IDX = "seed_idx"
 M_STEP = "step"
@@ -47,8 +50,10 @@ M_TIMESTEP = "timestep"
 M_SIGMA = "sigma"
 M_EXPERT = "expert"
 M_GUIDANCE = "guidance"
-META_KEYS = (M_PROMPT_IDX, M_SEED_IDX, M_STEP, M_TIMESTEP, M_SIGMA, M_EXPERT, M_GUIDANCE)
+# What each tensor and metadata field holds, its dtype and shape: schema.py.
 
+# Feature-projection file tensors.
+P_MATRIX = "matrix"  # [teacher dim, feature_dim] float32
 # Negative-prompt file tensors.
 NEG_EMBEDS = "embeds"
 NEG_SEQ_LEN = "seq_len"
@@ -91,6 +96,13 @@ F_CFG = "cfg"  # whether targets are CFG-guided predictions (guidance > 1)
 F_SAVE_COND_UNCOND = "save_cond_uncond"
 F_TEACHER_PATH = "teacher_path"  # absolute local folder of the teacher when stage one ran
 F_REVISION = "revision"
+F_RECORD_FEATURES = "record_features"  # teacher block indices whose outputs are recorded (each expert's), or []
+F_FEATURE_DIM = "feature_dim"  # D of the fixed projection
+F_FEATURE_POOL = "feature_pool"  # "none" (one row per latent token) or "mean" (pooled over tokens)
+F_FEATURE_SEED = "feature_seed"  # seed of the projection matrix
+F_FEATURE_TOKENS = "feature_tokens"  # rows per recorded block: the teacher's latent tokens, or 1 when pooled
+F_FEATURE_PROJECTION_SHA256 = "feature_projection_sha256"
+F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py); derived from the settings when absent
 # shard records (in the manifest and in progress.json)
 S_PATH = "path"
 S_PART = "part"
@@ -120,6 +132,16 @@ def parse_key(key: str) -> tuple[int, int, int]:
 
 def part_dirname(part: int) -> str:
     return f"part-{part:05d}"
+
+
+def prompt_location(prompt_idx: int, num_parts: int) -> tuple[int, int]:
+    """(part, row) holding a prompt: prompt i belongs to part i % num_parts, at row i // num_parts of its store."""
+    return prompt_idx % num_parts, prompt_idx // num_parts
+
+
+def part_prompts(part: int, prompts: int, num_parts: int) -> range:
+    """The global prompt indices of `part`, in row order (inverse of `prompt_location`)."""
+    return range(part, prompts, num_parts)
 
 
 def shard_relpath(part: int, index: int) -> str:

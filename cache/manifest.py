@@ -1,8 +1,10 @@
 """manifest.json: the single entry point for readers of a finished cache, plus the fingerprint.
 
 The manifest is written (atomically) only once every part is complete; it aggregates the parts' shard
-records. Whichever part finishes last writes it; two parts finishing together write identical content
-to distinct temporary files and the rename makes one of them win whole.
+records. Separate processes (`--part/--num-parts`) each try once their part is complete, so whichever
+finishes last writes it. Under torchrun every rank waits at a barrier until all parts are complete, then
+rank 0 writes it. Two writers finishing together write identical content to distinct temporary files,
+and the rename makes one of them win whole.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pathlib import Path
 from .atomic import atomic_write_json
 from .errors import CacheError
 from .format import (
-    F_BYTES, F_CREATED, F_FINGERPRINT, F_FORMAT_VERSION, F_NUM_PARTS, F_PARTS, F_SAMPLES, F_SHARDS,
+    F_BYTES, F_CREATED, F_FINGERPRINT, F_FORMAT_VERSION, F_NUM_PARTS, F_PARTS, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS,
     FORMAT_VERSION, MANIFEST, S_BYTES, S_SAMPLES,
 )
 from .progress import PartProgress
+from .schema import declared_fields, sample_bytes, sample_fields
 
 
 def fingerprint(fields: dict) -> str:
@@ -51,6 +54,7 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
         F_FORMAT_VERSION: FORMAT_VERSION,
         F_FINGERPRINT: parts[0].fingerprint,
         **parts[0].header,
+        F_SAMPLE_FIELDS: parts[0].header.get(F_SAMPLE_FIELDS) or declared_fields(parts[0].header),
         F_NUM_PARTS: num_parts,
         F_SAMPLES: sum(s[S_SAMPLES] for s in shards),
         F_BYTES: sum(s[S_BYTES] for s in shards),
@@ -86,7 +90,7 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
 
 def summarize(cache_dir: str | os.PathLike) -> dict:
     """What `cache info` prints: sizes and settings of a finished cache."""
-    from .format import F_LATENT_SHAPE, F_PROMPTS, F_STEPS, F_TEACHER, F_DTYPE
+    from .format import F_DTYPE, F_LATENT_SHAPE, F_PROMPTS, F_STEPS, F_TEACHER, T_FEATURES
 
     m = load_manifest(cache_dir)
     return {
@@ -94,5 +98,8 @@ def summarize(cache_dir: str | os.PathLike) -> dict:
         F_STEPS: m.get(F_STEPS), F_LATENT_SHAPE: m.get(F_LATENT_SHAPE), F_BYTES: m.get(F_BYTES),
         F_FINGERPRINT: m[F_FINGERPRINT], F_TEACHER: m.get(F_TEACHER), F_DTYPE: m.get(F_DTYPE),
         F_NUM_PARTS: m[F_NUM_PARTS], "seeds_per_prompt": m.get("seeds_per_prompt"),
-        "timesteps": m.get("timesteps"), "experts": m.get("experts"),
+        "timesteps": m.get("timesteps"), "experts": m.get("experts"), F_SAMPLE_FIELDS: list(sample_fields(m)),
+        # tensor bytes of one sample, and without the recorded teacher features (what they cost)
+        "tensor_bytes_per_sample": sample_bytes(m),
+        "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in sample_fields(m) if f != T_FEATURES]),
     }

@@ -27,6 +27,7 @@ class PartProgress:
     prompts: int  # prompts in this part
     blocks: int  # trajectory blocks in this part
     batch_size: int  # trajectories per block: block ids mean nothing under another batch size
+    samples_per_shard: int | None = None  # where shards close (None: a record from before it was checked)
     encoded: bool = False  # every prompt row of prompts.zarr written
     done_blocks: list[int] = field(default_factory=list)
     shards: list[dict] = field(default_factory=list)

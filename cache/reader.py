@@ -24,9 +24,12 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
+import webdataset as wds
+
 from . import format as F
 from .errors import CacheError
 from .manifest import load_manifest
+from .schema import SAMPLE_FIELDS, sample_problems
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -160,6 +163,32 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = Tru
     return np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_COLS))
 
 
+class ShardStream:
+    """Iterate over every sample of one shard as webdataset groups its members ({"__key__", "json",
+    "safetensors", ...}), in one sequential pass that also hashes the file: once the iteration ends, `sha256`
+    and `bytes` are the whole file's. Iterating raises OSError / tarfile.TarError for an unreadable shard."""
+
+    def __init__(self, cache_dir: str | os.PathLike, rec: dict):
+        self.path = Path(cache_dir) / rec[F.S_PATH]
+        self.sha256: str | None = None
+        self.bytes = 0
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            reader = _HashingReader(f)
+            files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(reader))
+            yield from wds.tariterators.group_by_keys(files)
+            while reader.read(_CHUNK):  # the tar's end-of-archive padding
+                pass
+        self.sha256, self.bytes = reader.sha.hexdigest(), reader.bytes
+
+
+def decode_sample(members: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of one sample's tar members (inverse of `writer.encode_sample`); any parse failure
+    propagates (corruption)."""
+    return st_load(members[F.EXT_TENSORS]), json.loads(members[F.EXT_META])
+
+
 def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
     """Every shard of `caches` in order: (cache id, cache dir, record, first row). Rows follow the manifests."""
     out, row = [], 0
@@ -256,9 +285,78 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
                          f"(prompts x seeds x steps): an epoch would miss {expected - len(first)}{why}; {fix}")
 
 
+def open_index(dirs: list[str | os.PathLike], check_sha256: bool = False) -> CacheIndex:
+    """Index of finished caches in one process (no ranks; stage two splits this work over its ranks):
+    every shard scanned (tar headers only unless `check_sha256`), CacheError for any that is not as recorded."""
+    caches = open_caches(dirs)
+    table, shards = empty_table(caches), shard_list(caches)
+    for sid, (ci, cache_dir, rec, first) in enumerate(shards):
+        fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, check_sha256=check_sha256))
+    for ci, c in enumerate(caches):
+        check_complete(c, ci, table, shards)
+    return CacheIndex(caches, table)
+
+
+def prompt_rows(index: CacheIndex, prompts) -> np.ndarray:
+    """Index rows of every cached step of `prompts`, in shard order (sequential reads)."""
+    return np.flatnonzero(np.isin(index.table[:, C_PROMPT], np.fromiter(prompts, dtype=np.int64)))
+
+
+def later_state_rows(index: CacheIndex, rows: np.ndarray, end_step: np.ndarray) -> np.ndarray:
+    """For each of `rows`, the index row of the same trajectory (prompt, seed) at step `end_step[step]`, or -1
+    where that is the cache's step count (the trajectory's final latent, in the prompt store, not a shard).
+    Rows of one trajectory are written in one block, so a pair usually lies in one shard. KeyError if a
+    needed state is not indexed (`check_complete` guarantees it is for a complete cache)."""
+    table = index.table
+    steps = table[rows, C_STEP]
+    ends = np.asarray(end_step, dtype=np.int64)[steps]
+    out = np.full(len(rows), -1, dtype=np.int64)
+    inner = ends < index.steps
+    if inner.any():
+        codes = sample_code(table)
+        order = np.argsort(codes, kind="stable")
+        want = sample_code(table[rows[inner]]) - steps[inner] + ends[inner]
+        pos = np.searchsorted(codes, want, sorter=order).clip(0, len(codes) - 1)
+        found = order[pos]
+        bad = codes[found] != want
+        if bad.any():
+            r = table[rows[inner][np.argmax(bad)]]
+            raise KeyError(f"sample {F.sample_key(int(r[C_PROMPT]), int(r[C_SEED]), int(ends[inner][np.argmax(bad)]))} "
+                           "is not in the cache's index")
+        out[inner] = found
+    return out
+
+
 def sample_code(table: np.ndarray) -> np.ndarray:
     """One int64 per sample identifying (prompt, seed, step) (seed < 100, step < 1000 by the key format)."""
     return (table[:, C_PROMPT] * 100 + table[:, C_SEED]) * 1000 + table[:, C_STEP]
+
+
+# safetensors dtype names -> torch dtypes, for `SampleReader`'s own decoding of a tensor member.
+_ST_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+              "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+              "F64": torch.float64}
+
+
+def _tensors_in(buf: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf`, as views of its memory (`safetensors.torch.load`
+    copies each one out of a `bytes`; at A14B sizes a sample's copy costs as much as reading it). ValueError
+    for anything that is not a well-formed safetensors file: corruption."""
+    n = int.from_bytes(buf[:8], "little")
+    if len(buf) < 8 or not 0 < n <= len(buf) - 8:
+        raise ValueError(f"header length {n} does not fit a member of {len(buf)} bytes")
+    head = json.loads(bytes(memoryview(buf)[8:8 + n]))
+    base, size, out = 8 + n, len(buf) - 8 - n, {}
+    for name, info in head.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, end) = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
+        count = math.prod(shape)
+        if not 0 <= start <= end <= size or end - start != count * dtype.itemsize or min(shape, default=0) < 0:
+            raise ValueError(f"tensor {name!r} spans bytes {start}..{end} of {size}, not a {dtype} {shape}")
+        out[name] = (torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start).view(shape) if count
+                     else torch.empty(shape, dtype=dtype))
+    return out
 
 
 class SampleReader:
@@ -291,27 +389,65 @@ class SampleReader:
     def _pread(self, fd: int, off: int, n: int, row: int) -> bytes:
         data = os.pread(fd, n, off)
         if len(data) != n:
-            raise CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
-                             "training?); run `wandistiller cache verify`")
+            raise self._truncated(row)
         return data
 
+    def _truncated(self, row: int) -> CacheError:
+        return CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
+                          "training?); run `wandistiller cache verify`")
+
+    def prefetch(self, rows) -> None:
+        """Ask the kernel to start reading these samples now (posix_fadvise WILLNEED), so that the reads of a
+        batch overlap on the disk instead of waiting one after the other; a hint only."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for row in rows:
+            r = self.index.table[int(row)]
+            lo = int(r[C_META_OFF])
+            os.posix_fadvise(self._fd(int(r[C_SHARD])), lo, int(r[C_TENS_OFF]) + int(r[C_TENS_LEN]) - lo,
+                             os.POSIX_FADV_WILLNEED)
+
     def read(self, row: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode."""
+        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode. The tensors
+        are views of one buffer read straight from the shard (no copy after the read)."""
         r = self.index.table[row]
         fd = self._fd(int(r[C_SHARD]))
         meta_b = self._pread(fd, int(r[C_META_OFF]), int(r[C_META_LEN]), row)
-        tens_b = self._pread(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
+        tens_b = bytearray(int(r[C_TENS_LEN]))
+        if os.preadv(fd, [tens_b], int(r[C_TENS_OFF])) != len(tens_b):
+            raise self._truncated(row)
+        key = self.index.key(row)
         try:
-            tensors, meta = st_load(tens_b), json.loads(meta_b)
+            tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
         except Exception as e:  # any parse failure is corruption of that member
-            raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)} does not decode "
+            raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
                              f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
-        for name in (F.T_X_T, F.T_TARGET):
-            t = tensors.get(name)
-            if t is None or tuple(t.shape) != self.index.latent_shape:
-                raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)}: tensor {name} is "
-                                 f"{None if t is None else list(t.shape)}, expected {list(self.index.latent_shape)}")
+        problems = sample_problems(key, tensors, meta, self.index.caches[int(r[C_CACHE])].manifest)
+        if problems:
+            raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
         return tensors, meta
+
+    def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
+        """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state
+        of a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
+        r = self.index.table[row]
+        fd = self._fd(int(r[C_SHARD]))
+        data = self._pread(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
+        key, manifest = self.index.key(row), self.index.caches[int(r[C_CACHE])].manifest
+        try:
+            tensors = st_load(data)
+        except Exception as e:  # any parse failure is corruption of that member
+            raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
+                             f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
+        out = {}
+        for name in names:
+            t, field = tensors.get(name), SAMPLE_FIELDS[name]
+            shape, dtype = list(field.shape(manifest)), field.dtype_name(manifest)
+            if t is None or list(t.shape) != shape or F.DTYPE_NAMES.get(t.dtype) != dtype:
+                raise CacheError(f"sample {key} {name} is missing or not {dtype} {shape} (in "
+                                 f"{self.index.shard_path(row)}); run `wandistiller cache verify`")
+            out[name] = t
+        return out
 
     def close(self) -> None:
         if self._pid == os.getpid():

@@ -6,6 +6,7 @@ import hashlib
 import json
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ from cache.atomic import atomic_write_json
 from cache.errors import CacheError
 from cache.manifest import fingerprint, load_manifest, try_write_manifest
 from cache.progress import PartProgress, list_parts
-from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path, read_embeds, write_prompt_rows
-from cache.writer import ShardWriter, decode_sample
+from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path, write_prompt_rows
+from cache.reader import decode_sample
+from cache.writer import ShardWriter
 
 
 def test_sample_key_round_trip():
@@ -137,10 +139,84 @@ def test_prompt_store_round_trip_bf16_and_unwritten_rows(tmp_path):
     emb = torch.zeros(2, 6, 4, dtype=torch.bfloat16)
     emb[:, :3] = torch.randn(2, 3, 4).bfloat16()
     write_prompt_rows(g, [0, 2], [1, 7], ["a", "b"], emb, torch.tensor([3, 3]))
-    e, n = read_embeds(g, 2)
-    assert n == 3 and e.dtype == torch.bfloat16 and torch.equal(e, emb[1])
-    assert read_embeds(g, 1)[1] == -1  # never written: readers can tell
+    assert int(g["seq_lens"][2]) == 3
+    assert int(g["seq_lens"][1]) == -1  # never written: readers can tell
     cache = EmbeddingCache(tmp_path, num_parts=3, capacity=1)
     assert torch.equal(cache.get(7), emb[1])  # prompt 7 -> part 1, row 2
     with pytest.raises(ValueError, match="never written"):
         cache.get(4)  # part 1 row 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7])
+def test_shard_bytes_are_webdatasets(tmp_path, n):
+    """ShardWriter writes its tars itself (tarfile's stream mode costs more than the disk at A14B sizes): the
+    bytes are webdataset's TarWriter's for the same samples, so caches written before and after are equal."""
+    import io
+
+    import webdataset as wds
+
+    from cache.writer import encode_sample
+
+    g = torch.Generator().manual_seed(1)
+    samples = [(F.sample_key(i, 0, k), {F.T_X_T: torch.randn(4, 1, 6, 10, generator=g).bfloat16(),
+                                        F.T_TARGET: torch.randn(4, 1, 3, 5, generator=g)},
+                {F.M_PROMPT_IDX: i, F.M_SEED_IDX: 0, F.M_STEP: k, F.M_TIMESTEP: 999.0 - k})
+               for i in range(4) for k in range(2)][:n]
+    _, rec = _write_shard(tmp_path, samples)
+    buf = io.BytesIO()
+    ref = wds.TarWriter(buf, mtime=0, encoder=False)
+    for key, tensors, meta in samples:
+        ref.write({"__key__": key, **encode_sample(tensors, meta)})
+    ref.close()
+    assert (tmp_path / rec[F.S_PATH]).read_bytes() == buf.getvalue()
+
+
+def test_prompt_store_chunk_files_are_zarrs(tmp_path):
+    """The prompt store's own chunk reads and writes (ChunkFiles) give what zarr gives: the same array content,
+    the same chunk files with the same bytes; and a store of the earlier layout (one zstd chunk per padded
+    row) reads the same through EmbeddingCache."""
+    import zarr
+
+    from cache.prompt_store import ChunkFiles, write_latent_rows
+
+    n, L, D = 6, 150, 8
+    g0 = torch.Generator().manual_seed(2)
+    lens = torch.tensor([1, 64, 65, 150, 0, 70], dtype=torch.int32)
+    emb = torch.zeros(n, L, D, dtype=torch.bfloat16)
+    for i in range(n):
+        emb[i, :lens[i]] = torch.randn(int(lens[i]), D, generator=g0).bfloat16()
+    lat = torch.randn(n, 2, 4, 1, 2, 3, generator=g0)
+    order = [3, 0, 1, 2, 5, 4]
+    ours = create_prompt_store(tmp_path / "ours", n, L, D, "bfloat16", 2, (4, 1, 2, 3))
+    write_prompt_rows(ours, order, [10 + r for r in order], [f"t{r}" for r in order], emb[order], lens[order])
+    write_latent_rows(ours, F.Z_FINAL_LATENTS, [0, 0, 2, 5], [0, 1, 1, 0], lat[[0, 0, 2, 5], [0, 1, 1, 0]])
+    write_latent_rows(ours, F.Z_FINAL_LATENTS, [2], [0], lat[2, 0][None])
+    ref = zarr.open_group(str(tmp_path / "ref"), mode="w")
+    for name in ours.array_keys():
+        a = ours[name]
+        ref.create_array(name, shape=a.shape, dtype=a.dtype, chunks=a.chunks, fill_value=a.fill_value,
+                         compressors=a.compressors, chunk_key_encoding=a.metadata.chunk_key_encoding)
+    for r in range(n):
+        ref[F.Z_EMBEDS][r] = F.torch_to_storage(emb[r])
+        ref[F.Z_SEQ_LENS][r], ref[F.Z_TEXT][r], ref[F.Z_PROMPT_IDX][r] = int(lens[r]), f"t{r}", 10 + r
+    for r, s in [(0, 0), (0, 1), (2, 1), (5, 0), (2, 0)]:
+        row = ref[F.Z_FINAL_LATENTS][r]
+        row[s] = lat[r, s].numpy()
+        ref[F.Z_FINAL_LATENTS][r] = row
+    for name in ours.array_keys():
+        assert np.array_equal(zarr.open_group(str(tmp_path / "ours"))[name][:], ref[name][:]), name
+        chunks = [{p.relative_to(root): p.read_bytes() for p in (root / name).rglob("*")
+                   if p.is_file() and p.name != "zarr.json"} for root in (tmp_path / "ours", tmp_path / "ref")]
+        assert chunks[0] == chunks[1] and (chunks[0] or name == F.Z_INIT_NOISE), name  # noise: never written here
+    assert ChunkFiles.open(tmp_path / "ours" / F.Z_TEXT) is None  # strings: zarr's path
+
+    # the earlier layout: one zstd-compressed chunk per padded row, seq_lens one chunk per row
+    old = zarr.open_group(str(prompt_store_path(tmp_path / "old", 0)), mode="w")
+    old.create_array(F.Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=(1,), fill_value=-1)[:] = lens.numpy()
+    arr = old.create_array(F.Z_EMBEDS, shape=(n, L, D), dtype="uint16", chunks=(1, L, D), fill_value=0)
+    arr.attrs[F.Z_ATTR_TORCH_DTYPE] = "bfloat16"
+    arr[:] = F.torch_to_storage(emb)
+    cache = EmbeddingCache(tmp_path / "old", num_parts=1)
+    for r in range(n):
+        if lens[r] > 0:
+            assert torch.equal(cache.get(r).view(torch.int16), emb[r].view(torch.int16)), r

@@ -17,7 +17,7 @@ from cache.reader import (
     SHARD_MEMBERS, SHARD_SHA256, SHARD_SIZE, CacheIndex, EpochPlan, SampleReader, ShardError, empty_table,
     fill_table, open_caches, scan_shard, shard_list,
 )
-from cache.writer import decode_sample
+from cache.reader import decode_sample
 
 
 def build_index(dirs, check_sha256=True) -> CacheIndex:
@@ -146,3 +146,27 @@ def test_two_copies_of_one_cache_give_each_sample_once(tiny_cache, cache_copy):
     index = build_index([tiny_cache, cache_copy])
     assert len(index) == 28 and index.duplicates == 28
     assert len({index.key(r) for r in range(len(index))}) == 28
+
+
+def test_reader_decodes_safetensors_as_safetensors_does():
+    """SampleReader decodes tensor members itself, as views of the buffer it read (safetensors' load copies
+    each tensor out): the same tensors as safetensors' own load, and ValueError for a malformed member."""
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from cache.reader import _tensors_in
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 4, generator=g).bfloat16(), "b": torch.randn(2, 1, 5, generator=g),
+               "c": torch.arange(6, dtype=torch.int64).view(2, 3), "d": torch.zeros(0, 4, dtype=torch.float16),
+               "e": torch.tensor(2.5), "f": torch.tensor([True, False])}
+    data = st_save(tensors)
+    got, want = _tensors_in(bytearray(data)), st_load(data)
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+    bad = bytearray(data)
+    bad[8:8 + 2] = b"[["  # the header is no longer JSON
+    for member in (bad, bytearray(data[:-4]), bytearray(b"\xff" * 8)):
+        with pytest.raises(ValueError):
+            _tensors_in(member)

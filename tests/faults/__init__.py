@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bad_input, corrupt, stage_one, stage_two
+from . import bad_input, concurrent, corrupt, stage_one, stage_two
 from .proc import warm_up
 from .report import Row, render
 from .workspace import Workspace
@@ -27,6 +27,8 @@ SCENARIOS: dict[str, Callable[[Workspace, random.Random], list[Row]]] = {
     "corrupt": lambda ws, rng: [corrupt.corrupt_caches(ws)],
     "rank-failure": lambda ws, rng: [stage_two.rank_failure(ws)],
     "bad-input": lambda ws, rng: [bad_input.bad_inputs(ws)],
+    "config-types": lambda ws, rng: [bad_input.config_types(ws)],
+    "concurrent": lambda ws, rng: [concurrent.concurrent_writers(ws)],
 }
 
 

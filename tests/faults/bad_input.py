@@ -167,11 +167,38 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
     return table
 
 
-def bad_inputs(ws: Workspace) -> Row:
-    row = Row("bad input (every subcommand)", min_attempts=25)
-    t0 = time.perf_counter()
-    x = Inputs(ws)
-    table = cases(x)
+def type_cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
+    """Config values of the wrong type (issue 21): quoted booleans, numbers for strings, NaN and infinity.
+    Each used to be taken as something else (a quoted "false" is true) or to end in a traceback."""
+    ws = x.ws
+    toml = lambda name, content: ["--config", x.file(name, content)]  # noqa: E731
+    # No --placement/--negative-prompt flags here: the TOML's value must be the one checked.
+    bare1 = lambda out: ["teacher-cache", "--teacher", ws.teacher, "--prompts", ws.prompts, "--out", out]  # noqa: E731
+    t2 = lambda out=None, **over: ws.train(out or x.out("run"), cache=x.cache, **over)  # noqa: E731
+    return [
+        ("TOML overwrite = \"false\" on a finished cache", bare1(x.cache) + toml("o.toml", 'overwrite = "false"\n'),
+         ["overwrite must be true or false", "got 'false'", "o.toml"]),
+        ("TOML placement = 5", bare1(x.out("cache")) + toml("p.toml", "placement = 5\n"),
+         ["placement must be a string", "got 5", "p.toml"]),
+        ("TOML negative_prompt = 5", bare1(x.out("cache")) + toml("n.toml", "negative_prompt = 5\n"),
+         ["negative-prompt must be a string", "got 5"]),
+        ("TOML guidance = nan", bare1(x.out("cache")) + toml("g.toml", "guidance = nan\n"),
+         ["guidance must be a finite number", "got nan"]),
+        ("TOML save_cond_uncond = 1", bare1(x.out("cache")) + toml("c.toml", "save_cond_uncond = 1\n"),
+         ["save-cond-uncond must be true or false", "got 1"]),
+        ("TOML resume = \"no\" on a run", ws.train(x.run, cache=x.cache) + toml("r.toml", 'resume = "no"\n'),
+         ["resume must be true or false", "got 'no'", "r.toml"]),
+        ("TOML weight_decay = inf", t2() + toml("w.toml", "weight_decay = inf\n"),
+         ["weight-decay must be a finite number", "got inf"]),
+        ("--lr nan", t2(lr="nan"), ["lr must be a finite number", "got nan"]),
+        ("--lr inf", t2(lr="inf"), ["lr must be a finite number", "got inf"]),
+        ("export: TOML overwrite = \"yes\"", ["export", "--student", x.run, "--teacher", ws.teacher, "--out", x.export]
+         + toml("e.toml", 'overwrite = "yes"\n'), ["overwrite must be true or false", "got 'yes'"]),
+    ]
+
+
+def _check_table(ws: Workspace, x: Inputs, row: Row, table: list) -> None:
+    """Run every case: exit 2, one error line holding the needles, no traceback, nothing changed or created."""
     protected = [x.cache, x.run, x.export, x.files, ws.prompts, ws.teacher, STUDENT_CONFIG.parent]
     digest = {p: tree_digest(p) if p.is_dir() else p.read_bytes() for p in protected}
     keys = set(read_samples(x.cache)[0])
@@ -200,5 +227,21 @@ def bad_inputs(ws: Workspace) -> Row:
         if problems:
             problems.append(r.describe())
         row.record(what, problems, lost=len(keys - now), duplicated=0)
+
+
+def bad_inputs(ws: Workspace) -> Row:
+    row = Row("bad input (every subcommand)", min_attempts=25)
+    t0 = time.perf_counter()
+    x = Inputs(ws)
+    _check_table(ws, x, row, cases(x))
+    row.wall_s = time.perf_counter() - t0
+    return row
+
+
+def config_types(ws: Workspace) -> Row:
+    row = Row("config values of the wrong type", min_attempts=10)
+    t0 = time.perf_counter()
+    x = Inputs(ws)
+    _check_table(ws, x, row, type_cases(x))
     row.wall_s = time.perf_counter() - t0
     return row

@@ -122,11 +122,13 @@ def deleted(cache: Path):
 
 
 def unwritten_row(cache: Path):
-    """Row 5 of prompts.zarr as if its writer died before it: its chunks do not exist (read as fill values)."""
-    store = cache / F.PARTS_DIR / F.part_dirname(0) / F.PROMPTS_ZARR
-    for name in (F.Z_TEXT, F.Z_SEQ_LENS, F.Z_EMBEDS):
-        shutil.rmtree(store / name / "c" / "5", ignore_errors=True)
-        (store / name / "c" / "5").unlink(missing_ok=True)
+    """Row 5 of prompts.zarr as if its writer died before it: it reads as the fill values (seq_len -1, zero
+    embedding), whatever the store's chunk layout."""
+    from cache.prompt_store import open_prompt_store, prompt_store_path
+
+    g = open_prompt_store(prompt_store_path(cache, 0), mode="r+")
+    g[F.Z_SEQ_LENS][5] = -1
+    g[F.Z_EMBEDS][5] = 0
     rel = f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROMPTS_ZARR}"
     return [f"BAD {rel}: row 5 (prompt 5) was never written"], [F.PROMPTS_ZARR, "prompt 5"], OVERWRITE
 

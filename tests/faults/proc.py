@@ -118,6 +118,50 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
 def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
             kill_after_s: float | None = None, timeout_s: float = 300.0) -> Result:
     """Run `wandistiller argv...` in a fresh process; SIGKILL it after `kill_after_s` if given."""
+    return start_cli(argv, env, fsize).wait(timeout_s, kill_after_s)
+
+
+@dataclass
+class Running:
+    """A command started by `start_cli`, still running (or stopped: see `is_stopped`)."""
+
+    argv: list[str]
+    process: object
+    out_path: str
+    err_path: str
+    t0: float
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_stopped(self) -> bool:
+        """Stopped by a signal (SIGSTOP), as the fault point's `stop` leaves it."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
+
+    def wait(self, timeout_s: float = 300.0, kill_after_s: float | None = None) -> Result:
+        p = self.process
+        p.join(kill_after_s if kill_after_s is not None else timeout_s)
+        if p.is_alive() and kill_after_s is not None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout_s)
+        wall = time.perf_counter() - self.t0
+        code = p.exitcode
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+            code = None
+        out, err = (Path(x).read_text(errors="replace") if Path(x).exists() else "" for x in (self.out_path, self.err_path))
+        for x in (self.out_path, self.err_path):
+            Path(x).unlink(missing_ok=True)
+        return Result(self.argv, code, out, err, wall)
+
+
+def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None) -> Running:
+    """Start `wandistiller argv...` in a fresh process and return at once (`.wait()` for its Result)."""
     ctx = _context()
     argv = [str(a) for a in argv]
     fd, out_path = tempfile.mkstemp(dir=_logs, suffix=".out")
@@ -126,20 +170,7 @@ def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | Non
     t0 = time.perf_counter()
     p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize), daemon=True)
     p.start()
-    p.join(kill_after_s if kill_after_s is not None else timeout_s)
-    if p.is_alive() and kill_after_s is not None:
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(timeout_s)
-    wall = time.perf_counter() - t0
-    code = p.exitcode
-    if p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        code = None
-    out, err = (Path(x).read_text(errors="replace") if Path(x).exists() else "" for x in (out_path, err_path))
-    for x in (out_path, err_path):
-        Path(x).unlink(missing_ok=True)
-    return Result(argv, code, out, err, wall)
+    return Running(argv, p, out_path, err_path, t0)
 
 
 def warm_up() -> float:

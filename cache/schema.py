@@ -1,0 +1,147 @@
+"""The declared sample schema: every tensor and metadata field a cached sample may carry.
+
+One entry per field says its dtype, its shape (a rule over the manifest), and whether every sample of a
+cache carries it (always, or when a manifest setting turned it on). The writer refuses undeclared
+fields, the reader and `cache verify` check each sample against these entries, and stage two's
+objectives name the fields they need from here. Adding a field: one `SampleField` below (plus the
+manifest setting that turns it on, in `format.py`), then the code that produces it in stage one and
+consumes it in stage two.
+
+Every setting that turns a field on is part of stage one's header, and the whole header is hashed into
+the fingerprint, so a cache with a field and one without can never be mixed in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from . import format as F
+
+
+def _latent(m: Mapping) -> tuple[int, ...]:
+    return tuple(int(v) for v in m[F.F_LATENT_SHAPE])
+
+
+def _features(m: Mapping) -> tuple[int, ...]:
+    return (len(m[F.F_RECORD_FEATURES]), int(m[F.F_FEATURE_TOKENS]), int(m[F.F_FEATURE_DIM]))
+
+
+@dataclass(frozen=True)
+class SampleField:
+    """One tensor of a sample's `<key>.safetensors`."""
+
+    name: str
+    doc: str
+    shape: Callable[[Mapping], tuple[int, ...]]  # from the manifest
+    when: str | None = None  # manifest setting that makes every sample carry it; None: every sample does
+    dtype: str | None = None  # a `format.DTYPES` name; None: the cache's dtype (manifest `dtype`)
+    recorded_by: str | None = None  # the stage-one flag that records an optional field (for error messages)
+
+    def present(self, manifest: Mapping) -> bool:
+        return self.when is None or bool(manifest.get(self.when))
+
+    def dtype_name(self, manifest: Mapping) -> str:
+        return self.dtype or str(manifest[F.F_DTYPE])
+
+
+@dataclass(frozen=True)
+class MetaField:
+    """One entry of a sample's `<key>.json`."""
+
+    name: str
+    doc: str
+    type: type
+
+
+SAMPLE_FIELDS: dict[str, SampleField] = {f.name: f for f in (
+    SampleField(F.T_X_T, "the noisy latent the teacher saw at this step", _latent),
+    SampleField(F.T_TARGET, "the prediction the teacher's sampler used (CFG-guided when the cache's cfg is true)",
+                _latent),
+    SampleField(F.T_TARGET_COND, "the teacher's conditional prediction", _latent, when=F.F_SAVE_COND_UNCOND,
+                recorded_by="teacher-cache --save-cond-uncond"),
+    SampleField(F.T_TARGET_UNCOND, "the teacher's unconditional prediction", _latent, when=F.F_SAVE_COND_UNCOND,
+                recorded_by="teacher-cache --save-cond-uncond"),
+    SampleField(F.T_FEATURES, "the conditional branch's hidden states after each recorded teacher block (of the "
+                "expert that ran the step), times the cache's fixed projection: [blocks, tokens or 1, feature_dim]",
+                _features, when=F.F_RECORD_FEATURES, recorded_by="teacher-cache --record-features BLOCKS"),
+)}
+
+META_FIELDS: dict[str, MetaField] = {f.name: f for f in (
+    MetaField(F.M_PROMPT_IDX, "global prompt index (order of first appearance in the prompt file)", int),
+    MetaField(F.M_SEED_IDX, "which of the prompt's seeds", int),
+    MetaField(F.M_STEP, "index of the teacher's sampling step", int),
+    MetaField(F.M_TIMESTEP, "the scheduler's timestep at that step", float),
+    MetaField(F.M_SIGMA, "the scheduler's sigma at that step", float),
+    MetaField(F.M_EXPERT, "expert that ran the step (1 = transformer, 2 = transformer_2)", int),
+    MetaField(F.M_GUIDANCE, "CFG scale used at that step", float),
+)}
+
+
+def sample_fields(manifest: Mapping) -> tuple[str, ...]:
+    """Names of the tensors every sample of the cache described by `manifest` carries."""
+    if isinstance(manifest.get(F.F_SAMPLE_FIELDS), list):
+        return tuple(manifest[F.F_SAMPLE_FIELDS])
+    return tuple(f.name for f in SAMPLE_FIELDS.values() if f.present(manifest))  # caches written before the list
+
+
+def declared_fields(header: Mapping) -> list[str]:
+    """The `sample_fields` entry stage one writes into the manifest for these settings."""
+    return [f.name for f in SAMPLE_FIELDS.values() if f.present(header)]
+
+
+def sample_bytes(manifest: Mapping, fields=None) -> int:
+    """Tensor bytes of one sample (safetensors and tar headers aside) for the cache `manifest` describes:
+    `fields` (default: every field its samples carry)."""
+    total = 0
+    for name in fields if fields is not None else sample_fields(manifest):
+        f = SAMPLE_FIELDS[name]
+        n = 1
+        for d in f.shape(manifest):
+            n *= int(d)
+        total += n * F.DTYPES[f.dtype_name(manifest)].itemsize
+    return total
+
+
+def missing_fields(manifest: Mapping, needed) -> list[str]:
+    """Which of `needed` the cache's samples do not carry."""
+    have = set(sample_fields(manifest))
+    return [n for n in needed if n not in have]
+
+
+def check_undeclared(names) -> None:
+    """ValueError for a tensor no schema entry declares: stage one must not write what no reader knows."""
+    unknown = sorted(set(names) - set(SAMPLE_FIELDS))
+    if unknown:
+        raise ValueError(f"sample tensor(s) {unknown} are not declared in cache/schema.py SAMPLE_FIELDS")
+
+
+def sample_problems(key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping, manifest: Mapping) -> list[str]:
+    """Everything wrong with one decoded sample against the schema and its manifest (empty = sound)."""
+    problems = []
+    for name in sample_fields(manifest):
+        field = SAMPLE_FIELDS.get(name)
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"sample {key} lacks tensor {name}")
+            continue
+        if field is None:
+            continue  # a field a newer WanDistiller declared: present, not checkable here
+        shape, dtype = list(field.shape(manifest)), field.dtype_name(manifest)
+        if list(t.shape) != shape or F.DTYPE_NAMES.get(t.dtype) != dtype:
+            problems.append(f"sample {key} {name} is {F.DTYPE_NAMES.get(t.dtype, t.dtype)} {list(t.shape)}, "
+                            f"expected {dtype} {shape}")
+    for name, field in META_FIELDS.items():
+        v = meta.get(name)
+        if field.type is float and isinstance(v, int) and not isinstance(v, bool):
+            continue
+        if not isinstance(v, field.type) or isinstance(v, bool):
+            problems.append(f"sample {key} metadata {name} is {v!r}, expected {field.type.__name__}")
+    try:
+        if not problems and F.parse_key(key) != (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX], meta[F.M_STEP]):
+            problems.append(f"sample {key} metadata names another sample")
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
