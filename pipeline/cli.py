@@ -121,6 +121,15 @@ def tiny_teacher_cmd(out, variant, seed):
 @click.option("--overwrite/--no-overwrite", default=None, help="Replace a cache made with other settings.")
 @click.option("--save-cond-uncond/--no-save-cond-uncond", default=None,
               help="Also store the conditional and unconditional predictions.")
+@click.option("--record-features", help="Teacher blocks (each expert's) whose projected outputs every sample stores, "
+              "e.g. 0,20: for `train-student --objective velocity+feature`.")
+@click.option("--feature-dim", type=int, help="Width the recorded features are projected to.  [default: 256]")
+@click.option("--feature-pool", type=click.Choice(["none", "mean"]),
+              help="Keep one feature row per latent token (none) or their mean.  [default: none]")
+@click.option("--feature-seed", type=int, help="Seed of the fixed feature projection.  [default: 0]")
+@click.option("--report-to", type=click.Choice(["tensorboard", "none"]),
+              help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard under "
+              "CACHE_DIR/parts/part-P/tensorboard.  [default: none]")
 @common_options
 @user_errors("teacher-cache")
 def teacher_cache_cmd(config_file, **flags):
@@ -132,14 +141,8 @@ def teacher_cache_cmd(config_file, **flags):
     --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
     """
     from stages import teacher_cache
-    from stages.teacher_cache.placement import legacy_flags
 
-    from .config import TeacherCacheConfig, load_config
-
-    for note in legacy_flags(flags):
-        click.echo(note, err=True)
-    cfg = load_config(TeacherCacheConfig, config_file, flags)
-    teacher_cache.run(cfg)
+    teacher_cache.run(teacher_cache.config_from_flags(config_file, flags))
 
 
 def inference_options(fn):
@@ -173,6 +176,10 @@ def inference_options(fn):
 @click.option("--width", type=int, help="Image width.  [default: the training resolution, else 832]")
 @click.option("--max-sequence-length", type=int, help="Text tokens.  [default: distill.json's, else 512]")
 @click.option("--max-prompts", type=int, help="Use the first K prompts of the file.  [default: 8]")
+@click.option("--student-steps", type=int,
+              help="The student's sampling steps.  [default: distill.json's: a few-step student's K, else --steps]")
+@click.option("--compare", multiple=True, type=click.Path(),
+              help="Another train-student OUT drawn beside the student at its own steps (repeatable).")
 @common_options
 @user_errors("sample")
 def sample_cmd(config_file, **flags):
@@ -184,10 +191,10 @@ def sample_cmd(config_file, **flags):
         --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
     """
     from stages.sample import sample
-    from stages.sample.config import SampleConfig
 
-    from .config import load_config
+    from .config import SampleConfig, load_config
 
+    flags["compare"] = flags.get("compare") or None  # none given: the config file's, if any
     sample.run(load_config(SampleConfig, config_file, flags))
 
 
@@ -212,9 +219,8 @@ def export_cmd(config_file, **flags):
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
     """
     from stages.sample import export
-    from stages.sample.config import ExportConfig
 
-    from .config import load_config
+    from .config import ExportConfig, load_config
 
     export.run(load_config(ExportConfig, config_file, flags))
 
@@ -237,6 +243,11 @@ def export_cmd(config_file, **flags):
 @click.option("--attribute-max-prompts", type=int, help="Use the first K --attributes captions.  [default: all]")
 @click.option("--attribute-grid", type=int,
               help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).  [default: 8]")
+@click.option("--student-steps", help="Sample the student with each of these step counts, e.g. 1,2,4.  "
+                                      "[default: its own: distill.json's student_steps, else the teacher's steps]")
+@click.option("--compare", multiple=True, type=click.Path(),
+              help="Another train-student OUT sampled at its own steps from the same noise (repeatable); the "
+                   "report's table lines them up with the teacher.")
 @common_options
 @user_errors("sample")
 def eval_cmd(config_file, **flags):
@@ -249,13 +260,21 @@ def eval_cmd(config_file, **flags):
     Example:
       wandistiller eval --student runs/student --cache runs/heldout-cache --max-prompts 16
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --attributes data/shapes-heldout.txt
+      wandistiller eval --student runs/demo/student --cache runs/demo/cache --student-steps 1,2,4 \\
+        --compare runs/demo/student-4step --attributes data/shapes-heldout.txt
     """
     from stages.sample import evaluate
-    from stages.sample.config import EvalConfig
 
-    from .config import load_config
+    from .config import EvalConfig, load_config
 
+    flags["compare"] = flags.get("compare") or None  # none given: the config file's, if any
     evaluate.run(load_config(EvalConfig, config_file, flags))
+
+
+def _objective_help() -> str:
+    from stages.train_student.objectives import OBJECTIVES
+
+    return "; ".join(f"{name} ({cls.help})" for name, cls in OBJECTIVES.items())
 
 
 @main.command("train-student")
@@ -290,10 +309,28 @@ def eval_cmd(config_file, **flags):
 @click.option("--holdout-prompts", type=int, help="Prompts kept out of training for the held-out loss.  [default: 0]")
 @click.option("--eval-every", type=int, help="Steps between held-out evaluations.  [default: 100]")
 @click.option("--log-every", type=int, help="Steps between metrics.jsonl lines.  [default: 10]")
+@click.option("--report-to", type=click.Choice(["tensorboard", "wandb", "none"]),
+              help="Tracker beside metrics.jsonl: OUT/tensorboard, W&B (pip install \"wandistiller[wandb]\"; "
+              "WANDB_MODE=offline works offline) or none.  [default: tensorboard]")
+@click.option("--val-every", type=int,
+              help="Steps between validations by sampling the held-out prompts (final-latent MSE against the "
+              "teacher's cached latents; needs --holdout-prompts); 0 = off.  [default: 0]")
+@click.option("--val-max-prompts", type=int, help="Held-out prompts (all their seeds) validation samples.  [default: 4]")
+@click.option("--val-decode/--no-val-decode", default=None,
+              help="Also decode the validation latents with the teacher's VAE (rank 0) and log a teacher|student "
+              "image grid.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), help="Training device.  [default: auto]")
 @click.option("--verify", type=click.Choice(["sha256", "size"]),
               help="Shard check before training.  [default: sha256]")
 @click.option("--collective-timeout-s", type=float, help="Seconds a rank may wait in a collective.  [default: 600]")
+@click.option("--objective", help="What the student learns: " + _objective_help() + ".  [default: velocity]")
+@click.option("--feature-pairs", help="velocity+feature: student block:teacher block pairs, e.g. 0:1,1:3.")
+@click.option("--feature-weight", type=float, help="velocity+feature: weight of the feature term.  [default: 1.0]")
+@click.option("--student-steps", type=int,
+              help="segment: the student's sampling steps K, 1 .. the cache's steps (a divisor of them reproduces the "
+                   "teacher's schedule exactly).")
+@click.option("--segment-velocity-weight", type=float,
+              help="segment: weight of an added per-step velocity loss at the same states.  [default: 0]")
 @common_options
 @user_errors("train-student")
 def train_student_cmd(config_file, cache, **flags):
@@ -339,14 +376,10 @@ def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_s
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
     """
     _quiet_libraries()
-    from stages.teacher_cache.placement import parse_max_memory, read_device_map
-    from stages.teacher_cache.planner import Inventory, make_plan
+    from stages.teacher_cache import plan_from_flags
 
-    inv = Inventory.assume(assume_gpus, assume_ram, assume_disk, ranks_per_node,
-                           Inventory.measure(offload_dir, ranks_per_node))
-    dmap = read_device_map(placement, check_devices=assume_gpus is None)[0] if placement.endswith(".json") else None
-    plan = make_plan(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
-                     inventory=inv, max_memory=parse_max_memory(max_memory), device_map=dmap, expert_order=expert_order)
+    plan = plan_from_flags(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
+                           max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node)
     click.echo(plan.to_json() if as_json else plan.render())
 
 

@@ -1,7 +1,9 @@
-"""Stage configs: one frozen dataclass per stage, loaded from TOML with CLI flags on top.
+"""Configs of every command, side by side: one frozen dataclass each (teacher-cache, train-student, sample,
+export, eval), loaded from TOML with CLI flags on top.
 
 Every field is documented where it is declared; `__post_init__` rejects values that cannot work with a
-ValueError naming the field, which the CLI turns into one line and exit code 2.
+ValueError naming the field, which the CLI turns into one line and exit code 2. The defaults of the
+teacher's sampling settings are defined once below (DEFAULT_*).
 """
 
 from __future__ import annotations
@@ -9,16 +11,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config_types import type_problem
 from .errors import UserError
 
 PLACEMENTS = ("auto", "cpu", "cuda", "balanced", "sequential", "offload", "disk")
 EXPERT_ORDERS = ("auto", "step", "expert")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+# The teacher's sampling settings when nothing says otherwise: WanPipeline's own defaults. Stage one uses them
+# for a new cache; the inference commands fall back to them when distill.json does not record a value.
+DEFAULT_HEIGHT = 480
+DEFAULT_WIDTH = 832
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # text tokens (padding length)
+DEFAULT_STEPS = 40
+DEFAULT_GUIDANCE = 4.0
 
 
 def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
@@ -45,14 +57,25 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
             if key not in names:
                 raise UserError(f"config file {p}: unknown key {k!r}; valid keys: {', '.join(sorted(names))}")
             values[key] = v
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    where = f" (config file {toml_path})" if toml_path else ""
+    problem = type_problem(cls, values)
+    if problem is not None:
+        problem = problem[1] + ("" if problem[0] in given else where)
     try:
-        return cls(**values)
-    except TypeError as e:  # missing required field
-        raise UserError(f"incomplete configuration: {e}") from e
-    except ValueError as e:
-        where = f" (config file {toml_path})" if toml_path else ""
+        cfg = cls(**values)
+    except ValueError as e:  # a range check names the range too: its message wins
         raise UserError(f"{e}{where}") from e
+    except TypeError as e:  # missing required field, or a value of the wrong type
+        raise UserError(problem or f"incomplete configuration: {e}") from e
+    except Exception as e:  # a wrong type that __post_init__ tripped over
+        if problem is None:
+            raise
+        raise UserError(problem) from e
+    if problem is not None:
+        raise UserError(problem)
+    return cfg
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
@@ -78,16 +101,16 @@ class TeacherCacheConfig:
     placement: str = "auto"  # where the teacher's weights live, see docs/placements.md
     device: int = 0  # CUDA device index for placement `cuda` (and the execution device of offload)
     dtype: str | None = None  # float32 | bfloat16 | float16; default bfloat16 on CUDA, float32 on CPU
-    steps: int = 40  # denoising steps of the teacher's sampler; one sample per step
-    guidance: float = 4.0  # CFG scale (of the high-noise expert for Wan 2.2); <= 1 disables CFG
+    steps: int = DEFAULT_STEPS  # denoising steps of the teacher's sampler; one sample per step
+    guidance: float = DEFAULT_GUIDANCE  # CFG scale (of the high-noise expert for Wan 2.2); <= 1 disables CFG
     guidance_2: float | None = None  # CFG scale of the low-noise expert (Wan 2.2); default = guidance
-    height: int = 480
-    width: int = 832
+    height: int = DEFAULT_HEIGHT
+    width: int = DEFAULT_WIDTH
     frames: int = 1  # 1 = images; video teachers take 4k+1
     seeds_per_prompt: int = 1  # trajectories per prompt, each from its own seeded noise
     seed: int = 0  # base seed; noise of (prompt, seed_idx) is seeded from (seed, prompt_idx, seed_idx)
     negative_prompt: str = ""
-    max_sequence_length: int = 512  # text tokens (padding length), as WanPipeline's argument
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH  # text tokens (padding length), as WanPipeline's
     batch_size: int = 4  # trajectories run together (CFG doubles the forward batch)
     samples_per_shard: int = 1024  # a shard closes at the first block boundary past this many samples
     part: int | None = None  # this process's part; default RANK under torchrun, else 0
@@ -100,8 +123,26 @@ class TeacherCacheConfig:
     # when both experts do not fit where the placement keeps them. The cache is the same either way.
     expert_order: str = "auto"
     save_cond_uncond: bool = False  # also store the conditional and unconditional predictions
+    # Feature distillation: teacher block indices ("0,20", the same in each expert) whose outputs on the
+    # conditional branch every sample stores, times a fixed seeded projection to feature_dim, pooled over
+    # tokens when feature_pool is "mean" (cache/features.py). None: no features.
+    record_features: tuple[int, ...] | None = None
+    feature_dim: int = 256
+    feature_pool: str = "none"
+    feature_seed: int = 0
+    report_to: str = "none"  # tensorboard: progress scalars under CACHE_DIR/parts/part-P/tensorboard
 
     def __post_init__(self):
+        object.__setattr__(self, "record_features", _int_list("record-features", self.record_features))
+        if self.record_features is not None and (not self.record_features
+                                                 or len(set(self.record_features)) != len(self.record_features)):
+            raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
+        if not isinstance(self.feature_dim, int) or isinstance(self.feature_dim, bool) or self.feature_dim < 1:
+            raise ValueError(f"feature-dim must be an integer >= 1, got {self.feature_dim!r}")
+        if self.report_to not in ("tensorboard", "none"):
+            raise ValueError(f"report-to must be tensorboard or none for teacher-cache, got {self.report_to!r}")
+        if self.feature_pool not in FEATURE_POOLS:
+            raise ValueError(f"feature-pool must be one of {', '.join(FEATURE_POOLS)}, got {self.feature_pool!r}")
         for name in ("teacher", "prompts", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
@@ -136,7 +177,9 @@ class TeacherCacheConfig:
             raise ValueError(f"device must be a CUDA device index >= 0, got {self.device}")
 
 
+FEATURE_POOLS = ("none", "mean")  # cache/features.py
 MIXED_PRECISION = ("no", "bf16", "fp16")
+REPORT_TO = ("tensorboard", "wandb", "none")  # stages/train_student/tracking.py
 SHARD_CHECKS = ("sha256", "size")
 
 
@@ -193,8 +236,40 @@ class TrainStudentConfig:
     verify: str = "sha256"  # shard check before training: sha256 (size + hash + member index) | size
     embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
     collective_timeout_s: float = 600.0  # a rank waiting longer than this in a collective fails
+    # What the student learns: a registered objective (stages/train_student/objectives.py; `train-student
+    # --help` lists them). velocity = the teacher's prediction at each cached step.
+    objective: str = "velocity"
+    # velocity+feature: student block S learns cached teacher block T ("S:T,..."), weighted by feature_weight
+    feature_pairs: str | None = None
+    feature_weight: float = 1.0
+    # segment: a few-step student sampled with student_steps Euler steps (1 .. the cache's steps; a divisor of them
+    # reproduces the teacher's schedule exactly); segment_velocity_weight > 0 adds that weight x the per-step
+    # velocity loss at the same states
+    student_steps: int | None = None
+    segment_velocity_weight: float = 0.0
+    # Where the curves go besides metrics.jsonl: tensorboard (event files in OUT/tensorboard), wandb (the optional
+    # extra `wandistiller[wandb]`; WANDB_MODE, WANDB_PROJECT, ... as W&B reads them) or none. Rank 0 alone writes.
+    report_to: str = "tensorboard"
+    # Validation by sampling: every val_every optimizer steps (and at the end) rank 0 samples the student from the
+    # cached initial noise of the first val_max_prompts held-out prompts (all their seeds) and logs the final-latent
+    # MSE against the teacher's cached final latents; 0 = off. Needs holdout_prompts.
+    val_every: int = 0
+    val_max_prompts: int = 4
+    val_decode: bool = False  # also decode those latents with the teacher's VAE (rank 0) and log a teacher|student grid
 
     def __post_init__(self):
+        if not isinstance(self.objective, str) or not self.objective:
+            raise ValueError(f"objective must be a registered objective's name, got {self.objective!r}")
+        if self.feature_pairs is not None and not isinstance(self.feature_pairs, str):
+            raise ValueError(f"feature-pairs must be a string like \"0:10,1:30\", got {self.feature_pairs!r}")
+        _positive("feature-weight", self.feature_weight, allow_zero=True)
+        _positive("segment-velocity-weight", self.segment_velocity_weight, allow_zero=True)
+        if self.student_steps is not None:
+            if not isinstance(self.student_steps, int) or isinstance(self.student_steps, bool) or self.student_steps < 1:
+                raise ValueError(f"student-steps must be an integer >= 1, got {self.student_steps!r}")
+            if self.objective == "velocity":
+                raise ValueError("student-steps applies to a few-step objective (--objective segment); a velocity "
+                                 "student samples with any step count (sample/eval --student-steps)")
         caches = (self.cache,) if isinstance(self.cache, str) else tuple(self.cache or ())
         object.__setattr__(self, "cache", caches)
         if not caches or not all(isinstance(c, str) and c for c in caches):
@@ -235,3 +310,157 @@ class TrainStudentConfig:
         object.__setattr__(self, "teacher_blocks", _int_list("teacher-blocks", self.teacher_blocks))
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        for name, low in (("val_every", 0), ("val_max_prompts", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        if self.val_every and not self.holdout_prompts:
+            raise ValueError("val-every samples held-out prompts: give --holdout-prompts N too")
+        if self.val_decode and not self.val_every:
+            raise ValueError("val-decode decodes the validation samples: give --val-every N too")
+        if self.val_decode and self.report_to == "none":
+            raise ValueError("val-decode logs an image grid to the tracker: use --report-to tensorboard or wandb")
+
+
+# -- the commands that run a trained student: sample, export, eval ---------------------------------------
+# Settings left as None are resolved at run time from the student's distill.json, then the cache manifest or
+# the teacher, then the DEFAULT_* above; the resolved values are written next to every output.
+
+WEIGHTS = ("auto", "ema", "raw")  # auto = the EMA weights when the run saved them, else the raw ones
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _check_common(cfg) -> None:
+    for name in ("student", "out"):
+        v = getattr(cfg, name, "-")
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"{name} must be a non-empty path")
+    if cfg.weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {cfg.weights!r}")
+
+
+def _check_runtime(cfg) -> None:
+    if not _DEVICE_RE.match(str(cfg.device)):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {cfg.dtype!r}")
+
+
+def _check_ints(cfg, names: tuple[str, ...], minimum: int = 1) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < minimum):
+            raise ValueError(f"{name.replace('_', '-')} must be an integer >= {minimum}, got {v!r}")
+
+
+def _check_scales(cfg, names: tuple[str, ...]) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"{name.replace('_', '-')} must be a number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleConfig:
+    """`wandistiller sample`: teacher and student images from the same noise, side by side in one PNG."""
+
+    TOML_SECTION = "sample"
+
+    student: str  # train-student OUT (holding student/ and distill.json) or a student transformer folder
+    prompts: str  # .txt or .jsonl prompt file
+    out: str  # the PNG grid to write; its settings go to the same name + .json
+    teacher: str | None = None  # Wan pipeline folder or hub id; default: the teacher named in distill.json
+    weights: str = "auto"  # auto | ema | raw
+    steps: int | None = None  # default: distill.json's steps, else DEFAULT_STEPS
+    guidance: float | None = None  # the teacher's CFG scale; default: distill.json's, else DEFAULT_GUIDANCE
+    guidance_2: float | None = None  # the teacher's low-noise expert scale (Wan 2.2); default: distill.json's
+    student_guidance: float | None = None  # default 1.0 when the student learned guided targets, else --guidance
+    negative_prompt: str | None = None  # default: distill.json's, else empty
+    seed: int = 0  # prompt i starts from noise seeded with seed + i, for teacher and student alike
+    height: int | None = None  # default: distill.json's latent_shape x the VAE factor, else DEFAULT_HEIGHT
+    width: int | None = None  # default: as height, else DEFAULT_WIDTH
+    max_sequence_length: int | None = None  # default: distill.json's, else DEFAULT_MAX_SEQUENCE_LENGTH
+    max_prompts: int = 8  # the first K prompts of the file (one grid row each)
+    student_steps: int | None = None  # the student's sampling steps; default: distill.json's (a few-step student's K)
+    compare: tuple[str, ...] = ()  # more train-student OUTs drawn beside the student, each at its own steps
+    device: str = "auto"  # auto (cuda if visible) | cpu | cuda | cuda:N
+    dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
+
+    def __post_init__(self):
+        _check_common(self)
+        _check_runtime(self)
+        if not isinstance(self.prompts, str) or not self.prompts:
+            raise ValueError("prompts must be a non-empty path")
+        _check_ints(self, ("steps", "height", "width", "max_sequence_length", "max_prompts", "student_steps"))
+        object.__setattr__(self, "compare", (self.compare,) if isinstance(self.compare, str) else tuple(self.compare or ()))
+        _check_ints(self, ("seed",), minimum=0)
+        _check_scales(self, ("guidance", "guidance_2", "student_guidance"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """`wandistiller export`: a diffusers pipeline folder with the student as its one transformer."""
+
+    TOML_SECTION = "export"
+
+    student: str  # train-student OUT or a student transformer folder
+    out: str  # the pipeline folder to create
+    teacher: str | None = None  # default: the teacher named in distill.json
+    weights: str = "auto"  # auto | ema | raw
+    copy: bool = False  # copy the teacher's text encoder, tokenizer, VAE, scheduler instead of symlinking them
+    overwrite: bool = False  # replace an earlier export at --out (never any other folder)
+
+    def __post_init__(self):
+        _check_common(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """`wandistiller eval`: the student against the teacher's cached trajectories."""
+
+    TOML_SECTION = "eval"
+
+    student: str  # train-student OUT or a student transformer folder
+    cache: str  # CACHE_DIR of stage one (ideally of held-out prompts)
+    prompts: str | None = None  # held-out prompt file: evaluate only the cache's prompts listed there
+    max_prompts: int | None = None  # the first K selected prompts (all seeds of each); default all
+    report: str | None = None  # JSON report; default OUT/eval.json; the plot goes next to it (.png)
+    teacher: str | None = None  # for the timing comparison; default: the manifest's teacher
+    teacher_timing: bool = True  # time the teacher too (loads its transformers, not its text encoder or VAE)
+    timing_runs: int = 2  # trajectories timed for each model (after one warm-up run)
+    init_seed: int | None = None  # seed of the untrained student; default: distill.json's init_seed/seed, else 0
+    weights: str = "auto"  # auto | ema | raw
+    batch_size: int = 8  # samples (velocity MSE) or trajectories (sampling) per forward
+    # Shapes captions (pipeline/shapes.py grammar, e.g. data/shapes-heldout.txt) that teacher and student draw
+    # from the same noise, read by the attribute checker (stages/sample/attributes.py); loads the teacher's
+    # text encoder and VAE. Default: none.
+    attributes: str | None = None
+    attribute_max_prompts: int | None = None  # the first K captions of --attributes; default all
+    attribute_grid: int = 8  # teacher | student pairs of the first K captions drawn into REPORT-attributes.png
+    # The student's sampling steps, one entry each ("1,2,4"); default: its own (distill.json's student_steps, else
+    # the teacher's steps).
+    student_steps: tuple[int, ...] | None = None
+    compare: tuple[str, ...] = ()  # more train-student OUTs, each sampled at its own steps from the same noise
+    device: str = "auto"
+    dtype: str | None = None
+
+    def __post_init__(self):
+        _check_common(self)
+        _check_runtime(self)
+        if not isinstance(self.cache, str) or not self.cache:
+            raise ValueError("cache must be a non-empty path")
+        if self.attributes is not None and (not isinstance(self.attributes, str) or not self.attributes):
+            raise ValueError("attributes must be a non-empty path")
+        _check_ints(self, ("max_prompts", "timing_runs", "batch_size", "attribute_max_prompts"))
+        _check_ints(self, ("attribute_grid",), minimum=0)
+        _check_ints(self, ("init_seed",), minimum=0)
+        steps = _int_list("student-steps", self.student_steps)
+        if steps is not None and min(steps) < 1:
+            raise ValueError(f"student-steps must list integers >= 1, got {self.student_steps!r}")
+        object.__setattr__(self, "student_steps", steps)
+        compare = (self.compare,) if isinstance(self.compare, str) else tuple(self.compare or ())
+        if not all(isinstance(c, str) and c for c in compare):
+            raise ValueError(f"compare must list train-student OUT folders, got {self.compare!r}")
+        object.__setattr__(self, "compare", compare)

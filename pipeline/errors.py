@@ -1,24 +1,53 @@
-"""User-facing errors: one clear line, a remedy, a non-zero exit; and the OOM report.
+"""User-facing errors: one clear line, a remedy and a non-zero exit, from the CLI and from every torchrun rank.
 
-Exit codes: 2 = the user's input is wrong (paths, prompts, configs, caches), 3 = out of memory,
-1 = anything else (a bug: the traceback is kept).
+The exit codes: one table for every command and every torchrun rank. `classify` maps an exception to its row;
+`user_errors` (the CLI decorator) and `exit_rank` (the end of a failing torchrun rank) both go through it.
+
+  code  meaning                                                            what is printed
+  0     done (or nothing left to do)
+  1     a bug: any exception not below (`cache verify` also exits 1 when   the traceback, then `error: Type: msg`
+        it finds problems: one `BAD` line each)
+  2     the user's input is wrong (paths, prompts, configs, a missing,     `error:` and one line: what and how to fix
+        corrupt or mismatched cache) or the disk is full (ENOSPC, EDQUOT,
+        EFBIG, EROFS)
+  3     out of memory (torch.OutOfMemoryError, MemoryError)                `error: out of memory in STAGE: ...`, then
+                                                                           memory figures and the stage's remedies
+  4     lost contact with another rank (torch.distributed.DistError, a     `error: lost contact with another rank`;
+        gloo peer that closed its connection): not this rank's fault       the rank that failed first says why
+  130   interrupted (Ctrl-C)                                               `error: interrupted; rerun ...`
+  143   terminated by SIGTERM (reserved: nothing exits with it yet)
+
+Under torchrun every line starts with `[rank R] `, and the failing rank's text also goes to torchrun's error
+file, so torchrun's closing ChildFailedError summary quotes it.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import resource
 import sys
+import time
+import traceback
+from typing import NoReturn
 
 import click
 import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from cache.errors import CacheError
 
+from .runtime import DistEnv
+
+EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_OOM = 3
+EXIT_PEER_LOST = 4
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM: reserved for stopping cleanly when a scheduler preempts the job
 
 
 class UserError(Exception):
@@ -28,7 +57,7 @@ class UserError(Exception):
 # Stage-specific remedies printed with an out-of-memory report, most effective first.
 OOM_REMEDIES = {
     "teacher-cache": [
-        "use the next placement down: --placement offload (weights in RAM, streamed per block) or "
+        "use the next placement down: --placement offload (weights in RAM, streamed layer by layer) or "
         "--placement disk (weights streamed from --offload-dir); `wandistiller plan` shows what fits",
         "for a two-expert teacher, --expert-order expert (only one expert resident at a time)",
         "lower --batch-size (trajectories run together; each costs activations for 2x with CFG)",
@@ -42,16 +71,25 @@ OOM_REMEDIES = {
     "sample": ["lower --height/--width or sample fewer prompts at once", "use a GPU with more free memory"],
 }
 
+# How to pick up where a stage stopped (default: rerun the same command).
+RERUN = {"train-student": "rerun the same command with --resume"}
 
-def _rank_prefix() -> str:
-    rank = os.environ.get("RANK")
-    return f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+# Write failures the user fixes by freeing space, raising a quota or fixing permissions.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+# What gloo says when the peer of a collective died (a RuntimeError, not always a DistError).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 
-def memory_report() -> list[str]:
-    """Memory figures of this process: peak RSS, and per-CUDA-device allocated/reserved/free."""
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _memory_report() -> list[str]:
+    """Memory figures of this process: peak RSS, and per-CUDA-device allocated/reserved/free when this process
+    uses CUDA (a CPU run's report must not initialise it)."""
     lines = [f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"]
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         for d in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(d)
             lines.append(
@@ -63,64 +101,104 @@ def memory_report() -> list[str]:
     return lines
 
 
-def oom_message(stage: str, exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    lines = [f"{_rank_prefix()}error: out of memory in {stage}: {first}"]
-    lines += [f"  memory: {m}" for m in memory_report()]
+def _oom_message(stage: str, exc: BaseException) -> str:
+    lines = [f"out of memory in {stage}: {_first_line(exc)}"]
+    lines += [f"  memory: {m}" for m in _memory_report()]
     lines += ["  remedies:"] + [f"    - {r}" for r in OOM_REMEDIES.get(stage, [])]
     return "\n".join(lines)
 
 
-# Write failures the user fixes by freeing space, raising a quota or fixing permissions.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-
-
-# How to pick up where a stage stopped (default: rerun the same command).
-RERUN = {"train-student": "rerun the same command with --resume"}
-
-
-def is_disk_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS
-
-
-def disk_message(exc: OSError, stage: str | None = None) -> str:
+def _disk_message(exc: OSError, stage: str) -> str:
     where = f" while writing {exc.filename}" if exc.filename else ""
     return (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and "
             f"{RERUN.get(stage, 'rerun the same command')}: everything finished so far is kept and the run "
             "resumes where it stopped")
 
 
-def fail(message: str, code: int = EXIT_USAGE) -> None:
-    """Print one error line (prefixed with the rank under torchrun) to stderr and exit."""
-    click.echo(f"{_rank_prefix()}error: {message}", err=True)
-    sys.stderr.flush()
-    sys.exit(code)
+def classify(exc: BaseException, stage: str) -> tuple[int, str]:
+    """(exit code, message) of an exception that ends `stage`: the table of the module docstring.
+
+    The message is what follows `error: ` (its first line is the one line; an OOM report adds indented
+    lines). EXIT_BUG means the exception was not expected: callers keep its traceback.
+    """
+    # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return EXIT_OOM, _oom_message(stage, exc)
+    if isinstance(exc, (UserError, CacheError)):
+        return EXIT_USAGE, str(exc)
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return EXIT_USAGE, _disk_message(exc, stage)
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, f"interrupted; {RERUN.get(stage, 'rerun the same command')} to continue"
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)):
+        return EXIT_PEER_LOST, (f"lost contact with another rank ({_first_line(exc)}); the rank that failed first "
+                                "prints why")
+    return EXIT_BUG, f"{type(exc).__name__}: {exc}"
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+
+
+class _TorchrunErrorFile(ErrorHandler):
+    """torch elastic's per-worker error file (TORCHELASTIC_ERROR_FILE), holding the text we printed.
+
+    torchrun's ChildFailedError summary prints a record's `extraInfo.py_callstack`. The stock
+    `ErrorHandler.record_exception(e)` (what torch's `@record` calls) fills it with `traceback.format_exc()`
+    alone, so a user error would reach the summary as a traceback and an out-of-memory error without its
+    memory figures and remedies. This keeps torch's file, record format and careful write (a warning, never
+    an exception) and puts our text into it. `@record` itself does not fit: a failing rank leaves through
+    `os._exit` (below), and it passes a `sys.exit(2)` of `user_errors` through without recording it.
+    """
+
+    def record_text(self, text: str) -> None:
+        path = self._get_error_file_path()
+        if path:
+            info = {"py_callstack": text, "timestamp": str(int(time.time()))}
+            self._write_error_file(path, json.dumps({"message": {"message": text, "extraInfo": info}}))
 
 
 def user_errors(stage: str):
-    """Decorator for CLI commands: turn the errors a user can cause into one line and an exit code."""
+    """Decorator for CLI commands: an exception of the table becomes its message and exit code; a bug keeps its
+    traceback (it propagates)."""
 
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
-            except (UserError, CacheError) as e:
-                fail(str(e))
-            except torch.OutOfMemoryError as e:
-                click.echo(oom_message(stage, e), err=True)
-                sys.stderr.flush()
-                sys.exit(EXIT_OOM)
-            except OSError as e:
-                if e.errno not in _DISK_ERRNOS:
+            except BaseException as e:
+                code, message = classify(e, stage)
+                if code == EXIT_BUG:  # also click's own exceptions and SystemExit: they pass through as they are
                     raise
-                fail(disk_message(e, stage))
-            except MemoryError as e:
-                click.echo(oom_message(stage, e), err=True)
-                sys.exit(EXIT_OOM)
-            except KeyboardInterrupt:
-                fail("interrupted; rerun the same command to resume", 130)
+                text = f"{_rank_prefix()}error: {message}"
+                click.echo(text, err=True)
+                sys.stderr.flush()
+                _TorchrunErrorFile().record_text(text)  # a no-op outside torchrun
+                sys.exit(code)
 
         return wrapper
 
     return deco
+
+
+def exit_rank(exc: BaseException, env: DistEnv, stage: str) -> NoReturn:
+    """End a failing torchrun rank: print its error (stderr, `[rank R] error: ...`; a bug with its traceback),
+    record it for torchrun's summary and leave at once with the table's code. Call it in the `except` block.
+
+    Leaving at once (no `finally`, no teardown) matters: torchrun then stops the other ranks, and a rank
+    blocked in a collective with this one fails fast (gloo) or at --collective-timeout-s (NCCL) instead of
+    waiting in a teardown. An error that every rank raises alike (`exc.all_ranks`) is printed by rank 0 alone.
+    """
+    code, message = classify(exc, stage)
+    text = f"[rank {env.rank}] error: {message}"
+    if code == EXIT_BUG:
+        text = f"{traceback.format_exc().rstrip()}\n{text}"
+    if env.rank == 0 or not getattr(exc, "all_ranks", False):
+        # The leading newline keeps the message off rank 0's progress-bar line.
+        print("\n" + text, file=sys.stderr, flush=True)
+    _TorchrunErrorFile().record_text(text)  # every rank: torchrun's summary lists each failed rank's cause
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,7 +2,8 @@
 
 WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" makes the process stop the n-th time (1-based) it reaches
 `<point>`: `kill` (default) sends itself SIGKILL (no cleanup, no `finally`, exactly like the OOM killer or
-a preempted node); `enospc` raises OSError(ENOSPC) there, as a full disk would. Points:
+a preempted node); `enospc` raises OSError(ENOSPC) there, as a full disk would; `stop` sends itself SIGSTOP
+(the test resumes it with SIGCONT): a writer caught in the middle of its work, for concurrency tests. Points:
 
   stage one  after_encode_rows  prompt rows are in prompts.zarr, the progress record does not say so yet
              mid_shard          samples of a block are in the shard's temporary file, not yet renamed
@@ -27,7 +28,7 @@ import signal
 KILL_AT_ENV = "WANDISTILLER_KILL_AT"
 POINTS = ("after_encode_rows", "mid_shard", "after_rename", "before_progress", "in_manifest",
           "train_step", "in_checkpoint", "before_checkpoint_rename", "after_checkpoint_rename")
-HOWS = ("kill", "enospc")
+HOWS = ("kill", "enospc", "stop")
 
 _UNREAD = object()
 _target = _UNREAD  # None (unset) or (point, n, how), parsed on first use
@@ -62,7 +63,7 @@ def fault_point(name: str) -> None:
         return
     if how == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {KILL_AT_ENV} at {name}:{n})")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 
 def reset() -> None:

@@ -1,4 +1,4 @@
-"""Distributed runtime: who am I (rank/world), process-group setup and teardown, rank-0 printing."""
+"""Distributed runtime: who am I (rank/world), process-group setup, barrier and teardown, rank-0 printing."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,15 @@ def dist_env() -> DistEnv:
                    int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(timeout_s: float = 600.0) -> DistEnv:
-    """Join the torchrun process group (NCCL with CUDA, gloo otherwise); no-op for one process."""
+def init_distributed(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistEnv:
+    """Join the torchrun process group: NCCL when the ranks compute on CUDA (each on its LOCAL_RANK GPU), gloo
+    otherwise; no-op for one process. `use_cuda` is the run's choice (None: whether CUDA is visible); a run
+    that computes on the CPU never initialises CUDA, even on a GPU node."""
     env = dist_env()
+    if use_cuda is None:
+        use_cuda = torch.cuda.is_available()
     if env.world_size > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
+        if use_cuda:
             torch.cuda.set_device(env.local_rank)
             backend = "nccl"
         else:
@@ -45,12 +50,21 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def barrier() -> None:
-    if dist.is_initialized():
+def barrier(device: torch.device | None = None) -> None:
+    """Wait until every rank gets here; a no-op for one process. NCCL synchronises through a CUDA tensor:
+    on `device`, by default the current one (init_distributed set it to LOCAL_RANK)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if dist.get_backend() == "nccl":
+        # Named explicitly: torch would otherwise guess (and warn) from the current context.
+        index = device.index if device is not None and device.type == "cuda" else torch.cuda.current_device()
+        dist.barrier(device_ids=[index])
+    else:
         dist.barrier()
 
 
-def print0(*args, **kwargs) -> None:
-    """print on rank 0 only."""
-    if dist_env().rank == 0:
-        print(*args, **kwargs, flush=True)
+def print0(msg: str) -> None:
+    """Print a line on rank 0 only, through tqdm: a progress bar on the terminal is redrawn below the line
+    instead of being cut by it."""
+    if dist_env().is_main:
+        tqdm.write(msg)

@@ -1,0 +1,142 @@
+"""The run artifact: what `train-student` leaves in its OUT folder, and `distill.json`'s record.
+
+`train-student` writes this layout and `sample`, `eval` and `export` read it; nobody else spells these
+names. The record is a dataclass: a key is written and read under one name only.
+
+    OUT/
+      student/            the trained student (diffusers WanTransformer3DModel); renamed in LAST, so it
+                          exists only when the run finished
+      student_ema/        the EMA weights, when --ema-decay > 0
+      student_init/       the untrained student, when it was initialised from teacher blocks
+      distill.json        DistillRecord: what the student learned and how it is meant to be sampled
+      config.json         the resolved train-student config
+      checkpoints/        step-NNNNNNNN/ folders (stages/train_student/checkpoint.py)
+      metrics.jsonl       one JSON record per logged step / evaluation / validation
+      loss.png            the loss curves
+      tensorboard/        TensorBoard event files (--report-to tensorboard, the default)
+      wandb/              W&B's own run folders (--report-to wandb, unless WANDB_DIR says elsewhere)
+      wandb-run.json      the W&B run id a --resume continues
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STUDENT = "student"
+STUDENT_EMA = "student_ema"
+STUDENT_INIT = "student_init"
+CHECKPOINTS = "checkpoints"
+DISTILL = "distill.json"
+RESOLVED_CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+LOSS_PNG = "loss.png"
+TENSORBOARD = "tensorboard"
+WANDB = "wandb"  # the folder wandb.init(dir=OUT) writes
+WANDB_RUN = "wandb-run.json"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one training run's output folder."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    student = property(lambda self: self.root / STUDENT)
+    student_ema = property(lambda self: self.root / STUDENT_EMA)
+    student_init = property(lambda self: self.root / STUDENT_INIT)
+    checkpoints = property(lambda self: self.root / CHECKPOINTS)
+    distill = property(lambda self: self.root / DISTILL)
+    resolved_config = property(lambda self: self.root / RESOLVED_CONFIG)
+    metrics = property(lambda self: self.root / METRICS)
+    loss_png = property(lambda self: self.root / LOSS_PNG)
+    tensorboard = property(lambda self: self.root / TENSORBOARD)
+    wandb = property(lambda self: self.root / WANDB)
+    wandb_run = property(lambda self: self.root / WANDB_RUN)
+
+    def holds_run(self) -> list[str]:
+        """Names of the run outputs already present (a finished or checkpointed run)."""
+        return [p.name for p in (self.student, self.student_ema, self.checkpoints) if p.exists()]
+
+
+@dataclass(frozen=True)
+class DistillRecord:
+    """distill.json: what the student learned (the cache's settings) and how it is meant to be sampled."""
+
+    student: str = STUDENT
+    student_ema: str | None = None  # STUDENT_EMA when EMA weights were saved
+    caches: list[dict] = field(default_factory=list)  # [{path, fingerprint}] of the caches trained on
+    fingerprints: list[str] = field(default_factory=list)
+    teacher: str | None = None  # the teacher's name (hub id or folder) as stage one recorded it
+    teacher_path: str | None = None
+    revision: str | None = None
+    # The targets are the teacher's *guided* predictions when cfg is true: the student samples without CFG.
+    cfg: bool | None = None
+    guidance: float | None = None
+    guidance_2: float | None = None
+    boundary_ratio: float | None = None
+    negative_prompt: str | None = None
+    max_sequence_length: int | None = None  # the text length of the cache's embeddings: sample with it
+    expand_timesteps: bool | None = None
+    latent_shape: list[int] | None = None
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    dtype: str | None = None
+    steps: int | None = None  # the teacher's sampling steps in the cache
+    timesteps: list[float] | None = None
+    sigmas: list[float] | None = None
+    scheduler: dict | None = None
+    train_steps: list[int] = field(default_factory=list)  # cached step indices trained on
+    train_timesteps: list[float] | None = None
+    heldout_prompts: list[int] = field(default_factory=list)
+    init_seed: int | None = None
+    init_from_teacher: str | None = None
+    student_config: str | None = None
+    optimizer_steps: int = 0
+    samples_seen: int = 0
+    epochs_completed: int = 0
+    # The objective trained (stages/train_student/objectives.py) and its settings.
+    objective: str = "velocity"
+    objective_settings: dict = field(default_factory=dict)
+    # Sampling steps the student is meant to use; None: the teacher's `steps`.
+    student_steps: int | None = None
+
+    @property
+    def guided(self) -> bool:
+        """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
+        return True if self.cfg is None else bool(self.cfg)
+
+    @property
+    def sampling_steps(self) -> int | None:
+        return self.student_steps if self.student_steps is not None else self.steps
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict, source: str | os.PathLike = DISTILL) -> DistillRecord:
+        """The record of a distill.json; ValueError naming the unknown keys (a file of another tool)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise ValueError(f"{source} has unknown key(s) {unknown[:5]}; it was not written by this "
+                             "WanDistiller's train-student")
+        return cls(**obj)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> DistillRecord:
+        """Read distill.json; ValueError with the reason if it is not a record."""
+        try:
+            obj = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not readable JSON ({e})") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} holds a {type(obj).__name__}, expected a JSON object")
+        return cls.from_json(obj, path)

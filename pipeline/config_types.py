@@ -1,0 +1,72 @@
+"""Every config value checked against its field's declared type, before a stage sees it.
+
+TOML has its own types, and a quoted value is a string: `overwrite = "false"` is a non-empty string, which
+Python treats as true. So a value of the wrong type is refused (one line naming the key and the file),
+never coerced: bools are TOML booleans, integers are not floats or bools, and a float field takes a finite
+number (TOML and click both accept `nan` and `inf`, which no setting means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import Any
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp) -> str:
+    if tp is bool:
+        return "true or false (a TOML boolean, not quoted)"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a finite number"
+    if tp is str:
+        return "a string (quoted)"
+    if tp is type(None):
+        return "absent"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin in (tuple, list):
+        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+    return str(tp)
+
+
+def _fits(value, tp, seq_as_str: bool) -> bool:
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a, seq_as_str) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        if isinstance(value, str):  # "0,4,8": the config's own __post_init__ parses (and checks) it
+            return seq_as_str
+        elem = typing.get_args(tp)[0]
+        return isinstance(value, (list, tuple)) and all(_fits(v, elem, False) for v in value)
+    return True  # a type this check does not know: the dataclass's own validation decides
+
+
+def type_problem(cls, values: dict[str, Any]) -> tuple[str, str] | None:
+    """The first value in `values` (field name -> value) that does not fit its field's declared type: (field,
+    the message of a UserError); None when all fit."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values and not _fits(values[f.name], hints[f.name], seq_as_str=True):
+            return f.name, f"{f.name.replace('_', '-')} must be {_describe(hints[f.name])}, got {values[f.name]!r}"
+    return None

@@ -1,0 +1,205 @@
+"""The one teacher-free sampler of a trained student, and the schedule it samples with.
+
+`sample`, `eval`, `export` (through the test that checks it) and stage two's validation all draw a student's
+images with this module, so a student is sampled the same way everywhere:
+
+    from pipeline.sampling import sample_latents, student_scheduler, student_steps
+
+    scheduler = student_scheduler(record)            # a DistillRecord, distill.json's dict or a cache manifest
+    latents = sample_latents(transformer, scheduler, init_noise, prompt_embeds, student_steps(record),
+                             guidance=1.0, negative_embeds=None, expand_timesteps=False)
+    frames = decode_latents(vae, latents)            # optional: [B, F, H, W, 3] in [0, 1], as WanPipeline's "np"
+
+Stable API (another stage imports it; add keyword arguments, never change these):
+  - `sample_latents(transformer, scheduler, init_noise, prompt_embeds, steps, guidance=1.0, negative_embeds=None,
+    *, expand_timesteps=False, patch=(1, 2, 2)) -> Tensor`: diffusers' `WanPipeline` denoising loop for one
+    transformer (no expert switch), op for op: the same casts, the same scheduler calls, CFG as two forwards
+    when guidance > 1. Its result equals `WanPipeline(transformer=..., scheduler=..., ...)(prompt_embeds=...,
+    latents=init_noise, num_inference_steps=steps, guidance_scale=guidance, output_type="latent").frames`.
+  - `student_scheduler(source) -> scheduler`: the scheduler the student is meant to sample with (a fresh
+    instance; `sample_latents` calls its `set_timesteps`).
+  - `student_steps(source) -> int`: the steps the student is meant to sample with.
+  - `scheduler_from_config(config)`, `euler_config(config)`, `segment_boundaries(config, steps, k)`.
+
+The few-step schedule. A `segment` student (stages/train_student/objectives.py) learns, at each cached state
+of the teacher's trajectory, the average velocity to the end of its segment: K segments whose boundaries are
+cached steps, the last ending at the final latent. It is sampled with K Euler steps that land exactly on those
+boundaries: `x <- x + (sigma_next - sigma) * v`. Wan's teachers sample with `UniPCMultistepScheduler` on flow
+sigmas (`use_flow_sigmas`, `flow_shift`, final sigma 0): N steps put sigma_k = shift(u_k) with
+u_k = (1 - 1/T)(1 - k/N), shift(u) = s u / (1 + (s - 1) u), T = num_train_timesteps, and integer timesteps
+floor(1000 sigma_k). The same scheduler set to `solver_order=1` with the corrector disabled *is* the Euler step
+(its first-order data-prediction update on flow sigmas is x_s - (sigma_s - sigma_t) v, equal to float rounding),
+and called with K steps it puts its sigmas at u_j = (1 - 1/T)(1 - j/K): exactly the cached sigmas and timesteps
+of steps j N / K. So the default boundaries are the K-step grid's points, and **when K divides N** the K-step
+Euler scheduler reproduces them bit for bit; otherwise each boundary is the cached step nearest to the grid
+point (round(j N / K)) and the K-step scheduler lands up to half a teacher step away from it
+(`segment_boundaries` says which). diffusers' `FlowMatchEulerDiscreteScheduler` with the same shift would not
+do: its K points run from sigma 1 down to shift(shift(1/T)) ~ 0.009 and then 0, so its last step is spent on
+the last 1% of the noise and its grid never meets the teacher's (for the 8-step shapes cache and K = 4 it gives
+sigmas 1, 0.86, 0.60, 0.009 where the cache has 1, 0.90, 0.75, 0.50). A teacher that itself samples with
+`FlowMatchEulerDiscreteScheduler` keeps it: its K-step points are the cached ones when (K - 1) divides (N - 1).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+
+from .wan_inputs import model_timestep
+
+UNIPC = "UniPCMultistepScheduler"
+FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
+# distill.json's objective_settings["sampler"] of a student that samples with `euler_config(teacher scheduler)`.
+SAMPLER = "sampler"
+EULER = "euler"
+# UniPC's corrector is disabled per step index; this many covers any step count a Wan pipeline runs.
+_NO_CORRECTOR = 1000
+
+
+def _as_dict(source) -> dict:
+    """A DistillRecord, distill.json's dict or a manifest, as a plain dict."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    to_json = getattr(source, "to_json", None)
+    if to_json is None:
+        raise TypeError(f"expected a DistillRecord or a dict, got {type(source).__name__}")
+    return to_json()
+
+
+def scheduler_from_config(config: Mapping):
+    """A diffusers scheduler from a config holding its `_class_name` (what a manifest records)."""
+    import diffusers
+
+    conf = dict(config)
+    name = conf.pop("_class_name", None)
+    cls = getattr(diffusers, str(name), None)
+    if cls is None:
+        raise ValueError(f"scheduler {name!r} is unknown to diffusers {diffusers.__version__}")
+    return cls.from_config(conf)
+
+
+def is_flow_matching(config: Mapping) -> bool:
+    """Whether the scheduler samples a flow-matching model on flow sigmas (what Euler segments need)."""
+    name = config.get("_class_name")
+    if name == FLOW_EULER:
+        return not config.get("use_dynamic_shifting", False)
+    return (name == UNIPC and bool(config.get("use_flow_sigmas")) and config.get("prediction_type") == "flow_prediction"
+            and config.get("final_sigmas_type", "zero") == "zero")
+
+
+def euler_config(config: Mapping) -> dict:
+    """The teacher's flow-matching scheduler config turned into a first-order Euler sampler on the same sigma
+    grid (see the module docstring); ValueError for a scheduler that is not flow matching."""
+    if not is_flow_matching(config):
+        raise ValueError(f"scheduler {config.get('_class_name')!r} does not sample flow-matching sigmas to 0 "
+                         f"({UNIPC} with use_flow_sigmas, or {FLOW_EULER}); a few-step Euler schedule needs one")
+    conf = dict(config)
+    if conf["_class_name"] == UNIPC:
+        conf.update(solver_order=1, disable_corrector=list(range(_NO_CORRECTOR)), lower_order_final=True)
+    else:
+        conf.update(stochastic_sampling=False)
+    return conf
+
+
+def schedule_sigmas(config: Mapping, steps: int) -> list[float]:
+    """The `steps` sigmas a scheduler of `config` visits (without the final 0)."""
+    s = scheduler_from_config(config)
+    s.set_timesteps(steps)
+    return [float(v) for v in s.sigmas[:steps]]
+
+
+def segment_boundaries(config: Mapping, steps: int, student_steps: int,
+                       cached_sigmas: list[float] | None = None) -> tuple[list[int], bool]:
+    """(K boundary steps of the N-step cached schedule, exact): the cached step nearest (in sigma) to each
+    point of the K-step Euler schedule, starting at step 0; `exact` when the K-step scheduler reproduces the
+    cached sigmas there (K divides N for Wan's UniPC teachers). `cached_sigmas` defaults to the N-step
+    schedule of `config`."""
+    if not 1 <= student_steps <= steps:
+        raise ValueError(f"student steps must be in 1..{steps} (the cache's steps), got {student_steps}")
+    cached = cached_sigmas if cached_sigmas is not None else schedule_sigmas(config, steps)
+    grid = schedule_sigmas(euler_config(config), student_steps)
+    bounds = [min(range(steps), key=lambda k: (abs(cached[k] - g), k)) for g in grid]
+    bounds[0] = 0
+    if len(set(bounds)) != len(bounds) or bounds != sorted(bounds):
+        bounds = sorted(set(bounds))
+    exact = len(bounds) == student_steps and all(abs(cached[b] - g) <= 1e-6 for b, g in zip(bounds, grid))
+    return bounds, exact
+
+
+def student_scheduler(source):
+    """A fresh scheduler for the student described by `source` (a DistillRecord, distill.json's dict or a cache
+    manifest): the one its objective recorded for sampling (a few-step student's Euler schedule), else the
+    teacher's scheduler as the cache recorded it."""
+    d = _as_dict(source)
+    conf = d.get("scheduler")
+    if not conf:
+        raise ValueError("no scheduler recorded (distill.json / manifest without `scheduler`)")
+    if (d.get("objective_settings") or {}).get(SAMPLER) == EULER:
+        conf = euler_config(conf)
+    return scheduler_from_config(conf)
+
+
+def student_steps(source) -> int:
+    """Sampling steps of the student described by `source`: its own (student_steps), else the teacher's."""
+    d = _as_dict(source)
+    steps = d.get("student_steps") or d.get("steps")
+    if not steps:
+        raise ValueError("no sampling steps recorded (distill.json / manifest without `steps`)")
+    return int(steps)
+
+
+@torch.no_grad()
+def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embeds: torch.Tensor, steps: int,
+                   guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *,
+                   expand_timesteps: bool = False, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """Final latents [B, C, F, H, W] (float32, on the transformer's device) of `steps` denoising steps of
+    `transformer` from `init_noise`, as WanPipeline computes them (module docstring).
+
+    `prompt_embeds` [B, L, D] (padded as the cache stores them); `negative_embeds` [B or 1, L, D] is needed when
+    `guidance` > 1 (classifier-free guidance, two forwards per step). `patch` is the stride WanPipeline lays
+    per-token timesteps out with when `expand_timesteps` (TI2V); it uses (1, 2, 2).
+    """
+    device = next(transformer.parameters()).device
+    dtype = transformer.dtype
+    cfg = guidance > 1.0
+    if cfg and negative_embeds is None:
+        raise ValueError("guidance > 1 needs negative_embeds (classifier-free guidance)")
+    embeds = prompt_embeds.to(device).to(dtype)
+    neg = None
+    if cfg:
+        neg = negative_embeds.to(device).to(dtype)
+        if neg.shape[0] != embeds.shape[0]:
+            neg = neg.expand(embeds.shape[0], -1, -1)
+    scheduler.set_timesteps(steps, device=device)
+    scheduler.set_begin_index(0)
+    latents = init_noise.to(device=device, dtype=torch.float32)
+    for t in scheduler.timesteps:
+        x = latents.to(dtype)
+        timestep = model_timestep(t.expand(latents.shape[0]), latents.shape[2:], expand_timesteps, patch)
+        pred = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds, attention_kwargs=None,
+                           return_dict=False)[0]
+        if cfg:
+            uncond = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=neg, attention_kwargs=None,
+                                 return_dict=False)[0]
+            pred = uncond + guidance * (pred - uncond)
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return latents
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Frames [B, F, H, W, 3] float in [0, 1] (on the CPU) of final latents, decoded as WanPipeline decodes them
+    (its latents_mean / latents_std, then the VAE)."""
+    z = vae.config.z_dim
+    lat = latents.to(next(vae.parameters()).device, dtype=vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+    video = vae.decode(lat / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+    return (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu()
+
+
+def copy_scheduler(scheduler):
+    """An independent copy (sampling mutates a scheduler's step state)."""
+    return copy.deepcopy(scheduler)
