@@ -13,6 +13,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results.json"
+RESULTS_CUDA = ROOT / "bench" / "results-cuda.json"  # the same rows measured with --device cuda
+
+
+def results_path(device: torch.device) -> Path:
+    """Where a run on `device` records its figures: CPU and GPU runs keep separate files."""
+    return RESULTS_CUDA if device.type == "cuda" else RESULTS
 
 
 def result(name: str, value: float, baseline: float, unit: str, target: float, better: str,
@@ -104,16 +110,40 @@ def interleaved(fns: dict, reps: int, device: torch.device) -> dict[str, list[fl
 # --- files and processes ------------------------------------------------------------------------------------------
 
 def drop_page_cache(path: Path) -> bool:
-    """Ask the kernel to drop `path`'s cached pages (clean pages only, so fsync'd files). False where the OS
-    has no posix_fadvise; on tmpfs the call succeeds and changes nothing."""
+    """Flush `path` to disk (fsync) and ask the kernel to drop its cached pages, so the next read comes from
+    the disk (DONTNEED drops clean pages only: hence the fsync). False where the OS has no posix_fadvise; on
+    tmpfs the call succeeds and changes nothing."""
     if not hasattr(os, "posix_fadvise"):
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     return True
+
+
+def drop_tree(path: Path) -> bool:
+    """Flush every file under `path` to disk and drop it from the page cache: one `os.sync()` (one journal
+    commit, not one per file: a prompt store holds a few files per prompt), then posix_fadvise(DONTNEED) on
+    each file. False where the OS has no posix_fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    os.sync()
+    for f in Path(path).rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
+
+
+def tree_bytes(path: Path) -> int:
+    """Apparent size of every file under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def peak_rss() -> int:

@@ -95,7 +95,8 @@ class Online:
         return n_params(self.experts[0])
 
     def step(self) -> None:
-        from stages.train_student.loop import ModelInputs, per_sample_loss
+        from cache import format as F
+        from stages.train_student.objectives import Batch, Velocity
 
         b, dev = self.batch_size, self.device
         prompts = torch.randint(len(self.cond), (b,), generator=self.gen)
@@ -113,8 +114,8 @@ class Online:
                 encoder_hidden_states=torch.cat([cond, self.uncond.expand(b, -1, -1)]), return_dict=False)[0]
             c, u = out.float().chunk(2)
             target = u + self.schedule.guidance[k] * (c - u)
-        inputs = ModelInputs(x_t, timestep, cond.float(), target, torch.ones(b, device=dev))
-        per_sample_loss(self.student, inputs, self.autocast).mean().backward()
+        inputs = Batch({F.T_X_T: x_t, F.T_TARGET: target}, timestep, cond.float(), torch.ones(b, device=dev))
+        Velocity().loss(self.student, inputs, self.autocast)[0].mean().backward()
         torch.nn.utils.clip_grad_norm_(list(self.student.parameters()), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

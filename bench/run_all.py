@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.common import RESULTS, ROOT, machine, machine_line, result, table
+from bench.common import ROOT, machine, machine_line, pick_device, result, results_path, table
 
-BENCHES = ("stage_one", "stage_two", "online", "placements")
+BENCHES = ("stage_one", "stage_two", "real_size", "online", "placements")
 # bench/placements.py at sizes that keep it to a few minutes on 2 CPU cores (its own defaults are larger).
 PLACEMENTS_ARGS = "--dim 256 --ffn 1024 --layers 8 --batch-sizes 1,8,32 --steps 2 --repeats 2"
 PLACEMENTS_QUICK = "--dim 64 --ffn 256 --layers 2 --batch-sizes 1,8,32 --steps 2 --repeats 1"
@@ -86,10 +86,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Minimal sizes: every benchmark runs, no figure means much.")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"Comma-separated subset of {','.join(BENCHES)}.")
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (stage one, stage two, online).")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (every benchmark but placements).")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="torch intra-op threads (default: all cores but one).")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="Results file (default: bench/results.json, bench/results-cuda.json on CUDA).")
     for b in BENCHES:
         ap.add_argument(f"--{b.replace('_', '-')}-args", default=None, help=f"Extra flags for bench/{b}.py.")
     args = ap.parse_args(argv)
@@ -98,10 +99,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHES)}")
     torch.set_num_threads(args.threads)
+    if args.out is None:
+        args.out = results_path(pick_device(args.device))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     command = shlex.join(["python", "-m", "bench.run_all", *(sys.argv[1:] if argv is None else argv)])
 
-    from bench import online, stage_one, stage_two
+    from bench import online, real_size, stage_one, stage_two
 
     def flags(name: str) -> list[str]:
         extra = getattr(args, f"{name}_args")
@@ -109,8 +112,8 @@ def main(argv=None) -> int:
             return shlex.split(PLACEMENTS_QUICK if args.quick else PLACEMENTS_ARGS) + shlex.split(extra or "")
         return (["--quick"] if args.quick else []) + ["--device", args.device] + shlex.split(extra or "")
 
-    runners = {"stage_one": stage_one.main, "stage_two": stage_two.main, "online": online.main,
-               "placements": placements}
+    runners = {"stage_one": stage_one.main, "stage_two": stage_two.main, "real_size": real_size.main,
+               "online": online.main, "placements": placements}
     results, failed, took = [], [], {}
     t_all = time.perf_counter()
     for name in BENCHES:

@@ -27,7 +27,6 @@ from cache import format as F
 from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
 from safetensors.torch import load_file
-from cache.writer import ShardWriter
 from pipeline.config import TeacherCacheConfig
 from pipeline.tiny_teacher import write_tiny_teacher
 from stages import teacher_cache
@@ -144,27 +143,32 @@ def main(argv=None) -> list[dict]:
 
 def _naive(cache: Path, work: Path, k: int = 64) -> float:
     """Bytes per sample of a naive cache: float32 x_t and target plus the padded float32 text embedding
-    stored in every sample, written with the same shard writer from the first `k` samples."""
-    import tarfile
+    stored in every sample, as webdataset tar members of the first `k` samples (not a WanDistiller cache:
+    the schema does not declare an embedding per sample, so this writes the tar itself)."""
+    import itertools
+    import json
 
-    from cache.writer import decode_sample
+    import webdataset as wds
+    from safetensors.torch import save as st_save
+
+    from cache.reader import ShardStream, decode_sample
 
     m = load_manifest(cache)
     emb = EmbeddingCache(cache, m[F.F_NUM_PARTS])
-    w = ShardWriter(work / "naive", part=0, index=0)
-    with tarfile.open(cache / m[F.F_SHARDS][0][F.S_PATH]) as tar:
-        members: dict[str, dict[str, bytes]] = {}
-        for info in tar:
-            key, _, ext = info.name.partition(".")
-            members.setdefault(key, {})[ext] = tar.extractfile(info).read()
-            if len(members) > k:
-                break
-    keys = [key for key, mem in members.items() if len(mem) == 2][:k]
-    for key in keys:
-        tensors, meta = decode_sample(members[key])
-        w.write(key, {F.T_X_T: tensors[F.T_X_T].float(), F.T_TARGET: tensors[F.T_TARGET].float(),
-                      "embeds": emb.get(meta[F.M_PROMPT_IDX]).float()}, meta)
-    return w.close()[F.S_BYTES] / len(keys)
+    out = work / "naive.tar"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(out, "wb") as f:
+        tar = wds.TarWriter(f, mtime=0, encoder=False)
+        for members in itertools.islice(ShardStream(cache, m[F.F_SHARDS][0]), k):
+            tensors, meta = decode_sample(members)
+            naive = {F.T_X_T: tensors[F.T_X_T].float(), F.T_TARGET: tensors[F.T_TARGET].float(),
+                     "embeds": emb.get(meta[F.M_PROMPT_IDX]).float()}
+            tar.write({"__key__": members["__key__"], F.EXT_TENSORS: st_save(naive),
+                       F.EXT_META: json.dumps(meta, sort_keys=True).encode()})
+            n += 1
+        tar.close()
+    return out.stat().st_size / n
 
 
 if __name__ == "__main__":

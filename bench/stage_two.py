@@ -1,12 +1,11 @@
-"""Stage-two benchmarks, each measured against its baseline in the same process, interleaved, best of N:
+"""Stage-two benchmarks on the tiny teacher's caches, each measured against its baseline in the same process:
 
-- stage_two_overhead: a train-student optimizer step (the stage's own `Trainer.step`, batches from its
-  DataLoader over the cache) vs the same student's forward + backward + clip + AdamW step on batches
-  already in memory;
-- loader_vs_raw_read: samples/s of the stage-two reader (pread + decode + prompt embedding + collate,
-  in epoch order) vs a raw sequential read of the same shard bytes, page cache dropped before each;
-- loader_vs_consumption: the reader's samples/s vs the samples/s the student trains at;
+- loader_vs_consumption: samples/s of the stage-two reader (pread + decode + prompt embedding + collate, in
+  epoch order, page cache dropped first) vs the samples/s the student trains at;
 - stage_two_cost_exponent: train-student's training-loop time (one epoch) at 1x, 2x, 4x prompts.
+
+The step overhead and the loader against a raw read are measured at real sizes, with the pieces defined here
+(`StepBench`, `overhead`): bench/real_size.py.
 
 Run: python -m bench.stage_two [--prompts 64] [--device auto] [--quick]
 """
@@ -57,6 +56,7 @@ class StepBench:
         from pipeline.runtime import dist_env
         from stages.train_student import data as D
         from stages.train_student import loop as L
+        from stages.train_student.objectives import Velocity
         from stages.train_student.student import build_student, load_student_config
 
         # the package re-exports run() under the module's name
@@ -80,14 +80,14 @@ class StepBench:
             cfg=self.cfg, env=env, device=device, model=self.model, ddp=None, data=data, plan=self.plan,
             optimizer=self.optimizer, scaler=scaler, ema=None, state=L.TrainState(), total=10**9, out=out,
             mixed_dtype=mixed, expand_timesteps=bool(m.get(F.F_EXPAND_TIMESTEPS)),
-            patch=tuple(m.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra={})
+            patch=tuple(m.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra={}, objective=Velocity())
         self.data = data
         self._stream = self._batches()
         self._k = 0
         # The bare step's inputs: the first batches of epoch 0, collated once and moved to the device.
         sampler = D.RankBatches(self.plan, data.train_rows, 0, 0, 0)
         ds = D.SampleDataset(data.index, self.cfg.embedding_cache_size)
-        self.memory = [L.to_inputs(D.collate(ds.__getitems__(items)), device, self.trainer.expand_timesteps,
+        self.memory = [L.to_batch(D.collate(ds.__getitems__(items)), device, self.trainer.expand_timesteps,
                                    self.trainer.patch) for items in itertools.islice(iter(sampler), 4)]
         self._m = 0
 
@@ -112,13 +112,12 @@ class StepBench:
     def bare_steps(self, n: int) -> None:
         """`n` steps of the same model math on batches already on the device: forward, MSE, backward,
         clip, AdamW, zero_grad; nothing else."""
-        from stages.train_student.loop import per_sample_loss
-
         params = self.trainer.params
+        objective = self.trainer.objective
         for _ in range(n):
             b = self.memory[self._m % len(self.memory)]
             self._m += 1
-            per_sample_loss(self.model, b, self.trainer.autocast).mean().backward()
+            objective.loss(self.model, b, self.trainer.autocast)[0].mean().backward()
             torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -206,11 +205,10 @@ def train_times(cache: Path, student_json: Path, out: Path, device: torch.device
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=64, help="Prompts of the step-overhead cache.")
+    ap.add_argument("--prompts", type=int, default=64, help="Prompts of the base cache (also a scaling size).")
     ap.add_argument("--scale-prompts", type=int, default=256, help="Largest cache of the scaling runs (also 1/2, 1/4).")
     ap.add_argument("--steps", type=int, default=8, help="Teacher steps per trajectory (samples per prompt).")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--num-workers", type=int, default=TrainStudentConfig.__dataclass_fields__["num_workers"].default)
     ap.add_argument("--size", type=int, default=64, help="Image side of the step and scaling caches (64 -> 8x8 latents).")
     ap.add_argument("--loader-height", type=int, default=512, help="Images of the loader cache: 512x512 gives "
                     "16x64x64 float32 latents, 512 KiB a sample, about a real Wan 2.x sample (16x60x104 bf16: "
@@ -233,30 +231,19 @@ def main(argv=None) -> list[dict]:
         student = args.student_config
         results = []
 
-        # 2. stage-two overhead per optimizer step
         cache = build_cache(teacher, prompt_file(work, args.prompts), work / "cache", device, args.steps, args.size,
                             args.size)
-        bench = StepBench(cache, student, work / "out-step", device, args.batch_size, args.num_workers)
-        k = max(2, min(10, bench.plan.steps))
-        step = overhead(bench, k, args.reps)
-        results.append(result("stage_two_overhead", step["stage"], step["bare"], "s/step", 1.10, "<=",
-                              note=f"batch {args.batch_size}, {bench.num_workers} loader workers, "
-                                   f"{bench.params / 1e3:.0f}k-param student, {args.size}x{args.size} images, "
-                                   f"best of {args.reps} x {k} steps"))
-        del bench
 
-        # 3. loader throughput, on a cache whose samples have a real Wan 2.x latent shape
+        # loader throughput vs the student's consumption, on a cache whose samples have a real latent shape
         lcache = build_cache(teacher, prompt_file(work, args.loader_prompts), work / "cache-loader", device, args.steps,
                              args.loader_height, args.loader_width, batch_size=4)
         lbench = StepBench(lcache, student, work / "out-loader", device, min(args.batch_size, 8), 0)
         ld = loader(lbench, args.reps)
         shape = "x".join(map(str, load_manifest(lcache)[F.F_LATENT_SHAPE]))
-        results.append(result("loader_vs_raw_read", ld["reader_sps"], ld["raw_sps"], "samples/s", 0.8, ">=",
-                              note=f"latents {shape} float32, {ld['bytes_per_sample'] / 1024:.0f} KiB/sample, "
-                                   "page cache dropped (posix_fadvise) before each pass, one reader process"))
         results.append(result("loader_vs_consumption", ld["reader_sps"], ld["consume_sps"], "samples/s", 10.0, ">=",
                               note=f"one reader process vs the student's training rate (batch {lbench.cfg.batch_size}, "
-                                   f"same cache)"))
+                                   f"same cache; latents {shape} float32, {ld['bytes_per_sample'] / 1024:.0f} "
+                                   "KiB/sample, page cache dropped before each pass)"))
         del lbench
 
         # 7. cost exponent of train-student (one epoch) in the prompt count

@@ -68,3 +68,23 @@ def test_exponent_and_merge(tmp_path):
     run_all.write([result("a", 1, 2, "s", 1, "<=")], out, "m", merge=False)
     run_all.write([result("b", 2, 1, "s", 1, "<=")], out, "m", merge=True)
     assert [r["name"] for r in json.loads(Path(out).read_text())] == ["a", "b"]
+
+
+def test_real_size_pieces(tmp_path):
+    """bench/real_size.py at a few prompts: the synthetic A14B cache is complete and verifies, and the writer,
+    the raw write, the raw read and stage two's loader all run on it."""
+    from bench import real_size
+    from cache.manifest import load_manifest
+    from cache.verify import verify_cache
+
+    cache = tmp_path / "cache"
+    w = real_size.write_cache(cache, prompts=5, steps=2, batch_size=2, samples_per_shard=4)
+    assert verify_cache(cache, progress=False) == []
+    m = load_manifest(cache)
+    assert m["samples"] == 10 and m["latent_shape"] == list(real_size.LATENT_SHAPE) and len(m["shards"]) == 3
+    assert w["bytes"] > w["shard_bytes"] > 10 * 2 * 2 * 16 * 60 * 104 and w["write_s"] > 0
+    assert real_size.raw_write(tmp_path, 3 << 20, file_bytes=1 << 20) > 0 and not list(tmp_path.glob("raw-*"))
+    dt, nbytes = real_size.raw_read(cache)
+    assert dt > 0 and nbytes >= w["shard_bytes"]
+    dt, n = real_size.loader_read(cache, batch_size=3, num_workers=0)
+    assert dt > 0 and n == 10

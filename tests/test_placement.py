@@ -20,8 +20,10 @@ from cache.prompt_store import open_prompt_store, prompt_store_path
 from conftest import ROOT, TINY_CACHE_ARGS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.errors import UserError
-from stages.teacher_cache import offload, placement
-from stages.teacher_cache.teacher import resolve_teacher
+from stages.teacher_cache import blocks, offload, placements
+from stages.teacher_cache.flags import legacy_flags
+from stages.teacher_cache.placements.device_map import check_device_map, parse_max_memory, read_device_map
+from stages.teacher_cache.teacher import ExpertSet, resolve_teacher
 
 # Every module of the tiny teacher's transformer, split between RAM and the offload folder.
 MIXED_MAP = {"rope": "cpu", "patch_embedding": "disk", "condition_embedder": "cpu", "blocks.0": "disk",
@@ -82,23 +84,23 @@ def test_placement_writes_the_cpu_cache(name, over, tiny_cache, tiny_teacher, pr
 
 def test_expert_major_keeps_one_expert_resident(tiny_cache, tiny_teacher, prompts_file, tmp_path, monkeypatch):
     """Windows of one block (tiny record budget): each block switches expert twice; never two resident."""
-    monkeypatch.setattr(placement, "EXPERT_MAJOR_RECORD_BUDGET", 1)
+    monkeypatch.setattr(blocks, "EXPERT_MAJOR_RECORD_BUDGET", 1)
     most = []
-    activate = placement.ExpertSet.activate
+    activate = ExpertSet.activate
 
     def spy(self, experts):
         activate(self, experts)
         most.append(sum(m is not None for m in self.models))
 
-    monkeypatch.setattr(placement.ExpertSet, "activate", spy)
+    monkeypatch.setattr(ExpertSet, "activate", spy)
     out = make_cache(tiny_teacher, prompts_file, tmp_path / "c", placement="offload", expert_order="expert")
     assert most and max(most) == 1 and len(most) >= 4
     assert_same_cache(tiny_cache, out)
 
 
 def test_expert_window_budget():
-    assert placement.expert_window(4, 40, 16 * 60 * 104, 2, False) == 2 * 2**30 // (4 * 40 * 16 * 60 * 104 * 2 * 2)
-    assert placement.expert_window(64, 999, 10**9, 4, True) == 1
+    assert blocks.expert_window(4, 40, 16 * 60 * 104, 2, False) == 2 * 2**30 // (4 * 40 * 16 * 60 * 104 * 2 * 2)
+    assert blocks.expert_window(64, 999, 10**9, 4, True) == 1
 
 
 # --- the disk offload folder --------------------------------------------------------------------------------------
@@ -183,14 +185,14 @@ def _write_map(tmp_path, content) -> str:
 def test_bad_device_map_is_one_clear_error(content, needle, spec, tmp_path):
     path = _write_map(tmp_path, content)
     with pytest.raises(UserError, match="device map") as e:
-        dmap, _ = placement.read_device_map(path)
-        placement.check_device_map(offload.meta_transformer(spec.path, "transformer"), dmap, path)
+        dmap, _ = read_device_map(path)
+        check_device_map(offload.meta_transformer(spec.path, "transformer"), dmap, path)
     assert needle in str(e.value)
 
 
 def test_device_map_with_cuda_entries_on_cpu(tmp_path):
     with pytest.raises(UserError, match="no CUDA GPU is visible"):
-        placement.read_device_map(_write_map(tmp_path, {"": "cuda:0"}))
+        read_device_map(_write_map(tmp_path, {"": "cuda:0"}))
 
 
 def _cli(teacher, prompts, out, *extra, **over):
@@ -219,11 +221,11 @@ def test_gpu_placements_fail_fast_without_cuda(name, tiny_teacher, prompts_file,
 
 
 def test_max_memory_is_checked(tiny_teacher, prompts_file, tmp_path):
-    assert placement.parse_max_memory("0=70GiB, cuda:1=70GB,cpu=200GiB") == {0: "70GiB", 1: "70GB", "cpu": "200GiB"}
+    assert parse_max_memory("0=70GiB, cuda:1=70GB,cpu=200GiB") == {0: "70GiB", 1: "70GB", "cpu": "200GiB"}
     with pytest.raises(UserError, match="cannot read --max-memory item"):
-        placement.parse_max_memory("gpu0=70GiB")
+        parse_max_memory("gpu0=70GiB")
     with pytest.raises(UserError, match="cannot read the size"):
-        placement.parse_max_memory("0=lots")
+        parse_max_memory("0=lots")
     res = _cli(tiny_teacher, prompts_file, tmp_path / "c", "--max-memory", "cpu=1GiB", placement="cpu")
     assert res.exit_code == 2 and "applies to --placement balanced or sequential" in res.output
 
@@ -232,14 +234,14 @@ def test_max_memory_is_checked(tiny_teacher, prompts_file, tmp_path):
 
 def test_legacy_flags_map_to_placements():
     f = {"teacher_on_cpu": True, "placement": None}
-    assert placement.legacy_flags(f) == ["note: --teacher_on_cpu is deprecated; use --placement cpu"]
+    assert legacy_flags(f) == ["note: --teacher_on_cpu is deprecated; use --placement cpu"]
     assert f == {"placement": "cpu"}
     f = {"teacher_device_strategy": "gpu0", "teacher_dtype": "bfloat16"}
-    notes = placement.legacy_flags(f)
+    notes = legacy_flags(f)
     assert f == {"placement": "cuda", "device": 0, "dtype": "bfloat16"} and len(notes) == 2
     assert "use --placement cuda --device 0" in notes[0] and "use --dtype bfloat16" in notes[1]
     with pytest.raises(UserError, match="contradicts --placement offload"):
-        placement.legacy_flags({"teacher_device_strategy": "balanced", "placement": "offload"})
+        legacy_flags({"teacher_device_strategy": "balanced", "placement": "offload"})
 
 
 def test_teacher_on_cpu_still_works(tiny_cache, tiny_teacher, prompts_file, tmp_path):
@@ -302,5 +304,5 @@ def test_offload_dir_default_is_inside_the_cache(tiny_teacher, prompts_file, tmp
 
     cfg = TeacherCacheConfig(**dict(TINY_CACHE_ARGS, teacher=str(tiny_teacher), prompts=str(prompts_file),
                                     out=str(tmp_path / "c"), placement="disk"))
-    p = placement.choose_placement(cfg, resolve_teacher(str(tiny_teacher)))
+    p = placements.choose_placement(cfg, resolve_teacher(str(tiny_teacher)))
     assert p.offload_dir == tmp_path / "c" / "offload" and p.kind == "disk" and p.device.type == "cpu"

@@ -14,7 +14,7 @@ from cache import format as F
 from cache.manifest import load_manifest
 from conftest import make_cache, read_all_samples
 from stages.teacher_cache import offload
-from stages.teacher_cache.placement import ExpertSet, Placement
+from stages.teacher_cache.placements import Placement, choose_placement
 from stages.teacher_cache.teacher import resolve_teacher
 
 pytestmark = pytest.mark.gpu
@@ -72,11 +72,14 @@ def test_gpu_placements_match_cuda(over, cuda_cache, tiny_teacher, prompts_file,
 
 
 def test_offload_prefetches_on_a_cuda_stream(spec):
+    """Leaf level: every Linear / Conv3d is a group of its own, prefetched on the side stream from pinned RAM."""
     dev = torch.device("cuda", 0)
     model = offload.load_ram_expert(spec, "transformer", torch.float32, dev)
-    streamed = [g for g in offload._groups(model) if g.stream is not None]
-    assert len(streamed) == len(model.blocks)  # every block prefetched on the side stream; the rest is sync
-    assert all(p.device.type == "cpu" for p in model.parameters())  # between forwards the weights stay in RAM
+    groups = [g for g in offload._groups(model) if g.modules or g.parameters or g.buffers]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d))]
+    assert len([g for g in groups if g.modules]) == len(layers)  # one group per layer, not per block
+    assert all(g.stream is not None and g.record_stream for g in groups)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())  # in pinned RAM between forwards
     ref = _reference(spec, "transformer", dev)
     for seed in (0, 1):  # the first pass records the order, the second prefetches along it
         torch.testing.assert_close(_forward(model, dev, seed), _forward(ref, dev, seed), **SAME_GPU)
@@ -93,7 +96,7 @@ def test_disk_streams_to_the_gpu(spec, tmp_path):
 
 def _load(spec, kind, max_memory, tmp_path):
     p = Placement(kind, torch.device("cuda", 0), "float32", max_memory=max_memory, offload_dir=tmp_path)
-    return ExpertSet(spec, p, torch.float32)._load("transformer")
+    return p.load_expert(spec, "transformer")
 
 
 def test_sequential_spills_to_cpu_on_one_gpu(spec, tmp_path):
@@ -122,7 +125,6 @@ def test_balanced_cache_matches_cuda(cuda_cache, tiny_teacher, prompts_file, tmp
 
 def test_auto_picks_cuda_for_a_teacher_that_fits(cuda_cache, tiny_teacher, prompts_file, tmp_path):
     from pipeline.config import TeacherCacheConfig
-    from stages.teacher_cache.placement import choose_placement
 
     cfg = TeacherCacheConfig(teacher=str(tiny_teacher), prompts=str(prompts_file), out=str(tmp_path / "c"))
     p = choose_placement(cfg, resolve_teacher(str(tiny_teacher)))

@@ -1,4 +1,4 @@
-"""The placement planner: what the teacher needs, what the machine has, and where the weights should live.
+"""The placement planner: what the teacher needs, what the machine has, and which placement `auto` picks.
 
 Everything here works from configs alone: models are instantiated on the meta device (accelerate
 `init_empty_weights`), so a folder holding only the JSON configs of Wan2.2-T2V-A14B can be planned on a
@@ -10,9 +10,12 @@ machines. Its rules, in order (the first that fits wins):
 1. a replica (every expert) fits one GPU with margin        -> cuda (under torchrun: one replica per GPU)
    one expert fits one GPU, two do not                      -> cuda, expert-major order
 2. the experts fit across the visible GPUs, blocks unsplit  -> balanced (expert-major if only one expert fits)
-3. the experts fit in host RAM and a block fits the GPU     -> offload (expert-major if only one fits)
+3. the experts fit in host RAM and two layers fit the GPU   -> offload (expert-major if only one fits)
 4. otherwise the weights are streamed from disk             -> disk
 Without a GPU: the experts fit in RAM -> cpu (expert-major if only one fits), else disk.
+
+What each placement then keeps where (what `wandistiller plan` prints) is the placement's own `layout`
+(placements/); this module knows no placement beyond the names `decide` returns.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,9 +76,13 @@ class Inventory:
     source: str = "measured"
 
     @classmethod
-    def measure(cls, offload_dir: str | os.PathLike | None = None, ranks_per_node: int = 1) -> Inventory:
+    def measure(cls, offload_dir: str | os.PathLike | None = None, ranks_per_node: int = 1,
+                gpus: bool = True) -> Inventory:
+        """This machine. `gpus=False` leaves the GPUs out: asking CUDA for free memory initialises it, which a
+        run that computes on the CPU must never do (in a process forked after CUDA started it raises)."""
+        want_gpus = gpus
         gpus, totals = [], []
-        if torch.cuda.is_available():
+        if want_gpus and torch.cuda.is_available():
             for d in range(torch.cuda.device_count()):
                 free, total = torch.cuda.mem_get_info(d)
                 gpus.append(int(free))
@@ -86,7 +93,7 @@ class Inventory:
     def assume(cls, gpus: str | None, ram: str | None, disk: str | None, ranks_per_node: int = 1,
                measured: Inventory | None = None) -> Inventory:
         """A made-up machine for `plan`: gpus '4x24GiB' or '80GiB,40GiB' or 'none'; unset parts are measured."""
-        base = measured or cls.measure()
+        base = measured or cls.measure(gpus=gpus is None)
         g, t = base.gpus, base.gpu_total
         if gpus is not None:
             g = _parse_gpus(gpus)
@@ -155,6 +162,7 @@ class Component:
     bytes: int  # at the run dtype (parts diffusers keeps in float32 counted in float32)
     blocks: int = 0  # transformer blocks (WanTransformerBlock), 0 for other components
     block_bytes: int = 0  # the largest block
+    layer_bytes: int = 0  # the largest group of leaf-level offloading (a Linear, mostly), 0 for other components
     checkpoint_bytes: int | None = None  # tensor bytes in the safetensors files, None without weights
     checkpoint_dtype: str | None = None
 
@@ -208,7 +216,7 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
     """Parameters and bytes of every component of the Wan pipeline at `path`, from configs alone."""
     from accelerate import init_empty_weights
 
-    from .offload import meta_transformer, weight_bytes
+    from .offload import largest_layer_bytes, meta_transformer, weight_bytes
 
     root = Path(path)
     mi = _read_json(root / "model_index.json")
@@ -226,7 +234,8 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         block_bytes = max((weight_bytes(b, tdtype) for b in blocks), default=0)
         ck, ckd = _checkpoint(root / comp)
         comps[comp] = Component(comp, type(model).__name__, sum(p.numel() for p in model.parameters()),
-                                weight_bytes(model, tdtype), len(blocks), block_bytes, ck, ckd)
+                                weight_bytes(model, tdtype), len(blocks), block_bytes,
+                                largest_layer_bytes(model, tdtype), ck, ckd)
     if isinstance(mi.get("text_encoder"), list) and mi["text_encoder"][0]:
         import transformers
 
@@ -290,6 +299,7 @@ class Needs:
     blocks: int  # transformer blocks per expert
     block: int  # the largest block
     other: int  # an expert's weights outside its blocks
+    layer: int  # the largest layer leaf-level offloading moves at once
     activations: int  # one forward of the batch
     text_encoder: int = 0
 
@@ -298,7 +308,20 @@ class Needs:
         ex = [sizes.components[e] for e in sizes.experts]
         enc = sizes.components.get("text_encoder")
         return cls(tuple(e.bytes for e in ex), max(e.blocks for e in ex), max(e.block_bytes for e in ex),
-                   max(e.other_bytes for e in ex), activations, enc.bytes if enc else 0)
+                   max(e.other_bytes for e in ex), max(e.layer_bytes for e in ex), activations,
+                   enc.bytes if enc else 0)
+
+    @property
+    def block_streaming_gpu(self) -> int:
+        """GPU bytes of block-level streaming (`disk`): the block computing, the next one prefetched, the
+        weights outside the blocks (one group of their own) and the activations."""
+        return 2 * self.block + self.other + self.activations
+
+    @property
+    def layer_streaming_gpu(self) -> int:
+        """GPU bytes of leaf-level streaming (`offload`): the layer computing, the next one prefetched and the
+        activations."""
+        return 2 * self.layer + self.activations
 
 
 @dataclass(frozen=True)
@@ -308,7 +331,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
 
 
-def _fits_across(weights: list[int], capacities: list[int]) -> bool:
+def fits_across(weights: list[int], capacities: list[int]) -> bool:
     """Sequential fill of unsplittable pieces over devices in order (how accelerate fills a device map)."""
     caps, i = list(capacities), 0
     for w in weights:
@@ -320,7 +343,7 @@ def _fits_across(weights: list[int], capacities: list[int]) -> bool:
     return True
 
 
-def _pieces(needs: Needs, n_experts: int) -> list[int]:
+def expert_pieces(needs: Needs, n_experts: int) -> list[int]:
     return ([needs.other] + [needs.block] * needs.blocks) * n_experts
 
 
@@ -346,26 +369,26 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         if len(inv.gpus) > 1 and inv.ranks_per_node == 1:
             caps = [inv.usable_gpu(i) - act for i in range(len(inv.gpus))]
             room = gib(sum(max(c, 0) for c in caps))
-            if _fits_across(_pieces(needs, len(needs.experts)), caps):
+            if fits_across(expert_pieces(needs, len(needs.experts)), caps):
                 why.append(f"{what} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
                            "no block split")
                 return Decision("balanced", "step", why)
-            if two and _fits_across(_pieces(needs, 1), caps):
+            if two and fits_across(expert_pieces(needs, 1), caps):
                 why.append(f"one expert fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
                            "both do not: expert-major order")
                 return Decision("balanced", "expert", why)
             why.append(f"the experts do not fit across the {len(inv.gpus)} GPUs either")
         elif len(inv.gpus) > 1:
             why.append("balanced is not used under torchrun (every rank would spread over every GPU)")
-        stream_gpu = 2 * needs.block + needs.other + act  # current block + the prefetched one
+        stream_gpu = needs.layer_streaming_gpu
         if stream_gpu <= gpu:
             if both <= ram or one <= ram:
                 why.append(f"{'both experts' if both <= ram else 'one expert'} fit in RAM ({gib(ram)} usable per "
-                           f"rank); the GPU holds two blocks + activations ({gib(stream_gpu)})")
+                           f"rank); the GPU holds two layers + activations ({gib(stream_gpu)})")
                 return Decision("offload", "step" if both <= ram else "expert", why)
             why.append(f"no expert fits in RAM ({gib(ram)} usable per rank)")
         else:
-            why.append(f"even one streamed block + activations ({gib(stream_gpu)}) does not fit the GPU; lower "
+            why.append(f"even two streamed layers + activations ({gib(stream_gpu)}) do not fit the GPU; lower "
                        "--batch-size or the resolution")
     else:
         if both + act <= ram:
@@ -383,222 +406,3 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         return Decision("disk", "step", why)
     raise UserError("the teacher fits nowhere on this machine: " + "; ".join(why) +
                     f"; the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)")
-
-
-def expert_order_for(placement: str, needs: Needs, inv: Inventory) -> str:
-    """For an explicit placement: expert-major when its memory tier cannot hold both experts at once."""
-    if len(needs.experts) < 2:
-        return "step"
-    both, act = sum(needs.experts), needs.activations
-    if placement == "cuda" and inv.gpus:
-        return "step" if both + act <= max(inv.usable_gpu(i) for i in range(len(inv.gpus))) else "expert"
-    if placement in ("balanced", "sequential") and inv.gpus:
-        caps = [inv.usable_gpu(i) - act for i in range(len(inv.gpus))]
-        return "step" if _fits_across(_pieces(needs, 2), caps) else "expert"
-    if placement == "cpu":
-        return "step" if both + act <= inv.usable_ram else "expert"
-    if placement == "offload":
-        return "step" if both <= inv.usable_ram else "expert"
-    return "step"  # disk and custom maps: nothing (or the user's choice) is resident
-
-
-# --- device maps (accelerate) ---------------------------------------------------------------------------------
-
-def device_map_for(model: torch.nn.Module, kind: str, max_memory: dict, dtype: torch.dtype) -> dict:
-    """accelerate's device map of one transformer over `max_memory` (device -> bytes or '70GiB'), its blocks
-    never split. `balanced` evens the load over the GPUs; `sequential` fills GPU 0 first."""
-    from accelerate import infer_auto_device_map
-    from accelerate.utils import get_balanced_memory
-
-    from .offload import param_dtypes
-
-    no_split = list(getattr(model, "_no_split_modules", None) or ["WanTransformerBlock"])
-    special = {n: d for n, d in param_dtypes(model, dtype).items() if d != dtype}
-    if kind == "balanced":
-        max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
-                                         dtype=dtype, special_dtypes=special)
-    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype,
-                                 special_dtypes=special)
-
-
-def map_bytes(model: torch.nn.Module, device_map: dict, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each device of `device_map` holds (keys 'cuda:N', 'cpu', 'disk')."""
-    from .offload import param_dtypes
-
-    dtypes = param_dtypes(model, dtype)
-    out: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len)
-        dev = device_map[key]
-        dev = f"cuda:{dev}" if isinstance(dev, int) else str(dev)
-        out[dev] = out.get(dev, 0) + p.numel() * dtypes[name].itemsize
-    return out
-
-
-# --- the plan (what `wandistiller plan` prints) --------------------------------------------------------------
-
-@dataclass
-class Plan:
-    teacher: str
-    dtype: str
-    batch_size: int
-    height: int
-    width: int
-    frames: int
-    tokens_per_sample: int
-    inventory: dict
-    requested: str
-    placement: str
-    expert_order: str
-    components: list[dict]
-    activations_bytes: int
-    resident_bytes: dict[str, int]
-    streamed_bytes_per_step: int
-    decision: list[str]
-    notes: list[str]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    def render(self) -> str:
-        lines = [f"teacher     {self.teacher}",
-                 f"run         dtype {self.dtype}, batch {self.batch_size} x {self.height}x{self.width}x{self.frames} "
-                 f"({self.tokens_per_sample} tokens per sample, CFG doubles the forward batch)",
-                 f"machine     {self.inventory['describe']}",
-                 f"placement   {self.placement} ({self.expert_order}-major order)"
-                 + (f", picked by auto" if self.requested == "auto" else ""),
-                 "",
-                 f"{'component':<14}{'class':<24}{'params':>16}{'bytes':>13}   where"]
-        for c in self.components:
-            lines.append(f"{c['name']:<14}{c['class']:<24}{c['params']:>16,}{gib(c['bytes']):>13}   {c['where']}")
-            if c.get("checkpoint_bytes") is not None:
-                lines.append(f"{'':<14}{'checkpoint on disk':<24}{'':>16}{gib(c['checkpoint_bytes']):>13}   "
-                             f"{c['checkpoint_dtype']}")
-        lines += ["",
-                  f"activations (estimate, batch {self.batch_size}): {gib(self.activations_bytes)}",
-                  "resident during the trajectory loop: "
-                  + ("; ".join(f"{d} {gib(b)}" for d, b in self.resident_bytes.items()) or "-"),
-                  f"streamed per denoising step: {gib(self.streamed_bytes_per_step)}"
-                  + (" (the active expert's weights)" if self.streamed_bytes_per_step else " (weights resident)"),
-                  "", "decision:"] + [f"  - {r}" for r in self.decision]
-        if self.notes:
-            lines += ["notes:"] + [f"  - {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, batch_size: int = 4,
-              height: int = 480, width: int = 832, frames: int = 1, text_len: int = 512, cfg: bool = True,
-              inventory: Inventory | None = None, max_memory: dict | None = None, device_map: dict | None = None,
-              expert_order: str = "auto") -> Plan:
-    """Sizes, layout and (for auto) the decision for running `teacher` with `placement` on `inventory`."""
-    inv = inventory or Inventory.measure()
-    gpu_exec = bool(inv.gpus) and placement != "cpu"
-    if device_map is not None:
-        gpu_exec = any(isinstance(v, int) for v in device_map.values())
-    dtype = dtype or ("bfloat16" if gpu_exec else "float32")
-    sizes = teacher_sizes(teacher, dtype)
-    act = activation_bytes(sizes, batch_size, height, width, frames, cfg, text_len)
-    needs = Needs.of(sizes, act)
-    notes: list[str] = []
-    if placement == "auto":
-        d = decide(needs, inv)
-        kind, order, why = d.placement, d.expert_order, d.reasons
-    else:
-        kind = "map" if device_map is not None else placement
-        order = expert_order_for(kind, needs, inv)
-        why = [f"placement {placement} requested"]
-        if kind in ("cuda", "balanced", "sequential") and not inv.gpus:
-            notes.append(f"{kind} needs a CUDA GPU and this inventory has none: it would stop with an error")
-    if expert_order in ("step", "expert") and len(sizes.experts) > 1:
-        order = expert_order
-    if len(sizes.experts) < 2:
-        order = "step"
-    where, resident, streamed = _layout(kind, order, sizes, needs, inv, max_memory, device_map, notes)
-    comps = []
-    for name in ("text_encoder", *sizes.experts, "vae"):
-        c = sizes.components.get(name)
-        if c is not None:
-            comps.append({"name": name, "class": c.cls, "params": c.params, "bytes": c.bytes, "where": where[name],
-                          "blocks": c.blocks, "block_bytes": c.block_bytes, "checkpoint_bytes": c.checkpoint_bytes,
-                          "checkpoint_dtype": c.checkpoint_dtype})
-    return Plan(teacher, dtype, batch_size, height, width, frames, tokens_per_sample(sizes, height, width, frames),
-                asdict(inv) | {"describe": inv.describe()}, placement, placement if kind == "map" else kind, order,
-                comps, act, resident, streamed, why, notes)
-
-
-def _layout(kind, order, sizes, needs, inv, max_memory, device_map, notes):
-    """Where each component lives, resident bytes per device during the loop, bytes streamed per step."""
-    experts = sizes.experts
-    both, one, act = sum(needs.experts), max(needs.experts), needs.activations
-    resident_experts = both if order == "step" else one
-    where = {"vae": "not loaded in stage one (the cache holds latents)"}
-    enc_where = "freed before the transformers load"
-    resident: dict[str, int] = {}
-    streamed = 0
-    if kind == "cpu":
-        where["text_encoder"] = f"cpu, {enc_where}"
-        for e in experts:
-            where[e] = "cpu" + (" (one expert at a time)" if order == "expert" else "")
-        resident = {"cpu": resident_experts + act}
-    elif kind == "cuda":
-        where["text_encoder"] = f"cuda:0, {enc_where}"
-        for e in experts:
-            where[e] = "cuda:0" + (" (one expert at a time)" if order == "expert" else "")
-        resident = {"cuda:0": resident_experts + act}
-    elif kind in ("balanced", "sequential", "map"):
-        from .offload import meta_transformer
-
-        model = meta_transformer(Path(sizes.path), experts[0], real_buffers=False)
-        if kind == "map":
-            from .placement import check_device_map
-
-            check_device_map(model, device_map, "given")
-            dmap = device_map
-        else:
-            mm = max_memory or {i: max(inv.usable_gpu(i) - act, 0) for i in range(len(inv.gpus))}
-            mm = dict(mm)
-            mm.setdefault("cpu", inv.usable_ram)
-            dmap = device_map_for(model, kind, mm, getattr(torch, sizes.dtype))
-        per_dev = map_bytes(model, dmap, getattr(torch, sizes.dtype))
-        copies = len(experts) if order == "step" else 1
-        resident = {d: b * copies for d, b in per_dev.items() if d != "disk"}
-        gpus = sorted(d for d in per_dev if d.startswith("cuda"))
-        main = gpus[0] if gpus else "cpu"
-        resident[main] = resident.get(main, 0) + act
-        spill = per_dev.get("cpu", 0) + per_dev.get("disk", 0) if gpus else per_dev.get("disk", 0)
-        streamed = spill
-        summary = ", ".join(f"{d} {gib(b)}" for d, b in per_dev.items())
-        for e in experts:
-            where[e] = summary + (" (one expert at a time)" if order == "expert" else "")
-        where["text_encoder"] = f"{main}, {enc_where}"
-        if spill:
-            notes.append(f"{gib(spill)} of each expert sits on cpu/disk and is moved to the GPU at every forward")
-    elif kind == "offload":
-        dev = "cuda:0" if inv.gpus else "cpu"
-        where["text_encoder"] = (f"cpu, moved to {dev} as a whole to encode (model offload), {enc_where}"
-                                 if inv.gpus else f"cpu, {enc_where}")
-        for e in experts:
-            where[e] = (f"cpu RAM, one block at a time on {dev} (+ the next, prefetched on a CUDA stream)"
-                        if inv.gpus else "cpu RAM (on a CPU, offload computes where the weights are)")
-        resident = {"cpu": resident_experts, dev: 2 * needs.block + needs.other + act} if inv.gpus \
-            else {"cpu": resident_experts + act}
-        streamed = one if inv.gpus else 0
-    elif kind == "disk":
-        dev = "cuda:0" if inv.gpus else "cpu"
-        where["text_encoder"] = (f"cpu, moved to {dev} as a whole to encode (model offload), {enc_where}"
-                                 if inv.gpus else f"cpu, {enc_where}")
-        for e in experts:
-            where[e] = "offload folder (disk), one block at a time in RAM" + (f" and on {dev}" if inv.gpus else "")
-        block_ram = needs.block + needs.other
-        resident = {"disk": both, "cpu": block_ram} if inv.gpus else {"disk": both, "cpu": block_ram + act}
-        if inv.gpus:
-            resident[dev] = 2 * needs.block + needs.other + act
-        streamed = one
-    enc = needs.text_encoder
-    if enc and where.get("text_encoder", "").startswith("cuda") and inv.gpus and enc > inv.usable_gpu(0):
-        notes.append(f"the text encoder ({gib(enc)}) does not fit cuda:0 ({gib(inv.usable_gpu(0))} usable) for the "
-                     "encoding pass; use --placement offload (model offload) or a bigger GPU")
-    elif enc and where.get("text_encoder", "").startswith("cpu") and enc > inv.usable_ram:
-        notes.append(f"the text encoder ({gib(enc)}) does not fit in RAM ({gib(inv.usable_ram)} usable) for the "
-                     "encoding pass; use --dtype bfloat16 or a machine with more RAM")
-    return where, resident, streamed

@@ -1,11 +1,18 @@
-"""Find and check a Wan teacher (local diffusers folder or hub id) and read its configs without weights."""
+"""The Wan teacher: find and check it (local diffusers folder or hub id), read its configs without weights, and
+load the parts stage one runs (scheduler, text encoder, experts). Where the experts' weights go is the
+placement's business (placements/); loading them in expert order, one at a time if asked, is the teacher's.
+"""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+import torch
 
 from pipeline.errors import UserError
 
@@ -152,3 +159,100 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     if len(experts) == 2 and mi.get("boundary_ratio") is None:
         raise UserError(f"teacher {name!r} has two transformers but no boundary_ratio in model_index.json")
     return TeacherSpec(name=name, path=p, revision=revision, model_index=mi, configs=configs, experts=experts)
+
+
+# --- loading the parts stage one runs (the placement says where the weights go) --------------------------------
+
+def load_scheduler(spec: TeacherSpec):
+    """The teacher's own scheduler class and config (UniPC flow for the released Wan 2.x pipelines)."""
+    import diffusers
+
+    cls_name = spec.configs["scheduler"].get("_class_name")
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise UserError(f"teacher scheduler class {cls_name!r} is unknown to diffusers {diffusers.__version__}")
+    return cls.from_pretrained(spec.path, subfolder="scheduler")
+
+
+def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.device, model_offload: bool = False):
+    """Tokenizer and UMT5 encoder on `device`. T5 overflows in float16, so float16 runs it in bfloat16.
+
+    With `model_offload` (placements that stream the transformer to a GPU) the encoder stays in CPU RAM and
+    accelerate moves it to the GPU as a whole for each forward: the GPU is left to the transformer.
+    """
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    enc_dtype = torch.bfloat16 if dtype == torch.float16 else dtype
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, subfolder="tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(spec.path, subfolder="text_encoder", dtype=enc_dtype)
+    encoder = encoder.eval().requires_grad_(False)
+    if model_offload and device.type == "cuda":
+        from accelerate import cpu_offload_with_hook
+
+        encoder, _ = cpu_offload_with_hook(encoder, device)
+        return tokenizer, encoder
+    return tokenizer, encoder.to(device)
+
+
+class ExpertPlacement(Protocol):
+    """What loading the experts needs of a placement (placements.Placement provides it)."""
+
+    device: torch.device
+    expert_major: bool
+
+    def load_expert(self, spec: TeacherSpec, comp: str, log) -> torch.nn.Module: ...
+
+
+def load_experts(spec: TeacherSpec, placement: ExpertPlacement, log=print) -> ExpertSet:
+    """The transformer(s) in expert order (1 = high-noise `transformer`, 2 = low-noise `transformer_2`).
+
+    Step-major placements load every expert now; expert-major ones load each when `activate` asks for it.
+    The returned set indexes like a list of models (`experts[0]` is expert 1).
+    """
+    experts = ExpertSet(spec, placement, log)
+    if not placement.expert_major:
+        experts.activate(None)
+    return experts
+
+
+class ExpertSet:
+    """The experts under one placement. `models[i]` is expert i+1 once loaded, else None.
+
+    In expert-major order only the experts asked for are resident: `activate((2,))` frees expert 1 before it
+    loads expert 2, so peak memory is one expert.
+    """
+
+    def __init__(self, spec: TeacherSpec, placement: ExpertPlacement, log=print):
+        self.spec, self.placement, self.log = spec, placement, log
+        self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        m = self.models[i]
+        if m is None:
+            raise RuntimeError(f"expert {i + 1} is not loaded (expert-major order: activate it first)")
+        return m
+
+    def activate(self, experts: tuple[int, ...] | None) -> None:
+        """Make exactly `experts` (1-based; None = all) resident, releasing the others first."""
+        want = set(range(1, len(self.models) + 1)) if experts is None else set(experts)
+        for e in range(1, len(self.models) + 1):
+            if e not in want:
+                self.release(e)
+        for e in sorted(want):
+            if self.models[e - 1] is None:
+                self.models[e - 1] = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
+
+    def release(self, expert: int) -> None:
+        if self.models[expert - 1] is None:
+            return
+        self.models[expert - 1] = None
+        gc.collect()
+        if self.placement.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        for e in range(1, len(self.models) + 1):
+            self.release(e)

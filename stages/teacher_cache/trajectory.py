@@ -9,11 +9,16 @@ weights are streamed (offload, disk).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.wan_inputs import model_timestep
+
+from .features import FeatureRecorder
 
 
 def noise_seed(base_seed: int, prompt_idx: int, seed_idx: int) -> int:
@@ -67,13 +72,15 @@ class StepRecord:
     target: torch.Tensor  # [B, ...] guided prediction the sampler stepped with (teacher dtype), on CPU
     target_cond: torch.Tensor | None = None
     target_uncond: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # [B, blocks, tokens or 1, D] (teacher-cache --record-features)
 
 
 class TrajectoryRunner:
     """Runs blocks of trajectories with the teacher's experts and scheduler."""
 
     def __init__(self, experts: list[torch.nn.Module], scheduler, schedule: Schedule, steps: int,
-                 dtype: torch.dtype, device: torch.device, expand_timesteps: bool, keep_cond_uncond: bool = False):
+                 dtype: torch.dtype, device: torch.device, expand_timesteps: bool, keep_cond_uncond: bool = False,
+                 patch: tuple[int, int, int] = (1, 2, 2), features: FeatureRecorder | None = None):
         self.experts = experts
         self.scheduler = scheduler
         self.schedule = schedule
@@ -82,6 +89,8 @@ class TrajectoryRunner:
         self.device = device
         self.expand_timesteps = expand_timesteps
         self.keep_cond_uncond = keep_cond_uncond
+        self.patch = patch
+        self.features = features
 
     def _model(self, expert: int) -> torch.nn.Module:
         return self.experts[expert - 1]
@@ -109,7 +118,6 @@ class TrajectoryRunner:
         else:
             context = cond
         b = latents.shape[0]
-        mask = torch.ones(latents.shape, dtype=torch.float32, device=self.device)
         for i, t in enumerate(sched.timesteps):
             expert = self.schedule.experts[i]
             if experts is not None and expert not in experts:
@@ -117,25 +125,26 @@ class TrajectoryRunner:
             model = self._model(expert)
             scale = self.schedule.guidance[i]
             latent_in = latents.to(self.dtype)
-            if self.expand_timesteps:
-                temp_ts = (mask[0][0][:, ::2, ::2] * t).flatten()
-                timestep = temp_ts.unsqueeze(0).expand(b, -1)
-            else:
-                timestep = t.expand(b)
-            if self.schedule.cfg:
-                out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
-                            encoder_hidden_states=context, return_dict=False)[0]
-                noise_cond, noise_uncond = out.chunk(2)
-                noise_pred = noise_uncond + scale * (noise_cond - noise_uncond)
-            else:
-                noise_cond = noise_uncond = None
-                noise_pred = model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=context,
-                                   return_dict=False)[0]
+            timestep = model_timestep(t.expand(b), latents.shape[2:], self.expand_timesteps, self.patch)
+            recording = self.features.capture(model, b) if self.features else contextlib.nullcontext()
+            with recording:
+                noise_pred, noise_cond, noise_uncond = self._predict(model, latent_in, timestep, context, scale)
             if on_step is not None:
                 keep = self.keep_cond_uncond and noise_cond is not None
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
                                    noise_pred.to(self.dtype).cpu(),
                                    noise_cond.to(self.dtype).cpu() if keep else None,
-                                   noise_uncond.to(self.dtype).cpu() if keep else None))
+                                   noise_uncond.to(self.dtype).cpu() if keep else None,
+                                   self.features.result() if self.features else None))
             latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
         return latents.float().cpu(), (latents, sched)
+
+    def _predict(self, model, latent_in, timestep, context, scale):
+        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them."""
+        if self.schedule.cfg:
+            out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
+                        encoder_hidden_states=context, return_dict=False)[0]
+            noise_cond, noise_uncond = out.chunk(2)
+            return noise_uncond + scale * (noise_cond - noise_uncond), noise_cond, noise_uncond
+        return model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=context,
+                     return_dict=False)[0], None, None

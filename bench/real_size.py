@@ -1,0 +1,451 @@
+"""Real-size benchmarks: a cache of Wan2.2-A14B-shaped samples and prompt embeddings, written with the real
+cache writer and read with stage two's real loader, measured side by side with raw disk I/O of the same bytes.
+
+The cache holds `--prompts` prompts x `--steps` steps x 1 seed at 480x832: `x_t` and `target` 16x1x60x104
+bfloat16 each (~390 KiB a sample), prompt embeddings 512x4096 bfloat16 trimmed to lengths drawn from a
+log-normal (median 48 tokens, clipped to 8..512: short user prompts and long rewritten ones), initial noise
+and final latents float32, the negative prompt; every part of it written exactly as stage one writes it
+(cache/prompt_store, cache/writer.ShardWriter, cache/progress, cache/manifest) from generated tensors, no
+teacher. The result passes `cache verify`.
+
+- writer_vs_raw_write_a14b: bytes/s of the cache writer (prompt store, shards, final latents, progress,
+  manifest, and the flush to disk of whatever it leaves unsynced) vs one sequential write + fsync of as
+  many bytes;
+- loader_vs_raw_read_a14b: samples/s of stage two's loader over one epoch (RankBatches in the epoch's
+  order, SampleDataset with its embeddings, make_loader with the stage's default workers) vs a sequential
+  read of the bytes it needs (every shard and the embedding store);
+- loader_vs_h100_student: the loader's samples/s per rank vs 16 samples/s, what a Wan2.1-1.3B-shaped
+  student (30 blocks) trains at on one H100 at 480x832 (13-16 samples/s at batch 4-8, bf16, AdamW);
+- stage_two_overhead: a train-student optimizer step from this cache vs the same student's forward +
+  backward + AdamW on batches already in memory; the student is sized so that its step costs about what
+  the real one costs per sample on an H100 (1/16 s), which is the budget the loader must hide in.
+
+Page cache: before each read pass every file of the cache (and the raw file) is fsynced and dropped with
+posix_fadvise(POSIX_FADV_DONTNEED) (`bench.common.drop_tree`); the disk needs the figure printed at the
+start (`--prompts 10000 --steps 3`: about 25 GB), which is checked against the free space first.
+
+Run: python -m bench.real_size [--prompts 10000] [--steps 3] [--work DIR] [--device auto] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+
+from bench.common import drop_tree, pick_device, result, results_path, save, sync, table, tree_bytes
+from cache import format as F
+from cache.atomic import atomic_write_bytes
+from cache.manifest import fingerprint, try_write_manifest
+from cache.progress import PartProgress
+from cache.prompt_store import (
+    create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows, write_prompt_rows,
+)
+from cache.verify import verify_cache
+from cache.writer import ShardWriter
+from pipeline.config import TrainStudentConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Wan2.2-T2V-A14B at 480x832, one frame: the VAE's 16 channels at 1/8 of the image side.
+LATENT_SHAPE = (16, 1, 60, 104)
+MAX_LEN, TEXT_DIM = 512, 4096
+DTYPE = "bfloat16"
+# What a Wan2.1-1.3B-shaped student (30 blocks, dim 1536) trains at on one H100 at 480x832, bf16 autocast,
+# AdamW: 13-16 samples/s at batch 4-8 (issue 20). The loader must deliver a multiple of it per rank.
+H100_STUDENT_SPS = 16.0
+# Prompt lengths in tokens: log-normal, median 48, sigma 0.7 (mean ~61, 99th percentile ~245), clipped.
+SEQ_MEDIAN, SEQ_SIGMA, SEQ_MIN = 48, 0.7, 8
+
+
+def seq_lens(n: int, seed: int = 0) -> np.ndarray:
+    """Trimmed lengths of `n` prompts (tokens, EOS included), seeded."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(SEQ_MEDIAN * np.exp(SEQ_SIGMA * rng.standard_normal(n))), SEQ_MIN, MAX_LEN).astype(np.int32)
+
+
+def header(prompts: int, steps: int) -> dict:
+    """Stage one's header for an A14B cache of these sizes (the fields stage one writes; teacher identity made up)."""
+    sigmas = [float(s) for s in np.linspace(1.0, 1.0 / steps, steps)]
+    boundary = 0.875
+    return {
+        F.F_TEACHER: "synthetic/Wan2.2-T2V-A14B-shaped", F.F_REVISION: None, F.F_TEACHER_PATH: "",
+        F.F_DTYPE: DTYPE, F.F_STEPS: steps, F.F_TIMESTEPS: [s * 1000.0 for s in sigmas], F.F_SIGMAS: sigmas,
+        F.F_EXPERTS: [1 if s >= boundary else 2 for s in sigmas], F.F_GUIDANCE: 4.0, F.F_GUIDANCE_2: 3.0,
+        F.F_BOUNDARY_RATIO: boundary, F.F_EXPAND_TIMESTEPS: False, F.F_HEIGHT: 480, F.F_WIDTH: 832, F.F_FRAMES: 1,
+        F.F_LATENT_SHAPE: list(LATENT_SHAPE), F.F_MAX_SEQUENCE_LENGTH: MAX_LEN, F.F_NEGATIVE_PROMPT: "blurry",
+        F.F_SEEDS_PER_PROMPT: 1, F.F_SEED: 0, F.F_PROMPTS: prompts, F.F_PROMPT_SET_SHA256: f"synthetic-{prompts}",
+        F.F_TEXT_DIM: TEXT_DIM, F.F_IN_CHANNELS: LATENT_SHAPE[0], F.F_PATCH_SIZE: [1, 2, 2],
+        F.F_SCHEDULER: {"_class_name": "UniPCMultistepScheduler", "shift": 3.0}, F.F_CFG: True,
+        F.F_SAVE_COND_UNCOND: False,
+    }
+
+
+class Tensors:
+    """Generated inputs, drawn once and sliced per sample so that generating them costs nothing in the timed
+    loops: a pool of latents and a long strip of embedding rows (each prompt takes its own window)."""
+
+    def __init__(self, seed: int = 0, pool: int = 16, block: int = 64):
+        g = torch.Generator().manual_seed(seed)
+        self.latents = torch.randn(pool, *LATENT_SHAPE, generator=g).bfloat16()
+        self.latents32 = torch.randn(pool, *LATENT_SHAPE, generator=g)
+        self.rows = torch.randn(2 * MAX_LEN, TEXT_DIM, generator=g).bfloat16()
+        # reused output buffers: fresh multi-MB tensors cost more in page faults than the writer's work
+        self._embeds = torch.zeros(block, MAX_LEN, TEXT_DIM, dtype=torch.bfloat16)
+        self._filled = [0] * block
+        self._stack = torch.empty(block, *LATENT_SHAPE)
+
+    def latent(self, i: int) -> torch.Tensor:
+        return self.latents[i % len(self.latents)]
+
+    def latent32(self, i: int) -> torch.Tensor:
+        return self.latents32[i % len(self.latents32)]
+
+    def embeds(self, prompts: list[int], lens: np.ndarray) -> torch.Tensor:
+        """Zero-padded [len(prompts), 512, 4096] embeddings, real rows up to each prompt's length (a view of
+        a reused buffer: valid until the next call)."""
+        out = self._embeds
+        for j, p in enumerate(prompts):
+            out[j, lens[p]:self._filled[j]] = 0
+            off = (p * 131) % MAX_LEN
+            out[j, :lens[p]] = self.rows[off:off + lens[p]]
+            self._filled[j] = int(lens[p])
+        return out[:len(prompts)]
+
+    def latents32_of(self, prompts: list[int], shift: int = 0) -> torch.Tensor:
+        """[len(prompts), C, F, H, W] float32 latents (a view of a reused buffer)."""
+        out = self._stack[:len(prompts)]
+        for j, p in enumerate(prompts):
+            out[j].copy_(self.latents32[(p + shift) % len(self.latents32)])
+        return out
+
+
+class Stopwatch:
+    """Seconds spent inside `with watch:` blocks, summed (the writer's calls, not the generation of inputs)."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    def __enter__(self):
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.s += time.perf_counter() - self._t
+
+
+def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, samples_per_shard: int = 1024,
+                seed: int = 0) -> dict:
+    """Write a complete one-part cache the way stage one writes it: the encode phase (prompt rows, negative
+    prompt, initial noise), then blocks of `batch_size` trajectories, each block's steps step-major, packed
+    into shards that close at a block boundary past `samples_per_shard`, each followed by its trajectories'
+    final latents and the progress record; the manifest last. Returns {"write_s", "sync_s", "bytes"}: the
+    time spent in the writer's calls (generating the inputs is not timed), then the time to flush to disk
+    what the writer left unsynced (zarr chunk files are not fsynced); and the parts of the writer's time spent
+    in the encode phase (`encode_s`) and in ShardWriter (`shards_s`, for `shard_bytes`)."""
+    gen = Tensors(seed, block=min(64, prompts))
+    lens = seq_lens(prompts, seed)
+    head = header(prompts, steps)
+    fp = fingerprint({k: v for k, v in head.items() if k not in (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)})
+    blocks = [list(range(i, min(i + batch_size, prompts))) for i in range(0, prompts, batch_size)]
+    watch, shards = Stopwatch(), Stopwatch()
+    with watch:
+        prog = PartProgress(part=0, num_parts=1, fingerprint=fp, prompts=prompts, blocks=len(blocks),
+                            batch_size=batch_size, header=head)
+        prog.save(out)
+        store = create_prompt_store(prompt_store_path(out, 0), prompts, MAX_LEN, TEXT_DIM, DTYPE, 1, LATENT_SHAPE)
+    for lo in range(0, prompts, 64):
+        rows = list(range(lo, min(lo + 64, prompts)))
+        embeds, texts = gen.embeds(rows, lens), [f"synthetic prompt {p}" for p in rows]
+        with watch:
+            write_prompt_rows(store, rows, rows, texts, embeds, torch.from_numpy(lens[rows]))
+    neg = gen.embeds([0], lens)[0].clone()
+    with watch:
+        neg = st_save({F.NEG_EMBEDS: neg, F.NEG_SEQ_LEN: torch.tensor([int(lens[0])])})
+        atomic_write_bytes(out / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE, neg)
+        atomic_write_bytes(out / F.NEGATIVE, neg)
+    for lo in range(0, prompts, 64):
+        # stage one writes its noise row by row through zarr (see the row's note); this is the store's batched call
+        rows = list(range(lo, min(lo + 64, prompts)))
+        noise = gen.latents32_of(rows)
+        with watch:
+            write_latent_rows(store, F.Z_INIT_NOISE, rows, [0] * len(rows), noise)
+    with watch:
+        prog.encoded = True
+        prog.save(out)
+        store = open_prompt_store(prompt_store_path(out, 0), mode="r+")
+    encode_s = watch.s
+    writer, pending, index = None, [], 0
+    for b, block in enumerate(blocks):
+        with watch, shards:
+            if writer is None:
+                writer = ShardWriter(out, 0, index)
+                index += 1
+            for k in range(steps):
+                for p in block:
+                    meta = {F.M_PROMPT_IDX: p, F.M_SEED_IDX: 0, F.M_STEP: k, F.M_TIMESTEP: head[F.F_TIMESTEPS][k],
+                            F.M_SIGMA: head[F.F_SIGMAS][k], F.M_EXPERT: head[F.F_EXPERTS][k],
+                            F.M_GUIDANCE: head[F.F_GUIDANCE] if head[F.F_EXPERTS][k] == 1 else head[F.F_GUIDANCE_2]}
+                    writer.write(F.sample_key(p, 0, k), {F.T_X_T: gen.latent(p * steps + k),
+                                                         F.T_TARGET: gen.latent(p * steps + k + 7)}, meta)
+        pending.append((b, block))
+        if writer.samples >= samples_per_shard or b == len(blocks) - 1:
+            finals = [(blk, gen.latents32_of(blk, 3).clone()) for _, blk in pending]
+            with watch:
+                with shards:
+                    record = writer.close() | {F.S_BLOCKS: [bb for bb, _ in pending]}
+                writer = None
+                for blk, final in finals:
+                    write_latent_rows(store, F.Z_FINAL_LATENTS, blk, [0] * len(blk), final)
+                prog.shards.append(record)
+                prog.done_blocks = sorted(set(prog.done_blocks) | {bb for bb, _ in pending})
+                prog.save(out)
+            pending = []
+    with watch:
+        prog.complete = True
+        prog.save(out)
+        if try_write_manifest(out, 1) is None:
+            raise RuntimeError(f"{out}: the manifest was not written")
+    t1 = time.perf_counter()
+    drop_tree(out)  # flush what the writer left dirty (and drop it all from the page cache)
+    shard_bytes = sum(r[F.S_BYTES] for r in prog.shards)
+    return {"write_s": watch.s, "sync_s": time.perf_counter() - t1, "bytes": tree_bytes(out), "encode_s": encode_s,
+            "shards_s": shards.s, "shard_bytes": shard_bytes}
+
+
+def raw_write(folder: Path, nbytes: int, file_bytes: int = 2 << 30, chunk: int = 1 << 20) -> float:
+    """Seconds to write `nbytes` sequentially (1 MiB writes of bytes already in memory, fsync included), as files
+    of `file_bytes` one after the other, each deleted once written (untimed): the disk holds one at a time."""
+    buf = memoryview(os.urandom(chunk))
+    total, left, i = 0.0, nbytes, 0
+    while left > 0:
+        path = folder / f"raw-{i}.bin"
+        size = min(file_bytes, left)
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            rest = size
+            while rest > 0:
+                rest -= os.write(fd, buf[:min(chunk, rest)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        total += time.perf_counter() - t
+        path.unlink()
+        left -= size
+        i += 1
+    return total
+
+
+def disk_needed(prompts: int, steps: int) -> int:
+    """Bytes the benchmark puts on disk at its peak: the cache, then one raw file of at most 2 GiB beside it."""
+    lat = math.prod(LATENT_SHAPE)
+    sample = 2 * lat * 2 + 2048  # x_t + target bf16, safetensors and tar headers, json
+    embed = float(np.mean(-(-seq_lens(min(prompts, 4096)) // 64) * 64)) * TEXT_DIM * 2  # whole 64-token chunks
+    return int(prompts * (steps * sample + 2 * lat * 4 + embed + 16384) * 1.02) + (2 << 30)
+
+
+def loader_files(cache: Path) -> list[Path]:
+    """What stage two's loader reads: every shard and the prompt stores' embeddings and lengths."""
+    from cache.manifest import load_manifest
+
+    m = load_manifest(cache)
+    files = [cache / s[F.S_PATH] for s in m[F.F_SHARDS]]
+    for part in range(m[F.F_NUM_PARTS]):
+        store = prompt_store_path(cache, part)
+        for name in (F.Z_EMBEDS, F.Z_SEQ_LENS):
+            files += sorted(f for f in (store / name).rglob("*") if f.is_file())
+    return files
+
+
+def raw_read(cache: Path, chunk: int = 1 << 20) -> tuple[float, int]:
+    """Seconds to read `loader_files` sequentially, one after the other (page cache dropped first), and the bytes."""
+    drop_tree(cache)
+    n = 0
+    buf = bytearray(chunk)
+    t = time.perf_counter()
+    for f in loader_files(cache):
+        with open(f, "rb", buffering=0) as fh:
+            while k := fh.readinto(buf):
+                n += k
+    return time.perf_counter() - t, n
+
+
+def loader_read(cache: Path, batch_size: int, num_workers: int, limit: int | None = None,
+                pin: bool = False) -> tuple[float, int]:
+    """Seconds for stage two's loader to deliver one epoch (or its first `limit` samples) as train-student
+    makes it: the index checked by size, RankBatches of the epoch's order, SampleDataset (sample + padded
+    embedding) and make_loader with `num_workers` (`pin`: pinned batches, as on CUDA); page cache dropped
+    first, worker start-up included."""
+    from cache.reader import EpochPlan, open_caches
+    from pipeline.runtime import dist_env
+    from stages.train_student import data as D
+
+    data = D.prepare(open_caches([cache]), dist_env(), torch.device("cpu"), "size", None, 0)
+    plan = EpochPlan(len(data.train_rows), 1, batch_size)
+    ds = D.SampleDataset(data.index, TrainStudentConfig.__dataclass_fields__["embedding_cache_size"].default)
+    drop_tree(cache)
+    n = 0
+    t = time.perf_counter()
+    for batch in D.make_loader(ds, D.RankBatches(plan, data.train_rows, 0, 0, 0), num_workers, pin):
+        n += len(batch["keys"])
+        if limit is not None and n >= limit:
+            break
+    return time.perf_counter() - t, n
+
+
+def default_workers() -> int:
+    """Loader workers train-student uses on this machine when --num-workers is not given (one rank)."""
+    return TrainStudentConfig(cache=("-",), student_config="-", out="-").num_workers
+
+
+def student_json(out: Path, dim: int, layers: int, ffn: int, head_dim: int = 128) -> Path:
+    """A student for this cache (16 latent channels, patch 1x2x2, text_dim 4096), `layers` blocks of width `dim`."""
+    cfg = {"patch_size": [1, 2, 2], "num_attention_heads": dim // head_dim, "attention_head_dim": head_dim,
+           "in_channels": LATENT_SHAPE[0], "out_channels": LATENT_SHAPE[0], "text_dim": TEXT_DIM, "freq_dim": 256,
+           "ffn_dim": ffn, "num_layers": layers, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
+           "eps": 1e-6, "rope_max_seq_len": 1024}
+    out.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+# The stage_two_overhead student. On a GPU, the Wan2.1-1.3B shape itself (30 blocks of width 1536, ffn 8960): the
+# figure is then the real one, and its bare step is the consumption the loader is compared with. On a CPU that
+# student takes minutes a step; the default is the smallest student that still reads the real sample and text
+# sizes, so its step is dominated by them as little as a real one's is (see the row's note).
+STUDENTS = {"cuda": dict(dim=1536, layers=30, ffn=8960, batch=8), "cpu": dict(dim=256, layers=2, ffn=1024, batch=4)}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=10_000)
+    ap.add_argument("--steps", type=int, default=3, help="Cached steps per prompt (samples per prompt).")
+    ap.add_argument("--batch-size", type=int, default=8, help="Loader batch per rank (4-8 is what fits an H100).")
+    ap.add_argument("--num-workers", type=int, default=None, help="Loader workers; default: train-student's own.")
+    ap.add_argument("--student-dim", type=int, default=None, help="Width of the stage_two_overhead student "
+                    f"(default per device: {STUDENTS})")
+    ap.add_argument("--student-layers", type=int, default=None)
+    ap.add_argument("--student-ffn", type=int, default=None)
+    ap.add_argument("--student-batch", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=None, help="Folder for the cache (default: a temporary folder "
+                    "under $TMPDIR); it needs the free space printed at the start.")
+    ap.add_argument("--keep", action="store_true", help="Keep the cache (in --work) after the run.")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true", help="Minimal sizes (smoke test).")
+    args = ap.parse_args(argv)
+    device = pick_device(args.device)
+    student = dict(STUDENTS["cuda" if device.type == "cuda" else "cpu"])
+    for k in student:
+        if getattr(args, f"student_{k}") is not None:
+            student[k] = getattr(args, f"student_{k}")
+    if args.quick:
+        args.prompts, args.steps, args.reps = 24, 2, 1
+        student.update(dim=128, layers=1, ffn=256, batch=2)
+    workers = default_workers() if args.num_workers is None else args.num_workers
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="wandistiller-bench-real-", dir=args.work))
+    need = disk_needed(args.prompts, args.steps)
+    free = shutil.disk_usage(work).free
+    print(f"real-size bench: {args.prompts} prompts x {args.steps} steps of A14B samples in {work}: needs "
+          f"{need / 1e9:.1f} GB of disk, {free / 1e9:.1f} GB free", flush=True)
+    if free < need * 1.1:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"not enough free disk in {work.parent} for the real-size bench ({need / 1e9:.1f} GB needed, "
+                         f"{free / 1e9:.1f} GB free); pass --work on a larger disk or fewer --prompts")
+    cache = work / "cache"
+    results = []
+    try:
+        # 1. the writer vs a raw sequential write of as many bytes
+        t = time.perf_counter()
+        w = write_cache(cache, args.prompts, args.steps)
+        writer_s = w["write_s"] + w["sync_s"]
+        raw_w = raw_write(work, w["bytes"])
+        print(f"  cache written and raw write in {time.perf_counter() - t:.0f} s", flush=True)
+        results.append(result(
+            "writer_vs_raw_write_a14b", w["bytes"] / writer_s / 2**20, w["bytes"] / raw_w / 2**20, "MiB/s", 0.8, ">=",
+            note=f"{args.prompts} prompts x {args.steps} steps, {w['bytes'] / 2**30:.2f} GiB cache (shards "
+                 f"{w['shard_bytes'] / 2**30:.2f} GiB); writer {w['write_s']:.1f} s (encode phase {w['encode_s']:.1f} s, "
+                 f"ShardWriter {w['shards_s']:.1f} s = {w['shard_bytes'] / w['shards_s'] / 2**20:.0f} MiB/s) + "
+                 f"{w['sync_s']:.1f} s flushing what it left unsynced; raw write + fsync {raw_w:.1f} s"))
+        # 2. the loader vs a raw sequential read of the bytes it reads
+        t = time.perf_counter()
+        times = {"raw": [], "loader": []}
+        nbytes = samples = 0
+        for r in range(args.reps):
+            for name in (["raw", "loader"] if r % 2 == 0 else ["loader", "raw"]):
+                if name == "raw":
+                    dt, nbytes = raw_read(cache)
+                else:
+                    dt, samples = loader_read(cache, args.batch_size, workers, pin=device.type == "cuda")
+                times[name].append(dt)
+        print(f"  loader and raw reads in {time.perf_counter() - t:.0f} s", flush=True)
+        raw_sps, loader_sps = samples / min(times["raw"]), samples / min(times["loader"])
+        results.append(result(
+            "loader_vs_raw_read_a14b", loader_sps, raw_sps, "samples/s", 0.8, ">=",
+            note=f"one epoch of {samples} samples in the epoch's order, batch {args.batch_size}, {workers} loader "
+                 f"workers (train-student's default here), embeddings included; raw read of {nbytes / 2**30:.2f} "
+                 f"GiB (shards + embeddings) at {nbytes / min(times['raw']) / 2**20:.0f} MiB/s; page cache dropped "
+                 f"before each pass (os.sync + posix_fadvise DONTNEED); best of {args.reps}"))
+        # 3. stage-two step vs the bare step, on this cache; on a GPU the bare step is also the consumption rate
+        t = time.perf_counter()
+        step = overhead(cache, work, device, student, args.reps, args.num_workers, quick=args.quick)
+        print(f"  stage-two steps in {time.perf_counter() - t:.0f} s", flush=True)
+        results.append(step["record"])
+        if device.type == "cuda":
+            consume, how = step["bare_sps"], (f"measured here: the {step['params'] / 1e9:.2f}B-param student's bare "
+                                              f"step, batch {student['batch']}, bf16 autocast, AdamW")
+        else:
+            consume, how = H100_STUDENT_SPS, "what a Wan2.1-1.3B-shaped student trains at on one H100 at 480x832"
+        results.append(result("loader_vs_h100_student", loader_sps, consume, "samples/s", 3.0, ">=",
+                              note=f"loader samples/s per rank ({workers} workers, this machine) vs {how}"))
+        problems = verify_cache(cache, progress=False)
+        if problems:
+            raise RuntimeError(f"the synthetic cache does not verify: {problems[:3]}")
+        return results
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def overhead(cache: Path, work: Path, device: torch.device, student: dict, reps: int, num_workers: int | None,
+             quick: bool = False) -> dict:
+    """stage_two_overhead on the real-size cache: train-student's step vs the bare step of the same student
+    (bench.stage_two.StepBench, interleaved, best of `reps`); on CUDA with the peak memory allocated."""
+    from bench import stage_two
+
+    path = student_json(work / "student.json", student["dim"], student["layers"], student["ffn"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    bench = stage_two.StepBench(cache, path, work / "out-step", device, student["batch"], num_workers)
+    k = 2 if quick else 4
+    step = stage_two.overhead(bench, k, reps)
+    sync(device)
+    peak = (f"; peak CUDA memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+            if device.type == "cuda" else "")
+    b = student["batch"]
+    record = result("stage_two_overhead", step["stage"], step["bare"], "s/step", 1.10, "<=",
+                    note=f"A14B-shaped cache (16x60x104 latents, 512x4096 text), batch {b}, {bench.num_workers} "
+                         f"loader workers, {bench.params / 1e6:.0f}M-param student ({student['layers']} blocks of "
+                         f"width {student['dim']}, ffn {student['ffn']}): {step['bare'] / b * 1e3:.0f} ms a sample "
+                         f"bare; best of {reps} x {k} steps{peak}")
+    return {"record": record, "bare_sps": b / step["bare"], "params": bench.params}
+
+
+if __name__ == "__main__":
+    import sys
+
+    res = main()
+    save(res, results_path(pick_device(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")),
+                                            sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv
+                                            else "auto"))))
+    print(table(res))

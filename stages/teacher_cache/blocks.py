@@ -1,0 +1,110 @@
+"""The trajectory loop's two halves: running a window of blocks through the experts, and packing finished
+blocks into shards (in the writer thread) before recording them as done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cache import format as F
+from cache.progress import PartProgress
+from cache.prompt_store import write_latent_rows
+from cache.writer import ShardWriter
+from pipeline.faults import fault_point
+
+from .outdir import next_shard_index
+from .progress import StageOneProgress
+from .trajectory import StepRecord, TrajectoryRunner
+
+# Expert-major order holds a window of blocks' records in RAM until the low-noise expert has run them;
+# the window is as many blocks as fit in this budget (at least one).
+EXPERT_MAJOR_RECORD_BUDGET = 2 * 2**30
+
+
+def expert_window(batch_size: int, steps: int, latent_numel: int, dtype_bytes: int, keep_cond_uncond: bool) -> int:
+    """Blocks run together in expert-major order: as many as keep their records within the budget."""
+    per_block = batch_size * steps * latent_numel * dtype_bytes * (4 if keep_cond_uncond else 2)
+    return max(1, EXPERT_MAJOR_RECORD_BUDGET // max(per_block, 1))
+
+
+class BlockSink:
+    """Runs in the writer thread: packs finished blocks into shards, then records them as done.
+
+    Order per shard: rename the tar into place → write its trajectories' final latents → rewrite
+    progress.json. A crash anywhere before the last step leaves the blocks not done; they rerun.
+    """
+
+    def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
+                 progress: StageOneProgress):
+        self.out, self.prog, self.store, self.progress = out, prog, store, progress
+        self.samples_per_shard = samples_per_shard
+        self.num_parts = num_parts
+        self.writer: ShardWriter | None = None
+        self.pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []
+
+    def add(self, block: int, traj: list[tuple[int, int]], records: list[StepRecord], final: torch.Tensor) -> None:
+        if self.writer is None:
+            self.writer = ShardWriter(self.out, self.prog.part, next_shard_index(self.prog))
+        try:
+            for rec in records:
+                for j, (p, s) in enumerate(traj):
+                    tensors = {F.T_X_T: rec.x_t[j], F.T_TARGET: rec.target[j]}
+                    if rec.target_cond is not None:
+                        tensors[F.T_TARGET_COND] = rec.target_cond[j]
+                        tensors[F.T_TARGET_UNCOND] = rec.target_uncond[j]
+                    if rec.features is not None:
+                        tensors[F.T_FEATURES] = rec.features[j]
+                    meta = {F.M_PROMPT_IDX: p, F.M_SEED_IDX: s, F.M_STEP: rec.step, F.M_TIMESTEP: rec.timestep,
+                            F.M_SIGMA: rec.sigma, F.M_EXPERT: rec.expert, F.M_GUIDANCE: rec.guidance}
+                    self.writer.write(F.sample_key(p, s, rec.step), tensors, meta)
+            fault_point("mid_shard")
+        except BaseException:
+            self.writer.abort()
+            self.writer = None
+            self.pending = []
+            raise
+        self.pending.append((block, traj, final))
+        self.progress.block(len(records) * len(traj))
+        if self.writer.samples >= self.samples_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.writer is None:
+            return
+        record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
+        self.writer = None
+        fault_point("after_rename")
+        for _, traj, final in self.pending:
+            rows = [p // self.num_parts for p, _ in traj]
+            write_latent_rows(self.store, F.Z_FINAL_LATENTS, rows, [s for _, s in traj], final)
+        fault_point("before_progress")
+        self.prog.shards.append(record)
+        self.prog.done_blocks = sorted(set(self.prog.done_blocks) | {b for b, _, _ in self.pending})
+        self.prog.save(self.out)
+        self.pending = []
+        self.progress.shard(record)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs, neg: torch.Tensor):
+    """Run a window of blocks to their last step; returns [(block, records, final latents)] in block order.
+
+    phases [None] is step-major (every step of a block, then the next block); [(1,), (2,)] is expert-major:
+    every block's high-noise steps with expert 1, then their low-noise steps with expert 2, each block's
+    scheduler state carried across. Both orders make the same records: same steps, same inputs, same batches.
+    """
+    records: dict[int, list[StepRecord]] = {b: [] for b in window}
+    states: dict = {}
+    finals: dict[int, torch.Tensor] = {}
+    for phase in phases:
+        experts.activate(phase)
+        for b in window:
+            noise, cond = inputs(b)
+            finals[b], states[b] = runner.run(noise, cond, neg, on_step=records[b].append, experts=phase,
+                                              state=states.get(b))
+    return [(b, records[b], finals[b]) for b in window]

@@ -1,0 +1,41 @@
+"""`--placement auto` (the default): the planner's pick for this machine (planner.decide, explained by
+`wandistiller plan`). It looks at the GPUs only when CUDA reports some."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.runtime import dist_env
+
+from .. import planner
+from .base import REGISTRY, Layout, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, measure, register
+
+
+@register
+class Auto(PlacementKind):
+    name = "auto"
+    gpu = "if available"
+
+    def validate(self, cfg) -> None:
+        if cfg.max_memory is not None:
+            raise UserError("--max-memory needs --placement balanced or sequential (auto picks its own budget)")
+        if dist_env().world_size > 1 and self.uses_rank_gpu():
+            check_ranks_fit_gpus("placement auto (on a machine with GPUs)")
+
+    def resolve(self, cfg, spec):
+        device = self.execution_device(cfg)
+        dtype = cfg.dtype or default_dtype(device)
+        needs, inv = measure(cfg, spec, dtype, gpus=device.type == "cuda")
+        d = planner.decide(needs, inv)
+        kind = d.placement
+        if dist_env().world_size > 1 and kind == "balanced":  # one rank per node: still one teacher per rank
+            kind = "offload"
+        entry = REGISTRY[kind]
+        device = entry.execution_device(cfg)
+        dtype = cfg.dtype or default_dtype(device)
+        return entry.placement(cfg, spec, device, dtype, d.expert_order, needs.activations,
+                               reason="; ".join(d.reasons))
+
+    def layout(self, x: PlanInput) -> Layout:
+        raise RuntimeError("auto has no layout of its own: plan the placement planner.decide picks")

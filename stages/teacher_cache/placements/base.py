@@ -1,0 +1,248 @@
+"""What every placement provides (`PlacementKind`), what it resolves to for a run (`Placement`), and the registry.
+
+A placement decides where the teacher's weights live while stage one runs and loads one expert there; it
+never changes the numbers (the same modules run in the same dtype), so the cache fingerprint leaves it out.
+The teacher's parts are loaded by teacher.py, which asks the resolved `Placement` for each expert.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.runtime import dist_env
+
+from .. import planner
+from ..planner import Inventory, Needs, TeacherSizes
+
+if TYPE_CHECKING:
+    from ..teacher import TeacherSpec
+
+REGISTRY: dict[str, PlacementKind] = {}
+
+
+def register(cls: type[PlacementKind]) -> type[PlacementKind]:
+    """Class decorator: make `cls` the entry of `--placement cls.name`."""
+    if cls.name in REGISTRY:
+        raise ValueError(f"placement {cls.name!r} is registered twice")
+    REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get(name: str) -> PlacementKind:
+    """The entry of a `--placement` value (a path ending in .json is the `map` entry)."""
+    key = "map" if name.endswith(".json") else name
+    if key not in REGISTRY:
+        raise UserError(f"unknown placement {name!r}; use one of {', '.join(names())} or a device-map .json file")
+    return REGISTRY[key]
+
+
+def names() -> list[str]:
+    """The `--placement` words, in registration order (`map` is spelled as its .json path)."""
+    return [n for n in REGISTRY if n != "map"]
+
+
+def default_dtype(device: torch.device) -> str:
+    """bfloat16 where the teacher runs on a GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def ranks_per_node() -> int:
+    """torchrun processes on this node (they share its GPUs, RAM and disk); 1 without torchrun."""
+    env = dist_env()
+    if env.world_size == 1:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+
+
+def check_ranks_fit_gpus(what: str) -> None:
+    """Refuse, before any rank touches a device, more torchrun ranks on this node than visible GPUs.
+
+    Counting GPUs does not initialise CUDA (`device_count` asks NVML, or the driver without a context)."""
+    ranks, gpus = ranks_per_node(), torch.cuda.device_count()
+    if ranks > gpus:
+        err = UserError(f"{ranks} torchrun ranks on this node but {gpus} GPU(s) visible: {what} runs each rank on "
+                        f"its own GPU; use --nproc-per-node {gpus} or fewer (or --placement cpu)")
+        err.all_ranks = True  # every rank raises it alike
+        raise err
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placement resolved for this process: what runs where, and in which order the experts run."""
+
+    kind: str  # the registry name: cpu | cuda | balanced | sequential | map | offload | disk
+    device: torch.device  # execution device: the latents live here and the model's output comes back here
+    dtype: str
+    expert_major: bool = False
+    device_map: dict | None = None  # kind "map": the validated user map (values int GPU index | cpu | disk)
+    map_path: str | None = None
+    max_memory: dict | None = None  # balanced/sequential: accelerate max_memory
+    offload_dir: Path | None = None  # disk, and maps with disk entries
+    activation_bytes: int = 0  # planner's estimate for one forward of the batch: headroom left on each GPU
+    reason: str = ""  # why (auto: the planner's decision)
+
+    @property
+    def name(self) -> str:
+        return self.map_path if self.kind == "map" else self.kind
+
+    @property
+    def entry(self) -> PlacementKind:
+        return REGISTRY[self.kind]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def offloads_text_encoder(self) -> bool:
+        """Keep the text encoder in RAM and move it to the GPU as a whole to encode (model-level offload)."""
+        return self.entry.offloads_text_encoder and self.device.type == "cuda"
+
+    def load_expert(self, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
+        """Expert `comp` of the teacher, its weights where this placement keeps them, ready to run."""
+        return self.entry.load_expert(self, spec, comp, log)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What a placement's `layout` works from: sizes, the machine, the expert order and the user's budget."""
+
+    sizes: TeacherSizes
+    needs: Needs
+    inv: Inventory
+    order: str  # step | expert
+    max_memory: dict | None = None
+    device_map: dict | None = None
+
+    @property
+    def resident_experts(self) -> int:
+        """Expert bytes resident at once: both in step-major order, one in expert-major order."""
+        return sum(self.needs.experts) if self.order == "step" else max(self.needs.experts)
+
+    @property
+    def one_at_a_time(self) -> str:
+        return " (one expert at a time)" if self.order == "expert" else ""
+
+
+ENCODER_FREED = "freed before the transformers load"
+
+
+@dataclass
+class Layout:
+    """Where a placement keeps each component during the trajectory loop (what `wandistiller plan` prints)."""
+
+    where: dict[str, str]  # text_encoder and each expert -> a phrase
+    resident: dict[str, int]  # device ('cpu', 'cuda:0', 'disk') -> bytes held during the loop
+    streamed: int = 0  # weight bytes moved to the execution device per denoising step
+    notes: list[str] = field(default_factory=list)
+
+
+class PlacementKind:
+    """One `--placement`: subclass it in a module of this package, decorate the class with `@register`.
+
+    The class attributes say what the placement needs; the methods that differ are overridden. In the order
+    stage one calls them: `validate` (before torchrun's process group and before any weight), `resolve` (the
+    `Placement` of this run), `load_expert` (once per expert, or per expert-major window), and, for
+    `wandistiller plan`, `expert_order` and `layout`.
+    """
+
+    name: ClassVar[str]
+    # "required": stops without CUDA; "if available": computes on the rank's GPU when one is visible, else on
+    # the CPU; "no": never touches CUDA.
+    gpu: ClassVar[str] = "no"
+    without_gpu: ClassVar[str] = "cpu"  # what to suggest when a required GPU is missing
+    whole_machine: ClassVar[bool] = False  # spreads one teacher over every GPU: refused under torchrun
+    takes_max_memory: ClassVar[bool] = False  # --max-memory is its budget
+    offloads_text_encoder: ClassVar[bool] = False  # on a GPU, the text encoder too stays in RAM
+
+    # --- before anything loads -------------------------------------------------------------------------------
+
+    def uses_rank_gpu(self) -> bool:
+        """Whether each process computes on its own GPU (`cuda:LOCAL_RANK` under torchrun)."""
+        return self.gpu == "required" or self.gpu == "if available" and torch.cuda.is_available()
+
+    def validate(self, cfg) -> None:
+        """Refuse what cannot run here, from the config and the visible device count alone: no weights are
+        read and CUDA is not initialised, so it runs before torchrun's process group is set up."""
+        if self.gpu == "required" and not torch.cuda.is_available():
+            raise UserError(f"placement {self.name!r} needs a CUDA GPU and none is visible; use --placement "
+                            f"{self.without_gpu} (or check CUDA_VISIBLE_DEVICES and the driver)")
+        if self.whole_machine and dist_env().world_size > 1:
+            raise UserError(f"placement {self.name!r} spreads one teacher over all GPUs and cannot run under "
+                            "torchrun (every rank would do the same); run one process, or use --placement cuda / "
+                            "offload")
+        if cfg.max_memory is not None and not self.takes_max_memory:
+            raise UserError("--max-memory applies to --placement balanced or sequential only")
+        if dist_env().world_size > 1 and self.uses_rank_gpu():
+            check_ranks_fit_gpus(f"placement {self.name}")
+
+    def execution_device(self, cfg) -> torch.device:
+        """Where the transformer computes: the rank's GPU (`--device`, or LOCAL_RANK under torchrun) when the
+        placement uses one, else the CPU."""
+        if not self.uses_rank_gpu():
+            return torch.device("cpu")
+        env = dist_env()
+        index = env.local_rank if env.world_size > 1 else cfg.device
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {index} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+
+    def resolve(self, cfg, spec: TeacherSpec) -> Placement:
+        """The `Placement` of this run: device, dtype and expert order, measured against this machine (its GPUs
+        only when the placement computes on one)."""
+        extra = self.fields(cfg, spec)
+        device = extra.pop("device", None) or self.execution_device(cfg)
+        dtype = cfg.dtype or default_dtype(device)
+        needs, inv = measure(cfg, spec, dtype, gpus=device.type == "cuda")
+        return self.placement(cfg, spec, device, dtype, self.expert_order(needs, inv), needs.activations, **extra)
+
+    def fields(self, cfg, spec: TeacherSpec) -> dict:
+        """Extra `Placement` fields (and `device`, to override `execution_device`) from the config."""
+        return {}
+
+    def placement(self, cfg, spec: TeacherSpec, device: torch.device, dtype: str, order: str, activations: int,
+                  **extra) -> Placement:
+        """The record, with the user's `--expert-order` over the placement's own choice."""
+        if cfg.expert_order != "auto":
+            order = cfg.expert_order
+        offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
+        return Placement(self.name, device, dtype, expert_major=len(spec.experts) > 1 and order == "expert",
+                         offload_dir=offload_dir, activation_bytes=activations, **extra)
+
+    def expert_order(self, needs: Needs, inv: Inventory) -> str:
+        """`step`, or `expert` when the placement's memory tier cannot hold both experts at once."""
+        return "step"
+
+    # --- running ---------------------------------------------------------------------------------------------
+
+    def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
+        raise NotImplementedError
+
+    # --- `wandistiller plan` ---------------------------------------------------------------------------------
+
+    def layout(self, x: PlanInput) -> Layout:
+        raise NotImplementedError
+
+
+def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inventory]:
+    """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked:
+    querying their free memory initialises CUDA)."""
+    sizes = planner.teacher_sizes(spec.path, dtype)
+    act = planner.activation_bytes(sizes, cfg.batch_size, cfg.height, cfg.width, cfg.frames, cfg.guidance > 1.0,
+                                   cfg.max_sequence_length)
+    offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
+    return Needs.of(sizes, act), Inventory.measure(offload_dir, ranks_per_node(), gpus=gpus)
+
+
+def load_resident(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The whole expert on `device` (cpu and cuda placements)."""
+    from diffusers import WanTransformer3DModel
+
+    m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)
+    return m.to(device).eval().requires_grad_(False)

@@ -1,0 +1,23 @@
+"""`--placement cpu`: a whole replica in RAM, computed on the CPU, float32 by default. For tests and the tiny
+teacher; it never touches CUDA."""
+
+from __future__ import annotations
+
+from ..planner import Inventory, Needs
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident, register
+
+
+@register
+class Cpu(PlacementKind):
+    name = "cpu"
+
+    def expert_order(self, needs: Needs, inv: Inventory) -> str:
+        both = sum(needs.experts)
+        return "expert" if len(needs.experts) > 1 and both + needs.activations > inv.usable_ram else "step"
+
+    def load_expert(self, p, spec, comp, log=print):
+        return load_resident(spec, comp, p.torch_dtype, p.device)
+
+    def layout(self, x: PlanInput) -> Layout:
+        where = {"text_encoder": f"cpu, {ENCODER_FREED}"} | {e: "cpu" + x.one_at_a_time for e in x.sizes.experts}
+        return Layout(where, {"cpu": x.resident_experts + x.needs.activations})

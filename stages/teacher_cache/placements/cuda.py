@@ -1,0 +1,27 @@
+"""`--placement cuda` (`--device N`): a whole replica on one GPU. Under torchrun each rank uses its LOCAL_RANK
+GPU and the parts split the prompts; in expert-major order the inactive expert is freed and reloaded."""
+
+from __future__ import annotations
+
+from ..planner import Inventory, Needs
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident, register
+
+
+@register
+class Cuda(PlacementKind):
+    name = "cuda"
+    gpu = "required"
+    without_gpu = "cpu"
+
+    def expert_order(self, needs: Needs, inv: Inventory) -> str:
+        if len(needs.experts) < 2 or not inv.gpus:
+            return "step"
+        best = max(inv.usable_gpu(i) for i in range(len(inv.gpus)))
+        return "step" if sum(needs.experts) + needs.activations <= best else "expert"
+
+    def load_expert(self, p, spec, comp, log=print):
+        return load_resident(spec, comp, p.torch_dtype, p.device)
+
+    def layout(self, x: PlanInput) -> Layout:
+        where = {"text_encoder": f"cuda:0, {ENCODER_FREED}"} | {e: "cuda:0" + x.one_at_a_time for e in x.sizes.experts}
+        return Layout(where, {"cuda:0": x.resident_experts + x.needs.activations})

@@ -1,0 +1,257 @@
+"""accelerate device maps: `--placement balanced`, `sequential` and a JSON map (`--placement my-map.json`).
+
+Each transformer is dispatched at model level (`WanTransformer3DModel.from_pretrained(device_map=...)`),
+`WanTransformerBlock` never split. `balanced` evens the load over the visible GPUs (accelerate's
+`get_balanced_memory`), `sequential` fills GPU 0 first, both within `--max-memory` (default: each GPU's free
+memory less the margin and the activation estimate). A JSON map sends module prefixes to "cuda:N", "cpu" or
+"disk", checked against the model's module names before anything runs. Weights a map leaves on cpu or disk
+are moved to the GPU by accelerate at every forward.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.runtime import dist_env, print0
+
+from ..offload import meta_transformer, param_dtypes
+from ..planner import Inventory, Needs, expert_pieces, fits_across, gib, parse_size
+from .base import ENCODER_FREED, Layout, Placement, PlacementKind, PlanInput, register
+
+
+def parse_max_memory(text: str | None) -> dict | None:
+    """'0=70GiB,1=70GiB,cpu=200GiB' -> accelerate's max_memory {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'}."""
+    if not text:
+        return None
+    out: dict = {}
+    for item in text.split(","):
+        key, sep, size = item.partition("=")
+        key = key.strip().lower().removeprefix("cuda:")
+        if not sep or not (key.isdigit() or key in ("cpu", "disk")):
+            raise UserError(f"cannot read --max-memory item {item!r}; write it like \"0=70GiB,1=70GiB,cpu=200GiB\"")
+        parse_size(size)
+        out[int(key) if key.isdigit() else key] = size.strip()
+    gpus = [k for k in out if isinstance(k, int)]
+    if torch.cuda.is_available() and any(k >= torch.cuda.device_count() for k in gpus):
+        raise UserError(f"--max-memory names GPU {max(gpus)} but {torch.cuda.device_count()} are visible")
+    return out
+
+
+def read_device_map(path: str, check_devices: bool = True) -> tuple[dict, str]:
+    """Load a JSON device map: {module prefix: "cuda:N" | "cpu" | "disk"} -> (accelerate map, its main device).
+
+    `check_devices=False` (planning for another machine) skips the check that the GPUs exist here."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"device map {p} does not exist; pass a JSON file mapping module prefixes to "
+                        "\"cuda:N\", \"cpu\" or \"disk\" (see docs/placements.md)")
+    try:
+        raw = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"device map {p} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"device map {p} must be a non-empty JSON object {{module prefix: device}}")
+    out, gpus = {}, []
+    for key, value in raw.items():
+        v = str(value).strip().lower()
+        if v in ("cpu", "disk"):
+            out[key] = v
+        elif v.removeprefix("cuda:").isdigit() and (v.startswith("cuda:") or isinstance(value, int)):
+            idx = int(v.removeprefix("cuda:"))
+            if check_devices and not torch.cuda.is_available():
+                raise UserError(f"device map {p} puts {key!r} on {value!r} but no CUDA GPU is visible; use cpu "
+                                "or disk entries only")
+            if check_devices and idx >= torch.cuda.device_count():
+                raise UserError(f"device map {p} puts {key!r} on cuda:{idx}; {torch.cuda.device_count()} GPU(s) visible")
+            out[key] = idx
+            gpus.append(idx)
+        else:
+            raise UserError(f"device map {p}: {key!r} -> {value!r} is not a device; use \"cuda:N\", \"cpu\" or \"disk\"")
+    return out, (f"cuda:{min(gpus)}" if gpus else "cpu")
+
+
+def check_device_map(model: torch.nn.Module, device_map: dict, source: str) -> None:
+    """Every key names a module (or parameter) of `model`, and every parameter is covered exactly once."""
+    modules = {n for n, _ in model.named_modules()}
+    params = [n for n, _ in model.named_parameters()]
+    known = modules | set(params) | {n for n, _ in model.named_buffers()}
+    tops = sorted({n.split(".")[0] for n in known if n})
+    nblocks = len(getattr(model, "blocks", []))
+    hint = f"valid prefixes: {', '.join(tops)}, blocks.0 .. blocks.{nblocks - 1}"
+    unknown = [k for k in device_map if k not in known]
+    if unknown:
+        raise UserError(f"device map {source}: unknown module(s) {', '.join(map(repr, unknown[:5]))} "
+                        f"(not in {type(model).__name__}); {hint}")
+    on_disk = [k for k, v in device_map.items() if v == "disk" and k not in modules]
+    if on_disk:
+        raise UserError(f"device map {source}: {', '.join(map(repr, on_disk))} is a parameter, not a module; "
+                        "accelerate can put a loose parameter on a GPU or the cpu, not on disk")
+    keys = sorted(device_map)
+    for a in keys:
+        for b in keys:
+            if a != b and (a == "" or b.startswith(a + ".")):
+                raise UserError(f"device map {source}: {a!r} and {b!r} overlap; give each module one device")
+    covered = lambda n: any(k == "" or n == k or n.startswith(k + ".") for k in device_map)  # noqa: E731
+    missing = sorted({_prefix(n) for n in params if not covered(n)})
+    if missing:
+        raise UserError(f"device map {source}: no device for module(s) {', '.join(missing[:8])}"
+                        f"{' ...' if len(missing) > 8 else ''}; every module needs an entry ({hint})")
+
+
+def _prefix(param: str) -> str:
+    parts = param.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
+def device_map_for(model: torch.nn.Module, kind: str, max_memory: dict, dtype: torch.dtype) -> dict:
+    """accelerate's device map of one transformer over `max_memory` (device -> bytes or '70GiB'), its blocks
+    never split. `balanced` evens the load over the GPUs; `sequential` fills GPU 0 first."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or ["WanTransformerBlock"])
+    special = {n: d for n, d in param_dtypes(model, dtype).items() if d != dtype}
+    if kind == "balanced":
+        max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                         dtype=dtype, special_dtypes=special)
+    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype,
+                                 special_dtypes=special)
+
+
+def map_bytes(model: torch.nn.Module, device_map: dict, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes each device of `device_map` holds (keys 'cuda:N', 'cpu', 'disk')."""
+    dtypes = param_dtypes(model, dtype)
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len)
+        dev = device_map[key]
+        dev = f"cuda:{dev}" if isinstance(dev, int) else str(dev)
+        out[dev] = out.get(dev, 0) + p.numel() * dtypes[name].itemsize
+    return out
+
+
+class _DeviceMapPlacement(PlacementKind):
+    """Loading and planning shared by the three: the map of each expert, dispatched by diffusers."""
+
+    def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:
+        raise NotImplementedError
+
+    def load_expert(self, p, spec, comp, log=print):
+        from diffusers import WanTransformer3DModel
+
+        dmap = self.device_map(p, meta_transformer(spec.path, comp, real_buffers=False))
+        folder = None
+        if "disk" in dmap.values():
+            # accelerate names its files after the parameters alone: one folder per expert (and per rank).
+            folder = p.offload_dir / f"{comp}-devicemap-rank{dist_env().rank}"
+            shutil.rmtree(folder, ignore_errors=True)  # rewritten at every load: never stale
+        with warnings.catch_warnings():  # keys naming loose parameters (scale_shift_table) are fine, not modules
+            warnings.filterwarnings("ignore", message="The following device_map keys do not match")
+            m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype,
+                                                      device_map=dmap,
+                                                      offload_folder=None if folder is None else str(folder))
+        return m.eval().requires_grad_(False)
+
+    def layout(self, x: PlanInput) -> Layout:
+        dtype = getattr(torch, x.sizes.dtype)
+        model = meta_transformer(Path(x.sizes.path), x.sizes.experts[0], real_buffers=False)
+        dmap = self.plan_map(model, x, dtype)
+        per_dev = map_bytes(model, dmap, dtype)
+        copies = len(x.sizes.experts) if x.order == "step" else 1
+        resident = {d: b * copies for d, b in per_dev.items() if d != "disk"}
+        gpus = sorted(d for d in per_dev if d.startswith("cuda"))
+        main = gpus[0] if gpus else "cpu"
+        resident[main] = resident.get(main, 0) + x.needs.activations
+        spill = per_dev.get("cpu", 0) + per_dev.get("disk", 0) if gpus else per_dev.get("disk", 0)
+        summary = ", ".join(f"{d} {gib(b)}" for d, b in per_dev.items())
+        where = {"text_encoder": f"{main}, {ENCODER_FREED}"} | {e: summary + x.one_at_a_time for e in x.sizes.experts}
+        notes = [f"{gib(spill)} of each expert sits on cpu/disk and is moved to the GPU at every forward"] if spill else []
+        return Layout(where, resident, spill, notes)
+
+    def plan_map(self, model: torch.nn.Module, x: PlanInput, dtype: torch.dtype) -> dict:
+        raise NotImplementedError
+
+
+class _GpuSpread(_DeviceMapPlacement):
+    """balanced / sequential: accelerate's map over the visible GPUs."""
+
+    gpu = "required"
+    without_gpu = "offload or disk (or cpu)"
+    whole_machine = True
+    takes_max_memory = True
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        parse_max_memory(cfg.max_memory)
+
+    def fields(self, cfg, spec) -> dict:
+        return {"max_memory": parse_max_memory(cfg.max_memory)}
+
+    def expert_order(self, needs: Needs, inv: Inventory) -> str:
+        if len(needs.experts) < 2 or not inv.gpus:
+            return "step"
+        caps = [inv.usable_gpu(i) - needs.activations for i in range(len(inv.gpus))]
+        return "step" if fits_across(expert_pieces(needs, 2), caps) else "expert"
+
+    def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:
+        """Within --max-memory, by default the measured free memory of each GPU less the activation headroom."""
+        max_memory = p.max_memory
+        if max_memory is None:
+            inv = Inventory.measure(p.offload_dir)
+            max_memory = {i: max(inv.usable_gpu(i) - p.activation_bytes, 0) for i in range(len(inv.gpus))}
+            max_memory["cpu"] = inv.usable_ram
+        dmap = device_map_for(meta, self.name, max_memory, p.torch_dtype)
+        spill = sorted({str(v) for v in dmap.values() if v in ("cpu", "disk")})
+        if spill:
+            print0(f"note: {self.name}: part of the transformer does not fit the GPUs within --max-memory and runs "
+                   f"from {' and '.join(spill)} (streamed at every forward); see `wandistiller plan`")
+        if "disk" in dmap.values() and p.offload_dir is None:
+            raise UserError(f"{self.name}: the device map needs disk offload; pass --offload-dir")
+        return dmap
+
+    def plan_map(self, model, x, dtype):
+        mm = dict(x.max_memory or {i: max(x.inv.usable_gpu(i) - x.needs.activations, 0)
+                                   for i in range(len(x.inv.gpus))})
+        mm.setdefault("cpu", x.inv.usable_ram)
+        return device_map_for(model, self.name, mm, dtype)
+
+
+@register
+class Balanced(_GpuSpread):
+    name = "balanced"
+
+
+@register
+class Sequential(_GpuSpread):
+    name = "sequential"
+
+
+@register
+class DeviceMap(_DeviceMapPlacement):
+    """`--placement my-map.json`: the user's map, applied to each expert."""
+
+    name = "map"
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        read_device_map(cfg.placement)
+
+    def fields(self, cfg, spec) -> dict:
+        dmap, main = read_device_map(cfg.placement)
+        for comp in spec.experts:  # before anything runs: a typo should not cost the encoding pass
+            check_device_map(meta_transformer(spec.path, comp, real_buffers=False), dmap, cfg.placement)
+        return {"device": torch.device(main), "device_map": dmap, "map_path": cfg.placement}
+
+    def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:
+        check_device_map(meta, p.device_map, p.map_path)
+        return p.device_map
+
+    def plan_map(self, model, x, dtype):
+        check_device_map(model, x.device_map, "given")
+        return x.device_map

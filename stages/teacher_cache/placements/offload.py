@@ -1,0 +1,34 @@
+"""`--placement offload`: each expert in CPU RAM, streamed layer by layer to the GPU while it computes
+(diffusers leaf-level group offloading, the next layer prefetched on a CUDA stream from pinned memory;
+../offload.py). The text encoder is offloaded at model level (it moves to the GPU as a whole to encode).
+Without a GPU it computes on the CPU where the weights already are (as `cpu`: nothing to stream)."""
+
+from __future__ import annotations
+
+from ..offload import load_ram_expert
+from ..planner import Inventory, Needs, gib
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, register
+
+
+@register
+class Offload(PlacementKind):
+    name = "offload"
+    gpu = "if available"
+    offloads_text_encoder = True
+
+    def expert_order(self, needs: Needs, inv: Inventory) -> str:
+        return "expert" if len(needs.experts) > 1 and sum(needs.experts) > inv.usable_ram else "step"
+
+    def load_expert(self, p, spec, comp, log=print):
+        return load_ram_expert(spec, comp, p.torch_dtype, p.device)
+
+    def layout(self, x: PlanInput) -> Layout:
+        if not x.inv.gpus:
+            where = {"text_encoder": f"cpu, {ENCODER_FREED}"}
+            where |= {e: "cpu RAM (on a CPU, offload computes where the weights are)" for e in x.sizes.experts}
+            return Layout(where, {"cpu": x.resident_experts + x.needs.activations})
+        where = {"text_encoder": f"cpu, moved to cuda:0 as a whole to encode (model offload), {ENCODER_FREED}"}
+        where |= {e: f"cpu RAM (pinned), one layer at a time on cuda:0 (+ the next, prefetched on a CUDA stream; "
+                     f"largest {gib(x.needs.layer)})" for e in x.sizes.experts}
+        return Layout(where, {"cpu": x.resident_experts, "cuda:0": x.needs.layer_streaming_gpu},
+                      streamed=max(x.needs.experts))

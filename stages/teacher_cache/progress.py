@@ -1,0 +1,86 @@
+"""Where stage one is: prompts/s, samples/s, bytes written, the projected cache size and the ETA, on the
+progress bar, in one log line per shard, and (`--report-to tensorboard`) as TensorBoard scalars under
+CACHE_DIR/parts/part-P/tensorboard.
+
+The projection is the bytes per sample of the shards written so far (this run's and a resumed run's
+earlier ones) times the samples the whole cache will hold; a run whose prompts differ in nothing but text
+writes shards of near-constant size per sample, so it converges after the first shard.
+"""
+
+from __future__ import annotations
+
+import time
+
+from cache import format as F
+from pipeline.runtime import print0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class StageOneProgress:
+    """Fed by the writer thread (`block`, `shard`); owns the bar's postfix and the optional event writer."""
+
+    def __init__(self, bar, *, part: int, steps: int, seeds: int, cache_samples: int, shards: list[dict],
+                 tensorboard_dir=None):
+        self.bar, self.part, self.steps, self.seeds = bar, part, steps, seeds
+        self.cache_samples = cache_samples  # samples of the whole cache (every part)
+        self.bytes = sum(int(s[F.S_BYTES]) for s in shards)
+        self.samples_written = sum(int(s[F.S_SAMPLES]) for s in shards)
+        self.samples_run = 0  # by this run, written to a shard or not yet
+        self.t0 = time.perf_counter()
+        self.writer = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(tensorboard_dir), purge_step=self.samples_written)
+
+    @property
+    def projected(self) -> float | None:
+        return self.bytes / self.samples_written * self.cache_samples if self.samples_written else None
+
+    def figures(self) -> dict[str, float]:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        out = {"samples_per_s": self.samples_run / dt, "prompts_per_s": self.samples_run / self.steps / self.seeds / dt,
+               "bytes_written": float(self.bytes)}
+        if self.projected is not None:
+            out["projected_cache_bytes"] = self.projected
+        if self.bar.total:
+            left = self.bar.total - self.bar.n
+            out["eta_s"] = left / out["samples_per_s"] if out["samples_per_s"] > 0 else float("nan")
+        return out
+
+    def block(self, samples: int) -> None:
+        """A block's samples were packed into the open shard."""
+        self.samples_run += samples
+        self.bar.update(samples)
+        f = self.figures()
+        post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": _size(f["bytes_written"])}
+        if "projected_cache_bytes" in f:
+            post["cache"] = "~" + _size(f["projected_cache_bytes"])
+        self.bar.set_postfix(post, refresh=False)
+
+    def shard(self, record: dict) -> None:
+        """A shard was renamed into place and recorded."""
+        self.bytes += int(record[F.S_BYTES])
+        self.samples_written += int(record[F.S_SAMPLES])
+        f = self.figures()
+        eta = f.get("eta_s")
+        print0(f"part {self.part}: {record[F.S_PATH]} written ({record[F.S_SAMPLES]} samples, "
+               f"{_size(record[F.S_BYTES])}); {_size(self.bytes)} so far, cache ~{_size(self.projected)}, "
+               f"{f['prompts_per_s']:.2f} prompts/s, {f['samples_per_s']:.1f} samples/s"
+               + (f", ETA {eta / 60:.1f} min" if eta is not None and eta == eta else ""))
+        if self.writer is not None:
+            for k, v in f.items():
+                if v == v:  # NaN is left out
+                    self.writer.add_scalar(f"teacher_cache/{k}", v, self.samples_written)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
