@@ -1,6 +1,6 @@
 """Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic.
 
-A checkpoint is written into `step-NNNNNNNN.tmp/` and renamed to `step-NNNNNNNN/` once every file in
+A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed to `step-NNNNNNNN/` once every file in
 it is complete and fsynced, so a checkpoint folder without the suffix is always whole; `latest` only
 looks at those. The optimizer state is a `torch.save` of tensors and numbers only and is read back
 with `weights_only=True` (no pickled objects are executed).
@@ -23,9 +23,11 @@ from safetensors.torch import load_file, save_file
 from cache.atomic import fsync_dir
 from pipeline.faults import fault_point
 
-CHECKPOINTS = "checkpoints"
+from pipeline.artifact import CHECKPOINTS
+
 MODEL = "model.safetensors"
 EMA = "ema.safetensors"
+HEADS = "objective.safetensors"  # the objective's own trainable modules (projection heads), never exported
 OPTIMIZER = "optimizer.pt"
 STATE = "trainer_state.json"
 TMP = ".tmp"
@@ -133,18 +135,20 @@ def _state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[str, torch.Tensor] | None,
-         optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int) -> Path:
+         optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int, heads: torch.nn.Module | None = None) -> Path:
     """Write checkpoint `step` (rank 0 only) and drop all but the newest `keep`; returns its folder."""
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dirname(step)
-    tmp = root / (step_dirname(step) + TMP)
+    tmp = root / f"{step_dirname(step)}.{os.getpid()}{TMP}"  # the pid: never another writer's folder
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_tensors(_state_dict(model), tmp / MODEL)
     fault_point("in_checkpoint")
     if ema is not None:
         save_tensors({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
+    if heads is not None:
+        save_tensors(_state_dict(heads), tmp / HEADS)
     _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
     (tmp / STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
     for f in tmp.iterdir():
@@ -187,10 +191,13 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         device: torch.device) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Restore weights and optimizer from checkpoint `path`; returns (trainer state, EMA tensors or None)."""
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+         heads: torch.nn.Module | None = None) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Restore weights (the objective's heads too) and optimizer from checkpoint `path`; returns (trainer state,
+    EMA tensors or None)."""
     model.load_state_dict(load_file(path / MODEL), strict=True)
+    if heads is not None:
+        heads.load_state_dict(load_file(path / HEADS), strict=True)
     optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location=device, weights_only=True))
     ema = load_file(path / EMA) if (path / EMA).is_file() else None
     return read_state(path), ema

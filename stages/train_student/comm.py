@@ -1,7 +1,8 @@
 """Collectives of stage two on plain tensors (no pickled objects): sums, maxima, byte gathers.
 
 Every helper is a no-op for one process, so the same code runs with or without torchrun. NCCL only
-reduces CUDA tensors, so values travel on `device` and come back on the CPU.
+reduces CUDA tensors, so values travel on `device` and come back on the CPU. The barrier is
+`pipeline.runtime.barrier`, shared with stage one.
 """
 
 from __future__ import annotations
@@ -45,8 +46,3 @@ def all_gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
         size = int.from_bytes(bytes(b[:8].tolist()), "little")
         out.append(bytes(b[8:8 + size].numpy().tobytes()))
     return out
-
-
-def barrier(device: torch.device) -> None:
-    if active():
-        all_reduce(torch.zeros(1), device)

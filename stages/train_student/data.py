@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cache import format as F
 from cache.errors import CacheError
-from cache.prompt_store import EmbeddingCache, check_prompt_rows
+from cache.prompt_store import EmbeddingCache, FinalLatentCache, check_prompt_rows
 from cache.reader import (
-    C_CACHE, C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError, check_complete,
-    empty_table, fill_table, sample_code, scan_shard, shard_list, shard_problem,
+    C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError,
+    check_complete, empty_table, fill_table, later_state_rows, sample_code, scan_shard, shard_list, shard_problem,
 )
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv
@@ -120,15 +121,17 @@ def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompt
 
 
 class SampleDataset(Dataset):
-    """Items are (row, weight) pairs; reads the sample and its prompt embedding, padded as the teacher saw it.
+    """Items are (row, weight) pairs; reads the sample's `fields` (cache/schema.py names, checked against the
+    schema by the reader) and its prompt embedding, padded as the teacher saw it.
 
     Embeddings come from the caches' zarr stores through a bounded LRU per process; stores are opened
     lazily, so each DataLoader worker opens its own after the fork.
     """
 
-    def __init__(self, index: CacheIndex, embedding_cache_size: int):
+    def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...] = (F.T_X_T, F.T_TARGET)):
         self.index = index
         self.embedding_cache_size = embedding_cache_size
+        self.fields = tuple(dict.fromkeys((F.T_X_T, *fields)))
         self.max_len = int(index.manifest[F.F_MAX_SEQUENCE_LENGTH])
         self._reader: SampleReader | None = None
         self._embeds: list[EmbeddingCache] | None = None
@@ -145,33 +148,109 @@ class SampleDataset(Dataset):
         tensors, meta = self._reader.read(row)
         r = self.index.table[row]
         prompt = int(r[C_PROMPT])
-        if meta.get(F.M_PROMPT_IDX) != prompt or meta.get(F.M_STEP) != int(r[C_STEP]):
-            raise CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)} carries metadata of "
-                             "another sample; run `wandistiller cache verify`")
         try:
-            context = self._embeds[int(r[C_CACHE])].get(prompt)
+            # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): collate pads them to
+            # the batch's longest prompt, to_batch to max_sequence_length on the device
+            context, padded = self._embeds[int(r[C_CACHE])].get_trimmed(prompt)
         except (ValueError, FileNotFoundError, KeyError) as e:
             raise CacheError(f"prompt embedding of prompt {prompt} unreadable in "
                              f"{self.index.caches[int(r[C_CACHE])].path}: {e}") from e
-        if context.shape[0] != self.max_len:
-            raise CacheError(f"prompt store of {self.index.caches[int(r[C_CACHE])].path} pads to {context.shape[0]} "
+        if padded != self.max_len:
+            raise CacheError(f"prompt store of {self.index.caches[int(r[C_CACHE])].path} pads to {padded} "
                              f"tokens, the manifest says max_sequence_length {self.max_len}")
-        return {"x_t": tensors[F.T_X_T], "target": tensors[F.T_TARGET], "context": context,
-                "timestep": float(meta[F.M_TIMESTEP]), "weight": float(weight), "key": self.index.key(row)}
+        return {"fields": {name: tensors[name] for name in self.fields}, "context": context,
+                "timestep": float(meta[F.M_TIMESTEP]), "sigma": float(meta[F.M_SIGMA]), "step": int(meta[F.M_STEP]),
+                "weight": float(weight), "key": self.index.key(row), "max_len": self.max_len}
 
     def __getitems__(self, items: list[tuple[int, float]]) -> list[dict]:
+        if self._reader is None:
+            self._open()
+        self._reader.prefetch([row for row, _ in items])  # the batch's reads overlap on the disk
         return [self[i] for i in items]
 
     def __len__(self) -> int:
         return len(self.index)
 
 
+# The derived field a SegmentDataset adds to each item: the average velocity from the sample's state to the end
+# of its segment (not a cache field: it is computed from two cached states).
+SEGMENT_VELOCITY = "segment_velocity"
+
+
+def segment_velocity(x_k: torch.Tensor, x_end: torch.Tensor, sigma_k: float, sigma_end: float) -> torch.Tensor:
+    """(x_end - x_k) / (sigma_end - sigma_k) in float32: the constant velocity that carries x_k at sigma_k to
+    x_end at sigma_end along a straight line, i.e. what one Euler step of that size must predict."""
+    return (x_end.float() - x_k.float()) / (sigma_end - sigma_k)
+
+
+class SegmentDataset(SampleDataset):
+    """A SampleDataset whose items are pairs of states of one trajectory: the sample's x_t at step k and the
+    state at `end_step[k]` (a later cached step, or the final latent when that is the cache's step count), with
+    their average velocity under SEGMENT_VELOCITY. The epoch plan still runs over the samples (one item per
+    cached state); the partner of every row is looked up once, here, so reading a pair is the sample's own read
+    plus one `pread` of its partner's tensors (usually in the same shard: stage one writes whole trajectories
+    into one shard) or one prompt-store read of the final latent (LRU per process)."""
+
+    def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...], end_step):
+        super().__init__(index, embedding_cache_size, fields)
+        self.end_step = np.asarray(end_step, dtype=np.int64)
+        self.sigmas = [float(v) for v in index.manifest[F.F_SIGMAS]] + [0.0]  # the final latent is at sigma 0
+        try:
+            self.end_rows = later_state_rows(index, np.arange(len(index)), self.end_step)
+        except KeyError as e:
+            raise CacheError(f"a segment end is missing from the cache: {e.args[0]}; run `wandistiller cache verify`")
+        self._finals: list[FinalLatentCache] | None = None
+
+    def _open(self) -> None:
+        super()._open()
+        self._finals = [FinalLatentCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size)
+                        for c in self.index.caches]
+
+    def __getitem__(self, item: tuple[int, float]) -> dict:
+        out = super().__getitem__(item)
+        row = item[0]
+        r = self.index.table[row]
+        end, end_row = int(self.end_step[int(r[C_STEP])]), int(self.end_rows[row])
+        if end_row >= 0:
+            x_end = self._reader.read_tensors(end_row)[F.T_X_T]
+        else:
+            x_end = self._finals[int(r[C_CACHE])].get(int(r[C_PROMPT]), int(r[C_SEED]))
+        out["fields"][SEGMENT_VELOCITY] = segment_velocity(out["fields"][F.T_X_T], x_end, out["sigma"],
+                                                           self.sigmas[end])
+        return out
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor for a collated batch; in a loader worker it lives in shared memory already, so
+    sending the batch to the training process does not copy it again (as torch's default_collate does)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.empty(0, dtype=dtype).untyped_storage()._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
 def collate(items: list[dict]) -> dict:
+    """Stack a micro-batch: every field the dataset read, the embeddings and the per-sample metadata.
+
+    The embeddings are padded with zeros to the batch's longest prompt only ("context"); `max_len` is the
+    length the teacher padded them to, which `loop.to_batch` restores on the device.
+    """
+    fields = {}
+    for name in items[0]["fields"]:
+        ts = [i["fields"][name] for i in items]
+        fields[name] = torch.stack(ts, out=_batch_tensor((len(ts), *ts[0].shape), ts[0].dtype))
+    ctx = [i["context"] for i in items]
+    context = _batch_tensor((len(ctx), max(c.shape[0] for c in ctx), ctx[0].shape[1]), ctx[0].dtype)
+    for j, c in enumerate(ctx):
+        context[j, :c.shape[0]] = c
+        context[j, c.shape[0]:] = 0
     return {
-        "x_t": torch.stack([i["x_t"] for i in items]),
-        "target": torch.stack([i["target"] for i in items]),
-        "context": torch.stack([i["context"] for i in items]),
+        "fields": fields,
+        "context": context,
+        "max_len": items[0]["max_len"],
         "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
+        "sigma": torch.tensor([i["sigma"] for i in items], dtype=torch.float32),
+        "step": torch.tensor([i["step"] for i in items], dtype=torch.int64),
         "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
         "keys": [i["key"] for i in items if i["weight"] > 0],
     }

@@ -1,5 +1,6 @@
-"""The training loop: MSE to the cached targets, AdamW with warmup + cosine, clipping, accumulation,
-autocast, EMA, held-out evaluation, metrics and checkpoints.
+"""The training loop: the objective's loss on cached samples (objectives.py), AdamW with warmup + cosine,
+clipping, accumulation, autocast, EMA (diffusers' EMAModel), held-out evaluation, validation by sampling
+(validation.py), metrics (metrics.jsonl and the tracker of tracking.py) and checkpoints.
 
 Loss scaling: every optimizer step's loss is the mean over *all* its samples on all ranks. Each rank
 backpropagates sum(per-sample loss) x world / samples_in_step; DDP averages gradients over the world,
@@ -21,14 +22,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from diffusers.training_utils import EMAModel
+
+from cache import format as F
 from cache.atomic import atomic_write_bytes
 from cache.reader import EpochPlan
+from pipeline.artifact import RunLayout
 from pipeline.faults import fault_point
-from pipeline.runtime import DistEnv
+from pipeline.runtime import DistEnv, barrier
+from pipeline.wan_inputs import model_timestep
 
 from . import checkpoint
-from .comm import all_gather_bytes, all_reduce, barrier
-from .data import DataSplit, RankBatches, SampleDataset, collate, eval_batches, make_loader
+from .comm import all_gather_bytes, all_reduce
+from .data import DataSplit, RankBatches, collate, eval_batches, make_loader
+from .objectives import Batch, Objective
+from .tracking import NullTracker, Tracker
 
 # Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
 # with an out-of-memory error when ":oom" is given. DEBUG_DIR: each rank writes the sample keys of its
@@ -36,8 +44,6 @@ from .data import DataSplit, RankBatches, SampleDataset, collate, eval_batches, 
 FAIL_AT_ENV = "WANDISTILLER_FAIL_AT"
 DEBUG_DIR_ENV = "WANDISTILLER_DEBUG_DIR"
 
-METRICS = "metrics.jsonl"
-LOSS_PNG = "loss.png"
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
@@ -61,26 +67,22 @@ def maybe_fail(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure {where}")
 
 
-class EMA:
-    """Float32 exponential moving average of the parameters, with the usual warmup of the decay
-    (min(decay, (1+n)/(10+n))) so short runs are not dominated by the random initialisation."""
+def make_ema(model: torch.nn.Module, decay: float, shadow: dict[str, torch.Tensor] | None = None,
+             updates: int = 0) -> EMAModel:
+    """diffusers' EMAModel over the student's parameters, with its warmup of the decay (the first update copies
+    the weights, then min(decay, (1+n)/(10+n))) so short runs are not dominated by the random initialisation.
+    `shadow` (by parameter name) and `updates` restore a checkpoint's EMA."""
+    ema = EMAModel(model.parameters(), decay=decay, min_decay=0.0, update_after_step=0, use_ema_warmup=False,
+                   foreach=True)
+    if shadow is not None:
+        ema.shadow_params = [shadow[k].to(p.device, p.dtype).clone() for k, p in model.named_parameters()]
+        ema.optimization_step = updates
+    return ema
 
-    def __init__(self, model: torch.nn.Module, decay: float, state: dict[str, torch.Tensor] | None = None):
-        self.decay = decay
-        params = dict(model.named_parameters())
-        self.shadow = {k: (state[k] if state is not None else p.detach()).to(p.device, torch.float32).clone()
-                       for k, p in params.items()}
 
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module, updates: int) -> None:
-        d = min(self.decay, (1 + updates) / (10 + updates))
-        for k, p in model.named_parameters():
-            self.shadow[k].lerp_(p.detach().float(), 1 - d)
-
-    def copy_to(self, model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.copy_(self.shadow[k].to(p.dtype))
+def ema_tensors(ema: EMAModel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The EMA weights by parameter name (what checkpoints store)."""
+    return {k: s for (k, _), s in zip(model.named_parameters(), ema.shadow_params)}
 
 
 @dataclass
@@ -95,60 +97,58 @@ class TrainState:
     extra: dict = field(default_factory=dict)  # run identity checked on resume
 
 
-@dataclass
-class ModelInputs:
-    """Model inputs built from a collated batch, on the device."""
-
-    x_t: torch.Tensor
-    timestep: torch.Tensor
-    context: torch.Tensor
-    target: torch.Tensor
-    weight: torch.Tensor
-
-
-def to_inputs(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> ModelInputs:
-    x = batch["x_t"].to(device, torch.float32, non_blocking=True)
-    t = batch["timestep"].to(device)
-    if expand_timesteps:
-        # Per-token timesteps, laid out as WanPipeline does for TI2V: one per latent patch position.
-        f, h, w = x.shape[2:]
-        t = t[:, None].expand(-1, f * len(range(0, h, patch[1])) * len(range(0, w, patch[2])))
-    return ModelInputs(x, t, batch["context"].to(device, torch.float32, non_blocking=True),
-                   batch["target"].to(device, torch.float32, non_blocking=True), batch["weight"].to(device))
-
-
-def per_sample_loss(model, b: ModelInputs, autocast) -> torch.Tensor:
-    """MSE of each sample against its cached target, in float32: [B]."""
-    with autocast():
-        pred = model(hidden_states=b.x_t, timestep=b.timestep, encoder_hidden_states=b.context, return_dict=False)[0]
-    return (pred.float() - b.target).pow(2).flatten(1).mean(1)
+def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> Batch:
+    """A collated micro-batch on the device, with the transformer's timestep input laid out as WanPipeline's."""
+    fields = {k: v.to(device, torch.float32, non_blocking=True) for k, v in batch["fields"].items()}
+    t = model_timestep(batch["timestep"].to(device), fields[F.T_X_T].shape[2:], expand_timesteps, patch)
+    meta = {k: batch[k].to(device) for k in ("timestep", "sigma", "step")}
+    # collate pads the prompt embeddings to the batch's longest prompt; the rest of the padding, zeros as
+    # WanPipeline pads, is added here on the device (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
+    context = batch["context"].to(device, torch.float32, non_blocking=True)
+    context = torch.nn.functional.pad(context, (0, 0, 0, batch["max_len"] - context.shape[1]))
+    return Batch(fields, t, context, batch["weight"].to(device), meta)
 
 
 class Trainer:
     """Runs optimizer steps from `state` to `total` over the exact epoch sequence of `plan`."""
 
     def __init__(self, *, cfg, env: DistEnv, device: torch.device, model: torch.nn.Module, ddp, data: DataSplit,
-                 plan: EpochPlan, optimizer, scaler, ema: EMA | None, state: TrainState, total: int, out: Path,
+                 plan: EpochPlan, optimizer, scaler, ema: EMAModel | None, state: TrainState, total: int, out: Path,
                  mixed_dtype: torch.dtype | None, expand_timesteps: bool, patch: tuple[int, int, int],
-                 checkpoint_extra: dict):
+                 checkpoint_extra: dict, objective: Objective, heads: torch.nn.Module | None = None,
+                 tracker: Tracker | None = None, validator=None):
         self.cfg, self.env, self.device, self.model, self.ddp = cfg, env, device, model, ddp
+        self.objective, self.heads = objective, heads
         self.data, self.plan, self.optimizer, self.scaler, self.ema = data, plan, optimizer, scaler, ema
         self.state, self.total, self.out = state, total, out
         self.expand_timesteps, self.patch = expand_timesteps, patch
         self.checkpoint_extra = checkpoint_extra
-        self.dataset = SampleDataset(data.index, cfg.embedding_cache_size)
+        self.dataset = objective.dataset(data.index, cfg.embedding_cache_size)
         self.autocast = (lambda: torch.autocast(device.type, dtype=mixed_dtype)) if mixed_dtype else contextlib.nullcontext
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if heads is not None:
+            self.params += [p for p in heads.parameters() if p.requires_grad]
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
-        self.metrics = open(out / METRICS, "a") if env.is_main else None
+        self.metrics = open(RunLayout(out).metrics, "a") if env.is_main else None
+        self.tracker = tracker or NullTracker()
+        self.validator = validator  # validation.Validator on rank 0 when --val-every is on, else None
         self.last_eval: float | None = None
+        self.data_wait_s = 0.0  # seconds step() spent blocked in next(loader) since fit last read it
 
     # -- logging -------------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
+        """One metrics.jsonl record, and the same to the tracker (rank 0; the others hold neither)."""
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        self.tracker.log(record)
+
+    def close_logs(self, failed: bool = False) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.tracker.close(failed)
 
     # -- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -158,12 +158,16 @@ class Trainer:
         if len(rows) == 0:
             return None
         self.model.eval()
+        if self.heads is not None:
+            self.heads.eval()
         total = torch.zeros(2, dtype=torch.float64)
         for items in eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size):
-            b = to_inputs(collate(self.dataset.__getitems__(items)), self.device, self.expand_timesteps, self.patch)
-            total += torch.tensor([per_sample_loss(self.model, b, self.autocast).sum().item(), len(items)],
-                                  dtype=torch.float64)
+            b = to_batch(collate(self.dataset.__getitems__(items)), self.device, self.expand_timesteps, self.patch)
+            per, _ = self.objective.loss(self.model, b, self.autocast, self.heads)
+            total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
         self.model.train()
+        if self.heads is not None:
+            self.heads.train()
         total = all_reduce(total, self.device)
         return float(total[0] / total[1])
 
@@ -174,38 +178,71 @@ class Trainer:
                       "heldout_samples": int(len(self.data.heldout_rows))})
             self.last_eval = loss
 
+    def validate(self) -> None:
+        """Rank 0 samples the held-out prompts (validation.py) and logs the final-latent error; the other ranks
+        go straight on to the next step, whose collectives wait for rank 0 only as long as the sampling takes.
+        With EMA the EMA weights are sampled, as `eval` would. A failure is one warning line, never the run's end."""
+        if self.validator is None:
+            return
+        swap = self.ema is not None
+        if swap:
+            self.ema.store(self.model.parameters())
+            self.ema.copy_to(self.model.parameters())
+        try:
+            record, grid = self.validator.run(self.model, self.state.step)
+        except Exception as e:  # noqa: BLE001 -- validation must never stop training
+            record, grid = None, None
+            tqdm.write(f"warning: validation at step {self.state.step} failed, training goes on: "
+                       f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        finally:
+            if swap:
+                self.ema.restore(self.model.parameters())
+            self.model.train()
+        if record is not None:
+            self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
+        if grid is not None:
+            self.tracker.log_image("val/teacher_vs_student", self.state.step, grid,
+                                   caption="teacher | student, one row per held-out trajectory")
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         rng = all_gather_bytes(json.dumps(checkpoint.rng_state()).encode(), self.device)
         if self.env.is_main:
+            self.tracker.flush()  # before the checkpoint: what it covers is on disk, so a resume leaves no gap
             state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
                                           "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
             state["extra"] = self.checkpoint_extra
-            checkpoint.save(self.out, self.state.step, self.model, self.ema.shadow if self.ema else None,
-                            self.optimizer, state, self.cfg.keep_checkpoints)
+            checkpoint.save(self.out, self.state.step, self.model, ema_tensors(self.ema, self.model) if self.ema else None,
+                            self.optimizer, state, self.cfg.keep_checkpoints, self.heads)
             plot_losses(self.out)
         barrier(self.device)
 
     # -- training ------------------------------------------------------------------------------------
-    def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int]:
-        """One optimizer step; returns (mean loss over all ranks' samples, grad norm, samples)."""
+    def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int, dict[str, float]]:
+        """One optimizer step; returns (mean loss over all ranks' samples, grad norm, samples, mean of each term)."""
         cfg, plan = self.cfg, self.plan
         count = plan.step_samples(epoch_step)
         micros = plan.micro_range(epoch_step)
         world = self.env.world_size
         loss_sum = torch.zeros((), dtype=torch.float64)
+        term_sums: dict[str, torch.Tensor] = {}
         keys = []
         for j, _ in enumerate(micros):
+            t_wait = time.perf_counter()
             batch = next(loader_iter)
+            self.data_wait_s += time.perf_counter() - t_wait  # blocked on the loader, not computing
             keys.append(batch["keys"])
-            b = to_inputs(batch, self.device, self.expand_timesteps, self.patch)
+            b = to_batch(batch, self.device, self.expand_timesteps, self.patch)
             last = j == len(micros) - 1
             sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
-                per = per_sample_loss(self.ddp or self.model, b, self.autocast)
+                per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()
                 self.scaler.scale(weighted * (world / count)).backward()
             loss_sum += weighted.detach().double().cpu()
+            if len(terms) > 1:
+                for name, t in terms.items():
+                    term_sums[name] = term_sums.get(name, 0) + (t.detach() * b.weight).sum().double().cpu()
         if self.debug_dir:
             self.trained_keys.extend(keys)
         self.scaler.unscale_(self.optimizer)
@@ -215,18 +252,25 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.update(self.model, self.state.step + 1)
+            self.ema.step(self.model.parameters())
         loss = all_reduce(loss_sum, self.device).item() / count
-        return loss, float(grad_norm), count
+        terms = {}
+        if term_sums:
+            names = sorted(term_sums)
+            sums = all_reduce(torch.stack([term_sums[n] for n in names]), self.device)
+            terms = {n: float(v) / count for n, v in zip(names, sums)}
+        return loss, float(grad_norm), count, terms
 
     def fit(self) -> TrainState:
         cfg, st, env = self.cfg, self.state, self.env
         if st.step == 0:
             self.log_eval()
+            self.validate()
         bar = tqdm(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
                    disable=not env.is_main)
         t_start = time.time() - st.wall_s
         rate = None
+        wait_s = step_s = 0.0  # over the steps since the last metrics line
         pin = self.device.type == "cuda"
         try:
             while st.step < self.total:
@@ -240,8 +284,10 @@ class Trainer:
                     for g in self.optimizer.param_groups:
                         g["lr"] = lr
                     t0 = time.time()
-                    loss, grad_norm, count = self.step(it, st.epoch_step)
+                    self.data_wait_s = 0.0
+                    loss, grad_norm, count, terms = self.step(it, st.epoch_step)
                     dt = time.time() - t0
+                    wait_s, step_s = wait_s + self.data_wait_s, step_s + dt
                     rate = count / dt if rate is None else 0.9 * rate + 0.1 * count / dt
                     st.step += 1
                     st.epoch_step += 1
@@ -253,7 +299,10 @@ class Trainer:
                     if st.step % cfg.log_every == 0 or st.step == self.total:
                         self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
                                   "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
-                                  "wall_s": round(st.wall_s, 3)})
+                                  "wall_s": round(st.wall_s, 3), "data_wait_frac": wait_s / max(step_s, 1e-9),
+                                  "peak_mem_gib": peak_memory_gib(self.device),
+                                  **{f"loss_{k}": v for k, v in terms.items()}})
+                        wait_s = step_s = 0.0
                     post = {"loss": f"{loss:.4f}", "samples/s": f"{rate:.1f}", "epoch": st.epoch}
                     if self.last_eval is not None:
                         post["heldout"] = f"{self.last_eval:.4f}"
@@ -261,6 +310,8 @@ class Trainer:
                     bar.update(1)
                     if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
                         self.log_eval()
+                    if cfg.val_every and st.step % cfg.val_every == 0 and st.step < self.total:
+                        self.validate()
                     if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
                         self.save_checkpoint()
                 del it, loader  # stops the workers of this epoch
@@ -269,11 +320,15 @@ class Trainer:
                     st.epoch_step = 0
         except BaseException:
             bar.close()  # end the bar's line so the error message starts on its own
+            self.close_logs(failed=True)
             raise
         bar.close()
-        self.log_eval()
-        if self.metrics is not None:
-            self.metrics.close()
+        try:
+            self.log_eval()
+            if cfg.val_every:
+                self.validate()
+        finally:
+            self.close_logs()
         return st
 
     def write_debug(self, param_sha: str) -> None:
@@ -285,9 +340,18 @@ class Trainer:
         (Path(self.debug_dir) / f"rank-{self.env.rank}.json").write_text(json.dumps(record))
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: CUDA memory allocated on `device`, or on the CPU this process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def truncate_metrics(out: Path, step: int) -> None:
     """Drop metrics past `step` (written after the checkpoint a run resumes from)."""
-    path = out / METRICS
+    path = RunLayout(out).metrics
     if not path.exists():
         return
 
@@ -303,7 +367,7 @@ def truncate_metrics(out: Path, step: int) -> None:
 
 def plot_losses(out: Path) -> Path | None:
     """OUT/loss.png: training loss per logged step and held-out loss, log scale."""
-    path = out / METRICS
+    path = RunLayout(out).metrics
     if not path.exists():
         return None
     import matplotlib
@@ -314,7 +378,8 @@ def plot_losses(out: Path) -> Path | None:
     train, held = [], []
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        (train if r["type"] == "train" else held).append((r["step"], r.get("loss", r.get("heldout_loss"))))
+        if r["type"] in ("train", "eval"):  # validation records ("val") are the tracker's
+            (train if r["type"] == "train" else held).append((r["step"], r.get("loss", r.get("heldout_loss"))))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*np.asarray(train).T, label="train loss", lw=1)
@@ -326,7 +391,7 @@ def plot_losses(out: Path) -> Path | None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    png = out / LOSS_PNG
+    png = RunLayout(out).loss_png
     tmp = png.with_name(png.name + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

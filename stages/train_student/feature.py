@@ -1,0 +1,82 @@
+"""`velocity+feature`: the teacher's prediction plus its hidden states (feature distillation, offline).
+
+Stage one stored, for every sample, the outputs of chosen teacher blocks on the conditional branch, times a
+fixed projection to `feature_dim` (cache/features.py), optionally pooled over tokens. Each pair S:T of
+`--feature-pairs` maps student block S onto recorded teacher block T through a learned linear head from the
+student's width to `feature_dim` (pooled like the cache), and adds `--feature-weight` x the mean over pairs
+of the MSE between the two to the velocity loss. The heads are checkpointed and resumed with the student
+and never exported. The sample's features come from the expert that ran its step, so both experts of
+Wan 2.2 teach through the same pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache import format as F
+from pipeline.errors import UserError
+
+from .objectives import Batch, Objective, Outputs, block_output, mse, register
+
+
+def parse_pairs(text) -> tuple[tuple[int, int], ...]:
+    """"S:T,S:T" -> ((S, T), ...); ValueError with the expected form otherwise."""
+    if isinstance(text, (list, tuple)):
+        text = ",".join(str(x) for x in text)
+    pairs = []
+    for item in str(text or "").split(","):
+        s, sep, t = item.strip().partition(":")
+        if not sep or not s.strip().isdigit() or not t.strip().isdigit():
+            raise ValueError(f"feature-pairs must look like 0:10,1:30 (student block:teacher block), got {text!r}")
+        pairs.append((int(s), int(t)))
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"feature-pairs names a pair twice: {text!r}")
+    return tuple(pairs)
+
+
+@register
+class VelocityFeature(Objective):
+    name = "velocity+feature"
+    help = ("velocity plus MSE of learned projections of student blocks to the cached teacher features "
+            "(--feature-pairs S:T,..., --feature-weight; the cache needs --record-features)")
+    fields = (F.T_X_T, F.T_TARGET, F.T_FEATURES)
+
+    def __init__(self, settings: dict | None = None):
+        super().__init__(settings)
+        self.pairs = parse_pairs(self.settings["feature_pairs"])
+        self.weight = float(self.settings["feature_weight"])
+        self.outputs = ("prediction", *dict.fromkeys(block_output(s) for s, _ in self.pairs))
+        self.rows: dict[int, int] = {}  # teacher block -> row of the cached features (set by heads())
+        self.pool = "none"
+
+    @classmethod
+    def from_config(cls, cfg) -> VelocityFeature:
+        if not cfg.feature_pairs:
+            raise UserError("--objective velocity+feature needs --feature-pairs S:T,... (student block:teacher block "
+                            "recorded by teacher-cache --record-features)")
+        return cls({"feature_pairs": ",".join(f"{s}:{t}" for s, t in parse_pairs(cfg.feature_pairs)),
+                    "feature_weight": cfg.feature_weight})
+
+    def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module:
+        recorded = [int(b) for b in manifest.get(F.F_RECORD_FEATURES) or []]
+        unknown = sorted({t for _, t in self.pairs} - set(recorded))
+        if unknown:
+            raise UserError(f"--feature-pairs names teacher block(s) {unknown} that the cache did not record (it holds "
+                            f"blocks {recorded}); pair with those or rebuild the cache with --record-features")
+        self.rows = {b: i for i, b in enumerate(recorded)}
+        self.pool = manifest.get(F.F_FEATURE_POOL, "none")
+        width = int(student_config["num_attention_heads"]) * int(student_config["attention_head_dim"])
+        dim = int(manifest[F.F_FEATURE_DIM])
+        return torch.nn.ModuleDict({f"{s}:{t}": torch.nn.Linear(width, dim) for s, t in self.pairs})
+
+    def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
+        cached = batch.fields[F.T_FEATURES]  # [B, recorded blocks, tokens or 1, D]
+        feature = None
+        for s, t in self.pairs:
+            mine = heads[f"{s}:{t}"](out.blocks[s].float())  # [B, tokens, D]
+            if self.pool == "mean":
+                mine = mine.mean(1, keepdim=True)
+            err = mse(mine, cached[:, self.rows[t]])
+            feature = err if feature is None else feature + err
+        return {"velocity": mse(out.prediction, batch.fields[F.T_TARGET]),
+                "feature": self.weight * feature / len(self.pairs)}

@@ -1,0 +1,187 @@
+"""Experiment trackers: the run's curves in TensorBoard or Weights & Biases, beside metrics.jsonl.
+
+metrics.jsonl stays the plain record that tests, `eval` and the summary read; a tracker receives the same
+records as they are written (`Trainer.log`) and shows them where engineers watch runs. One rule maps a
+record to scalars (`scalars`): every number of a record of type T is the scalar `T/<key>` at the record's
+step (a dict of numbers, such as validation's per-prompt errors, becomes `T/<key>/<name>`). The resolved
+config and the cache fingerprint are the run's hyperparameters.
+
+Only rank 0 opens a real tracker; the other ranks get `NullTracker`. Both backends use their library's
+own writer: `torch.utils.tensorboard.SummaryWriter` (event files under OUT/tensorboard) and `wandb` (the
+optional extra, configured by its own environment: WANDB_MODE=offline, WANDB_PROJECT, WANDB_DIR, ...).
+
+A resumed run continues one curve: TensorBoard purges what a killed run logged after the checkpoint it
+resumes from (`purge_step`, the same cut as metrics.jsonl's), and W&B continues the run whose id is kept
+in OUT/wandb-run.json.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from cache.atomic import atomic_write_json
+from pipeline.artifact import RunLayout
+from pipeline.config import REPORT_TO
+from pipeline.errors import UserError
+
+WANDB_EXTRA = 'pip install "wandistiller[wandb]"'
+WANDB_PROJECT = "wandistiller"  # when WANDB_PROJECT is not set
+
+
+def require_backend(report_to: str) -> None:
+    """Refuse, before anything slow, a tracker whose package is not installed (every rank alike)."""
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(report_to)
+    if module and importlib.util.find_spec(module) is None:
+        how = WANDB_EXTRA if report_to == "wandb" else "pip install tensorboard"
+        err = UserError(f"--report-to {report_to} needs the {module} package, which is not installed: {how} "
+                        "(or pass --report-to none)")
+        err.all_ranks = True  # every rank raises it: rank 0 alone prints it
+        raise err
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The scalars of a metrics.jsonl record: `type/key` for each number, `type/key/name` for a dict of numbers."""
+    kind = record["type"]
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("type", "step"):
+            continue
+        if isinstance(value, dict):
+            out.update({f"{kind}/{key}/{k}": float(v) for k, v in value.items() if _number(v)})
+        elif _number(value):
+            out[f"{kind}/{key}"] = float(value)
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def hparams(config: dict) -> dict[str, int | float | str | bool]:
+    """Flat hyperparameters both backends accept: lists and dicts as JSON text, None left out."""
+    out = {}
+    for k, v in config.items():
+        if v is None:
+            continue
+        out[k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str)
+    return out
+
+
+class Tracker:
+    """What the loop calls. The base class records nothing (every rank but 0, and --report-to none)."""
+
+    name = "none"
+
+    def log(self, record: dict) -> None:
+        """A metrics.jsonl record (with `type` and `step`)."""
+
+    def log_image(self, tag: str, step: int, image: np.ndarray, caption: str = "") -> None:
+        """An HxWx3 uint8 image."""
+
+    def flush(self) -> None:
+        """Everything logged so far on disk (called at each checkpoint, so a resume finds no gap)."""
+
+    def close(self, failed: bool = False) -> None:
+        """Flush and release the writer."""
+
+
+NullTracker = Tracker
+
+
+class TensorBoardTracker(Tracker):
+    """Event files under OUT/tensorboard, written by torch's SummaryWriter."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path, config: dict, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        # purge_step: TensorBoard drops the events of earlier files at or past this step. A fresh run (0)
+        # hides a killed run's events that --resume could not continue; a resumed one (checkpoint + 1) hides
+        # what was logged after its checkpoint, exactly as metrics.jsonl is truncated.
+        purge = 0 if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge, flush_secs=30)
+        flat = hparams(config)
+        # The hparams plugin's summaries go into this run's own event file (add_hparams would open a second run).
+        metrics = {"eval/heldout_loss": 0.0, "val/final_latent_mse": 0.0, "train/loss": 0.0}
+        for summary in hparams_summary(flat, metrics):
+            self.writer.file_writer.add_summary(summary)
+        # At the step this process starts from: a resumed run's config (a raised --max-steps, say) shows beside
+        # the first one's.
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```",
+                             resume_step or 0)
+
+    def log(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def log_image(self, tag: str, step: int, image: np.ndarray, caption: str = "") -> None:
+        self.writer.add_image(tag, image, step, dataformats="HWC")
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """A W&B run (online, offline or disabled as WANDB_MODE says); its id is kept in OUT/wandb-run.json so a
+    resumed training run continues the same W&B run. W&B refuses steps below the last one it holds, so after a
+    kill the steps between the checkpoint and the kill keep the values first logged (an exact resume logs the
+    same losses again; only timings would differ)."""
+
+    name = "wandb"
+
+    def __init__(self, layout: RunLayout, config: dict, resume_step: int | None):
+        import wandb
+
+        self.wandb = wandb
+        run_id = _read_run_id(layout.wandb_run) if resume_step is not None else None  # None: W&B draws one
+        try:
+            self.run = wandb.init(
+                id=run_id, resume="allow" if run_id else None, config=config, name=layout.root.resolve().name,
+                project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
+                dir=None if os.environ.get("WANDB_DIR") else str(layout.root))
+        except Exception as e:  # no login, no network, a bad entity: the user's to fix, in one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--report-to wandb: W&B could not start a run ({first}); run `wandb login`, set "
+                            "WANDB_MODE=offline to log without a network, or pass --report-to tensorboard") from e
+        atomic_write_json(layout.wandb_run, {"id": self.run.id, "project": self.run.project,
+                                             "dir": str(Path(self.run.dir).parent)})
+
+    def log(self, record: dict) -> None:
+        self.run.log(scalars(record), step=record["step"])
+
+    def log_image(self, tag: str, step: int, image: np.ndarray, caption: str = "") -> None:
+        self.run.log({tag: self.wandb.Image(image, caption=caption or None)}, step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def _read_run_id(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no earlier W&B run (or a torn file): start a new one
+
+
+def open_tracker(report_to: str, layout: RunLayout, *, config: dict, resume_step: int | None,
+                 is_main: bool) -> Tracker:
+    """The tracker of this rank: `report_to`'s on rank 0, a NullTracker elsewhere. `resume_step` is the step of
+    the checkpoint resumed from, None for a run that starts at step 0."""
+    if not is_main or report_to == "none":
+        return NullTracker()
+    require_backend(report_to)
+    if report_to == "tensorboard":
+        return TensorBoardTracker(layout.tensorboard, config, resume_step)
+    if report_to == "wandb":
+        return WandbTracker(layout, config, resume_step)
+    raise ValueError(f"unknown tracker {report_to!r}; one of {', '.join(REPORT_TO)}")

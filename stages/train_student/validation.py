@@ -1,0 +1,160 @@
+"""Validation by sampling, teacher-free: rank 0 samples the student on held-out prompts during training.
+
+Every --val-every steps the student samples the first --val-max-prompts held-out prompts (all their cached
+seeds) from the cache's initial noise and prompt embeddings, with the steps and scheduler distill.json records
+for it, through the one student sampler `pipeline.sampling` (the one `eval` uses); the final latents are
+compared with the teacher's cached final latents: MSE per trajectory and mean, the number `eval` reports as
+`final_latent_mse`. Nothing of the teacher is loaded for that.
+
+With --val-decode the teacher's VAE, and nothing else of the teacher, is loaded once on rank 0, in float32, and
+kept in CPU memory between validations; it visits the training device only while it decodes, one latent at a
+time. Its cost: the weights (Wan 2.1's VAE, which the A14B and 1.3B/14B teachers use: 126.9M parameters,
+484 MiB; Wan 2.2 TI2V-5B's: 704.7M, 2.6 GiB) plus one frame's decoder activations (measured on the CPU at
+480x832: about 3.3 GiB) on the device during validation, and the weights in host RAM the rest of the time.
+It decodes the teacher's cached final latents once and the student's at each validation into a
+teacher | student grid.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from cache import format as F
+from cache.prompt_store import EmbeddingCache, negative_embeds, read_latents
+from cache.reader import C_CACHE, C_PROMPT, C_SEED
+from pipeline.artifact import DistillRecord
+from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
+
+_GAP = 2  # pixels between grid cells
+
+
+def trajectory_name(prompt_idx: int, seed_idx: int) -> str:
+    return f"p{prompt_idx}_s{seed_idx}"
+
+
+class Validator:
+    """Samples the student on fixed held-out trajectories; `run` returns (metrics record, image grid or None)."""
+
+    def __init__(self, record: DistillRecord, data, max_prompts: int, batch_size: int, device: torch.device,
+                 decode: bool):
+        self.record, self.device, self.batch_size, self.decode = record, device, batch_size, decode
+        index = data.index
+        self.manifest = index.manifest
+        prompts = [int(p) for p in data.heldout_prompts[:max_prompts]]
+        rows = index.table[data.heldout_rows]
+        rows = rows[np.isin(rows[:, C_PROMPT], prompts)]
+        # (prompt, seed) -> the cache holding it (the first one, as the index keeps duplicates once)
+        where: dict[tuple[int, int], int] = {}
+        for ci, p, s in rows[:, [C_CACHE, C_PROMPT, C_SEED]].tolist():
+            where.setdefault((int(p), int(s)), int(ci))
+        self.trajectories = sorted(where)
+        self.caches = [index.caches[where[t]].path for t in self.trajectories]
+        self.steps = student_steps(record)
+        self.guidance = 1.0 if record.guided else float(self.manifest[F.F_GUIDANCE])
+        self.expand = bool(self.manifest.get(F.F_EXPAND_TIMESTEPS, False))
+        self.patch = tuple(self.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2))
+        self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._neg: torch.Tensor | None = None
+        self._vae = None
+        self._teacher_frames: np.ndarray | None = None
+
+    def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(initial noise, teacher's final latents, prompt embeddings) per batch, read once from the cache."""
+        if self._inputs is None:
+            num_parts = int(self.manifest[F.F_NUM_PARTS])
+            embeds: dict[Path, EmbeddingCache] = {}
+            init, final, emb = [], [], []
+            for (p, s), cache in zip(self.trajectories, self.caches):
+                i, f = read_latents(cache, num_parts, [(p, s)])
+                init.append(i[0])
+                final.append(f[0])
+                emb.append(embeds.setdefault(cache, EmbeddingCache(cache, num_parts)).get(p))
+            if self.guidance > 1.0:
+                self._neg = negative_embeds(self.caches[0])[None]
+            b = self.batch_size
+            self._inputs = [(torch.stack(init[k:k + b]), torch.stack(final[k:k + b]), torch.stack(emb[k:k + b]))
+                            for k in range(0, len(init), b)]
+        return self._inputs
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, step: int) -> tuple[dict, np.ndarray | None]:
+        t0 = time.perf_counter()
+        model.eval()
+        errors, latents = [], []
+        for init, final, emb in self._load_inputs():
+            out = sample_latents(model, student_scheduler(self.record), init, emb, self.steps, self.guidance,
+                                 self._neg, expand_timesteps=self.expand, patch=self.patch).float().cpu()
+            errors += (out - final.float()).pow(2).flatten(1).mean(1).tolist()
+            latents.append(out)
+        record = {"final_latent_mse": float(np.mean(errors)),
+                  "final_latent_mse_per_prompt": {trajectory_name(*t): e for t, e in zip(self.trajectories, errors)},
+                  "trajectories": len(errors), "sampling_steps": self.steps}
+        grid = self._grid(torch.cat(latents)) if self.decode else None
+        if self._vae is not None:
+            record["vae_mib"] = self.vae_mib
+        record["val_s"] = time.perf_counter() - t0
+        return record, grid
+
+    # -- --val-decode ---------------------------------------------------------------------------------
+    def _load_vae(self):
+        """The teacher's VAE alone (diffusers AutoencoderKLWan from the teacher's vae/ subfolder), float32."""
+        from diffusers import AutoencoderKLWan
+
+        m = self.manifest
+        path = m.get(F.F_TEACHER_PATH)
+        source = path if path and Path(path).is_dir() else m.get(F.F_TEACHER)
+        vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", revision=m.get(F.F_REVISION),
+                                               torch_dtype=torch.float32)
+        vae = vae.eval().requires_grad_(False)  # on the CPU until it decodes
+        self.vae_mib = sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**20
+        tqdm.write(f"validation: the teacher's VAE from {source} on rank 0 ({self.vae_mib:.1f} MiB of float32 "
+                   "weights; the teacher's transformers and text encoder stay unloaded)")
+        return vae
+
+    def _grid(self, student_latents: torch.Tensor) -> np.ndarray | None:
+        if self._vae is None:
+            try:
+                self._vae = self._load_vae()
+            except Exception as e:  # noqa: BLE001 -- no images, but the latent error is still logged
+                self.decode = False
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                tqdm.write(f"warning: --val-decode: cannot load the teacher's VAE ({first}); validation goes on "
+                           "without images")
+                return None
+        if self._teacher_frames is None:
+            self._teacher_frames = self._frames(torch.cat([f for _, f, _ in self._load_inputs()]))
+        return image_grid(self._teacher_frames, self._frames(student_latents))
+
+    def _frames(self, latents: torch.Tensor) -> np.ndarray:
+        """First frame of each latent, decoded one at a time (one frame's activations at most): [N, H, W, 3] uint8."""
+        self._vae.to(self.device)
+        try:
+            out = [decode_latents(self._vae, latents[k:k + 1])[:, 0] for k in range(len(latents))]
+        finally:
+            self._vae.to("cpu")  # the training device holds it only while it decodes
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return (torch.cat(out).numpy() * 255).round().astype(np.uint8)
+
+
+def image_grid(teacher: np.ndarray, student: np.ndarray) -> np.ndarray:
+    """One row per trajectory: teacher | student, separated by white gaps. [N, H, W, 3] x2 -> HxWx3 uint8."""
+    n, h, w, _ = teacher.shape
+    grid = np.full((n * h + (n + 1) * _GAP, 2 * w + 3 * _GAP, 3), 255, dtype=np.uint8)
+    for i in range(n):
+        y = _GAP + i * (h + _GAP)
+        grid[y:y + h, _GAP:_GAP + w] = teacher[i]
+        grid[y:y + h, 2 * _GAP + w:2 * _GAP + 2 * w] = student[i]
+    return grid
+
+
+def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torch.device) -> Validator | None:
+    """Rank 0's validator when --val-every is on (None elsewhere: the other ranks only train)."""
+    if not (is_main and cfg.val_every and len(data.heldout_prompts)):
+        return None
+    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, cfg.val_decode)
