@@ -19,7 +19,7 @@ from PIL import Image
 from cache import format as F
 from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
-from cache.writer import decode_sample
+from cache.reader import decode_sample
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
 from stages.sample.grid import GridLayout, draw_grid
@@ -89,7 +89,7 @@ def write_run(out, model, cache, teacher, **distill_over):
     """OUT/student/ + OUT/distill.json, as train-student writes them."""
     m = load_manifest(cache)
     model.save_pretrained(out / "student")
-    distill = {"cache_fingerprints": [m[F.F_FINGERPRINT]], "cfg": True, "guidance": m[F.F_GUIDANCE],
+    distill = {"fingerprints": [m[F.F_FINGERPRINT]], "cfg": True, "guidance": m[F.F_GUIDANCE],
                "max_sequence_length": m[F.F_MAX_SEQUENCE_LENGTH], "expand_timesteps": False,
                "latent_shape": m[F.F_LATENT_SHAPE], "teacher": str(teacher), "steps": m[F.F_STEPS],
                "negative_prompt": m[F.F_NEGATIVE_PROMPT], "init_seed": INIT_SEED, **distill_over}

@@ -124,21 +124,25 @@ def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> 
     return out
 
 
-def compare(teacher, student_pipe, captions: list[str], settings, device, batch_size: int = 16,
-            keep: int = 0) -> dict:
-    """Draw every caption with the teacher (its experts, its CFG) and the student (one transformer, its own
-    guidance) from the same initial noise (caption i: seed + i, as `wandistiller sample` draws row i) and
-    score both. `settings` is a `sample.SamplingSettings`. Returns the two scores, the student's share of
-    the teacher's accuracy per attribute, and the first `keep` image pairs (uint8) under "images"."""
+def compare(teacher, students, captions: list[str], settings, device, batch_size: int = 16, keep: int = 0) -> dict:
+    """Draw every caption with the teacher (its experts, its CFG, its steps) and each student from the same initial
+    noise (caption i: seed + i, as `wandistiller sample` draws row i) and score them all. `settings` is a
+    `sample.SamplingSettings`; `students` maps a name to `draw(prompt_embeds, latents, negative_embeds) -> final
+    latents` (`sample.student_sampler`: its own schedule, steps and guidance), decoded with the teacher's VAE.
+    Returns each one's score under its name, "student" and "student_vs_teacher" for the first student, each
+    student's share of the teacher's accuracy per attribute under "vs_teacher", and the first `keep` rows of
+    images (uint8; teacher first) under "images"."""
     import torch
     from tqdm.auto import tqdm
+
+    from pipeline.sampling import decode_latents
 
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
                   max_sequence_length=settings.max_sequence_length, output_type="np")
     teacher_kw = dict(guidance_scale=settings.guidance)
     if settings.guidance_2 is not None:
         teacher_kw["guidance_scale_2"] = settings.guidance_2
-    images = {"teacher": [], "student": []}
+    images = {"teacher": [], **{name: [] for name in students}}
     bar = tqdm(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]
@@ -149,13 +153,17 @@ def compare(teacher, student_pipe, captions: list[str], settings, device, batch_
                                                 max_sequence_length=settings.max_sequence_length, device=device)
             images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
                                                          latents=latents.clone(), **common, **teacher_kw).frames)
-            images["student"] += first_frames_u8(student_pipe(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                                              latents=latents.clone(), **common,
-                                                              guidance_scale=settings.student_guidance).frames)
+            for name, draw in students.items():
+                frames = decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy()
+                images[name] += first_frames_u8(frames)
         bar.update(len(caps))
     bar.close()
     result = {name: score(imgs, captions) for name, imgs in images.items()}
-    result["student_vs_teacher"] = {k: round(result["student"][k] / result["teacher"][k], 4)
-                                    if result["teacher"][k] else None for k in KEPT}
-    result["images"] = [(images["teacher"][i], images["student"][i]) for i in range(min(keep, len(captions)))]
+    t = result["teacher"]
+    result["vs_teacher"] = {name: {k: round(result[name][k] / t[k], 4) if t[k] else None for k in KEPT + ("all",)}
+                            for name in students}
+    first = next(iter(students))
+    result["student"] = result[first]
+    result["student_vs_teacher"] = {k: result["vs_teacher"][first][k] for k in KEPT}
+    result["images"] = [tuple(images[name][i] for name in images) for i in range(min(keep, len(captions)))]
     return result

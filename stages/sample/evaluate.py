@@ -2,18 +2,25 @@
 
     (a) velocity error: the student's prediction at every cached x_t against the teacher's cached target,
         per step (untrained twin alongside as the baseline);
-    (b) final-latent error: the student samples from each trajectory's cached initial noise with the cache's
-        own scheduler and step count, and its final latent is compared with the teacher's;
-    (c) speed: student and teacher sample the same latents at the same step count.
+    (b) final-latent error: the student samples from each trajectory's cached initial noise with its own
+        schedule and steps (distill.json's: a few-step student's K Euler steps, else the teacher's scheduler and
+        steps; `--student-steps` overrides, e.g. 1,2,4 for a velocity student sampled with fewer steps), through
+        the one sampler of pipeline/sampling.py, and its final latent is compared with the teacher's;
+    (c) speed: seconds per image of the teacher (its steps, its CFG) and the student (its steps) on the same
+        latents: the denoising alone, and with --attributes also the whole pipeline (encode, denoise, decode);
+    (d) with --attributes, the attribute checker's accuracy of teacher and student on shapes captions.
 
-Everything runs on prompt embeddings stored in the cache: no text encoder is loaded, and the VAE never is.
-A student that learned guided targets samples at guidance 1; one that learned conditional predictions is
-compared with `target_cond` and samples with CFG at the teacher's scale (the cache's negative prompt).
+`--compare RUN` adds more students (each at its own steps) to (b)-(d), from the same noise in the same run, and
+the report's `table` (also printed) lines them all up against the teacher. (a) and (b) run on prompt embeddings
+stored in the cache, with no text encoder or VAE. A student that learned guided targets samples at guidance 1;
+one that learned conditional predictions is compared with `target_cond` and samples with CFG at the teacher's
+scale (the cache's negative prompt).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import time
 from pathlib import Path
 
@@ -24,19 +31,19 @@ from cache import format as F
 from cache.atomic import atomic_write_json
 from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
+from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.wan_inputs import model_timestep
 
 from . import trajectories
-from .config import EvalConfig
 from .models import (
     Student, check_compatible, find_student, init_exact, load_teacher, load_transformer, pick_device,
-    student_pipeline, teacher_dir, untrained_transformer,
+    teacher_dir, untrained_transformer,
 )
 from .plot import plot_report
 
 REPORT_NAME = "eval.json"
-MODELS = ("student", "untrained")
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
 COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shape", "steps", "negative_prompt")
 
@@ -44,15 +51,6 @@ COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shap
 def _mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-sample mean squared error in float32: [N, ...] x [N, ...] -> [N]."""
     return (a.float() - b.float()).pow(2).flatten(1).mean(1)
-
-
-def model_timestep(t: torch.Tensor, latent_shape, expand: bool) -> torch.Tensor:
-    """The transformer's timestep input for t [B]: per token when the teacher expands timesteps (TI2V),
-    built as WanPipeline builds it (every 2nd row and column of the latent grid, times its frames)."""
-    if not expand:
-        return t
-    _, f, h, w = latent_shape
-    return t[:, None].expand(-1, f * len(range(0, h, 2)) * len(range(0, w, 2)))
 
 
 def scheduler_from_manifest(manifest: dict):
@@ -70,7 +68,7 @@ def scheduler_from_manifest(manifest: dict):
 def _settings_warnings(student: Student, manifest: dict, teacher_timesteps: list[float]) -> list[str]:
     notes = []
     for key in COMPARED:
-        mine, theirs = student.distill.get(key), manifest.get(key)
+        mine, theirs = student.setting(key), manifest.get(key)
         if mine is not None and theirs is not None and mine != theirs:
             notes.append(f"student trained with {key}={mine!r}, the cache has {theirs!r}")
     if [float(t) for t in teacher_timesteps] != [float(t) for t in manifest[F.F_TIMESTEPS]]:
@@ -92,7 +90,8 @@ def velocity_errors(models: dict, cache_dir: Path, manifest: dict, trajs, target
 
     def flush(batch):
         x = torch.stack([s[F.T_X_T] for s, _ in batch]).to(device, dtype)
-        t = model_timestep(torch.tensor([m[F.M_TIMESTEP] for _, m in batch], device=device), shape, expand)
+        t = model_timestep(torch.tensor([m[F.M_TIMESTEP] for _, m in batch], device=device), shape[1:], expand,
+                           tuple(manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)))
         enc = torch.stack([embeds.get(m[F.M_PROMPT_IDX]) for _, m in batch]).to(device, dtype)
         target = torch.stack([s[target_key] for s, _ in batch]).to(device)
         for name, model in models.items():
@@ -104,7 +103,7 @@ def velocity_errors(models: dict, cache_dir: Path, manifest: dict, trajs, target
         bar.update(len(batch))
 
     batch = []
-    for tensors, meta in trajectories.iter_samples(cache_dir, manifest, {p for p, _ in seeds}):
+    for tensors, meta in trajectories.iter_samples(cache_dir, {p for p, _ in seeds}):
         if (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX]) not in seeds:
             continue
         if target_key not in tensors:
@@ -133,34 +132,62 @@ def _sample_kwargs(manifest: dict) -> dict:
                 max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]))
 
 
-def sample_latents(pipe, embeds: torch.Tensor, init: torch.Tensor, neg: torch.Tensor, guidance: float,
-                   manifest: dict, extra: dict | None = None) -> torch.Tensor:
-    """Final latents [B, ...] float32 (CPU) of a WanPipeline run from `init` with prompt embeddings `embeds`."""
+def teacher_latents(pipe, embeds: torch.Tensor, init: torch.Tensor, neg: torch.Tensor, guidance: float,
+                    manifest: dict, extra: dict | None = None) -> torch.Tensor:
+    """Final latents [B, ...] float32 (CPU) of the teacher's WanPipeline (its experts, its steps) from `init`."""
     kw = dict(_sample_kwargs(manifest), guidance_scale=guidance, **(extra or {}))
     if guidance > 1.0:
         kw["negative_prompt_embeds"] = neg.expand(embeds.shape[0], -1, -1)
     return pipe(prompt_embeds=embeds, latents=init.clone(), **kw).frames.float().cpu()
 
 
-def final_latent_errors(pipes: dict, cache_dir: Path, manifest: dict, trajs, neg, guidance: float,
-                        batch_size: int, device: torch.device) -> dict:
-    """MSE between each model's sampled final latent (from the cached initial noise) and the teacher's cached
+@dataclasses.dataclass
+class Entry:
+    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds)` -> final latents, through the
+    one sampler (pipeline/sampling.py) with the student's own schedule at `steps`."""
+
+    label: str
+    student: Student
+    model: torch.nn.Module
+    steps: int
+    guidance: float
+    draw: Callable
+
+    def describe(self) -> dict:
+        return {"label": self.label, "path": str(self.student.path), "objective": self.student.setting("objective"),
+                "trained_steps": self.student.setting("student_steps"), "steps": self.steps, "guidance": self.guidance}
+
+
+def make_entry(label: str, student: Student, model, steps: int, guidance: float, manifest: dict) -> Entry:
+    from .sample import SamplingSettings, student_sampler
+
+    settings = SamplingSettings(steps=steps, guidance=guidance, guidance_2=None, student_guidance=guidance,
+                                negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
+                                student_steps=steps)
+    draw = student_sampler(student, model, settings, scheduler_from_manifest(manifest),
+                           bool(manifest.get(F.F_EXPAND_TIMESTEPS, False)))
+    return Entry(label, student, model, steps, guidance, draw)
+
+
+def final_latent_errors(entries: list[Entry], cache_dir: Path, manifest: dict, trajs, neg, batch_size: int,
+                        device: torch.device) -> dict:
+    """MSE between each entry's sampled final latent (from the cached initial noise) and the teacher's cached
     one, per trajectory and mean. Latents are read a batch at a time."""
     embeds = EmbeddingCache(cache_dir, int(manifest[F.F_NUM_PARTS]))
-    errs = {name: [] for name in pipes}
-    bar = tqdm(total=len(trajs) * len(pipes), desc="eval sampling", unit="traj", dynamic_ncols=True)
+    errs = {e.label: [] for e in entries}
+    bar = tqdm(total=len(trajs) * len(entries), desc="eval sampling", unit="traj", dynamic_ncols=True)
     for i in range(0, len(trajs), batch_size):
         chunk = trajs[i:i + batch_size]
         init, final = trajectories.latents(cache_dir, manifest, chunk)
         emb = torch.stack([embeds.get(t.prompt_idx) for t in chunk]).to(device)
-        for name, pipe in pipes.items():
-            out = sample_latents(pipe, emb, init.to(device), neg.to(device), guidance, manifest)
-            errs[name] += _mse(out, final).tolist()
+        for e in entries:
+            out = e.draw(emb, init.to(device), neg.to(device)).float().cpu()
+            errs[e.label] += _mse(out, final).tolist()
             bar.update(len(chunk))
     bar.close()
     return {**{name: sum(v) / len(v) for name, v in errs.items()},
             "per_trajectory": [{"prompt_idx": t.prompt_idx, "seed_idx": t.seed_idx,
-                                **{name: errs[name][j] for name in pipes}} for j, t in enumerate(trajs)]}
+                                **{name: errs[name][j] for name in errs}} for j, t in enumerate(trajs)]}
 
 
 def _sync(device: torch.device) -> None:
@@ -168,43 +195,93 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_sampling(student_pipe, teacher_pipe, cache_dir: Path, manifest: dict, trajs, neg,
-                  student_guidance: float, runs: int, device: torch.device) -> dict:
-    """Seconds per image of student and teacher on the same latents and step count (after one warm-up each),
-    and the teacher's re-run final latent against the cache (≈0: checks this path reproduces stage one)."""
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def time_sampling(entries: list[Entry], teacher_pipe, cache_dir: Path, manifest: dict, trajs, neg, runs: int,
+                  device: torch.device) -> dict:
+    """Seconds per image (median over `runs` trajectories at batch 1, after one warm-up each) of the teacher (its
+    steps, its CFG) and of every entry (its steps) on the same latents: the denoising alone, on the cached
+    embeddings; and, when the teacher pipeline carries its text encoder and VAE, the whole pipeline too
+    (encode the caption, denoise, decode). Also the teacher's re-run final latent against the cache (~0: checks
+    that this path reproduces stage one)."""
+    from pipeline.sampling import decode_latents
+
     embeds = EmbeddingCache(cache_dir, int(manifest[F.F_NUM_PARTS]))
     teacher_kw = {}
     if teacher_pipe.config.boundary_ratio is not None and manifest.get(F.F_GUIDANCE_2) is not None:
         teacher_kw["guidance_scale_2"] = float(manifest[F.F_GUIDANCE_2])
-    jobs = {"student": (student_pipe, student_guidance, {}),
-            "teacher": (teacher_pipe, float(manifest[F.F_GUIDANCE]), teacher_kw)}
-    seconds = {name: 0.0 for name in jobs}
+    t_guidance = float(manifest[F.F_GUIDANCE])
+    whole = teacher_pipe.text_encoder is not None and teacher_pipe.vae is not None
+    max_len, negative = int(manifest[F.F_MAX_SEQUENCE_LENGTH]), str(manifest.get(F.F_NEGATIVE_PROMPT) or "")
+    names = ["teacher", *(e.label for e in entries)]
+    denoise = {n: [] for n in names}
+    pipeline = {n: [] for n in names}
     teacher_err = []
     n = min(runs, len(trajs))
     init, final = trajectories.latents(cache_dir, manifest, trajs[:n])
+
+    def timed(fn):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        return out, time.perf_counter() - t0
+
     for j in tqdm(range(-1, n), desc="eval timing", unit="traj", dynamic_ncols=True):
         t = trajs[max(j, 0)]
         emb = embeds.get(t.prompt_idx)[None].to(device)
         lat = init[max(j, 0)][None].to(device)
-        for name, (pipe, g, extra) in jobs.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            out = sample_latents(pipe, emb, lat, neg.to(device), g, manifest, extra)
-            _sync(device)
-            if j >= 0:  # j == -1 is the warm-up
-                seconds[name] += time.perf_counter() - t0
-                if name == "teacher":
-                    teacher_err.append(_mse(out, final[j][None]).item())
-    cfg_on = float(manifest[F.F_GUIDANCE]) > 1.0
+        out, sec = timed(lambda: teacher_latents(teacher_pipe, emb, lat, neg.to(device), t_guidance, manifest,
+                                                 teacher_kw))
+        if j >= 0:  # j == -1 is the warm-up
+            denoise["teacher"].append(sec)
+            teacher_err.append(_mse(out, final[j][None]).item())
+        for e in entries:
+            _, sec = timed(lambda: e.draw(emb, lat.clone(), neg.to(device)))
+            if j >= 0:
+                denoise[e.label].append(sec)
+        if not whole:
+            continue
+        with torch.inference_mode():
+            _, sec = timed(lambda: teacher_pipe(t.text, negative_prompt=negative, latents=lat.clone(),
+                                                guidance_scale=t_guidance, **teacher_kw,
+                                                **{**_sample_kwargs(manifest), "output_type": "np"}).frames)
+            if j >= 0:
+                pipeline["teacher"].append(sec)
+            for e in entries:
+                def student_pipeline_run(e=e):
+                    pe, ne = teacher_pipe.encode_prompt(t.text, negative_prompt=negative,
+                                                        do_classifier_free_guidance=e.guidance > 1.0,
+                                                        max_sequence_length=max_len, device=device)
+                    return decode_latents(teacher_pipe.vae, e.draw(pe, lat.clone(), ne)).numpy()
+                _, sec = timed(student_pipeline_run)
+                if j >= 0:
+                    pipeline[e.label].append(sec)
+    per = {name: {"denoise_s_per_image": _median(denoise[name]),
+                  "pipeline_s_per_image": _median(pipeline[name]) if pipeline[name] else None} for name in names}
+    steps = int(manifest[F.F_STEPS])
+    for e in entries:
+        p, t = per[e.label], per["teacher"]
+        p.update(steps=e.steps, forwards_per_step=2 if e.guidance > 1.0 else 1,
+                 speedup_denoise=t["denoise_s_per_image"] / max(p["denoise_s_per_image"], 1e-9),
+                 speedup_pipeline=(t["pipeline_s_per_image"] / max(p["pipeline_s_per_image"], 1e-9)
+                                   if p["pipeline_s_per_image"] else None))
+    first = per[entries[0].label]
     return {
-        "runs": n, "steps": int(manifest[F.F_STEPS]),
-        "student_s_per_image": seconds["student"] / n, "teacher_s_per_image": seconds["teacher"] / n,
-        "speedup": seconds["teacher"] / max(seconds["student"], 1e-9),
-        "student_forwards_per_step": 2 if student_guidance > 1.0 else 1,
-        "teacher_forwards_per_step": 2 if cfg_on else 1,
-        "student_params": sum(p.numel() for p in student_pipe.transformer.parameters()),
+        "runs": n, "steps": steps, "statistic": "median over runs, batch 1",
+        "student_steps": entries[0].steps,
+        "student_s_per_image": first["denoise_s_per_image"], "teacher_s_per_image": per["teacher"]["denoise_s_per_image"],
+        "speedup": first["speedup_denoise"],
+        "teacher_pipeline_s_per_image": per["teacher"]["pipeline_s_per_image"],
+        "student_forwards_per_step": first["forwards_per_step"],
+        "teacher_forwards_per_step": 2 if t_guidance > 1.0 else 1,
+        "student_params": sum(p.numel() for p in entries[0].model.parameters()),
         "teacher_params_per_expert": sum(p.numel() for p in teacher_pipe.transformer.parameters()),
         "teacher_final_mse": sum(teacher_err) / len(teacher_err),
+        "entries": {e.label: per[e.label] for e in entries}, "teacher": per["teacher"],
     }
 
 
@@ -235,35 +312,86 @@ def _share(attrs: dict, key: str) -> str:
     return "n/a (teacher 0%)" if v is None else f"{v:.1%} of the teacher's"
 
 
-def attribute_scores(cfg: EvalConfig, captions: list[str], teacher_path: Path, student_model, manifest: dict,
-                     student_guidance: float, device, dtype, grid_path: Path) -> dict:
-    """Teacher and student draw `captions` with the cache's settings (steps, guidance, negative prompt, size);
-    the attribute checker scores both; the first pairs go to `grid_path`."""
+def attribute_scores(cfg: EvalConfig, captions: list[str], teacher, entries: list[Entry], manifest: dict,
+                     device, grid_path: Path) -> dict:
+    """The teacher (its steps, its CFG) and every entry (its own steps and schedule) draw `captions` from the same
+    noise with the cache's settings (guidance, negative prompt, size, text length); the attribute checker scores
+    them; the first rows (teacher | entries) go to `grid_path`."""
     from PIL import Image
 
     from .attributes import compare
     from .grid import draw_grid
-    from .sample import COLUMNS, SamplingSettings, _write_png
+    from .sample import SamplingSettings, _write_png
 
-    teacher = load_teacher(teacher_path, dtype, device)
-    _check_cache_teacher(teacher, teacher_path, manifest)
     g2 = manifest.get(F.F_GUIDANCE_2)
     settings = SamplingSettings(
         steps=int(manifest[F.F_STEPS]), guidance=float(manifest[F.F_GUIDANCE]),
         guidance_2=float(g2) if g2 is not None and teacher.config.boundary_ratio is not None else None,
-        student_guidance=student_guidance, negative_prompt=str(manifest.get(F.F_NEGATIVE_PROMPT) or ""),
+        student_guidance=entries[0].guidance, negative_prompt=str(manifest.get(F.F_NEGATIVE_PROMPT) or ""),
         height=int(manifest[F.F_HEIGHT]), width=int(manifest[F.F_WIDTH]),
-        max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), seed=0)
-    res = compare(teacher, student_pipeline(student_model, teacher=teacher), captions, settings, device,
-                  cfg.batch_size, keep=cfg.attribute_grid)
-    pairs = res.pop("images")
-    if pairs:
-        grid = draw_grid(captions[:len(pairs)], [[Image.fromarray(t), Image.fromarray(s)] for t, s in pairs],
-                         COLUMNS)
+        max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), seed=0, student_steps=entries[0].steps)
+    res = compare(teacher, {e.label: e.draw for e in entries}, captions, settings, device, cfg.batch_size,
+                  keep=cfg.attribute_grid)
+    rows = res.pop("images")
+    if rows:
+        grid = draw_grid(captions[:len(rows)], [[Image.fromarray(a) for a in row] for row in rows],
+                         ["teacher", *(e.label for e in entries)])
         grid_path.parent.mkdir(parents=True, exist_ok=True)
         _write_png(grid, grid_path)
     return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
-            "grid": str(grid_path) if pairs else None}
+            "grid": str(grid_path) if rows else None}
+
+
+def few_step_table(entries: list[Entry], manifest: dict, finals: dict, timing: dict | None, attrs: dict | None) -> list[dict]:
+    """One row for the teacher and one per entry: steps, final-latent MSE against the teacher from the same noise,
+    attribute accuracy and the share of images with every attribute right (and of the teacher's kept), time per
+    image (denoising, whole pipeline) and speed-ups."""
+    def attr(name: str) -> dict:
+        if not attrs:
+            return {}
+        a = attrs[name]
+        out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
+               "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
+        if name != "teacher":
+            out["kept_all_right"] = attrs["vs_teacher"][name]["all"]
+        return out
+
+    def times(name: str) -> dict:
+        if not timing:
+            return {}
+        t = timing["teacher"] if name == "teacher" else timing["entries"][name]
+        return {k: t.get(k) for k in ("denoise_s_per_image", "pipeline_s_per_image", "speedup_denoise",
+                                      "speedup_pipeline") if k in t}
+
+    rows = [{"label": "teacher", "objective": None, "steps": int(manifest[F.F_STEPS]),
+             "guidance": float(manifest[F.F_GUIDANCE]), "final_latent_mse": 0.0, **attr("teacher"), **times("teacher")}]
+    for e in entries:
+        rows.append({**e.describe(), "final_latent_mse": finals[e.label], **attr(e.label), **times(e.label)})
+    return rows
+
+
+def _format_table(rows: list[dict]) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} {'attr acc':>8} {'all right':>9} {'kept':>6} "
+             f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
+    for r in rows:
+        lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
+                     f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
+                     f"{f(r.get('kept_all_right'), '.0%'):>6} {f(r.get('denoise_s_per_image'), '.4f'):>9} "
+                     f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
+                     f"{f(r.get('speedup_pipeline'), '.1f'):>8}")
+    return "\n".join(lines)
+
+
+def _label(path: str, taken: set[str]) -> str:
+    p = Path(path)
+    name = p.name if p.name not in ("student", "student_ema") else p.parent.name
+    label, i = name, 2
+    while label in taken:
+        label, i = f"{name}-{i}", i + 1
+    return label
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -312,6 +440,31 @@ def run(cfg: EvalConfig) -> dict:
         tqdm.write(f"warning: {w}")
     models = {"student": load_transformer(student, dtype, device)}
     models["untrained"], init_how = untrained_transformer(student, cfg.init_seed, dtype, device)
+    # What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
+    # its own steps, all from the same noise; the untrained twin at the first entry's steps is the baseline.
+    own_steps = student.distill.sampling_steps if student.distill is not None and student.distill.sampling_steps \
+        else int(manifest[F.F_STEPS])
+    steps_list = list(cfg.student_steps or (own_steps,))
+    labels = ["student"] if len(steps_list) == 1 else [f"student@{k}" for k in steps_list]
+    entries = [make_entry(lab, student, models["student"], k, student_guidance, manifest)
+               for lab, k in zip(labels, steps_list)]
+    taken = set(labels) | {"teacher", "untrained"}
+    for path in cfg.compare:
+        other = find_student(path, cfg.weights)
+        check_compatible(other, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
+                         text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
+                         expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
+        if other.fingerprints and manifest[F.F_FINGERPRINT] in other.fingerprints:
+            seen = {t.prompt_idx for t in trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
+            if seen:
+                warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
+        label = _label(path, taken)
+        taken.add(label)
+        k = other.distill.sampling_steps if other.distill is not None and other.distill.sampling_steps \
+            else int(manifest[F.F_STEPS])
+        entries.append(make_entry(label, other, load_transformer(other, dtype, device), k,
+                                  1.0 if other.guided else float(manifest[F.F_GUIDANCE]), manifest))
+    untrained = make_entry("untrained", student, models["untrained"], entries[0].steps, student_guidance, manifest)
 
     # (a) velocity error per step.
     velocity = velocity_errors(models, cache_dir, manifest, trajs, target_key, cfg.batch_size, device, dtype)
@@ -320,28 +473,29 @@ def run(cfg: EvalConfig) -> dict:
         for row in velocity["per_step"]:
             row["trained_step"] = row["step"] in trained_steps
 
-    # (b) final latents sampled from the cached noise.
+    # (b) final latents sampled from the cached noise, each with its own schedule and steps.
     neg = trajectories.negative_embeds(cache_dir)[None]
-    expand = bool(manifest.get(F.F_EXPAND_TIMESTEPS, False))
-    pipes = {name: student_pipeline(m, scheduler=scheduler, expand_timesteps=expand) for name, m in models.items()}
-    finals = final_latent_errors(pipes, cache_dir, manifest, trajs, neg, student_guidance, cfg.batch_size, device)
+    finals = final_latent_errors([*entries, untrained], cache_dir, manifest, trajs, neg, cfg.batch_size, device)
+    finals["student"] = finals[entries[0].label]
+    finals["student_steps"] = entries[0].steps
 
-    # (c) speed against the teacher on the same latents.
-    timing = None
-    if cfg.teacher_timing:
-        teacher = load_teacher(teacher_path, dtype, device, text=False, vae=False)
+    # (c) speed against the teacher on the same latents; with --attributes the teacher is loaded whole (text
+    # encoder and VAE), once, and the whole pipeline is timed too.
+    timing, teacher = None, None
+    if cfg.teacher_timing or captions is not None:
+        teacher = load_teacher(teacher_path, dtype, device, text=captions is not None, vae=captions is not None)
         _check_cache_teacher(teacher, teacher_path, manifest)
-        timing = time_sampling(pipes["student"], teacher, cache_dir, manifest, trajs, neg, student_guidance,
-                               cfg.timing_runs, device)
-        timing["teacher"] = str(teacher_path)
-        del teacher
+    if cfg.teacher_timing:
+        timing = time_sampling(entries, teacher, cache_dir, manifest, trajs, neg, cfg.timing_runs, device)
+        timing["teacher_path"] = str(teacher_path)
 
-    # (d) attributes of images drawn from shapes captions (the teacher's text encoder and VAE load here).
+    # (d) attributes of images drawn from shapes captions.
     attrs = None
     if captions is not None:
         grid_path = report_path.with_name(report_path.stem + "-attributes.png")
-        attrs = attribute_scores(cfg, captions, teacher_path, models["student"], manifest, student_guidance,
-                                 device, dtype, grid_path)
+        attrs = attribute_scores(cfg, captions, teacher, entries, manifest, device, grid_path)
+    del teacher
+    table = few_step_table(entries, manifest, finals, timing, attrs)
 
     report = {
         "student": {**student.describe(), "init": init_how},
@@ -351,7 +505,7 @@ def run(cfg: EvalConfig) -> dict:
         "selection": selection, "trajectories": len(trajs), "target": target_key,
         "student_guidance": student_guidance,
         "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "attributes": attrs,
-        "warnings": warnings,
+        "entries": [e.describe() for e in entries], "table": table, "warnings": warnings,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "wall_s": round(time.time() - t_start, 2),
         "config": dataclasses.asdict(cfg),
     }
@@ -359,8 +513,9 @@ def run(cfg: EvalConfig) -> dict:
     atomic_write_json(report_path, report)
     plot_path = report_path.with_suffix(".png")
     plot_report(report, plot_path)
-    speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s vs "
-             f"{timing['teacher_s_per_image']:.3f}s per image)") if timing else ""
+    speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s at "
+             f"{entries[0].steps} steps vs {timing['teacher_s_per_image']:.3f}s at {timing['steps']} steps per image)"
+             ) if timing else ""
     kept = ""
     if attrs:
         t, s = attrs["teacher"], attrs["student"]
@@ -371,4 +526,5 @@ def run(cfg: EvalConfig) -> dict:
     tqdm.write(f"eval of {len(trajs)} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
                f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
                f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
+    tqdm.write(_format_table(table))
     return report

@@ -6,9 +6,12 @@
       transformer/       the student's weights, always copied (a later train-student run into the same OUT
                          must not change an exported pipeline under its user's feet)
       text_encoder/ tokenizer/ vae/ scheduler/
-                         the teacher's, symlinked (absolute paths) by default, copied with --copy
+                         the teacher's, symlinked (absolute paths) by default, copied with --copy; a few-step
+                         student's scheduler/ is its own (pipeline/sampling.py: Euler on the teacher's sigmas),
+                         so num_inference_steps=K reproduces the schedule it was trained on
       distill.json       the student's, when it has one
-      README.md          how to load it and which guidance to use
+      README.md          the model card: recommended steps, guidance, resolution and text length, with a
+                         copy-paste call
 
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
 The folder is built under a temporary name and renamed into place when complete.
@@ -23,32 +26,41 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pipeline.artifact import DISTILL
+from pipeline.config import ExportConfig
 from pipeline.errors import UserError
+from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
-from .config import ExportConfig
 from .models import (
-    BORROWED, DISTILL_JSON, Student, check_compatible, find_student, teacher_dir, teacher_transformer_config,
+    BORROWED, Student, check_compatible, find_student, teacher_dir, teacher_transformer_config,
 )
 
 MARK = "_wandistiller"  # model_index key of an export; also what lets --overwrite replace a folder
 
 
 def _sampling_hints(student: Student, vae_spatial: int) -> dict:
-    """What a user of the exported pipeline should pass: guidance 1 for a student of guided targets."""
+    """What a user of the exported pipeline should pass: the student's own steps (a few-step student's K), guidance
+    1 for a student of guided targets, the training resolution and text length."""
     teacher_guidance = student.setting("guidance")
     guidance = 1.0 if student.guided else teacher_guidance
     hints = {"guidance_scale": guidance, "guided_targets": student.guided,
              "teacher_guidance_scale": teacher_guidance}
-    for key in ("steps", "max_sequence_length", "negative_prompt", "height", "width", "latent_shape"):
+    steps = student.distill.sampling_steps if student.distill is not None else None
+    if steps is not None:
+        hints["num_inference_steps"] = steps
+    if student.setting("steps") is not None:
+        hints["teacher_steps"] = student.setting("steps")
+    for key in ("max_sequence_length", "negative_prompt", "height", "width", "latent_shape", "objective"):
         if student.setting(key) is not None:
-            hints["num_inference_steps" if key == "steps" else key] = student.setting(key)
+            hints[key] = student.setting(key)
     shape = hints.get("latent_shape")
     if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
         hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
     return hints
 
 
-def _readme(out: Path, hints: dict, student: Student, teacher: str) -> str:
+def _readme(out: Path, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
+    """The model card: how to call the pipeline (steps, guidance, resolution, text length), copy-paste ready."""
     g = hints["guidance_scale"]
     g_text = (f"guidance_scale={g}" if g is not None else
               "guidance_scale=<the teacher's scale> (distill.json did not record it)")
@@ -57,25 +69,54 @@ def _readme(out: Path, hints: dict, student: Student, teacher: str) -> str:
            if student.guided else
            "The student learned the teacher's conditional predictions: sample with classifier-free guidance "
            "at the teacher's scale.")
-    extra = "".join(f", {k}={hints[k]!r}" for k in ("height", "width", "num_inference_steps", "max_sequence_length")
-                    if k in hints)
+    steps = hints.get("num_inference_steps")
+    if own_scheduler:
+        sched = (f"It is a **{steps}-step** student (objective `{hints.get('objective')}`): `scheduler/` holds its own "
+                 f"schedule, the teacher's flow-matching sigmas walked with {steps} first-order (Euler) steps, which "
+                 f"lands on the points it was trained to jump between when called with num_inference_steps={steps}. "
+                 "Other step counts run, but off the trained schedule.")
+    else:
+        sched = (f"It samples with the teacher's scheduler and step count ({steps} steps); fewer steps run, at a loss "
+                 "of fidelity (`wandistiller eval --student-steps` measures it).") if steps else ""
+    msl = hints.get("max_sequence_length")
+    text = (f"Pass max_sequence_length={msl}: the student was trained on text embeddings padded to {msl} tokens, "
+            "and WanPipeline's default (512) pads them further with zeros the student never saw, which can ruin "
+            "its images (the tiny shapes teacher draws 8 of 24 shape colours right at 512 instead of 23 of 24)."
+            if msl else "")
+    size = (f"It was trained at {hints['height']}x{hints['width']}; other sizes are untested."
+            if "height" in hints else "")
+    call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")
+                     if k in hints)
+    table = "\n".join(f"| {k} | {v} |" for k, v in (
+        ("num_inference_steps", steps), ("guidance_scale", g), ("height x width",
+                                                                 f"{hints.get('height')} x {hints.get('width')}"),
+        ("max_sequence_length", msl), ("num_frames", 1)))
     return f"""# WanDistiller student pipeline
 
 Student `{student.path}` ({student.weights} weights) in the pipeline of teacher `{teacher}`:
 the student is the only transformer (`transformer_2` and `boundary_ratio` are null).
 
+| setting | use |
+|---|---|
+{table}
+
 {why}
+
+{sched}
+
+{text} {size}
 
 ```python
 import torch
 from diffusers import DiffusionPipeline
 
 pipe = DiffusionPipeline.from_pretrained("{out}", torch_dtype=torch.bfloat16).to("cuda")
-image = pipe("a lighthouse at night", num_frames=1, {g_text}{extra},
+image = pipe("a lighthouse at night", num_frames=1, {g_text}, {call},
              output_type="pil").frames[0][0]
 ```
 
-The same settings are in `model_index.json` under `{MARK}`.
+diffusers takes num_inference_steps, guidance_scale and max_sequence_length from the call, not from the folder,
+so pass them as above. The same settings are in `model_index.json` under `{MARK}`.
 """
 
 
@@ -125,24 +166,29 @@ def run(cfg: ExportConfig) -> dict:
     vae_cfg = tpath / "vae" / "config.json"
     vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
     hints = _sampling_hints(student, vae_spatial)
+    own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         shutil.copytree(student.path, tmp / "transformer")
         for comp in tqdm(BORROWED, desc="export", unit="component", dynamic_ncols=True):
-            _place(tpath / comp, tmp / comp, cfg.copy)
+            if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
+                student_scheduler(student.distill).save_pretrained(tmp / comp)
+            else:
+                _place(tpath / comp, tmp / comp, cfg.copy)
         index.update({
             "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
             "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
             MARK: {**hints, "student": str(student.path.resolve()), "weights": student.weights,
                    "teacher": teacher_name, "cache_fingerprints": student.fingerprints,
-                   "components": "copied" if cfg.copy else "symlinked"},
+                   "components": "copied" if cfg.copy else "symlinked",
+                   "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
         })
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-        if student.distill:
-            (tmp / DISTILL_JSON).write_text(json.dumps(student.distill, indent=2) + "\n")
-        (tmp / "README.md").write_text(_readme(out.resolve(), hints, student, teacher_name))
+        if student.distill is not None:
+            (tmp / DISTILL).write_text(json.dumps(student.distill.to_json(), indent=2) + "\n")
+        (tmp / "README.md").write_text(_readme(out.resolve(), hints, student, teacher_name, own_scheduler))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -150,5 +196,7 @@ def run(cfg: ExportConfig) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
-               f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}")
+               f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
+               + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
+               + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
     return {"out": str(out), **index[MARK]}

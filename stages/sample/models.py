@@ -1,9 +1,9 @@
 """Find and load what the inference commands run: the trained student (with its distill.json), its untrained
 twin, the teacher pipeline, and a WanPipeline with the student as its one transformer.
 
-Stage two writes OUT/student/ (a WanTransformer3DModel in diffusers format), OUT/student_ema/ when EMA is
-on, and OUT/distill.json. distill.json is read defensively: a bare student folder works too, and then the
-student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
+Stage two writes the run artifact of pipeline/artifact.py: OUT/student/ (a WanTransformer3DModel in diffusers
+format), OUT/student_ema/ when EMA is on, and OUT/distill.json (a DistillRecord). A bare student folder works
+too, and then the student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
 """
 
 from __future__ import annotations
@@ -11,20 +11,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
 
-STUDENT_DIR = "student"
-STUDENT_EMA_DIR = "student_ema"
-# Initial weights, if stage two saved them: the exact "untrained" baseline of `eval`.
-STUDENT_INIT_DIR = "student_init"
-DISTILL_JSON = "distill.json"
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 PIPELINE_CLASS = "WanPipeline"
 # Teacher components a student pipeline borrows (everything but the transformers).
@@ -39,38 +35,25 @@ class Student:
     path: Path  # the transformer folder whose weights are used
     weights: str  # "ema", "raw" or "folder" (a bare folder was given)
     config: dict  # the transformer's config.json
-    distill: dict = field(default_factory=dict)  # distill.json, {} when there is none
+    distill: DistillRecord | None = None  # distill.json; None for a bare student folder
 
     @property
     def guided(self) -> bool:
         """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
-        return bool(self.distill.get("cfg", True))
+        return self.distill.guided if self.distill is not None else True
 
     @property
     def teacher(self) -> str | None:
-        t = self.distill.get("teacher")
-        if isinstance(t, dict):
-            t = t.get("path") or t.get("name")
-        return t if isinstance(t, str) and t else None
+        return self.setting("teacher")
 
     @property
     def fingerprints(self) -> list[str]:
-        """Fingerprints of the cache(s) the student was trained on, under any of the likely spellings."""
-        found: list[str] = []
-        for key in ("cache_fingerprints", "cache_fingerprint", "fingerprints", "fingerprint"):
-            v = self.distill.get(key)
-            if isinstance(v, str):
-                found.append(v)
-            elif isinstance(v, list):
-                found += [x for x in v if isinstance(x, str)]
-        caches = self.distill.get("caches", self.distill.get("cache"))
-        for c in caches if isinstance(caches, list) else [caches]:
-            if isinstance(c, dict) and isinstance(c.get("fingerprint"), str):
-                found.append(c["fingerprint"])
-        return list(dict.fromkeys(found))
+        """Fingerprints of the cache(s) the student was trained on."""
+        return list(self.distill.fingerprints) if self.distill is not None else []
 
     def setting(self, key: str, default=None):
-        v = self.distill.get(key)
+        """distill.json's `key` (a DistillRecord field), or `default` when it is unset or there is no record."""
+        v = getattr(self.distill, key) if self.distill is not None else None
         return default if v is None else v
 
     @property
@@ -86,8 +69,9 @@ class Student:
         return tuple(self.config.get("patch_size", (1, 2, 2)))
 
     def describe(self) -> dict:
-        return {"path": str(self.path), "weights": self.weights, "distill_json": bool(self.distill),
-                "guided_targets": self.guided}
+        return {"path": str(self.path), "weights": self.weights, "distill_json": self.distill is not None,
+                "guided_targets": self.guided, "objective": self.setting("objective"),
+                "student_steps": self.distill.sampling_steps if self.distill is not None else None}
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -114,41 +98,50 @@ def _transformer_config(folder: Path) -> dict | None:
     return cfg
 
 
+def _read_distill(path: Path) -> DistillRecord:
+    try:
+        return DistillRecord.read(path)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"distill file {e}; rerun train-student to rewrite it, or remove it") from e
+
+
 def find_student(path: str, weights: str = "auto") -> Student:
-    """Locate the student: OUT of train-student (student/, student_ema/, distill.json) or a bare folder."""
+    """Locate the student: OUT of train-student (the run artifact of pipeline/artifact.py) or a bare folder."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"student {p} does not exist; pass the --out folder of `wandistiller train-student` "
-                        f"(holding {STUDENT_DIR}/) or a {TRANSFORMER_CLASS} folder")
+                        f"(holding {STUDENT}/) or a {TRANSFORMER_CLASS} folder")
     if not p.is_dir():
         raise UserError(f"student {p} is a file; pass the train-student output folder")
-    raw, ema = p / STUDENT_DIR, p / STUDENT_EMA_DIR
+    run = RunLayout(p)
     # A train-student OUT holds student/ (and its own config.json, the run's settings); anything else must be
     # a transformer folder itself.
-    if not (raw.is_dir() or ema.is_dir() or (p / DISTILL_JSON).is_file()):
+    if not (run.student.is_dir() or run.student_ema.is_dir() or run.distill.is_file()):
         bare = _transformer_config(p)
         if bare is None:
-            raise UserError(f"{p} holds no student: neither {STUDENT_DIR}/ nor a model config.json; pass the --out "
+            raise UserError(f"{p} holds no student: neither {STUDENT}/ nor a model config.json; pass the --out "
                             "folder of a finished `wandistiller train-student` run")
         # OUT/student given directly: its distill.json is one level up.
-        parent = p.parent / DISTILL_JSON
-        distill = _read_json(parent, "distill file") if p.name in (STUDENT_DIR, STUDENT_EMA_DIR) and parent.is_file() else {}
+        parent = RunLayout(p.parent)
+        distill = (_read_distill(parent.distill) if p.name in (STUDENT, STUDENT_EMA) and parent.distill.is_file()
+                   else None)
         return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, distill=distill)
-    if not raw.is_dir():  # train-student renames student/ into place last: without it the run did not finish
-        raise UserError(f"{p} holds no finished student: {STUDENT_DIR}/ is missing (train-student was stopped "
+    if not run.student.is_dir():  # train-student renames student/ into place last: without it the run did not finish
+        raise UserError(f"{p} holds no finished student: {STUDENT}/ is missing (train-student was stopped "
                         "before it saved); rerun the same train-student command with --resume to finish it")
-    if weights == "ema" and not (ema / "config.json").is_file():
-        raise UserError(f"--weights ema: {p} has no {STUDENT_EMA_DIR}/ (EMA was off in train-student); "
+    has_ema = (run.student_ema / "config.json").is_file()
+    if weights == "ema" and not has_ema:
+        raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); "
                         "use --weights raw or auto")
-    chosen, kind = (ema, "ema") if weights == "ema" or (weights == "auto" and (ema / "config.json").is_file()) \
-        else (raw, "raw")
+    chosen, kind = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
+        else (run.student, "raw")
     cfg = _transformer_config(chosen)
     if cfg is None:
         raise UserError(f"{p} holds no student: {chosen.name}/config.json is missing; pass the --out folder of "
                         "a finished `wandistiller train-student` run")
-    distill = _read_json(p / DISTILL_JSON, "distill file") if (p / DISTILL_JSON).is_file() else {}
-    if not distill:
-        log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL_JSON)
+    distill = _read_distill(run.distill) if run.distill.is_file() else None
+    if distill is None:
+        log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL)
     return Student(root=p, path=chosen, weights=kind, config=cfg, distill=distill)
 
 
@@ -180,7 +173,7 @@ def load_transformer(student: Student, dtype: torch.dtype, device: torch.device)
 
 
 def _has_init_dir(student: Student) -> bool:
-    return _transformer_config(student.root / STUDENT_INIT_DIR) is not None
+    return _transformer_config(RunLayout(student.root).student_init) is not None
 
 
 def init_exact(student: Student, seed: int | None) -> bool:
@@ -188,14 +181,14 @@ def init_exact(student: Student, seed: int | None) -> bool:
     own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in."""
     if seed is None and _has_init_dir(student):
         return True
-    return seed is None and "init_seed" in student.distill and not student.setting("init_from_teacher")
+    return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
 
 
 def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
     """The student before training, and how it was obtained.
 
     OUT/student_init/ when stage two saved it. Otherwise the architecture is re-instantiated from the student's
-    config.json after `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`, else its
+    config.json after `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`, else
     `seed`, else 0), which is how train-student builds a student: the same weights, unless it then copied
     teacher blocks in (`init_from_teacher`), which this cannot redo without the teacher.
     """
@@ -203,11 +196,11 @@ def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype
 
     exact = init_exact(student, seed)
     if seed is None and _has_init_dir(student):
-        model = WanTransformer3DModel.from_pretrained(student.root / STUDENT_INIT_DIR, torch_dtype=dtype)
-        how = {"source": f"{STUDENT_INIT_DIR}/", "exact": exact}
+        model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)
+        how = {"source": f"{STUDENT_INIT}/", "exact": exact}
     else:
         if seed is None:
-            seed = int(student.setting("init_seed", student.setting("seed", 0)))
+            seed = int(student.setting("init_seed", 0))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = WanTransformer3DModel.from_config(student.config)
@@ -228,7 +221,7 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
         if latent_hw[0] % ph or latent_hw[1] % pw:
             problems.append(f"patch size {list(student.patch_size)} does not tile the {latent_hw[0]}x{latent_hw[1]} "
                             "latent grid")
-    learned = student.distill.get("expand_timesteps")
+    learned = student.setting("expand_timesteps")
     if expand_timesteps is not None and learned is not None and bool(learned) != bool(expand_timesteps):
         problems.append(f"trained with expand_timesteps={bool(learned)}, {against} uses {bool(expand_timesteps)}")
     if problems:

@@ -1,9 +1,10 @@
 """`wandistiller sample`: teacher and student images from the same initial noise, side by side in one grid.
 
-Both run through diffusers' WanPipeline: the teacher as itself (its experts, its CFG), the student as the
-one transformer of a pipeline that borrows the teacher's tokenizer, text encoder, scheduler and VAE. Each
-prompt is encoded once and both get the same embeddings and the same initial latents, so the two columns
-differ only by the denoiser.
+The teacher runs as diffusers' WanPipeline (its experts, its CFG, its steps); the student through the one
+student sampler (pipeline/sampling.py: WanPipeline's loop for one transformer) with its own schedule and steps
+(a few-step student's K Euler steps by default, `--student-steps` to override), and the teacher's VAE decodes
+it. Each prompt is encoded once and both get the same embeddings and the same initial latents, so the two
+columns differ only by the denoiser and its schedule.
 """
 
 from __future__ import annotations
@@ -20,22 +21,19 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from pipeline.config import (
+    DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH, SampleConfig,
+)
 from pipeline.errors import UserError
+from pipeline.sampling import decode_latents
 from pipeline.prompts import dedupe, read_prompt_file
 
-from .config import SampleConfig
 from .grid import draw_grid
 from .models import (
-    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, student_pipeline,
-    teacher_dir,
+    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, teacher_dir,
 )
 
 COLUMNS = ["teacher", "student"]
-# WanPipeline's and stage one's defaults, used when neither the flags nor distill.json say otherwise.
-DEFAULT_STEPS = 40
-DEFAULT_GUIDANCE = 4.0
-DEFAULT_HEIGHT, DEFAULT_WIDTH = 480, 832
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
 
 @dataclass(frozen=True)
@@ -51,6 +49,29 @@ class SamplingSettings:
     width: int
     max_sequence_length: int
     seed: int
+    student_steps: int | None = None  # the student's sampling steps; None: `steps`
+
+
+def student_sampler(student: Student, transformer, settings: SamplingSettings, teacher_scheduler,
+                    expand_timesteps: bool = False):
+    """`draw(prompt_embeds, latents, negative_embeds=None) -> final latents`: the student sampled by the one sampler
+    (pipeline/sampling.py) with its own schedule (distill.json's: a few-step student's Euler steps, else the
+    teacher's scheduler) and `settings.student_steps`, at `settings.student_guidance`."""
+    from pipeline.sampling import sample_latents, scheduler_from_config, student_scheduler
+
+    steps = settings.student_steps or settings.steps
+    if student.distill is not None and student.distill.scheduler:
+        make = lambda: student_scheduler(student.distill)  # noqa: E731
+    else:  # a bare student folder: the teacher's scheduler
+        conf = {"_class_name": type(teacher_scheduler).__name__, **teacher_scheduler.config}
+        make = lambda: scheduler_from_config(conf)  # noqa: E731
+
+    def draw(embeds, latents, negative_embeds=None):
+        g = settings.student_guidance
+        return sample_latents(transformer, make(), latents, embeds, steps, guidance=g,
+                              negative_embeds=negative_embeds if g > 1.0 else None, expand_timesteps=expand_timesteps)
+
+    return draw
 
 
 def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSettings:
@@ -74,15 +95,18 @@ def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSe
     student_guidance = cfg.student_guidance
     if student_guidance is None:
         student_guidance = 1.0 if student.guided else guidance
+    steps = int(cfg.steps or student.setting("steps", DEFAULT_STEPS))
     return SamplingSettings(
-        steps=int(cfg.steps or student.setting("steps", DEFAULT_STEPS)), guidance=guidance,
+        steps=steps, guidance=guidance,
         guidance_2=None if guidance_2 is None else float(guidance_2), student_guidance=float(student_guidance),
         negative_prompt=cfg.negative_prompt if cfg.negative_prompt is not None
         else str(student.setting("negative_prompt", "")),
         height=int(height), width=int(width),
         max_sequence_length=int(cfg.max_sequence_length or student.setting("max_sequence_length",
                                                                             DEFAULT_MAX_SEQUENCE_LENGTH)),
-        seed=cfg.seed)
+        seed=cfg.seed,
+        student_steps=int(cfg.student_steps or (student.distill.sampling_steps if student.distill is not None
+                                                and student.distill.sampling_steps else steps)))
 
 
 def initial_latents(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -124,7 +148,24 @@ def run(cfg: SampleConfig) -> dict:
     check_compatible(student, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
                      latent_hw=(settings.height // vs, settings.width // vs),
                      expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
-    spipe = student_pipeline(load_transformer(student, dtype, device), teacher=teacher)
+    expand = bool(teacher.config.expand_timesteps)
+    drawers = {"student": (student_sampler(student, load_transformer(student, dtype, device), settings,
+                                           teacher.scheduler, expand), settings.student_steps)}
+    described = {"student": student.describe()}
+    for path in cfg.compare:  # more students, each with its own schedule, steps and guidance
+        other = find_student(path, cfg.weights)
+        check_compatible(other, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
+                         latent_hw=(settings.height // vs, settings.width // vs),
+                         expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+        k = other.distill.sampling_steps if other.distill is not None and other.distill.sampling_steps \
+            else settings.steps
+        own = dataclasses.replace(settings, student_steps=k,
+                                  student_guidance=1.0 if other.guided else settings.guidance)
+        name = Path(path).name if Path(path).name not in drawers else f"{Path(path).name}-{len(drawers)}"
+        drawers[name] = (student_sampler(other, load_transformer(other, dtype, device), own, teacher.scheduler,
+                                         expand), k)
+        described[name] = other.describe()
+    columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
     shape = (1, tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
                   max_sequence_length=settings.max_sequence_length, output_type="np")
@@ -134,7 +175,7 @@ def run(cfg: SampleConfig) -> dict:
 
     # sample: per prompt, encode once, then teacher and student from the same latents.
     rows: list[list[Image.Image]] = []
-    seconds = {"teacher": 0.0, "student": 0.0}
+    seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
         latents = initial_latents(settings.seed + i, shape)
         with torch.inference_mode():
@@ -145,22 +186,25 @@ def run(cfg: SampleConfig) -> dict:
         t_img = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(), **common,
                         **teacher_kw).frames
         seconds["teacher"] += time.perf_counter() - t
-        t = time.perf_counter()
-        s_img = spipe(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(), **common,
-                      guidance_scale=settings.student_guidance).frames
-        seconds["student"] += time.perf_counter() - t
-        rows.append([to_image(t_img), to_image(s_img)])
+        row = [to_image(t_img)]
+        for name, (draw, _) in drawers.items():
+            t = time.perf_counter()
+            row.append(to_image(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy()))
+            seconds[name] += time.perf_counter() - t
+        rows.append(row)
 
     # save: the grid, and next to it how it was made.
-    grid = draw_grid(prompts, rows, COLUMNS)
+    grid = draw_grid(prompts, rows, columns)
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_png(grid, out)
     summary = {"grid": str(out), "rows": len(prompts), "size": list(grid.size), "prompts": prompts,
                "teacher": teacher_name, "student": student.describe(), "settings": dataclasses.asdict(settings),
+               "columns": columns, "students": described,
                "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "seconds": {k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(time.time() - t0, 2),
                "config": dataclasses.asdict(cfg)}
     out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=2) + "\n")
-    tqdm.write(f"grid of {len(prompts)} prompt(s) x {COLUMNS} written to {out} ({grid.size[0]}x{grid.size[1]}); "
-               f"teacher {seconds['teacher']:.1f}s, student {seconds['student']:.1f}s at {settings.steps} steps")
+    tqdm.write(f"grid of {len(prompts)} prompt(s) x {columns} written to {out} ({grid.size[0]}x{grid.size[1]}); "
+               f"teacher {seconds['teacher']:.1f}s at {settings.steps} steps, "
+               + ", ".join(f"{n} {seconds[n]:.1f}s at {k} steps" for n, (_, k) in drawers.items()))
     return summary

@@ -1,26 +1,23 @@
-"""The teacher's trajectories as a finished cache holds them, read without any model: which prompts (a
-held-out selection), every step's (x_t, target) from the shards, the initial noise and final latents from
-prompts.zarr, and the prompt embeddings padded exactly as the teacher's pipeline padded them.
+"""Which of a finished cache's trajectories the inference commands use (a held-out selection), and their
+cached data through `cache/`'s readers: every step's (x_t, target), the initial noise and final latents,
+and the negative prompt's embedding. No model is loaded and no cache file is parsed here.
 """
 
 from __future__ import annotations
 
 import os
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from cache import format as F
-from cache.errors import CacheError
-from cache.prompt_store import open_prompt_store, prompt_store_path
-from cache.writer import decode_sample
+from cache.prompt_store import negative_embeds, prompt_texts, read_latents
+from cache.reader import SampleReader, open_index, prompt_rows
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
+
+__all__ = ["Trajectory", "cache_prompts", "select", "iter_samples", "latents", "negative_embeds"]
 
 
 @dataclass(frozen=True)
@@ -32,24 +29,9 @@ class Trajectory:
     text: str
 
 
-def _store(cache_dir: Path, manifest: dict, prompt_idx: int):
-    """(prompt store, row) of a prompt: prompt i lives in part i % num_parts, row i // num_parts."""
-    n = int(manifest[F.F_NUM_PARTS])
-    return open_prompt_store(prompt_store_path(cache_dir, prompt_idx % n)), prompt_idx // n
-
-
 def cache_prompts(cache_dir: str | os.PathLike, manifest: dict) -> dict[int, str]:
     """prompt_idx -> text of every prompt the cache holds (rows never written are left out)."""
-    out: dict[int, str] = {}
-    for part in range(int(manifest[F.F_NUM_PARTS])):
-        try:
-            g = open_prompt_store(prompt_store_path(cache_dir, part))
-            idx, seq, text = g[F.Z_PROMPT_IDX][:], g[F.Z_SEQ_LENS][:], g[F.Z_TEXT][:]
-        except Exception as e:  # a missing or unreadable store is a broken cache
-            raise CacheError(f"prompt store of part {part} in {cache_dir} is unreadable ({type(e).__name__}); "
-                             "run `wandistiller cache verify`") from e
-        out.update({int(i): str(t) for i, s, t in zip(idx, seq, text) if s >= 0})
-    return dict(sorted(out.items()))
+    return prompt_texts(cache_dir, int(manifest[F.F_NUM_PARTS]))
 
 
 def select(cache_dir: str | os.PathLike, manifest: dict, heldout: str | None, max_prompts: int | None,
@@ -80,43 +62,18 @@ def select(cache_dir: str | os.PathLike, manifest: dict, heldout: str | None, ma
     return [Trajectory(p, s, texts[p]) for p in chosen for s in range(seeds)], info
 
 
-def iter_samples(cache_dir: str | os.PathLike, manifest: dict,
-                 prompts: set[int]) -> Iterator[tuple[dict[str, torch.Tensor], dict]]:
-    """(tensors, metadata) of every cached step of `prompts`, shard by shard; other members are skipped
-    after their tar header (a seek, not a read)."""
-    cache_dir = Path(cache_dir)
-    for rec in manifest[F.F_SHARDS]:
-        path = cache_dir / rec[F.S_PATH]
-        pending: dict[str, dict[str, bytes]] = {}
-        try:
-            with tarfile.open(path, "r:") as tar:
-                for info in tar:
-                    key, _, ext = info.name.partition(".")
-                    if not info.isfile() or F.parse_key(key)[0] not in prompts:
-                        continue
-                    members = pending.setdefault(key, {})
-                    members[ext] = tar.extractfile(info).read()
-                    if len(members) == 2:
-                        yield decode_sample(pending.pop(key))
-        except (OSError, tarfile.TarError, ValueError) as e:
-            raise CacheError(f"shard {path} is unreadable ({e}); run `wandistiller cache verify`") from e
-        if pending:
-            raise CacheError(f"shard {path} has unpaired members ({sorted(pending)[0]}); run `wandistiller cache verify`")
+def iter_samples(cache_dir: str | os.PathLike, prompts: set[int]) -> Iterator[tuple[dict[str, torch.Tensor], dict]]:
+    """(tensors, metadata) of every cached step of `prompts`, read by row through the cache's index (tar headers
+    are scanned, only the selected samples' bytes are read), each checked against the schema."""
+    index = open_index([cache_dir])
+    reader = SampleReader(index)
+    try:
+        for row in prompt_rows(index, prompts):
+            yield reader.read(int(row))
+    finally:
+        reader.close()
 
 
 def latents(cache_dir: str | os.PathLike, manifest: dict, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
     """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""
-    init, final = [], []
-    for t in trajs:
-        g, row = _store(Path(cache_dir), manifest, t.prompt_idx)
-        init.append(np.asarray(g[F.Z_INIT_NOISE][row, t.seed_idx]))
-        final.append(np.asarray(g[F.Z_FINAL_LATENTS][row, t.seed_idx]))
-    return torch.from_numpy(np.stack(init)), torch.from_numpy(np.stack(final))
-
-
-def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
-    """The negative prompt's embedding [L, D], padded like the prompts'."""
-    path = Path(cache_dir) / F.NEGATIVE
-    if not path.is_file():
-        raise CacheError(f"{path} is missing; rerun the same `wandistiller teacher-cache` command")
-    return load_file(path)[F.NEG_EMBEDS]
+    return read_latents(cache_dir, int(manifest[F.F_NUM_PARTS]), [(t.prompt_idx, t.seed_idx) for t in trajs])
