@@ -72,9 +72,12 @@ TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --npr
 train-student: $(STAMP)
 	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)
 
-# The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one -> stage two -> sample ->
-# eval with the attribute checker (minutes on a CPU).
+# The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one -> stage two (a velocity
+# student, and a DEMO_FEW_STEPS-step segment student from the same cache) -> sample -> eval with the attribute
+# checker (minutes on a CPU).
 DEMO ?= $(RUNS)/demo
+DEMO_FEW_STEPS ?= 4
+DEMO_FEW := $(DEMO)/student-$(DEMO_FEW_STEPS)step
 DEMO_TRAIN_ARGS ?= --epochs 4 --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 \
 	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER)
 # A new pretrained teacher (or new stage-one settings or captions) makes a cache left by an earlier demo stale,
@@ -85,20 +88,27 @@ $(DEMO)/cache.stamp: $(PRETRAINED_FILES) configs/shapes-teacher-cache.toml data/
 demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	$(MAKE) --no-print-directory teacher-cache TEACHER=$(PRETRAINED_TEACHER) CONFIG=configs/shapes-teacher-cache.toml \
 		PROMPTS=data/shapes-prompts.txt CACHE=$(DEMO)/cache
-	rm -rf $(DEMO)/student  # the demo trains afresh each time; the cache above is reused when complete
+	rm -rf $(DEMO)/student $(DEMO_FEW)  # the demo trains afresh each time; the cache above is reused when complete
 	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO)/student \
 		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS)"
-	$(BIN)/wandistiller sample --student $(DEMO)/student --teacher $(PRETRAINED_TEACHER) \
+	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO_FEW) \
+		STUDENT_CONFIG=configs/student-shapes.json \
+		TRAIN_ARGS="$(DEMO_TRAIN_ARGS) --objective segment --student-steps $(DEMO_FEW_STEPS)"
+	$(BIN)/wandistiller sample --student $(DEMO)/student --compare $(DEMO_FEW) --teacher $(PRETRAINED_TEACHER) \
 		--prompts data/shapes-heldout.txt --out $(DEMO)/grid.png --max-prompts 8
-	$(BIN)/wandistiller eval --student $(DEMO)/student --cache $(DEMO)/cache --teacher $(PRETRAINED_TEACHER) \
-		--report $(DEMO)/eval.json --attributes data/shapes-heldout.txt
+	$(BIN)/wandistiller eval --student $(DEMO)/student --compare $(DEMO_FEW) --cache $(DEMO)/cache \
+		--teacher $(PRETRAINED_TEACHER) --report $(DEMO)/eval.json --attributes data/shapes-heldout.txt \
+		--timing-runs 8
 	@echo
 	@echo "demo done:"
 	@echo "  cache      $(DEMO)/cache        (wandistiller cache info $(DEMO)/cache)"
 	@echo "  student    $(DEMO)/student/student  (diffusers WanTransformer3DModel; loss curve $(DEMO)/student/loss.png)"
-	@echo "  grid       $(DEMO)/grid.png     (teacher | student, same noise, one row per held-out caption)"
-	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; attribute accuracy of both and the share the"
-	@echo "                                  student kept; teacher | student pairs $(DEMO)/eval-attributes.png)"
+	@echo "  few-step   $(DEMO_FEW)/student  ($(DEMO_FEW_STEPS)-step segment student from the same cache)"
+	@echo "  grid       $(DEMO)/grid.png     (teacher | student | $(DEMO_FEW_STEPS)-step student, same noise, one row per"
+	@echo "                                  held-out caption)"
+	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; the printed table: final-latent error, attribute"
+	@echo "                                  accuracy, time per image of teacher and both students; images"
+	@echo "                                  $(DEMO)/eval-attributes.png)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

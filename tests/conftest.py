@@ -87,7 +87,7 @@ def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
 
     from cache import format as F
     from cache.manifest import load_manifest
-    from cache.writer import decode_sample
+    from cache.reader import decode_sample
 
     out: dict[str, tuple[dict, dict]] = {}
     for rec in load_manifest(cache_dir)[F.F_SHARDS]:

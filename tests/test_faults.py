@@ -69,6 +69,20 @@ def test_bad_inputs_end_in_one_line_exit_2_and_change_nothing(ws):
 
 
 @pytest.mark.slow
+def test_config_values_of_the_wrong_type_end_in_one_line_exit_2_and_change_nothing(ws):
+    rows = SCENARIOS["config-types"](ws, random.Random(0))
+    _survived(rows)
+    assert rows[0].attempts >= 10
+
+
+@pytest.mark.slow
+def test_a_second_writer_on_one_out_is_refused_naming_the_holder_and_the_first_is_untouched(ws):
+    rows = SCENARIOS["concurrent"](ws, random.Random(0))
+    _survived(rows)
+    assert rows[0].attempts >= 4
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws):
     _survived(SCENARIOS["rank-failure"](ws, random.Random(0)))
@@ -114,7 +128,8 @@ def test_a_bad_fault_spec_is_refused(hook, spec):
 
 
 def test_resume_drops_a_metrics_line_torn_by_a_crash(tmp_path):
-    from stages.train_student.loop import METRICS, truncate_metrics
+    from pipeline.artifact import METRICS
+    from stages.train_student.loop import truncate_metrics
 
     lines = [json.dumps({"type": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
     (tmp_path / METRICS).write_text("\n".join(lines) + '\n{"type": "train", "st')
