@@ -60,8 +60,8 @@ class Online:
     def __init__(self, teacher: str, prompts: str, student: str, device: torch.device, steps: int, size: int,
                  max_len: int, batch_size: int, seed: int = 0):
         from stages.teacher_cache.encode import encode_prompts
-        from stages.teacher_cache.placement import default_dtype, load_experts, load_scheduler, load_text_encoder
-        from stages.teacher_cache.teacher import resolve_teacher
+        from stages.teacher_cache.placements import Placement, default_dtype
+        from stages.teacher_cache.teacher import load_experts, load_scheduler, load_text_encoder, resolve_teacher
         from stages.teacher_cache.trajectory import Schedule
         from stages.train_student.student import build_student, load_student_config
         from pipeline.prompts import read_prompt_file
@@ -69,7 +69,7 @@ class Online:
         TR = importlib.import_module("stages.train_student.run")  # the package re-exports run() under this name
         self.device, self.batch_size = device, batch_size
         spec = resolve_teacher(teacher)
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[default_dtype("cpu", device)]
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[default_dtype(device)]
         # Prompts encoded once, as stage one does; the encoder is freed before training starts.
         tokenizer, encoder = load_text_encoder(spec, self.dtype, device)
         texts = read_prompt_file(prompts)
@@ -79,7 +79,8 @@ class Online:
         del tokenizer, encoder
         scheduler = load_scheduler(spec)
         self.schedule = Schedule.build(scheduler, steps, spec.boundary_ratio, GUIDANCE, None)
-        self.experts = load_experts(spec, self.dtype, device)
+        self.experts = load_experts(spec, Placement("cpu" if device.type == "cpu" else "cuda", device,
+                                                    str(self.dtype).removeprefix("torch.")))
         self.latent_shape = spec.latent_shape(size, size, 1)
         cfg = load_student_config(student)
         self.student = build_student(cfg, student, seed).to(device).train()

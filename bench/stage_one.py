@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 from pipeline.config import TeacherCacheConfig
 from pipeline.tiny_teacher import write_tiny_teacher
 from stages import teacher_cache
-from stages.teacher_cache.placement import load_experts, load_scheduler
-from stages.teacher_cache.teacher import resolve_teacher
+from stages.teacher_cache.placements import Placement
+from stages.teacher_cache.teacher import load_experts, load_scheduler, resolve_teacher
 from stages.teacher_cache.trajectory import Schedule, TrajectoryRunner, initial_noise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def _compute_only(teacher: Path, cache: Path, args) -> float:
     dtype = F.DTYPES[m[F.F_DTYPE]]
     sched = load_scheduler(spec)
     schedule = Schedule.build(sched, args.steps, spec.boundary_ratio, m[F.F_GUIDANCE], m[F.F_GUIDANCE_2])
-    experts = load_experts(spec, dtype, dev)
+    experts = load_experts(spec, Placement("cpu" if dev.type == "cpu" else "cuda", dev, m[F.F_DTYPE]))
     runner = TrajectoryRunner(experts, sched, schedule, args.steps, dtype, dev, spec.expand_timesteps)
     emb = EmbeddingCache(cache, m[F.F_NUM_PARTS])
     neg = load_file(cache / F.NEGATIVE)[F.NEG_EMBEDS].unsqueeze(0)
