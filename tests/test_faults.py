@@ -57,6 +57,13 @@ def test_stage_two_full_disk_at_a_checkpoint_is_one_line_and_resumes(ws):
 
 
 @pytest.mark.slow
+def test_a_damaged_checkpoint_is_named_and_resume_falls_back_to_the_newest_sound_one(ws):
+    rows = SCENARIOS["checkpoint-corrupt"](ws, random.Random(0))
+    _survived(rows)
+    assert rows[0].attempts >= 7
+
+
+@pytest.mark.slow
 def test_corrupt_caches_are_named_refused_and_repaired_by_the_printed_remedy(ws):
     _survived(SCENARIOS["corrupt"](ws, random.Random(0)))
 

@@ -1,19 +1,38 @@
-"""Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic.
+"""Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic and checked.
 
 A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed to `step-NNNNNNNN/` once every file in
-it is complete and fsynced, so a checkpoint folder without the suffix is always whole; `latest` only
-looks at those. The optimizer state is a `torch.save` of tensors and numbers only and is read back
-with `weights_only=True` (no pickled objects are executed).
+it is complete and fsynced, so a checkpoint folder without the suffix was whole when it was written;
+`latest` only looks at those. The optimizer state is a `torch.save` of tensors and numbers only and is
+read back with `weights_only=True` (no pickled objects are executed).
+
+Whole when written is not whole when read: a disk, a copy or a person can truncate, empty or flip bits
+in a checkpoint later, and safetensors is not a checksum (a flipped bit in tensor data still loads). So
+every checkpoint also holds `digests.json`, the size and sha256 of each of its other files, written and
+fsynced before the rename, and its trainer state says so (`"digests": "digests.json"`). The digests cost
+no extra write: optimizer.pt and trainer_state.json are hashed from the bytes as they are written, the
+safetensors files in the same pass that fsyncs them (read back from the page cache: no second copy of
+the weights in memory, which hashing `safetensors.torch.save`'s bytes would need).
+
+`pick` chooses what `--resume` restores: the newest checkpoint whose files match its record. Damaged
+ones (a file missing, empty, truncated or with another sha256; the record missing or unreadable) are
+skipped, named in one warning line, and left in place: the resumed run writes that step again (the old
+folder is renamed aside first, so a kill never leaves a half-deleted checkpoint under a final name), and
+`prune` does not count checkpoints past the step being saved, so a skipped one never pushes a sound one
+out. A checkpoint of an earlier version (no record and no `digests` key in its trainer state) is
+accepted unverified when all of its files load; one with the key but no record is damaged. When there
+are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +40,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cache.atomic import fsync_dir
-from pipeline.faults import fault_point
-
 from pipeline.artifact import CHECKPOINTS
+from pipeline.errors import UserError
+from pipeline.faults import fault_point
 
 MODEL = "model.safetensors"
 EMA = "ema.safetensors"
 HEADS = "objective.safetensors"  # the objective's own trainable modules (projection heads), never exported
 OPTIMIZER = "optimizer.pt"
 STATE = "trainer_state.json"
+DIGESTS = "digests.json"  # {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} of every other file
+DIGESTS_KEY = "digests"  # in trainer_state.json of every checkpoint written with a digest record
+DIGESTS_FORMAT = 1
+FILES = (MODEL, EMA, HEADS, OPTIMIZER, STATE)  # every name a checkpoint may hold besides DIGESTS
 TMP = ".tmp"
 _NAME = re.compile(r"^step-(\d{8})$")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports the OS error of a failed write
@@ -69,9 +92,26 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _fsync(path: Path) -> None:
+def _digest(sha, size: int) -> dict:
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def _fsync_and_digest(path: Path) -> dict:
+    """fsync `path` and return its digest, in one pass over it (just written: read from the page cache)."""
     with open(path, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256")
         os.fsync(f.fileno())
+        size = f.tell()
+    return _digest(sha, size)
+
+
+def _write_bytes(path: Path, data: bytes) -> dict:
+    """Write `data` to `path` (fsynced); returns its digest."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return _digest(hashlib.sha256(data), len(data))
 
 
 def as_os_error(e: Exception, path: Path) -> OSError | None:
@@ -96,30 +136,39 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 class _WriteRecorder:
-    """File wrapper that keeps the OSError of a failed write: torch.save reports it only as a RuntimeError."""
+    """File wrapper that keeps the OSError of a failed write (torch.save reports it only as a RuntimeError) and
+    hashes what is written: torch.save writes its zip strictly in order (it never seeks), so that is the file."""
 
     def __init__(self, f):
         self.f = f
         self.error: OSError | None = None
+        self.sha = hashlib.sha256()
+        self.bytes = 0
 
     def write(self, data) -> int:
         try:
-            return self.f.write(data)
+            n = self.f.write(data)
         except OSError as e:
             self.error = e
             raise
+        self.sha.update(data)
+        self.bytes += memoryview(data).nbytes
+        return n
 
     def flush(self) -> None:
         self.f.flush()
 
 
-def _torch_save(obj, path: Path) -> None:
-    """torch.save; a failed write raises the OSError it is, naming the file."""
+def _torch_save(obj, path: Path) -> dict:
+    """torch.save, fsynced; returns the file's digest. A failed write raises the OSError it is, naming the file."""
     sink = None
     try:
         with open(path, "wb") as f:
             sink = _WriteRecorder(f)
             torch.save(obj, sink)
+            f.flush()
+            os.fsync(f.fileno())
+        return _digest(sink.sha, sink.bytes)
     except RuntimeError as e:
         if sink is None or sink.error is None:
             raise
@@ -136,31 +185,44 @@ def _state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[str, torch.Tensor] | None,
          optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int, heads: torch.nn.Module | None = None) -> Path:
-    """Write checkpoint `step` (rank 0 only) and drop all but the newest `keep`; returns its folder."""
+    """Write checkpoint `step` (rank 0 only) with its digest record and drop all but the newest `keep`; returns
+    its folder."""
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dirname(step)
     tmp = root / f"{step_dirname(step)}.{os.getpid()}{TMP}"  # the pid: never another writer's folder
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_tensors(_state_dict(model), tmp / MODEL)
-    fault_point("in_checkpoint")
-    if ema is not None:
-        save_tensors({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
-    if heads is not None:
-        save_tensors(_state_dict(heads), tmp / HEADS)
-    _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
-    (tmp / STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
-    for f in tmp.iterdir():
-        _fsync(f)
+    # Each weights file is fsynced and hashed by a helper thread while the next one is written (hashlib and
+    # fsync release the GIL): the digests cost little more than the slowest of the two.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = {}
+        save_tensors(_state_dict(model), tmp / MODEL)
+        pending[MODEL] = pool.submit(_fsync_and_digest, tmp / MODEL)
+        fault_point("in_checkpoint")
+        if ema is not None:
+            save_tensors({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
+            pending[EMA] = pool.submit(_fsync_and_digest, tmp / EMA)
+        if heads is not None:
+            save_tensors(_state_dict(heads), tmp / HEADS)
+            pending[HEADS] = pool.submit(_fsync_and_digest, tmp / HEADS)
+        optimizer_digest = _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
+        files = {name: f.result() for name, f in pending.items()}
+    files[OPTIMIZER] = optimizer_digest
+    state = {**trainer_state, DIGESTS_KEY: DIGESTS}
+    files[STATE] = _write_bytes(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
+    _write_bytes(tmp / DIGESTS, (json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n").encode())
     fsync_dir(tmp)
     fault_point("before_checkpoint_rename")
-    if final.exists():  # the same step written again (a resumed run that re-reached it): replace whole
-        shutil.rmtree(final)
+    if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged
+        # one): the old folder is renamed aside first (a `.tmp` name, removed by `prune`), never half deleted
+        aside = root / f"{step_dirname(step)}.{os.getpid()}.old{TMP}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     fsync_dir(root)
     fault_point("after_checkpoint_rename")
-    prune(out, keep)
+    prune(out, keep, step)
     return final
 
 
@@ -178,9 +240,13 @@ def latest(out: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def prune(out: str | os.PathLike, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; remove leftovers of interrupted writes."""
-    for d in complete(out)[:-keep]:
+def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints at or before `step`; remove leftovers of interrupted writes.
+
+    Checkpoints past `step` can only be damaged ones that a resume skipped (`pick`): they are left alone
+    (the run writes those steps again) and do not count, so they never push a sound checkpoint out."""
+    found = [d for d in complete(out) if step is None or int(_NAME.match(d.name).group(1)) <= step]
+    for d in found[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
     root = Path(out) / CHECKPOINTS
     for d in root.glob(f"*{TMP}"):
@@ -189,6 +255,126 @@ def prune(out: str | os.PathLike, keep: int) -> None:
 
 def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+
+
+def _size_problem(name: str, size: int, want: int) -> str | None:
+    if size == want:
+        return None
+    if size == 0:
+        return f"{name}: empty (0 of {want} bytes)"
+    if size < want:
+        return f"{name}: truncated ({size} of {want} bytes)"
+    return f"{name}: {size} bytes, {want} recorded"
+
+
+def _read_record(path: Path) -> dict[str, dict]:
+    """The files of `path`'s digest record; ValueError (its one-line reason) if it does not parse as one."""
+    try:
+        record = json.loads((path / DIGESTS).read_bytes())
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{DIGESTS}: unreadable ({_first_line(e)})") from e
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or record.get("format") != DIGESTS_FORMAT:
+        raise ValueError(f"{DIGESTS}: not a digest record of format {DIGESTS_FORMAT}")
+    if not isinstance(files, dict) or not files.keys() <= set(FILES) or not {MODEL, OPTIMIZER, STATE} <= files.keys():
+        raise ValueError(f"{DIGESTS}: does not list {MODEL}, {OPTIMIZER} and {STATE} (and nothing else)")
+    for name, d in files.items():
+        if not (isinstance(d, dict) and type(d.get("bytes")) is int and isinstance(d.get("sha256"), str)):
+            raise ValueError(f"{DIGESTS}: the entry of {name} is not {{bytes, sha256}}")
+    return files
+
+
+def _check_recorded(path: Path, files: dict[str, dict]) -> str | None:
+    """The first file of `path` that is not as its record says (sizes first: no hashing of a short file)."""
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name}: missing"
+        if problem := _size_problem(name, f.stat().st_size, want["bytes"]):
+            return problem
+    for name, want in files.items():
+        with open(path / name, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
+                return f"{name}: sha256 mismatch"
+    return None
+
+
+def _check_loads(path: Path) -> str | None:
+    """The first file of an unrecorded checkpoint that does not load as what it should be."""
+    for name in (MODEL, EMA, HEADS, OPTIMIZER):
+        f = path / name
+        if not f.is_file():
+            if name in (MODEL, OPTIMIZER):
+                return f"{name}: missing"
+            continue
+        if f.stat().st_size == 0:
+            return f"{name}: empty"
+        try:
+            if name == OPTIMIZER:
+                torch.load(f, map_location="cpu", weights_only=True)
+            else:
+                load_file(f)
+        except Exception as e:  # noqa: BLE001 - any failure to load is the damage we look for
+            return f"{name}: unreadable ({_first_line(e)})"
+    return None
+
+
+def check(path: Path) -> tuple[str | None, bool]:
+    """(problem, verified) of checkpoint folder `path`: problem None when it may be resumed from, else why not
+    (one file and what is wrong with it); verified False for a checkpoint of an earlier version, which has no
+    digest record and is accepted when its files load."""
+    if not (path / DIGESTS).exists():
+        if not (path / STATE).is_file():
+            return f"{STATE}: missing", False
+        try:
+            state = read_state(path)
+        except (ValueError, OSError) as e:
+            return f"{STATE}: unreadable ({_first_line(e)})", False
+        if not isinstance(state, dict) or state.get(DIGESTS_KEY):
+            return f"{DIGESTS}: missing", False
+        return _check_loads(path), False
+    try:
+        files = _read_record(path)
+    except ValueError as e:
+        return str(e), False
+    if problem := _check_recorded(path, files):
+        return problem, False
+    try:
+        read_state(path)
+    except (ValueError, OSError) as e:
+        return f"{STATE}: unreadable ({_first_line(e)})", False
+    return None, True
+
+
+def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """What `--resume` restores: (the newest sound checkpoint, lines to print about the choice), (None, []) when
+    there is no checkpoint at all. Every folder with a final name is a candidate, newest first, so a checkpoint
+    whose trainer_state.json was deleted is reported, not silently passed over. UserError when none is sound."""
+    root = Path(out) / CHECKPOINTS
+    found = sorted((int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()) \
+        if root.is_dir() else []
+    damaged: list[tuple[str, str]] = []
+    for _, d in reversed(found):
+        problem, verified = check(d)
+        if problem is not None:
+            damaged.append((d.name, problem))
+            continue
+        unverified = "" if verified else " (no digest record: written before checkpoints had one; its files load)"
+        if not damaged:
+            return d, [] if verified else [f"checkpoint {d.name} is unverified{unverified}; resuming from it"]
+        named = (f"checkpoint {damaged[0][0]} is damaged ({damaged[0][1]})" if len(damaged) == 1 else
+                 "checkpoints " + ", ".join(f"{n} ({p})" for n, p in damaged) + " are damaged")
+        return d, [f"warning: {named}; resuming from {d.name}{unverified}"]
+    if not damaged:
+        return None, []
+    listed = ", ".join(f"{n} ({p})" for n, p in damaged)
+    raise UserError(f"--resume: no sound checkpoint in {root}: {listed}; delete the damaged checkpoint folders "
+                    "and rerun with --resume to train again from step 0, or start without --resume in a new --out")
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,

@@ -232,6 +232,27 @@ def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool
     return model, heads, optimizer, scaler
 
 
+def _pick_checkpoint(env: DistEnv, s: _Setup) -> Path | None:
+    """The checkpoint `--resume` restores: the newest sound one (checkpoint.pick). Rank 0 alone reads and hashes
+    the checkpoints and every rank takes its choice, so all ranks resume from the same one; when none is sound,
+    every rank raises the same one-line UserError."""
+    choice: dict = {}
+    if env.is_main:
+        try:
+            path, lines = checkpoint.pick(s.layout.root)
+            choice = {"name": path.name if path else None, "lines": lines}
+        except UserError as e:
+            choice = {"error": str(e)}
+    choice = json.loads(all_gather_bytes(json.dumps(choice).encode(), s.device)[0])
+    if "error" in choice:
+        err = UserError(choice["error"])
+        err.all_ranks = True  # rank 0 alone prints it
+        raise err
+    for line in choice["lines"]:
+        print0(line)
+    return s.layout.checkpoints / choice["name"] if choice["name"] else None
+
+
 def _resume(ckpt: Path, env: DistEnv, s: _Setup, model, heads, optimizer, scaler) -> tuple[TrainState, dict | None]:
     """Restore checkpoint `ckpt` after checking it belongs to this run; returns (state, EMA tensors)."""
     saved = checkpoint.read_state(ckpt)
@@ -286,7 +307,7 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     t0 = time.time()
     require_backend(cfg.report_to)  # a missing tracker package is refused before anything slow
     s = _setup(cfg, env, device)
-    ckpt = checkpoint.latest(s.layout.root) if cfg.resume else None
+    ckpt = _pick_checkpoint(env, s) if cfg.resume else None
     model, heads, optimizer, scaler = _build_student(cfg, env, s, fresh=ckpt is None)
     state, ema_state = TrainState(), None
     if ckpt is not None:

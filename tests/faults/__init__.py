@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import bad_input, concurrent, corrupt, stage_one, stage_two
+from .checkpoint import checkpoint_corruption
 from .proc import warm_up
 from .report import Row, render
 from .workspace import Workspace
@@ -24,6 +25,7 @@ SCENARIOS: dict[str, Callable[[Workspace, random.Random], list[Row]]] = {
     "stage1-disk": lambda ws, rng: [stage_one.full_disk(ws)],
     "stage2-kill": stage_two.kills,
     "stage2-disk": lambda ws, rng: [stage_two.full_disk(ws)],
+    "checkpoint-corrupt": lambda ws, rng: [checkpoint_corruption(ws)],
     "corrupt": lambda ws, rng: [corrupt.corrupt_caches(ws)],
     "rank-failure": lambda ws, rng: [stage_two.rank_failure(ws)],
     "bad-input": lambda ws, rng: [bad_input.bad_inputs(ws)],
