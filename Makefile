@@ -79,7 +79,8 @@ DEMO ?= $(RUNS)/demo
 DEMO_FEW_STEPS ?= 4
 DEMO_FEW := $(DEMO)/student-$(DEMO_FEW_STEPS)step
 DEMO_TRAIN_ARGS ?= --epochs 4 --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 \
-	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER)
+	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER) \
+	--val-every 256 --val-decode --val-max-prompts 8
 # A new pretrained teacher (or new stage-one settings or captions) makes a cache left by an earlier demo stale,
 # and teacher-cache refuses it; start the cache again instead.
 $(DEMO)/cache.stamp: $(PRETRAINED_FILES) configs/shapes-teacher-cache.toml data/shapes-prompts.txt
@@ -104,6 +105,8 @@ demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	@echo "  cache      $(DEMO)/cache        (wandistiller cache info $(DEMO)/cache)"
 	@echo "  student    $(DEMO)/student/student  (diffusers WanTransformer3DModel; loss curve $(DEMO)/student/loss.png)"
 	@echo "  few-step   $(DEMO_FEW)/student  ($(DEMO_FEW_STEPS)-step segment student from the same cache)"
+	@echo "  curves     tensorboard --logdir $(DEMO)   (loss terms, lr, samples/s, held-out loss, validation"
+	@echo "                                  final-latent error and teacher|student image grids of both students)"
 	@echo "  grid       $(DEMO)/grid.png     (teacher | student | $(DEMO_FEW_STEPS)-step student, same noise, one row per"
 	@echo "                                  held-out caption)"
 	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; the printed table: final-latent error, attribute"
