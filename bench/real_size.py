@@ -19,12 +19,16 @@ teacher. The result passes `cache verify`.
 - stage_two_overhead: a train-student optimizer step from this cache vs the same student's forward +
   backward + AdamW on batches already in memory; the student is sized so that its step costs about what
   the real one costs per sample on an H100 (1/16 s), which is the budget the loader must hide in.
+- integrity_* (`--integrity`, alone; not saved): what checking the prompt store costs per A14B row, the chosen
+  design (every chunk ends in its crc32c, each row's real tokens have theirs: `cache/prompt_store.py`) against
+  no check, the chunks' crc32c alone (read whole), a sha256 of the real tokens and zstd's own checksum.
 
 Page cache: before each read pass every file of the cache (and the raw file) is fsynced and dropped with
 posix_fadvise(POSIX_FADV_DONTNEED) (`bench.common.drop_tree`); the disk needs the figure printed at the
 start (`--prompts 10000 --steps 3`: about 25 GB), which is checked against the free space first.
 
 Run: python -m bench.real_size [--prompts 10000] [--steps 3] [--work DIR] [--device auto] [--quick]
+     python -m bench.real_size --integrity [--integrity-rows 128] [--reps 3]
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from safetensors.torch import save as st_save
 from bench.common import drop_tree, pick_device, result, results_path, save, sync, table, tree_bytes
 from cache import format as F
 from cache.atomic import atomic_write_bytes
-from cache.manifest import fingerprint, try_write_manifest
+from cache.manifest import settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress
 from cache.prompt_store import (
     create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows, write_prompt_rows,
@@ -78,6 +82,7 @@ def header(prompts: int, steps: int) -> dict:
     sigmas = [float(s) for s in np.linspace(1.0, 1.0 / steps, steps)]
     boundary = 0.875
     return {
+        F.F_TEACHER_IDENTITY: {"synthetic": "Wan2.2-T2V-A14B-shaped"},
         F.F_TEACHER: "synthetic/Wan2.2-T2V-A14B-shaped", F.F_REVISION: None, F.F_TEACHER_PATH: "",
         F.F_DTYPE: DTYPE, F.F_STEPS: steps, F.F_TIMESTEPS: [s * 1000.0 for s in sigmas], F.F_SIGMAS: sigmas,
         F.F_EXPERTS: [1 if s >= boundary else 2 for s in sigmas], F.F_GUIDANCE: 4.0, F.F_GUIDANCE_2: 3.0,
@@ -154,7 +159,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
     gen = Tensors(seed, block=min(64, prompts))
     lens = seq_lens(prompts, seed)
     head = header(prompts, steps)
-    fp = fingerprint({k: v for k, v in head.items() if k not in (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)})
+    fp = settings_fingerprint(head)
     blocks = [list(range(i, min(i + batch_size, prompts))) for i in range(0, prompts, batch_size)]
     watch, shards = Stopwatch(), Stopwatch()
     with watch:
@@ -261,7 +266,7 @@ def loader_files(cache: Path) -> list[Path]:
     files = [cache / s[F.S_PATH] for s in m[F.F_SHARDS]]
     for part in range(m[F.F_NUM_PARTS]):
         store = prompt_store_path(cache, part)
-        for name in (F.Z_EMBEDS, F.Z_SEQ_LENS):
+        for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, f"{F.Z_ROW_CRC32C}/{F.Z_EMBEDS}"):
             files += sorted(f for f in (store / name).rglob("*") if f.is_file())
     return files
 
@@ -341,7 +346,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--keep", action="store_true", help="Keep the cache (in --work) after the run.")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="Minimal sizes (smoke test).")
+    ap.add_argument("--integrity", action="store_true", help="Only what checking the prompt store costs per A14B "
+                    "row (the integrity_* rows; printed, not saved).")
+    ap.add_argument("--integrity-rows", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.integrity:
+        work = Path(tempfile.mkdtemp(prefix="wandistiller-bench-integrity-", dir=args.work))
+        try:
+            return integrity_costs(work, args.integrity_rows, args.reps)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     device = pick_device(args.device)
     student = dict(STUDENTS["cuda" if device.type == "cuda" else "cpu"])
     for k in student:
@@ -417,6 +431,151 @@ def main(argv=None) -> list[dict]:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def integrity_costs(work: Path, rows: int = 128, reps: int = 3, seed: int = 0) -> list[dict]:
+    """What checking the prompt store costs per A14B row, in microseconds (best of `reps` passes of `rows` rows,
+    lengths drawn like `seq_lens`), for each design measured on the same rows:
+
+    - none: the layout before the checks (bare chunks), read and written by `ChunkFiles`;
+    - chosen: every chunk ends in its crc32c and each row's real tokens have theirs (`create_prompt_store`):
+      stage two reads the real tokens alone and checks them (`PartRows.trimmed`, what `EmbeddingCache` runs);
+    - chunk_crc32c: the same chunks, checked by their own crc32c alone, which needs each chunk read whole (the
+      padding past the last token too);
+    - sha256: bare chunks, a sha256 of the real tokens instead of a crc32c;
+    - zstd_checksum: zstd-compressed chunks with zstd's checksum (numcodecs Zstd checksum=True), verified when
+      decoded.
+
+    Reads are timed twice: from the page cache (the CPU a check adds) and after dropping it (`drop_tree`: what
+    the bytes read add). A final latent row (16x1x60x104 float32, one seed) is timed the same way; writes as
+    stage one does them (`ChunkFiles.write_row`, renamed into place, plus the row's crc32c where chosen). Also
+    timed: writing a chunk in place as the previous version did, against the rename now used."""
+    import hashlib
+
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    from cache.prompt_store import ChunkFiles, PartRows, crc32c, write_prompt_rows
+
+    gen = Tensors(seed, block=1)
+    lens = seq_lens(rows, seed)
+    flat = {"name": "default", "separator": "."}
+    folder = work / "integrity"
+    stores: dict[str, Path] = {}
+
+    def bare(name: str, codecs) -> Path:
+        path = folder / name / F.PARTS_DIR / F.part_dirname(0) / F.PROMPTS_ZARR
+        g = zarr.open_group(str(path), mode="w")
+        g.create_array(F.Z_SEQ_LENS, shape=(rows,), dtype="int32", chunks=(rows,), fill_value=-1)[:] = lens
+        emb = g.create_array(F.Z_EMBEDS, shape=(rows, MAX_LEN, TEXT_DIM), dtype="uint16", fill_value=0,
+                             chunks=(1, 64, TEXT_DIM), compressors=codecs, chunk_key_encoding=flat)
+        emb.attrs[F.Z_ATTR_TORCH_DTYPE] = DTYPE
+        g.create_array(F.Z_FINAL_LATENTS, shape=(rows, 1, *LATENT_SHAPE), dtype="float32", fill_value=0.0,
+                       chunks=(1, 1, *LATENT_SHAPE), compressors=codecs, chunk_key_encoding=flat)
+        return path
+
+    stores["none"] = bare("none", None)
+    stores["zstd_checksum"] = bare("zstd", ZstdCodec(level=0, checksum=True))
+    stores["chosen"] = prompt_store_path(folder / "chosen", 0)
+    g = create_prompt_store(stores["chosen"], rows, MAX_LEN, TEXT_DIM, DTYPE, 1, LATENT_SHAPE)
+    embeds = {r: F.torch_to_storage(gen.embeds([r], lens)[0]).copy() for r in range(rows)}
+    finals = {r: gen.latent32(r).numpy()[None] for r in range(rows)}
+    files = {k: ChunkFiles.open(v / F.Z_EMBEDS) for k, v in stores.items()}
+    final_files = {k: ChunkFiles.open(v / F.Z_FINAL_LATENTS) for k, v in stores.items()}
+
+    def write_in_place(f: ChunkFiles, r: int) -> None:  # the previous version's write: no rename
+        for j in range(-(-MAX_LEN // 64)):
+            block = embeds[r][j * 64:(j + 1) * 64]
+            if block.any():
+                with open(f._file((r, j, 0)), "wb") as fh:
+                    fh.write(memoryview(np.ascontiguousarray(block).reshape(-1)).cast("B"))
+
+    def interleaved(fns: dict, cold: dict | None = None, fresh: dict | None = None) -> dict[str, float]:
+        """Microseconds per row of the best pass of each of `fns` over the rows, the passes interleaved (rotated
+        order each round: the machine's state drifts alike for all). Before each pass, untimed: the folder
+        `cold[k]` leaves the page cache; the chunk files in folder `fresh[k]` are deleted (stage one writes new
+        files)."""
+        out: dict[str, list[float]] = {k: [] for k in fns}
+        names = list(fns)
+        for i in range(reps):
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                if cold is not None:
+                    drop_tree(cold[k])
+                for f in fresh[k].glob("c.*") if fresh is not None else ():
+                    f.unlink()
+                t = time.perf_counter()
+                for r in range(rows):
+                    fns[k](r)
+                out[k].append(time.perf_counter() - t)
+        return {k: min(v) / rows * 1e6 for k, v in out.items()}
+
+    w = interleaved({"none": lambda r: files["none"].write_row(r, embeds[r]),
+                     "none_in_place": lambda r: write_in_place(files["none"], r),
+                     "chosen": lambda r: (files["chosen"].write_row(r, embeds[r]), crc32c(embeds[r][:lens[r]])),
+                     "zstd_checksum": lambda r: files["zstd_checksum"].write_row(r, embeds[r])},
+                    fresh={k: files[k.replace("_in_place", "")].path for k in ("none", "none_in_place", "chosen",
+                                                                                "zstd_checksum")})
+    write_prompt_rows(g, list(range(rows)), list(range(rows)), [f"p{r}" for r in range(rows)],
+                      torch.from_numpy(np.stack([embeds[r] for r in range(rows)])).view(torch.bfloat16),
+                      torch.from_numpy(lens))  # the row checksums (and the same chunks again)
+    kinds = ("none", "chosen", "zstd_checksum")
+    wf = interleaved({k: lambda r, k=k: final_files[k].write_row(r, finals[r]) for k in kinds},
+                     fresh={k: final_files[k].path for k in kinds})
+    chosen = PartRows(folder / "chosen", 0, 1)
+    c1 = 64
+
+    reads = {
+        "none": lambda r: files["none"].read_row(r, int(lens[r])),
+        "chosen": lambda r: chosen.trimmed(r),
+        "chunk_crc32c": lambda r: files["chosen"].read_row(r, min(MAX_LEN, -(-int(lens[r]) // c1) * c1))[:lens[r]],
+        "sha256": lambda r: hashlib.sha256(files["none"].read_row(r, int(lens[r]))).digest(),
+        "zstd_checksum": lambda r: files["zstd_checksum"].read_row(r, int(lens[r])),
+    }
+    final_reads = {"none": lambda r: final_files["none"].read_chunk((r, 0, 0, 0, 0, 0)),
+                   "chosen": lambda r: chosen.latents(F.Z_FINAL_LATENTS, r),
+                   "zstd_checksum": lambda r: final_files["zstd_checksum"].read_chunk((r, 0, 0, 0, 0, 0))}
+    for k in ("none", "chosen", "chunk_crc32c", "zstd_checksum"):  # every variant reads what it wrote
+        assert np.array_equal(reads[k](1), embeds[1][:lens[1]]), k
+    where = {"none": "none", "chosen": "chosen", "chunk_crc32c": "chosen", "sha256": "none",
+             "zstd_checksum": "zstd_checksum"}
+    warm = interleaved(reads)
+    warm_final = interleaved(final_reads)
+    cold_t = interleaved(reads, cold={k: stores[where[k]].parent for k in reads})
+    chunk_bytes = {k: sum(f.stat().st_size for f in (v / F.Z_EMBEDS).glob("c.*")) / rows for k, v in stores.items()}
+    read_bytes = {"none": float(np.mean(lens)) * TEXT_DIM * 2, "chosen": float(np.mean(lens)) * TEXT_DIM * 2,
+                  "sha256": float(np.mean(lens)) * TEXT_DIM * 2, "chunk_crc32c": chunk_bytes["chosen"],
+                  "zstd_checksum": chunk_bytes["zstd_checksum"]}
+    shutil.rmtree(folder, ignore_errors=True)
+    size = (f"{rows} rows of 512x4096 bf16, real tokens {int(np.median(lens))} median / {np.mean(lens):.0f} mean, "
+            f"best of {reps} interleaved passes")
+    budget = 1e6 / H100_STUDENT_SPS  # us a sample may take at the H100 student's rate; a sample reads <= 1 row each
+
+    def row(name: str, value: float, baseline: float, note: str) -> dict:
+        return result(name, value, baseline, "us/row", 0.01, "<=", ratio=(value - baseline) / budget,
+                      note=f"{note}; ratio: the time the check adds, as a fraction of a sample's {budget / 1e3:.1f} ms "
+                           f"at the H100 student's {H100_STUDENT_SPS:g} samples/s (value / baseline: "
+                           f"{value / baseline:.2f})")
+
+    out = []
+    for k in ("chosen", "chunk_crc32c", "sha256", "zstd_checksum"):
+        out.append(row(f"integrity_read_embeds_{k}", warm[k], warm["none"],
+                       f"the real tokens of a row, page cache warm; {size}; {read_bytes[k] / 2**10:.0f} KiB read per "
+                       f"row ({read_bytes['none'] / 2**10:.0f} KiB without a check)"))
+        out.append(row(f"integrity_read_embeds_cold_{k}", cold_t[k], cold_t["none"],
+                       f"the same, page cache dropped before each pass; {size}"))
+    for k in ("chosen", "zstd_checksum"):
+        extra = " + the crc32c of the real tokens" if k == "chosen" else ""
+        out.append(row(f"integrity_write_embeds_{k}", w[k], w["none"],
+                       f"ChunkFiles.write_row to new files, renamed into place{extra}; {chunk_bytes[k] / 2**10:.0f} "
+                       f"KiB of chunk files per row ({chunk_bytes['none'] / 2**10:.0f} KiB bare); {size}"))
+        out.append(row(f"integrity_read_final_latents_{k}", warm_final[k], warm_final["none"],
+                       f"one seed of 16x1x60x104 float32, page cache warm, best of {reps}"))
+        out.append(row(f"integrity_write_final_latents_{k}", wf[k], wf["none"],
+                       f"one seed of 16x1x60x104 float32, new files, best of {reps}"))
+    out.append(row("integrity_write_embeds_rename", w["none"], w["none_in_place"],
+                   f"bare chunks written under a temporary name and renamed into place vs written in place (the "
+                   f"previous version); {size}"))
+    return out
+
+
 def overhead(cache: Path, work: Path, device: torch.device, student: dict, reps: int, num_workers: int | None,
              quick: bool = False) -> dict:
     """stage_two_overhead on the real-size cache: train-student's step vs the bare step of the same student
@@ -445,6 +604,11 @@ if __name__ == "__main__":
     import sys
 
     res = main()
+    if "--integrity" in sys.argv:
+        print(table(res))
+        for r in res:
+            print(f"  {r['name']}: {r['note']}")
+        sys.exit(0)
     save(res, results_path(pick_device(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")),
                                             sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv
                                             else "auto"))))

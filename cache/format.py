@@ -32,6 +32,11 @@ Z_EMBEDS = "embeds"
 Z_SEQ_LENS = "seq_lens"
 Z_INIT_NOISE = "init_noise"
 Z_FINAL_LATENTS = "final_latents"
+# Group of per-row checksums: `row_crc32c/embeds` holds the crc32c of each row's real tokens, the bytes of
+# embeds[row, :seq_len] (int64; -1: none recorded), so that a reader of the real tokens alone checks them without
+# reading the padding past them. Every chunk of every array also ends in its own crc32c (zarr's "crc32c" codec).
+# Stores written before either read the same, unchecked.
+Z_ROW_CRC32C = "row_crc32c"
 # Attribute holding the torch dtype of an array stored as raw bits (bfloat16 has no numpy dtype).
 Z_ATTR_TORCH_DTYPE = "torch_dtype"
 
@@ -103,6 +108,8 @@ F_FEATURE_SEED = "feature_seed"  # seed of the projection matrix
 F_FEATURE_TOKENS = "feature_tokens"  # rows per recorded block: the teacher's latent tokens, or 1 when pooled
 F_FEATURE_PROJECTION_SHA256 = "feature_projection_sha256"
 F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py); derived from the settings when absent
+F_TEACHER_IDENTITY = "teacher_identity"  # hashes of the teacher's configs and weight files (fingerprinted)
+F_NEGATIVE_SHA256 = "negative_sha256"  # sha256 of negative.safetensors
 # shard records (in the manifest and in progress.json)
 S_PATH = "path"
 S_PART = "part"

@@ -14,16 +14,28 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .atomic import atomic_write_json
+from .atomic import atomic_write_bytes, atomic_write_json
 from .errors import CacheError
 from .format import (
-    F_BYTES, F_CREATED, F_FINGERPRINT, F_FORMAT_VERSION, F_NUM_PARTS, F_PARTS, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS,
-    FORMAT_VERSION, MANIFEST, S_BYTES, S_SAMPLES,
+    F_BYTES, F_CREATED, F_FINGERPRINT, F_FORMAT_VERSION, F_NEGATIVE_SHA256, F_NUM_PARTS, F_PARTS, F_REVISION,
+    F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_TEACHER, F_TEACHER_IDENTITY, F_TEACHER_PATH, FORMAT_VERSION, MANIFEST,
+    NEGATIVE, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES, part_dirname,
 )
 from .progress import PartProgress
 from .schema import declared_fields, sample_bytes, sample_fields
+
+# Header fields that say where the teacher was found, not what it is: left out of the fingerprint (its content
+# enters as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
+NOT_FINGERPRINTED = (F_TEACHER, F_REVISION, F_TEACHER_PATH)
+# The fields `try_write_manifest` adds around stage one's header: the manifest's own, not settings. Every other
+# field of a manifest is a setting, and the settings less NOT_FINGERPRINTED hash to its fingerprint.
+MANIFEST_FIELDS = (F_FORMAT_VERSION, F_FINGERPRINT, F_SAMPLE_FIELDS, F_NUM_PARTS, F_SAMPLES, F_BYTES, F_PARTS,
+                   F_SHARDS, F_CREATED, F_NEGATIVE_SHA256)
+# What a user told to fix the manifest does (stage one rewrites it from the parts' progress records).
+REWRITE = (f"rerun the same `wandistiller teacher-cache` command: it rewrites {MANIFEST} from the parts' progress "
+           "records (or restore the manifest)")
 
 
 def fingerprint(fields: dict) -> str:
@@ -31,8 +43,130 @@ def fingerprint(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def settings_fingerprint(header: dict) -> str:
+    """The fingerprint of stage one's header (its settings, `teacher_identity` included)."""
+    return fingerprint({k: v for k, v in header.items() if k not in NOT_FINGERPRINTED})
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _settings(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k not in MANIFEST_FIELDS}
+
+
+def settings_checkable(m: dict) -> bool:
+    """Whether the manifest holds everything its fingerprint was computed from: manifests written before
+    `teacher_identity` was recorded (the teacher's content, hashed in) cannot be checked."""
+    return F_TEACHER_IDENTITY in m
+
+
+def settings_problem(cache_dir: str | os.PathLike, m: dict) -> str | None:
+    """Why the manifest's settings do not hash to its fingerprint (a field edited by hand: an edited `guidance`
+    would otherwise reach the student's distill.json), naming the fields that differ from the parts' progress
+    records and the fix; None when they do, or when the manifest cannot be checked (`settings_checkable`)."""
+    if not settings_checkable(m):
+        return None
+    settings, fp = _settings(m), m.get(F_FINGERPRINT)
+    if settings_fingerprint(settings) == fp:
+        return None
+    if F_SAMPLE_FIELDS in m and settings_fingerprint(settings | {F_SAMPLE_FIELDS: m[F_SAMPLE_FIELDS]}) == fp:
+        return None  # a header that carried sample_fields itself
+    path = manifest_path(cache_dir)
+    try:
+        prog = PartProgress.load(cache_dir, 0)
+    except CacheError:
+        prog = None
+    fix = REWRITE
+    changed = ""
+    if prog is not None:
+        rel = PartProgress.path(cache_dir, 0).relative_to(cache_dir).as_posix()
+        header = {k: v for k, v in prog.header.items() if k not in MANIFEST_FIELDS}
+        diff = sorted(k for k in set(header) | set(settings)
+                      if header.get(k, "<absent>") != settings.get(k, "<absent>"))
+        if settings_fingerprint(header) != fp:  # the progress record does not match either: nothing to rewrite from
+            fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
+        elif diff:
+            changed = " (" + ", ".join(f"{k} is {_short(settings.get(k, '<absent>'))} there, "
+                                       f"{_short(header.get(k, '<absent>'))} in {rel}" for k in diff[:3])
+            changed += f", {len(diff) - 3} more)" if len(diff) > 3 else ")"
+    if not changed:
+        names = sorted(k for k in settings if k not in NOT_FINGERPRINTED)
+        changed = f" (one of its {len(names)} fingerprinted settings: {', '.join(names)})"
+    return (f"{path}: its settings no longer hash to its fingerprint {str(fp)[:12]}{changed}, so the manifest was "
+            f"edited after stage one wrote it; {fix}")
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_settings(cache_dir: str | os.PathLike, m: dict) -> None:
+    """CacheError with `settings_problem`, if any."""
+    problem = settings_problem(cache_dir, m)
+    if problem:
+        raise CacheError(problem)
+
+
+def shard_path_problem(rel, cache_dir: str | os.PathLike) -> str | None:
+    """Why a shard path recorded in a manifest is not a path inside the cache folder (absolute, `..`), or None."""
+    if not isinstance(rel, str) or not rel:
+        return f"shard path {rel!r} is not a path"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or PureWindowsPath(rel).drive or ".." in p.parts or "\\" in rel:
+        return f"shard path {rel!r} is outside the cache folder {cache_dir}"
+    return None
+
+
+def _negative_sha256(cache_dir: Path) -> str | None:
+    """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
+    (written together): a missing root copy, or one that no longer matches what the previous manifest recorded
+    while part 0's still does, is restored from part 0's first, so that rerunning stage one repairs it."""
+    root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
+    if not own.is_file():
+        return sha256_file(root) if root.is_file() else None
+    data = own.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    try:
+        recorded = json.loads(manifest_path(cache_dir).read_text()).get(F_NEGATIVE_SHA256)
+    except (OSError, ValueError, AttributeError):  # no previous manifest, or a torn one
+        recorded = None
+    same = root.is_file() and sha256_file(root) == sha
+    if (same and recorded not in (None, sha)) or (root.is_file() and not same and recorded != sha):
+        raise CacheError(f"{root} or {own} changed after stage one wrote them (the manifest recorded sha256 "
+                         f"{str(recorded)[:12]}); rebuild the cache with the same `wandistiller teacher-cache` command "
+                         "and --overwrite")
+    if not same:
+        atomic_write_bytes(root, data)
+    return sha
+
+
 def manifest_path(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / MANIFEST
+
+
+def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = False) -> str | None:
+    """Why the cache's negative.safetensors is not the file the manifest recorded (missing, or another sha256),
+    with the fix (the file named relative to the cache with `relative`); None when it is, or when the manifest
+    records no sha256 (written before it did) and the file exists."""
+    cache_dir = Path(cache_dir)
+    root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
+    recorded = m.get(F_NEGATIVE_SHA256)
+    if root.is_file() and (recorded is None or sha256_file(root) == recorded):
+        return None
+    what = "is missing" if not root.is_file() else "fails its sha256 check (changed after stage one wrote it)"
+    name = f"{NEGATIVE}:" if relative else str(root)
+    if own.is_file() and (not root.is_file() or sha256_file(own) == recorded):  # what `_negative_sha256` restores
+        fix = f"rerun the same `wandistiller teacher-cache` command: it restores it from {own.relative_to(cache_dir)}"
+    else:
+        fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
+    return f"{name} {what}; {fix}"
 
 
 def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
@@ -62,6 +196,9 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
         F_SHARDS: shards,
         F_CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    negative = _negative_sha256(Path(cache_dir))
+    if negative is not None:
+        manifest[F_NEGATIVE_SHA256] = negative
     atomic_write_json(manifest_path(cache_dir), manifest, before_replace)
     return manifest
 
@@ -85,6 +222,12 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
     for key in (F_FINGERPRINT, F_SHARDS, F_SAMPLES, F_NUM_PARTS):
         if key not in m:
             raise CacheError(f"{path} lacks the field {key!r}; rebuild the cache with `wandistiller teacher-cache`")
+    if not isinstance(m[F_SHARDS], list) or not all(isinstance(r, dict) for r in m[F_SHARDS]):
+        raise CacheError(f"{path}: its field {F_SHARDS!r} is not a list of shard records; {REWRITE}")
+    for rec in m[F_SHARDS]:
+        problem = shard_path_problem(rec.get(S_PATH), cache_dir)
+        if problem:  # a reader must never open a file outside the cache because the manifest says so
+            raise CacheError(f"{path}: {problem}; {REWRITE}")
     return m
 
 

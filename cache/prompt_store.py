@@ -10,6 +10,13 @@ padding past a prompt's length is never written; `seq_lens` and `text`, read who
 The numeric arrays are read and written through `ChunkFiles` (the zarr v3 chunk files, directly), not
 zarr's own path, which costs more per chunk than decoding it. Stores of the earlier layout (one compressed
 chunk per padded row) read the same.
+
+Checksums: every chunk of every array ends in its crc32c (zarr's "crc32c" codec: zarr checks it on its own
+reads, `ChunkFiles` on whole-chunk reads), and `row_crc32c/embeds` holds the crc32c of each row's real
+tokens, which a reader of those tokens alone (stage two) checks without reading the padding past them
+(`PartRows`). A chunk that should exist and does not is an error, never zeros. Stores written before the
+checksums read the same, checked for presence only (`cache verify` notes it). What the checks cost at A14B
+sizes: `python -m bench.real_size --integrity`.
 """
 
 from __future__ import annotations
@@ -17,22 +24,57 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
+from functools import cached_property
 from pathlib import Path
 
 import numcodecs
 import numpy as np
 import torch
 import zarr
-from safetensors.torch import load_file
+from safetensors.torch import load as st_load
+from tqdm.auto import tqdm
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from .errors import CacheError
 from .format import (
     NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE,
-    Z_PROMPT_IDX, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts, prompt_location, storage_numpy_dtype,
+    Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts, prompt_location, storage_numpy_dtype,
     storage_to_torch, torch_to_storage,
 )
+from .manifest import load_manifest, manifest_path, negative_problem
+
+try:
+    from google_crc32c import extend as _crc32c_extend  # zarr's own crc32c codec uses it (zarr >= 3.1)
+except ImportError:  # pragma: no cover - zarr 3.0 depended on the crc32c package instead
+    from crc32c import crc32c as _crc32c_of
+
+    def _crc32c_extend(crc: int, data) -> int:
+        return _crc32c_of(data, crc)
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """crc32c of `data`'s bytes (a C-contiguous numpy array or a bytes-like object), continuing `crc`: the
+    checksum zarr's "crc32c" codec appends to a chunk, ~25 GB/s."""
+    if not isinstance(data, (bytes, np.ndarray)):
+        data = np.frombuffer(data, dtype=np.uint8)
+    elif isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return _crc32c_extend(crc, data)
+
+
+class ChunkError(CacheError):
+    """A chunk file that is not what its array says: `reason` is why ("fails its crc32c", "is shorter ...")."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
+
+    def named(self) -> str:
+        """"<array>/<chunk> <reason>", the chunk named inside its store."""
+        return f"{self.path.parent.name}/{self.path.name} {self.reason}"
 
 UNWRITTEN_SEQ_LEN = -1
+EMBEDS_CRC32C = f"{Z_ROW_CRC32C}/{Z_EMBEDS}"  # crc32c of each row's real tokens (format.Z_ROW_CRC32C)
 # Tokens per chunk of `embeds`: a typical prompt's real tokens fit one or two chunks, the padding none.
 EMBED_CHUNK_TOKENS = 64
 # Rows per chunk of `seq_lens` and `text`, read whole by their readers (a million prompts would otherwise be
@@ -50,9 +92,11 @@ class ChunkFiles:
     of a regular grid is the file `c/i/j/k` ("default" chunk keys; `c.i.j.k` with the "." separator, which
     new stores use: a few directories per prompt would be millions at scale) holding the chunk's
     little-endian C-order bytes, zstd-compressed when the array's codecs say so (same codec, same level, so
-    the same bytes zarr writes); a missing chunk reads as the fill value, and a chunk holding only the fill
-    value is not written (zarr's default, write_empty_chunks=False). `open` returns None for any other
-    layout, which callers then read through zarr.
+    the same bytes zarr writes), followed by its crc32c when the codecs end in "crc32c"; a missing chunk reads
+    as the fill value, and a chunk holding only the fill value is not written (zarr's default,
+    write_empty_chunks=False). A chunk is written under a temporary name and renamed into place, so a killed
+    writer leaves the old chunk or the new one, never a torn one (a row's final latents are rewritten when a
+    later block adds a seed). `open` returns None for any other layout, which callers then read through zarr.
     """
 
     def __init__(self, path: Path, meta: dict):
@@ -61,8 +105,10 @@ class ChunkFiles:
         self.chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
         self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         self.fill = meta["fill_value"]
-        zstd = meta["codecs"][1:]
+        zstd = [c for c in meta["codecs"] if c["name"] == "zstd"]
         self.zstd = numcodecs.Zstd(**zstd[0]["configuration"]) if zstd else None
+        self.crc = meta["codecs"][-1]["name"] == "crc32c"  # each chunk ends in the crc32c of what precedes it
+        self.nbytes = int(np.prod(self.chunks)) * self.dtype.itemsize  # of a whole chunk, decoded
         self.sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
         self._dirs: set[Path] = set()  # chunk folders known to exist
 
@@ -75,9 +121,9 @@ class ChunkFiles:
             if (meta["zarr_format"] != 3 or meta["chunk_grid"]["name"] != "regular"
                     or meta["chunk_key_encoding"]["name"] != "default"
                     or meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/") not in "/."
-                    or codecs not in (["bytes"], ["bytes", "zstd"])
+                    or codecs not in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"], ["bytes", "zstd", "crc32c"])
                     or meta["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
-                    or set(meta["codecs"][-1].get("configuration", {})) - {"level", "checksum", "endian"}
+                    or any(set(c.get("configuration", {})) - {"level", "checksum", "endian"} for c in meta["codecs"])
                     or meta.get("storage_transformers") or np.dtype(meta["data_type"]).kind not in "iuf"
                     or not isinstance(meta["fill_value"], (int, float))):
                 return None
@@ -90,11 +136,20 @@ class ChunkFiles:
             return self.path / ".".join(["c", *map(str, idx)])
         return self.path.joinpath("c", *map(str, idx))
 
-    def read_chunk(self, idx: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray | None:
+    def chunk_name(self, idx: tuple[int, ...]) -> str:
+        """"<array>/<chunk file>", how messages name a chunk inside its store."""
+        file = self._file(idx)
+        return f"{self.path.name}/{file.relative_to(self.path).as_posix()}"
+
+    def read_chunk(self, idx: tuple[int, ...], out: np.ndarray | None = None, verify: bool = True) -> np.ndarray | None:
         """Chunk `idx` (grid coordinates), or None where it was never written (all fill value). An uncompressed
-        chunk may be read in part: its first `out.size` elements, straight into `out` (C-contiguous)."""
+        chunk may be read in part: its first `out.size` elements, straight into `out` (C-contiguous); its
+        checksum is then checked only with `verify` (which reads the rest of the chunk: a caller that checks
+        what it read by other means, like `EmbeddingCache`, passes False). ChunkError for a chunk that fails its
+        crc32c or is too short."""
+        file = self._file(idx)
         try:
-            f = open(self._file(idx), "rb", buffering=0)
+            f = open(file, "rb", buffering=0)
         except FileNotFoundError:
             return None
         with f:
@@ -102,18 +157,33 @@ class ChunkFiles:
                 out = np.empty(self.chunks, dtype=self.dtype) if out is None else out
                 view = memoryview(out.reshape(-1)).cast("B")
                 if f.readinto(view) != len(view):
-                    raise OSError(f"{self._file(idx)} is shorter than a chunk of {self.chunks} {self.dtype}")
+                    raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}")
+                if self.crc and verify:
+                    rest = f.read()  # the chunk past what `out` holds, then its crc32c
+                    if len(view) + len(rest) != self.nbytes + 4:
+                        raise ChunkError(file, f"holds {len(view) + len(rest)} bytes, a chunk is {self.nbytes} + 4")
+                    if crc32c(rest[:-4], crc32c(out)) != int.from_bytes(rest[-4:], "little"):
+                        raise ChunkError(file, "fails its crc32c (changed after it was written)")
                 return out
             data = f.read()
+        if self.crc:
+            if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+                raise ChunkError(file, "fails its crc32c (changed after it was written)")
+            data = data[:-4]
         chunk = np.empty(self.chunks, dtype=self.dtype)
-        self.zstd.decode(data, out=chunk)
+        try:
+            self.zstd.decode(data, out=chunk)
+        except (RuntimeError, ValueError) as e:  # not a zstd frame of this size: corrupt
+            raise ChunkError(file, f"does not decode ({e})") from e
         if out is not None:
             out.reshape(-1)[:] = chunk.reshape(-1)[:out.size]
             return out
         return chunk
 
     def write_chunk(self, idx: tuple[int, ...], block: np.ndarray) -> None:
-        """Write chunk `idx` (a whole chunk, shape `chunks`); a chunk of only the fill value leaves no file."""
+        """Write chunk `idx` (a whole chunk, shape `chunks`); a chunk of only the fill value leaves no file. The
+        file is complete under a temporary name before it replaces the old one (zarr's own ".partial" suffix,
+        which stage one deletes on resume)."""
         file = self._file(idx)
         if self.fill == 0 and self.dtype.kind in "iu" and block.flags.c_contiguous and block.nbytes % 8 == 0:
             empty = not block.view(np.uint64).any()  # integers: zero iff every bit is, 8 bytes at a time
@@ -123,15 +193,33 @@ class ChunkFiles:
             file.unlink(missing_ok=True)
             return
         data = np.ascontiguousarray(block, dtype=self.dtype)
-        data = self.zstd.encode(data) if self.zstd is not None else memoryview(data.reshape(-1)).cast("B")
+        data = self.zstd.encode(data) if self.zstd is not None else data.reshape(-1).view(np.uint8)
         if file.parent not in self._dirs:
             file.parent.mkdir(parents=True, exist_ok=True)
             self._dirs.add(file.parent)
-        with open(file, "wb") as f:
-            f.write(data)
+        parts = [memoryview(data).cast("B")] + ([crc32c(data).to_bytes(4, "little")] if self.crc else [])
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.partial")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                while parts:  # one writev, the data and its crc32c (a short write continues where it stopped)
+                    n = os.writev(fd, parts)
+                    while parts and n >= len(parts[0]):
+                        n -= len(parts.pop(0))
+                    if parts:
+                        parts[0] = parts[0][n:]
+            finally:
+                os.close(fd)
+            os.replace(tmp, file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
-    def read_row(self, row: int, stop: int | None = None) -> np.ndarray:
-        """`array[row, :stop]` (all of the row's second axis by default); the chunks past `stop` are not read."""
+    def read_row(self, row: int, stop: int | None = None, verify: bool = True,
+                 missing: list | None = None) -> np.ndarray:
+        """`array[row, :stop]` (all of the row's second axis by default); the chunks past `stop` are not read
+        (`verify`: see `read_chunk`). Chunks never written read as the fill value; their grid indices are
+        appended to `missing` when it is given."""
         stop = self.shape[1] if stop is None else stop
         c0, c1 = self.chunks[0], self.chunks[1]
         out = np.empty((stop, *self.shape[2:]), dtype=self.dtype)
@@ -139,7 +227,7 @@ class ChunkFiles:
             lo, hi = j * c1, min((j + 1) * c1, stop)
             idx = (row // c0, j, *(0,) * (len(self.shape) - 2))
             if c0 == 1:  # the rows needed are the start of the chunk: read (uncompressed: only) those into place
-                got = self.read_chunk(idx, out[lo:hi])
+                got = self.read_chunk(idx, out[lo:hi], verify)
             else:
                 chunk = self.read_chunk(idx)
                 got = None if chunk is None else out[lo:hi]
@@ -147,6 +235,8 @@ class ChunkFiles:
                     got[:] = chunk[row % c0, :hi - lo]
             if got is None:
                 out[lo:hi] = self.fill
+                if missing is not None:
+                    missing.append(idx)
         return out
 
     def write_row(self, row: int, values: np.ndarray) -> None:
@@ -178,6 +268,21 @@ def _chunk_files(g: zarr.Group, name: str) -> ChunkFiles | None:
     return ChunkFiles.open(Path(root) / g.path / name) if root is not None else None
 
 
+def _has(g: zarr.Group, name: str) -> bool:
+    """Whether the store holds array `name` (a path inside it)."""
+    try:
+        g[name]
+    except KeyError:
+        return False
+    return True
+
+
+def _read_all(g: zarr.Group, name: str) -> np.ndarray:
+    """The whole of one-dimensional array `name`, through its chunk files where their layout allows."""
+    files = _chunk_files(g, name)
+    return files.read_all() if files is not None and len(files.shape) == 1 else g[name][:]
+
+
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
     """[lo, hi) position ranges of `rows` whose values are consecutive and ascending."""
     out, lo = [], 0
@@ -196,21 +301,27 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
                         seeds: int, latent_shape: tuple[int, ...]) -> zarr.Group:
     """Create (or truncate) the store of one part holding `n` prompts."""
     g = zarr.open_group(str(path), mode="w")
-    g.create_array(Z_PROMPT_IDX, shape=(n,), dtype="int64", chunks=(max(n, 1),), fill_value=-1)
-    g.create_array(Z_TEXT, shape=(n,), dtype=str, chunks=(max(1, min(n, TEXT_CHUNK)),))
+    # zarr's default compressor for these, then every chunk's crc32c (zarr checks it on every read)
+    packed = (ZstdCodec(level=0, checksum=False), Crc32cCodec())
+    g.create_array(Z_PROMPT_IDX, shape=(n,), dtype="int64", chunks=(max(n, 1),), fill_value=-1, compressors=packed)
+    g.create_array(Z_TEXT, shape=(n,), dtype=str, chunks=(max(1, min(n, TEXT_CHUNK)),), compressors=packed)
     g.create_array(Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=(max(1, min(n, SEQ_LENS_CHUNK)),),
-                   fill_value=UNWRITTEN_SEQ_LEN)
+                   fill_value=UNWRITTEN_SEQ_LEN, compressors=packed)
+    g.create_group(Z_ROW_CRC32C).create_array(Z_EMBEDS, shape=(n,), dtype="int64",
+                                              chunks=(max(1, min(n, SEQ_LENS_CHUNK)),), fill_value=-1,
+                                              compressors=packed)
     # Embeddings and latents are stored uncompressed: zstd saves 22% of a bf16 embedding and 7% of a float32
     # latent but costs ~2 ms to write and ~1 ms to read per chunk, more than the disk time of the bytes it saves
     # (and stage two reads an embedding per sample); they are a few percent of a cache whose shards dominate.
     flat = {"name": "default", "separator": "."}  # c.i.j.k: one folder per array, not a few per prompt
+    # A crc32c costs ~20 us per chunk (bench.real_size --integrity), zstd's checksum its compression.
     emb = g.create_array(Z_EMBEDS, shape=(n, max_len, dim), dtype=storage_numpy_dtype(dtype_name),
-                         chunks=(1, min(max_len, EMBED_CHUNK_TOKENS), dim), fill_value=0, compressors=None,
+                         chunks=(1, min(max_len, EMBED_CHUNK_TOKENS), dim), fill_value=0, compressors=Crc32cCodec(),
                          chunk_key_encoding=flat)
     emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
     for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
-        g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32",
-                       chunks=(1, seeds, *latent_shape), fill_value=0.0, compressors=None, chunk_key_encoding=flat)
+        g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32", chunks=(1, seeds, *latent_shape),
+                       fill_value=0.0, compressors=Crc32cCodec(), chunk_key_encoding=flat)
     return g
 
 
@@ -233,10 +344,33 @@ def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], tex
             emb.write_row(r, store[j])  # the chunks past the prompt's tokens hold only zeros: no file
         else:
             g[Z_EMBEDS][r] = store[j]
+    if _has(g, EMBEDS_CRC32C):  # (a store of an earlier layout has none)
+        _write_values(g, EMBEDS_CRC32C, rows, [crc32c(store[j, :lens[j]]) for j in range(len(rows))])
     idx = g[Z_PROMPT_IDX]
     all_idx = idx[:]
     all_idx[rows] = prompt_idx
     idx[:] = all_idx
+
+
+def _write_values(g: zarr.Group, name: str, rows: list[int], values) -> None:
+    """`array[rows] = values` for a one-dimensional array: one read and write per chunk touched."""
+    files = _chunk_files(g, name)
+    values = np.asarray(values)
+    if files is None or len(files.shape) != 1:
+        arr = g[name]
+        for lo, hi in _runs(rows):
+            arr[rows[lo]:rows[hi - 1] + 1] = values[lo:hi]
+        return
+    c0 = files.chunks[0]
+    by_chunk: dict[int, list[int]] = {}
+    for j, r in enumerate(rows):
+        by_chunk.setdefault(r // c0, []).append(j)
+    for i, js in by_chunk.items():
+        cur = files.read_chunk((i,))
+        cur = np.full(c0, files.fill, dtype=files.dtype) if cur is None else cur
+        for j in js:
+            cur[rows[j] % c0] = values[j]
+        files.write_chunk((i,), cur)
 
 
 def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int], latents: torch.Tensor) -> None:
@@ -262,19 +396,190 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
             arr[r] = cur
 
 
-def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: int,
-                        final_latents: bool = False) -> list[str]:
+# What is wrong with one prompt row, as bits: stage two's ranks each check a share of the rows and sum them.
+ROW_EMBEDS_MISSING = 1  # the row, or a chunk of its real tokens, was never written (it would read as zeros)
+ROW_EMBEDS_CHECKSUM = 2  # the row's real tokens (or a chunk of them) fail their crc32c, or have none recorded
+ROW_FINAL_CHECKSUM = 4  # the row's final latents fail their chunk's crc32c
+ROW_NOISE_CHECKSUM = 8  # the row's initial noise fails its chunk's crc32c
+ROW_LATENT_UNWRITTEN = 16  # a trajectory's initial noise or final latent was never written (zeros)
+ROW_UNREADABLE = 32  # the row's store or arrays do not open or read
+
+REBUILD = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
+
+
+def store_relpath(part: int) -> str:
+    """A part's prompt store relative to the cache folder, as messages name it."""
+    return f"{PARTS_DIR}/{part_dirname(part)}/{PROMPTS_ZARR}"
+
+
+class RowError(CacheError):
+    """A prompt row that is not what stage one wrote: `bit` (ROW_*) says what, `detail` says it in words
+    ("embeds of row 5 (prompt 5) fail their crc32c ...")."""
+
+    def __init__(self, cache_dir: str | os.PathLike, part: int, bit: int, detail: str):
+        super().__init__(f"prompt store {Path(cache_dir) / store_relpath(part)}: {detail}; run `wandistiller cache "
+                         f"verify` and {REBUILD}")
+        self.bit, self.detail = bit, detail
+
+
+def _has_crc(g: zarr.Group, name: str) -> bool:
+    """Whether each chunk of array `name` ends in its crc32c (stores written before the checksums: no)."""
+    return g[name].metadata.to_dict()["codecs"][-1]["name"] == "crc32c"
+
+
+class PartRows:
+    """One part's prompt store, opened for reading rows that are checked against what stage one recorded: a row's
+    real tokens against their crc32c (`row_crc32c/embeds`, read without the padding past them), its latents
+    against their chunk's crc32c; a chunk holding real tokens that does not exist is an error, never zeros. Each
+    array opens on first use. Stores written before the checksums are read with the presence checks alone."""
+
+    def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int):
+        self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
+        self.g = open_prompt_store(prompt_store_path(cache_dir, part))
+        self._latents: dict[str, ChunkFiles | zarr.Array] = {}
+
+    def where(self, row: int) -> str:
+        return f"row {row} (prompt {row * self.num_parts + self.part})"
+
+    def error(self, bit: int, detail: str) -> RowError:
+        return RowError(self.cache_dir, self.part, bit, detail)
+
+    def has(self, name: str) -> bool:
+        return _has(self.g, name)
+
+    @cached_property
+    def seq_lens(self) -> np.ndarray:
+        return _read_all(self.g, Z_SEQ_LENS)
+
+    @cached_property
+    def embeds(self) -> ChunkFiles | zarr.Array:
+        files = _chunk_files(self.g, Z_EMBEDS)
+        return files if files is not None and files.rows_whole() else self.g[Z_EMBEDS]
+
+    @cached_property
+    def dtype_name(self) -> str:
+        return self.g[Z_EMBEDS].attrs[Z_ATTR_TORCH_DTYPE]
+
+    @cached_property
+    def crcs(self) -> np.ndarray | None:
+        """crc32c of each row's real tokens (-1: none recorded), or None for a store written before them."""
+        return _read_all(self.g, EMBEDS_CRC32C) if self.has(EMBEDS_CRC32C) else None
+
+    @property
+    def max_len(self) -> int:
+        return int(self.embeds.shape[1])
+
+    def unchecked(self) -> list[str]:
+        """What this store records no checksums for (written before them): arrays, and the real tokens' crc32c."""
+        out = [n for n in (Z_SEQ_LENS, Z_PROMPT_IDX, Z_TEXT, Z_EMBEDS, Z_INIT_NOISE, Z_FINAL_LATENTS)
+               if self.has(n) and not _has_crc(self.g, n)]
+        return out + ([EMBEDS_CRC32C] if self.crcs is None else [])
+
+    def trimmed(self, row: int, verify: bool = False) -> np.ndarray:
+        """The row's real tokens [seq_len, D] (storage dtype), checked against their crc32c; with `verify` the
+        whole chunks are read and each checked against its own crc32c too (the padding past the tokens
+        included). RowError naming the row, or the missing or damaged chunk."""
+        seq_len = int(self.seq_lens[row]) if row < len(self.seq_lens) else UNWRITTEN_SEQ_LEN
+        if seq_len < 0:
+            raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(row)} were never written")
+        arr, missing = self.embeds, []
+        try:
+            if isinstance(arr, ChunkFiles):
+                c1 = arr.chunks[1]
+                stop = min(arr.shape[1], -(-seq_len // c1) * c1) if verify else seq_len
+                data = arr.read_row(row, stop, verify=verify, missing=missing)[:seq_len]
+            else:
+                data = np.asarray(arr[row, :seq_len])
+        except ChunkError as e:
+            raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)}: {e.named()}") from e
+        except ValueError as e:  # zarr's own check of a chunk's crc32c
+            raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} do not read ({e})") from e
+        digest = None if self.crcs is None else int(self.crcs[row])
+        if digest is not None and digest >= 0 and crc32c(data) == digest:
+            return data  # (a chunk of zeros is not written: missing chunks are fine when the crc32c agrees)
+        if missing:
+            raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(row)}: chunk {arr.chunk_name(missing[0])} "
+                                                 "is missing (it would read as zeros)")
+        if digest is None:
+            return data
+        if digest < 0:
+            raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} have no crc32c recorded")
+        raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} fail their crc32c (changed after stage "
+                                              "one wrote them)")
+
+    def missing_chunk(self, row: int) -> str | None:
+        """The first chunk holding real tokens of a written row that does not exist (a stat per chunk, nothing
+        read), or None."""
+        arr, seq_len = self.embeds, int(self.seq_lens[row])
+        if not isinstance(arr, ChunkFiles) or seq_len <= 0:
+            return None
+        for j in range(-(-seq_len // arr.chunks[1])):
+            idx = (row, j, *(0,) * (len(arr.shape) - 2))
+            if not arr._file(idx).exists():
+                return arr.chunk_name(idx)
+        return None
+
+    def _latent_array(self, name: str) -> ChunkFiles | zarr.Array:
+        if name not in self._latents:
+            files = _chunk_files(self.g, name)
+            whole = files is not None and files.chunks[0] == 1 and tuple(files.chunks[1:]) == tuple(files.shape[1:])
+            self._latents[name] = files if whole else self.g[name]
+        return self._latents[name]
+
+    def latents(self, name: str, row: int) -> np.ndarray:
+        """Every seed of the row's `name` (init_noise or final_latents), float32 [seeds, C, F, H, W], checked
+        against its chunk's crc32c (RowError); a seed never written reads as zeros (the caller decides)."""
+        arr = self._latent_array(name)
+        bit = ROW_FINAL_CHECKSUM if name == Z_FINAL_LATENTS else ROW_NOISE_CHECKSUM
+        try:
+            if isinstance(arr, ChunkFiles):
+                chunk = arr.read_chunk((row, *(0,) * (len(arr.shape) - 1)))
+                return np.zeros(arr.shape[1:], np.float32) if chunk is None else chunk[0]
+            return np.asarray(arr[row], dtype=np.float32)
+        except ChunkError as e:
+            raise self.error(bit, f"{name} of {self.where(row)}: {e.named()}") from e
+        except ValueError as e:  # zarr's own check of a chunk's crc32c
+            raise self.error(bit, f"{name} of {self.where(row)} do not read ({e})") from e
+
+    def latent(self, name: str, row: int, seed: int) -> np.ndarray:
+        """One trajectory's `name` [C, F, H, W], checked; RowError where it was never written (zeros)."""
+        values = self.latents(name, row)
+        if not 0 <= seed < len(values) or not values[seed].any():
+            raise self.error(ROW_LATENT_UNWRITTEN, f"{name} of {self.where(row)} seed {seed} were never written")
+        return values[seed]
+
+    def check(self, row: int, checksums: bool, final: bool) -> RowError | None:
+        """The first problem of what stage two reads of a written row, or None: its real tokens (with `checksums`
+        read and checked against their crc32c; without, their chunks looked for), and with `final` its final
+        latents against their chunk's crc32c."""
+        try:
+            if checksums or self.missing_chunk(row) is not None:  # (a missing chunk of zeros: the crc32c decides)
+                self.trimmed(row)
+            if final:
+                self.latents(Z_FINAL_LATENTS, row)
+        except RowError as e:
+            return e
+        return None
+
+
+def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: int, final_latents: bool = False,
+                        checksums: bool = False, notes: list[str] | None = None, progress: bool = False) -> list[str]:
     """Every row a reader relies on that is missing or wrong in the parts' stores (empty = sound): rows never
     written (zarr returns the fill value for those), rows holding another prompt, and with `final_latents`
-    trajectories whose final latent was never written."""
+    trajectories whose final latent was never written. With `checksums` every byte of every row is read and
+    checked: each chunk against its crc32c, each row's real tokens against theirs, no chunk of them missing, no
+    initial noise unwritten (`cache verify`). What a store records no checksums for goes to `notes`."""
     problems = []
     for part in range(num_parts):
-        path = prompt_store_path(cache_dir, part)
-        rel = Path(PARTS_DIR) / part_dirname(part) / PROMPTS_ZARR
+        rel = store_relpath(part)
         try:
-            g = open_prompt_store(path)
+            g = open_prompt_store(prompt_store_path(cache_dir, part))
             seq, idx = g[Z_SEQ_LENS][:], g[Z_PROMPT_IDX][:]
-            final = g[Z_FINAL_LATENTS] if final_latents else None
+            if checksums:
+                g[Z_TEXT][:]  # zarr checks each chunk's crc32c
+            rows = PartRows(cache_dir, part, num_parts)
+            if final_latents:
+                g[Z_FINAL_LATENTS]
         except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
             problems.append(f"{rel}: unreadable ({type(e).__name__}: {e})")
             continue
@@ -286,10 +591,26 @@ def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: i
             problems.append(f"{rel}: row {r} (prompt {want[r]}) was never written")
         for r in np.flatnonzero(idx != np.asarray(want)):
             problems.append(f"{rel}: row {r} holds prompt_idx {idx[r]}, expected {want[r]}")
-        if final is not None:
-            for r in range(len(want)):
-                if not np.any(final[r]):
-                    problems.append(f"{rel}: final_latents of row {r} (prompt {want[r]}) were never written")
+        if checksums and notes is not None and (unchecked := rows.unchecked()):
+            notes.append(f"{rel} records no checksums for {', '.join(unchecked)} (written by an earlier WanDistiller): "
+                         "those were checked for presence only")
+        if not (checksums or final_latents):
+            continue
+        for r in tqdm(range(len(want)), desc=f"verify {rel}", unit="row", disable=not progress):
+            names = ([Z_INIT_NOISE] if checksums and seq[r] >= 0 else []) + ([Z_FINAL_LATENTS] if final_latents else [])
+            try:
+                if checksums and seq[r] >= 0:
+                    rows.trimmed(r, verify=True)
+                for name in names:
+                    values = rows.latents(name, r)
+                    unwritten = [s for s in range(len(values)) if not values[s].any()]
+                    if len(unwritten) == len(values):
+                        problems.append(f"{rel}: {name} of row {r} (prompt {want[r]}) were never written")
+                    elif unwritten:
+                        problems.append(f"{rel}: {name} of row {r} (prompt {want[r]}) seed(s) "
+                                        f"{','.join(map(str, unwritten))} were never written")
+            except RowError as e:
+                problems.append(f"{rel}: {e.detail}")
     return problems
 
 
@@ -304,6 +625,49 @@ def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int
                          "and --overwrite")
 
 
+def row_check_flags(cache_dir: str | os.PathLike, num_parts: int, prompts: int, rank: int = 0, world: int = 1,
+                    checksums: bool = True) -> np.ndarray:
+    """int64 [prompts]: for each prompt this rank checks (prompt % world == rank; 0 for the others), the ROW_*
+    bit of the first problem of what stage two reads of its row (`PartRows.check`: its real tokens, and with
+    `checksums` their crc32c and the final latents' too). Summed over the ranks, every prompt is checked once;
+    rows never written are left to `check_prompt_rows`."""
+    flags = np.zeros(prompts, dtype=np.int64)
+    parts: dict[int, tuple[PartRows, bool]] = {}
+    for p in range(rank, prompts, world):
+        part, row = prompt_location(p, num_parts)
+        try:  # nothing escapes on one rank alone: the others would wait for it in the sum
+            if part not in parts:
+                rows = PartRows(cache_dir, part, num_parts)
+                parts[part] = (rows, checksums and rows.has(Z_FINAL_LATENTS))
+            rows, final = parts[part]
+            if row < len(rows.seq_lens) and rows.seq_lens[row] >= 0:
+                err = rows.check(row, checksums, final)
+                flags[p] = 0 if err is None else err.bit
+        except Exception:  # whatever zarr raises for a store it cannot read: named by `row_flags_problem`
+            flags[p] = ROW_UNREADABLE
+    return flags
+
+
+def row_flags_problem(cache_dir: str | os.PathLike, num_parts: int, flags: np.ndarray,
+                      checksums: bool = True) -> str | None:
+    """The one-line message for `row_check_flags` summed over the ranks: its first bad prompt, checked again for
+    the words (every rank finds the same), the count of the others and the fix; None if every row is sound."""
+    bad = np.flatnonzero(flags)
+    if not len(bad):
+        return None
+    p = int(bad[0])
+    part, row = prompt_location(p, num_parts)
+    try:
+        rows = PartRows(cache_dir, part, num_parts)
+        err = rows.check(row, checksums, checksums and rows.has(Z_FINAL_LATENTS))
+        detail = err.detail if err is not None else f"row {row} (prompt {p}) failed its check"
+    except Exception as e:  # whatever zarr raises for a store it cannot read
+        detail = f"row {row} (prompt {p}) does not read ({type(e).__name__}: {e})"
+    more = f" ({len(bad) - 1} more prompt(s) also fail)" if len(bad) > 1 else ""
+    return (f"prompt store {Path(cache_dir) / store_relpath(part)}: {detail}{more}; {REBUILD} (`wandistiller cache "
+            "verify` lists every problem)")
+
+
 def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]:
     """prompt_idx -> text of every prompt the cache's stores hold (rows never written are left out)."""
     out: dict[int, str] = {}
@@ -311,7 +675,7 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))
             idx, seq, text = g[Z_PROMPT_IDX][:], g[Z_SEQ_LENS][:], g[Z_TEXT][:]
-        except Exception as e:  # a missing or unreadable store is a broken cache
+        except Exception as e:  # a missing or unreadable store (or a chunk failing its crc32c) is a broken cache
             raise CacheError(f"prompt store of part {part} in {cache_dir} is unreadable ({type(e).__name__}); "
                              "run `wandistiller cache verify`") from e
         out.update({int(i): str(t) for i, s, t in zip(idx, seq, text) if s >= 0})
@@ -320,24 +684,30 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
 
 def read_latents(cache_dir: str | os.PathLike, num_parts: int,
                  trajectories: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial noise and the teacher's final latents of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W]."""
+    """Initial noise and the teacher's final latents of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked
+    against their crc32c; RowError for one never written or damaged."""
     init, final = [], []
-    stores: dict[int, zarr.Group] = {}
+    stores: dict[int, PartRows] = {}
     for prompt_idx, seed_idx in trajectories:
         part, row = prompt_location(prompt_idx, num_parts)
         if part not in stores:
-            stores[part] = open_prompt_store(prompt_store_path(cache_dir, part))
-        init.append(np.asarray(stores[part][Z_INIT_NOISE][row, seed_idx]))
-        final.append(np.asarray(stores[part][Z_FINAL_LATENTS][row, seed_idx]))
+            stores[part] = PartRows(cache_dir, part, num_parts)
+        init.append(stores[part].latent(Z_INIT_NOISE, row, seed_idx))
+        final.append(stores[part].latent(Z_FINAL_LATENTS, row, seed_idx))
     return torch.from_numpy(np.stack(init)), torch.from_numpy(np.stack(final))
 
 
 def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
-    """The negative prompt's embedding [L, D], padded like the prompts'."""
+    """The negative prompt's embedding [L, D], padded like the prompts'; CacheError if the file is not the one
+    the manifest recorded."""
     path = Path(cache_dir) / NEGATIVE
     if not path.is_file():
         raise CacheError(f"{path} is missing; rerun the same `wandistiller teacher-cache` command")
-    return load_file(path)[NEG_EMBEDS]
+    if manifest_path(cache_dir).exists():
+        problem = negative_problem(cache_dir, load_manifest(cache_dir))
+        if problem:
+            raise CacheError(problem)
+    return st_load(path.read_bytes())[NEG_EMBEDS]
 
 
 class EmbeddingCache:
@@ -346,25 +716,20 @@ class EmbeddingCache:
     A prompt's part and row come from `format.prompt_location`. Embeddings are padded with zeros to
     `max_sequence_length` exactly as the teacher's pipeline padded them when it ran (`get`); `get_trimmed`
     gives the real tokens alone and the padded length, for a reader that pads later (an A14B embedding is
-    4 MiB padded, ~0.5 MiB trimmed).
+    4 MiB padded, ~0.5 MiB trimmed). Every read is checked (`PartRows.trimmed`): CacheError for a row that is
+    missing, has a missing chunk or fails its crc32c, never zeros.
     """
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096):
         self.cache_dir = Path(cache_dir)
         self.num_parts = num_parts
         self.capacity = capacity
-        # per part: the embeds array (its chunk files where their layout allows), its dtype name and all its
-        # seq_lens, opened once
-        self._parts: dict[int, tuple[ChunkFiles | zarr.Array, str, np.ndarray]] = {}
+        self._parts: dict[int, PartRows] = {}  # per part: its arrays, opened once
         self._lru: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
 
-    def _part(self, part: int) -> tuple[ChunkFiles | zarr.Array, str, np.ndarray]:
+    def _part(self, part: int) -> PartRows:
         if part not in self._parts:
-            g = open_prompt_store(prompt_store_path(self.cache_dir, part))
-            arr = g[Z_EMBEDS]
-            files, lens = _chunk_files(g, Z_EMBEDS), _chunk_files(g, Z_SEQ_LENS)
-            self._parts[part] = (files if files is not None and files.rows_whole() else arr,
-                                 arr.attrs[Z_ATTR_TORCH_DTYPE], g[Z_SEQ_LENS][:] if lens is None else lens.read_all())
+            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
         return self._parts[part]
 
     def get(self, prompt_idx: int) -> torch.Tensor:
@@ -379,14 +744,12 @@ class EmbeddingCache:
         hit = self._lru.get(prompt_idx)
         if hit is None:
             part, row = prompt_location(prompt_idx, self.num_parts)
-            arr, dtype_name, seq_lens = self._part(part)
-            seq_len = int(seq_lens[row]) if row < len(seq_lens) else UNWRITTEN_SEQ_LEN
-            if seq_len < 0:
+            rows = self._part(part)
+            if row >= len(rows.seq_lens) or rows.seq_lens[row] < 0:
                 raise CacheError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written); "
                                  "rerun teacher-cache on that cache to complete it")
             # One read per prompt, of the real tokens only: a padded real row is 512 x 4096, mostly zeros.
-            rows = arr.read_row(row, seq_len) if isinstance(arr, ChunkFiles) else arr[row, :seq_len]
-            hit = (storage_to_torch(rows, dtype_name), arr.shape[1])
+            hit = (storage_to_torch(rows.trimmed(row), rows.dtype_name), rows.max_len)
             self._lru[prompt_idx] = hit
             if len(self._lru) > self.capacity:
                 self._lru.popitem(last=False)
@@ -414,36 +777,23 @@ def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: i
 
 class FinalLatentCache:
     """Bounded LRU over the prompt stores of a cache: (prompt_idx, seed_idx) -> the teacher's final latent
-    [C, F, H, W] float32. One read per prompt (its chunk holds every seed); a trajectory whose final latent was
-    never written (all zeros, the fill value) is refused with CacheError."""
+    [C, F, H, W] float32. One read per prompt (its chunk holds every seed), checked against its crc32c; a
+    trajectory whose final latent was never written (all zeros, the fill value) is refused with CacheError."""
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 1024):
         self.cache_dir = Path(cache_dir)
         self.num_parts = num_parts
         self.capacity = capacity
-        # per part: the array's chunk files where their layout is one row per chunk (read directly: zarr's own
-        # path costs milliseconds per chunk), else the zarr array
-        self._arrays: dict[int, ChunkFiles | zarr.Array] = {}
+        self._parts: dict[int, PartRows] = {}
         self._lru: OrderedDict[int, torch.Tensor] = OrderedDict()
-
-    def _array(self, part: int) -> ChunkFiles | zarr.Array:
-        if part not in self._arrays:
-            g = open_prompt_store(prompt_store_path(self.cache_dir, part))
-            files = _chunk_files(g, Z_FINAL_LATENTS)
-            whole = files is not None and files.chunks[0] == 1 and tuple(files.chunks[1:]) == tuple(files.shape[1:])
-            self._arrays[part] = files if whole else g[Z_FINAL_LATENTS]
-        return self._arrays[part]
 
     def get(self, prompt_idx: int, seed_idx: int) -> torch.Tensor:
         hit = self._lru.get(prompt_idx)
         if hit is None:
             part, row = prompt_location(prompt_idx, self.num_parts)
-            arr = self._array(part)
-            if isinstance(arr, ChunkFiles):
-                chunk = arr.read_chunk((row, *(0,) * (len(arr.shape) - 1)))
-                values = np.zeros(arr.shape[1:], arr.dtype) if chunk is None else chunk[0]
-            else:
-                values = arr[row]
+            if part not in self._parts:
+                self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
+            values = self._parts[part].latents(Z_FINAL_LATENTS, row)
             hit = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
             self._lru[prompt_idx] = hit
             if len(self._lru) > self.capacity:

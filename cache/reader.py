@@ -28,7 +28,7 @@ import webdataset as wds
 
 from . import format as F
 from .errors import CacheError
-from .manifest import load_manifest
+from .manifest import check_settings, load_manifest
 from .schema import SAMPLE_FIELDS, sample_problems
 
 # Columns of an index table (int64): one row per sample.
@@ -81,7 +81,9 @@ class CacheInfo:
 
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
-    """Load the manifests of `dirs`; refuse missing, empty or duplicated caches and mixed fingerprints."""
+    """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, shard paths
+    outside a cache (`load_manifest`) and settings that no longer hash to their fingerprint (edited by hand: an
+    edited `guidance` would reach the student's distill.json)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -100,6 +102,8 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
         listed = ", ".join(f"{c.path} ({c.fingerprint[:12]})" for c in caches)
         raise CacheError(f"the caches were made with different settings and their targets cannot be mixed: "
                          f"{listed}; train on caches that share one fingerprint")
+    for c in caches:
+        check_settings(c.path, c.manifest)
     return caches
 
 

@@ -21,7 +21,7 @@ from cache.atomic import atomic_write_bytes
 from cache import lock
 from cache.errors import CacheError
 from cache.features import matrix_sha256, projection_matrix, write_projection
-from cache.manifest import fingerprint, load_manifest, manifest_path, try_write_manifest
+from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress, list_parts
 from cache.prompt_store import create_prompt_store, open_prompt_store, prompt_store_path, write_prompt_rows
 from pipeline.config import TeacherCacheConfig, save_resolved
@@ -175,9 +175,10 @@ def _setup(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, p
         F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,
     } | _feature_header(cfg, spec, latent_shape)
     # The teacher's identity enters through its content (configs, weight samples), not its name or path,
-    # so moving the teacher folder does not invalidate a cache.
-    fp = fingerprint({k: v for k, v in header.items() if k not in (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)}
-                     | {"teacher_identity": spec.identity()})
+    # so moving the teacher folder does not invalidate a cache. The manifest records it too, so that its
+    # settings can be checked against the fingerprint (which is what it was before it was recorded).
+    header[F.F_TEACHER_IDENTITY] = spec.identity()
+    fp = settings_fingerprint(header)
     return _Part(cfg, part, num_parts, torchrun, prompts, rows, spec, placement, scheduler, schedule, latent_shape,
                  header, fp)
 

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from cache import format as F
 from cache.errors import CacheError
-from cache.prompt_store import EmbeddingCache, FinalLatentCache, check_prompt_rows
+from cache.manifest import negative_problem
+from cache.prompt_store import EmbeddingCache, FinalLatentCache, check_prompt_rows, row_check_flags, row_flags_problem
 from cache.reader import (
     C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError,
     check_complete, empty_table, fill_table, later_state_rows, sample_code, scan_shard, shard_list, shard_problem,
@@ -69,6 +70,18 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
         for ci, c in enumerate(caches):
             check_complete(c, ci, table, shards)
             check_prompt_rows(c.path, int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS]))
+            problem = negative_problem(c.path, c.manifest)
+            if problem:
+                raise CacheError(problem)
+        # What training reads of the prompt stores, each rank a share of the rows: every chunk of a prompt's real
+        # tokens present, and with --verify sha256 the tokens matching their crc32c and the final latents theirs.
+        for c in caches:
+            parts, prompts = int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS])
+            flags = all_reduce_numpy(row_check_flags(c.path, parts, prompts, env.rank, env.world_size,
+                                                     checksums=check == "sha256"), device)
+            problem = row_flags_problem(c.path, parts, flags, checksums=check == "sha256")
+            if problem:
+                raise CacheError(problem)
     except CacheError as err:
         err.all_ranks = True
         raise

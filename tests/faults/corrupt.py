@@ -173,6 +173,64 @@ def manifest_torn(cache: Path):
     return [F.MANIFEST, "not valid JSON"], [F.MANIFEST, "not valid JSON"], "rerun `wandistiller teacher-cache`"
 
 
+# -- what stage two and sample/eval read besides the shards: the prompt stores (every chunk ends in its crc32c,
+# every row's real tokens have theirs), negative.safetensors (sha256 in the manifest), the manifest itself -------
+
+STORE = f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROMPTS_ZARR}"
+
+
+def _store_chunk(cache: Path, name: str, row: int) -> Path:
+    """The chunk file of `row` of array `name` of part 0's store (rows are one chunk, '.'-separated keys)."""
+    ndim = len(json.loads((cache / STORE / name / "zarr.json").read_text())["shape"])
+    return cache / STORE / name / ".".join(["c", str(row), *"0" * (ndim - 1)])
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def embeds_flipped(cache: Path):
+    _flip(_store_chunk(cache, F.Z_EMBEDS, 7), 4)  # inside the prompt's first real token
+    return ([f"BAD {STORE}: embeds of row 7 (prompt 7)", "crc32c"], [F.PROMPTS_ZARR, "prompt 7", "crc32c"],
+            OVERWRITE)
+
+
+def final_latents_flipped(cache: Path):
+    _flip(_store_chunk(cache, F.Z_FINAL_LATENTS, 9), 100)
+    return ([f"BAD {STORE}: final_latents of row 9 (prompt 9)", "crc32c"],
+            [F.PROMPTS_ZARR, "prompt 9", F.Z_FINAL_LATENTS], OVERWRITE)
+
+
+def embeds_chunk_deleted(cache: Path):
+    _store_chunk(cache, F.Z_EMBEDS, 11).unlink()  # it would read as zeros
+    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): chunk embeds/c.11.0.0 is missing"],
+            [F.PROMPTS_ZARR, "prompt 11", "c.11.0.0 is missing"], OVERWRITE)
+
+
+def negative_flipped(cache: Path):
+    path = cache / F.NEGATIVE
+    _flip(path, path.stat().st_size - 5)  # tensor data: safetensors still parses
+    return [f"BAD {F.NEGATIVE}: fails its sha256 check"], [F.NEGATIVE, "sha256"], RERUN
+
+
+def guidance_edited(cache: Path):
+    _edit_manifest(cache, lambda m: m.update({F.F_GUIDANCE: 7.5}))  # would reach the student's distill.json
+    return (["its settings no longer hash to its fingerprint", "guidance is 7.5"], [F.MANIFEST, "guidance is 7.5"],
+            RERUN)
+
+
+def shard_path_escapes(cache: Path):
+    """A shard record pointing outside the cache, at a copy of the very shard: its size and sha256 agree."""
+    _, rel = _shard(cache, 1)
+    outside = f"../{cache.name}-escaped.tar"
+    shutil.copy(cache / rel, cache.parent / outside[3:])
+    _edit_manifest(cache, lambda m: m[F.F_SHARDS][1].update({F.S_PATH: outside}))
+    said = f"shard path {outside!r} is outside the cache folder"
+    return [said], [F.MANIFEST, said], RERUN
+
+
 CORRUPTIONS = {
     "truncated shard": truncated,
     "flipped byte in tensor data": flipped_byte,
@@ -186,6 +244,12 @@ CORRUPTIONS = {
     "manifest edited: sample count": sample_count_edited,
     "manifest edited: sha256": sha_edited,
     "manifest torn (half written by hand)": manifest_torn,
+    "zarr embeds: byte flipped": embeds_flipped,
+    "zarr final_latents: byte flipped": final_latents_flipped,
+    "zarr embeds: chunk deleted": embeds_chunk_deleted,
+    "negative.safetensors: byte flipped": negative_flipped,
+    "manifest edited: guidance": guidance_edited,
+    "manifest edited: shard path outside the cache (../)": shard_path_escapes,
 }
 
 
