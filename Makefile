@@ -94,7 +94,8 @@ demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS)"
 	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO_FEW) \
 		STUDENT_CONFIG=configs/student-shapes.json \
-		TRAIN_ARGS="$(DEMO_TRAIN_ARGS) --objective segment --student-steps $(DEMO_FEW_STEPS)"
+		TRAIN_ARGS="$(DEMO_TRAIN_ARGS) --objective segment --student-steps $(DEMO_FEW_STEPS) \
+		--segment-velocity-weight 1"
 	$(BIN)/wandistiller sample --student $(DEMO)/student --compare $(DEMO_FEW) --teacher $(PRETRAINED_TEACHER) \
 		--prompts data/shapes-heldout.txt --out $(DEMO)/grid.png --max-prompts 8
 	$(BIN)/wandistiller eval --student $(DEMO)/student --compare $(DEMO_FEW) --cache $(DEMO)/cache \

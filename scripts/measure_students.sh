@@ -23,8 +23,9 @@ train() {  # train NAME STUDENT_CONFIG [flags...]
 # Issue 18: the velocity student sampled with K steps against segment students trained for K steps.
 train velocity configs/student-shapes.json
 for k in 4 2 1; do train seg$k configs/student-shapes.json --objective segment --student-steps $k; done
+train seg4mix configs/student-shapes.json --objective segment --student-steps 4 --segment-velocity-weight 1
 $BIN/wandistiller eval --student "$OUT/velocity" --student-steps 1,2,4,8 --compare "$OUT/seg1" --compare "$OUT/seg2" \
-    --compare "$OUT/seg4" --cache "$OUT/cache" --teacher $T --report "$OUT/eval-fewstep.json" \
+    --compare "$OUT/seg4" --compare "$OUT/seg4mix" --cache "$OUT/cache" --teacher $T --report "$OUT/eval-fewstep.json" \
     --attributes data/shapes-heldout.txt --timing-runs 8 | tee "$OUT/eval-fewstep.log"
 # Issue 19: a one-block student with and without feature distillation, same steps and seed.
 train v1b configs/student-shapes-1block.json
