@@ -14,18 +14,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from pipeline.cli import main
 from stages.train_student import checkpoint
+from test_train_student import assert_same_students, metrics
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "student-tiny.json")
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 # 28 samples, batch 4: 7 steps an epoch; 10 steps cross into the second; checkpoints at 3, 6 and 9.
 ARGS = dict(max_steps=10, checkpoint_every=3, keep_checkpoints=3, batch_size=4, lr=1e-3, warmup_steps=2,
             ema_decay=0.8, eval_every=0, log_every=1, num_workers=0, seed=5, device="cpu")
@@ -44,7 +43,7 @@ def sha256(path: Path) -> str:
 
 
 def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    return [r["loss"] for r in metrics(out)]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +67,7 @@ def interrupted(runs, tmp_path: Path) -> Path:
 
 
 def assert_equals_uninterrupted(out: Path, full: Path) -> None:
-    for name in ("student", "student_ema"):
-        a, b = load_file(out / name / WEIGHTS), load_file(full / name / WEIGHTS)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert_same_students(out, full)
     assert losses(out) == losses(full)
 
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cache import format as F
 from cache.features import matrix_sha256, projection_matrix, read_projection
@@ -15,6 +14,7 @@ from cache.manifest import load_manifest, summarize
 from cache.schema import sample_bytes
 from cache.verify import verify_cache
 from conftest import ROOT, make_cache, read_all_samples
+from test_train_student import assert_same_students, metrics
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from stages import train_student
@@ -95,14 +95,9 @@ def test_velocity_feature_trains_resumes_bit_equal_and_is_refused_without_featur
         train(feature_cache, cut, **kw)
     monkeypatch.delenv("WANDISTILLER_FAIL_AT")
     train(feature_cache, cut, resume=True, **kw)
-    rows = lambda out: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()  # noqa: E731
-                        if json.loads(x)["type"] == "train"]
-    assert [r["loss"] for r in rows(cut)] == [r["loss"] for r in rows(full)]
-    assert rows(full)[-1]["loss_feature"] > 0 and "loss_velocity" in rows(full)[-1]
-    for name in ("student", "student_ema"):
-        a = load_file(cut / name / "diffusion_pytorch_model.safetensors")
-        b = load_file(full / name / "diffusion_pytorch_model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
+    assert metrics(full)[-1]["loss_feature"] > 0 and "loss_velocity" in metrics(full)[-1]
+    assert_same_students(cut, full)
     d = json.loads((full / "distill.json").read_text())
     assert d["objective"] == "velocity+feature"
     assert d["objective_settings"] == {"feature_pairs": "0:0,0:1", "feature_weight": 0.5}

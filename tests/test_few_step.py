@@ -24,7 +24,7 @@ from pipeline.sampling import (
 )
 from stages.train_student.data import SEGMENT_VELOCITY
 from stages.train_student.objectives import Segment, check_cache
-from test_train_student import TINY, metrics, train, weights
+from test_train_student import TINY, assert_same_students, metrics, train, weights
 
 SEG = dict(objective="segment", student_steps=2)
 
@@ -132,9 +132,7 @@ def test_segment_run_records_its_steps_and_resumes_bit_for_bit(tiny_cache, tmp_p
     train(tiny_cache, cut, resume=True, **kw)
     assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
     assert metrics(cut, "eval") == metrics(full, "eval")
-    for name in ("student", "student_ema"):
-        a, b = weights(cut / name), weights(full / name)
-        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert_same_students(cut, full)
 
 
 @pytest.mark.dist

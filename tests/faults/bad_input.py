@@ -229,19 +229,19 @@ def _check_table(ws: Workspace, x: Inputs, row: Row, table: list) -> None:
         row.record(what, problems, lost=len(keys - now), duplicated=0)
 
 
-def bad_inputs(ws: Workspace) -> Row:
-    row = Row("bad input (every subcommand)", min_attempts=25)
+def _table_row(ws: Workspace, fault: str, min_attempts: int, make_cases) -> Row:
+    """One table row: every case of `make_cases(inputs)` run and checked."""
+    row = Row(fault, min_attempts=min_attempts)
     t0 = time.perf_counter()
     x = Inputs(ws)
-    _check_table(ws, x, row, cases(x))
+    _check_table(ws, x, row, make_cases(x))
     row.wall_s = time.perf_counter() - t0
     return row
+
+
+def bad_inputs(ws: Workspace) -> Row:
+    return _table_row(ws, "bad input (every subcommand)", 25, cases)
 
 
 def config_types(ws: Workspace) -> Row:
-    row = Row("config values of the wrong type", min_attempts=10)
-    t0 = time.perf_counter()
-    x = Inputs(ws)
-    _check_table(ws, x, row, type_cases(x))
-    row.wall_s = time.perf_counter() - t0
-    return row
+    return _table_row(ws, "config values of the wrong type", 10, type_cases)
