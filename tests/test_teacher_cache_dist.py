@@ -4,6 +4,7 @@ once by itself, quoted in torchrun's summary, and the exit code of the table (pi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,7 +61,12 @@ def test_an_unexpected_exception_keeps_its_traceback_and_reaches_the_summary(tin
     proc, _ = torchrun(tiny_teacher, prompts, tmp_path / "cache", {KILL_AT_ENV: "nowhere:1"})
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    for rank in (0, 1):
-        assert len(_own_lines(output, rank, f"ValueError: {KILL_AT_ENV}='nowhere:1'")) == 1, output[-3000:]
+    # Each rank that reached the fault point prints the error once. torchrun SIGTERMs the other ranks as soon as
+    # one fails, so a rank still encoding then (a busy machine) never gets there; its summary entry says so.
+    summary = output.split("Failures:")[-1]
+    printed = {r: len(_own_lines(output, r, f"ValueError: {KILL_AT_ENV}='nowhere:1'")) for r in (0, 1)}
+    assert sorted(set(printed.values()) - {0}) == [1], output[-3000:]
+    for rank, n in printed.items():
+        assert n == 1 or re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\n\s*exitcode\s*: -15", summary), output[-3000:]
     assert "exitcode  : 1" in output and "To enable traceback" not in output, output[-3000:]
     assert "stages/teacher_cache/run.py" in output.split("Root Cause")[1]  # the rank's traceback, quoted
