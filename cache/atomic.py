@@ -1,21 +1,24 @@
-"""Atomic file replacement: write to a temporary name, fsync, rename, fsync the folder.
+"""Atomic file and folder replacement: write to a temporary name, fsync, rename, fsync the folder.
 
-A reader either sees the old complete file or the new complete file, never a torn one, even if the
+A reader either sees the old complete file (or folder) or the new complete one, never a torn one, even if the
 writer is SIGKILLed or the machine loses power between any two instructions.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .format import TMP_SUFFIX
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or creation inside `path` durable."""
+    """Make a rename or creation inside `path` durable (or, given a file, the file's contents)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -44,3 +47,87 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, before_replace: Cal
 
 def atomic_write_json(path: str | os.PathLike, obj, before_replace: Callable[[], None] | None = None) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), before_replace)
+
+
+# fsync forces a journal commit per call on ext4 (~1.4 ms each, one at a time); concurrent calls are committed
+# together: 3,000 chunk files of 16 KiB took 4.3 s one at a time and 0.19 s from 16 threads (fsync releases
+# the GIL). The prompt store is a file per chunk, so its fsyncs go through this pool.
+FSYNC_THREADS = 16
+
+
+def fsync_paths(paths) -> None:
+    """Make `paths` durable: every file, every file below a folder (symlinks are left alone: their parent's
+    fsync holds them), then every folder that holds one of them, so that names created, replaced or removed
+    there survive a power loss too. A path that no longer exists (a chunk removed) needs only its parent."""
+    files, dirs = [], set()
+    for p in dict.fromkeys(map(Path, paths)):
+        dirs.add(p.parent)
+        if p.is_symlink() or not p.exists():
+            continue
+        if p.is_dir():
+            for root, _, names in os.walk(p):
+                dirs.add(Path(root))
+                files += [Path(root, n) for n in names if not os.path.islink(os.path.join(root, n))]
+        else:
+            files.append(p)
+    if len(files) > 1:
+        with ThreadPoolExecutor(min(FSYNC_THREADS, len(files))) as pool:
+            list(pool.map(fsync_dir, files))
+    elif files:
+        fsync_dir(files[0])
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):  # deepest first: each entry, then its holder
+        if d.is_dir():
+            fsync_dir(d)
+
+
+# renameat2(2)'s RENAME_EXCHANGE swaps two names in one step (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, not NFS).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders `a` and `b` atomically; False where the system or filesystem cannot."""
+    import ctypes
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def publish_dir(tmp: str | os.PathLike, dest: str | os.PathLike, before_replace: Callable[[], None] | None = None,
+                after_replace: Callable[[], None] | None = None) -> None:
+    """Make the complete folder `tmp` appear as `dest`: everything in it fsynced, then one rename, then the
+    parent fsynced. A reader (or a crash at any instant) sees the old `dest` or the new one, never a half-written
+    one. An existing `dest` is swapped with `tmp` in one step where the filesystem can (`_exchange`), and the old
+    copy, now under the temporary name, is deleted after; elsewhere it is renamed aside first, so a crash
+    between the two renames leaves no `dest`, the old one whole under a `.tmp` name. `before_replace` and
+    `after_replace` (fault injection) run just before the rename and just before the old copy is deleted."""
+    tmp, dest = Path(tmp), Path(dest)
+    fsync_paths([tmp])
+    if before_replace is not None:
+        before_replace()
+    old = None
+    if dest.exists() or dest.is_symlink():
+        if _exchange(tmp, dest):
+            old = tmp
+        else:
+            old = dest.with_name(f"{dest.name}.{os.getpid()}.old{TMP_SUFFIX}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+    else:
+        os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    if after_replace is not None:
+        after_replace()
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()

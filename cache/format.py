@@ -110,6 +110,12 @@ F_FEATURE_PROJECTION_SHA256 = "feature_projection_sha256"
 F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py); derived from the settings when absent
 F_TEACHER_IDENTITY = "teacher_identity"  # hashes of the teacher's configs and weight files (fingerprinted)
 F_NEGATIVE_SHA256 = "negative_sha256"  # sha256 of negative.safetensors
+# teacher-cache --record-steps N: the steps every trajectory records (sorted; absent: every step), and the settings
+# that chose them (absent without --record-steps, so caches of every step keep their fingerprint)
+F_RECORDED_STEPS = "recorded_steps"
+F_RECORD_STEPS = "record_steps"
+F_RECORD_SEED = "record_seed"
+F_KEEP_STEPS = "keep_steps"
 # shard records (in the manifest and in progress.json)
 S_PATH = "path"
 S_PART = "part"

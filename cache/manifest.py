@@ -121,15 +121,20 @@ def shard_path_problem(rel, cache_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def _negative_sha256(cache_dir: Path) -> str | None:
+def _negative_sha256(cache_dir: Path, written: str | None = None) -> str | None:
     """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
     (written together): a missing root copy, or one that no longer matches what the previous manifest recorded
-    while part 0's still does, is restored from part 0's first, so that rerunning stage one repairs it."""
+    while part 0's still does, is restored from part 0's first, so that rerunning stage one repairs it. Part 0's
+    copy must still be what part 0's progress record says it wrote (`written`, when it says)."""
     root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
     if not own.is_file():
         return sha256_file(root) if root.is_file() else None
     data = own.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
+    if written is not None and sha != written:
+        raise CacheError(f"{own} changed after stage one wrote it (its progress record says sha256 {written[:12]}); "
+                         f"delete {own.parent} and rerun the same `wandistiller teacher-cache` command (that part is "
+                         "computed again), or rerun it with --overwrite (the whole cache)")
     try:
         recorded = json.loads(manifest_path(cache_dir).read_text()).get(F_NEGATIVE_SHA256)
     except (OSError, ValueError, AttributeError):  # no previous manifest, or a torn one
@@ -193,7 +198,7 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
         F_SHARDS: shards,
         F_CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    negative = _negative_sha256(Path(cache_dir))
+    negative = _negative_sha256(Path(cache_dir), parts[0].negative_sha256)
     if negative is not None:
         manifest[F_NEGATIVE_SHA256] = negative
     atomic_write_json(manifest_path(cache_dir), manifest, before_replace)
@@ -228,11 +233,17 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
     return m
 
 
-def summarize(cache_dir: str | os.PathLike) -> dict:
-    """What `cache info` prints: sizes and settings of a finished cache."""
+def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
+    """What `cache info` prints: sizes and settings of a finished cache, and its bytes projected for `prompts`
+    prompts (default: its own) of the same kind (`cache.size`)."""
     from .format import F_DTYPE, F_LATENT_SHAPE, F_PROMPTS, F_STEPS, F_TEACHER, T_FEATURES
+    from .schema import recorded_steps
+    from .size import measured_inputs, project
 
     m = load_manifest(cache_dir)
+    inputs = measured_inputs(cache_dir, m)
+    own = project(m, int(m[F_PROMPTS]), int(m[F_NUM_PARTS]), **inputs)
+    projected = own if prompts is None else project(m, prompts, int(m[F_NUM_PARTS]), **inputs)
     return {
         "cache": str(cache_dir), F_SAMPLES: m[F_SAMPLES], F_SHARDS: len(m[F_SHARDS]), F_PROMPTS: m.get(F_PROMPTS),
         F_STEPS: m.get(F_STEPS), F_LATENT_SHAPE: m.get(F_LATENT_SHAPE), F_BYTES: m.get(F_BYTES),
@@ -242,4 +253,11 @@ def summarize(cache_dir: str | os.PathLike) -> dict:
         # tensor bytes of one sample, and without the recorded teacher features (what they cost)
         "tensor_bytes_per_sample": sample_bytes(m),
         "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in sample_fields(m) if f != T_FEATURES]),
+        "recorded_steps": list(recorded_steps(m)),
+        # on disk: a sample in its shard (tar and safetensors headers included), a prompt in its prompt store
+        # (embedding chunks + initial noise + final latents), and the files of neither (manifest, metadata)
+        "bytes_per_sample": own.sample_bytes, "bytes_per_prompt": round(own.prompt_bytes),
+        "fixed_bytes": own.fixed_bytes, "total_bytes": own.total,
+        "projected_prompts": projected.prompts, "projected_samples": projected.samples,
+        "projected_bytes": projected.total,
     }

@@ -28,7 +28,8 @@ class PartProgress:
     blocks: int  # trajectory blocks in this part
     batch_size: int  # trajectories per block: block ids mean nothing under another batch size
     samples_per_shard: int | None = None  # where shards close (None: a record from before it was checked)
-    encoded: bool = False  # every prompt row of prompts.zarr written
+    encoded: bool = False  # every prompt row of prompts.zarr written (and fsynced)
+    negative_sha256: str | None = None  # of the part's negative.safetensors, written with it (None: an older record)
     done_blocks: list[int] = field(default_factory=list)
     shards: list[dict] = field(default_factory=list)
     complete: bool = False

@@ -21,6 +21,7 @@ sizes: `python -m bench.real_size --integrity`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -111,6 +112,7 @@ class ChunkFiles:
         self.nbytes = int(np.prod(self.chunks)) * self.dtype.itemsize  # of a whole chunk, decoded
         self.sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
         self._dirs: set[Path] = set()  # chunk folders known to exist
+        self.touched: list[Path] = []  # chunk files written or removed: what a caller fsyncs (atomic.fsync_paths)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> ChunkFiles | None:
@@ -135,6 +137,19 @@ class ChunkFiles:
         if self.sep == ".":
             return self.path / ".".join(["c", *map(str, idx)])
         return self.path.joinpath("c", *map(str, idx))
+
+    def prefetch_row(self, row: int, stop: int) -> None:
+        """Ask the kernel to start reading the chunks `read_row(row, stop)` reads (posix_fadvise WILLNEED): a
+        batch's embedding reads then overlap on the disk instead of waiting one after the other. A hint only."""
+        for j in range(-(-stop // self.chunks[1])):
+            try:
+                fd = os.open(self._file((row // self.chunks[0], j, *(0,) * (len(self.shape) - 2))), os.O_RDONLY)
+            except OSError:
+                continue  # never written (reads as the fill value) or gone: the read itself says so
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def chunk_name(self, idx: tuple[int, ...]) -> str:
         """"<array>/<chunk file>", how messages name a chunk inside its store."""
@@ -189,6 +204,7 @@ class ChunkFiles:
             empty = not block.view(np.uint64).any()  # integers: zero iff every bit is, 8 bytes at a time
         else:
             empty = not (block.any() if self.fill == 0 else (block != self.fill).any())
+        self.touched.append(file)
         if empty:
             file.unlink(missing_ok=True)
             return
@@ -373,8 +389,11 @@ def _write_values(g: zarr.Group, name: str, rows: list[int], values) -> None:
         files.write_chunk((i,), cur)
 
 
-def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int], latents: torch.Tensor) -> None:
-    """Write per-trajectory latents (`init_noise` or `final_latents`); rows grouped per chunk."""
+def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int],
+                      latents: torch.Tensor) -> list[Path]:
+    """Write per-trajectory latents (`init_noise` or `final_latents`); rows grouped per chunk. Returns what to
+    fsync before anything records them as written (`atomic.fsync_paths`): the chunk files, or for a store of an
+    earlier layout (written through zarr) the array's folder."""
     files = _chunk_files(g, name)
     arr = files if files is not None and files.rows_whole(write=True) else g[name]
     lat = latents.detach().float().cpu().numpy()
@@ -394,6 +413,10 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
             files.write_row(r, cur)
         else:
             arr[r] = cur
+    if arr is files:
+        return files.touched
+    root = getattr(g.store, "root", None)
+    return [Path(root) / g.path / name] if root is not None else []
 
 
 # What is wrong with one prompt row, as bits: stage two's ranks each check a share of the rows and sum them.
@@ -410,6 +433,15 @@ REBUILD = "rebuild the cache with the same `wandistiller teacher-cache` command 
 def store_relpath(part: int) -> str:
     """A part's prompt store relative to the cache folder, as messages name it."""
     return f"{PARTS_DIR}/{part_dirname(part)}/{PROMPTS_ZARR}"
+
+
+def damaged_part(cache_dir: str | os.PathLike, part: int, what: str) -> CacheError:
+    """Stage one resuming a part whose own files fail their checks (`what`: which and how): the one line, with
+    the two ways to rebuild it. A part cannot be patched row by row: its rows are encoded in one pass."""
+    part_dir = Path(cache_dir) / PARTS_DIR / part_dirname(part)
+    return CacheError(f"part {part} of {cache_dir} is damaged: {what}; delete {part_dir} and rerun the same "
+                      "`wandistiller teacher-cache` command (that part is computed again), or rerun it with "
+                      "--overwrite (the whole cache)")
 
 
 class RowError(CacheError):
@@ -474,6 +506,12 @@ class PartRows:
         out = [n for n in (Z_SEQ_LENS, Z_PROMPT_IDX, Z_TEXT, Z_EMBEDS, Z_INIT_NOISE, Z_FINAL_LATENTS)
                if self.has(n) and not _has_crc(self.g, n)]
         return out + ([EMBEDS_CRC32C] if self.crcs is None else [])
+
+    def prefetch(self, row: int) -> None:
+        """Start reading the row's real tokens from disk (see `ChunkFiles.prefetch_row`)."""
+        seq_len = int(self.seq_lens[row]) if row < len(self.seq_lens) else -1
+        if seq_len > 0 and isinstance(self.embeds, ChunkFiles) and hasattr(os, "posix_fadvise"):
+            self.embeds.prefetch_row(row, seq_len)
 
     def trimmed(self, row: int, verify: bool = False) -> np.ndarray:
         """The row's real tokens [seq_len, D] (storage dtype), checked against their crc32c; with `verify` the
@@ -697,6 +735,22 @@ def read_latents(cache_dir: str | os.PathLike, num_parts: int,
     return torch.from_numpy(np.stack(init)), torch.from_numpy(np.stack(final))
 
 
+def part_negative(cache_dir: str | os.PathLike, part: int, sha256: str | None) -> torch.Tensor:
+    """Part `part`'s own negative prompt embedding [L, D], which stage one reads on resume, checked against the
+    sha256 its progress record holds (a record from before it: that it decodes); CacheError (`damaged_part`)."""
+    rel = f"{PARTS_DIR}/{part_dirname(part)}/{NEGATIVE}"
+    try:
+        data = (Path(cache_dir) / rel).read_bytes()
+    except FileNotFoundError:
+        raise damaged_part(cache_dir, part, f"{rel} is missing") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise damaged_part(cache_dir, part, f"{rel} fails its sha256 check (changed after stage one wrote it)")
+    try:
+        return st_load(data)[NEG_EMBEDS]
+    except Exception as e:  # any parse failure (or a file without the tensor) is corruption
+        raise damaged_part(cache_dir, part, f"{rel} does not decode ({type(e).__name__})") from e
+
+
 def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
     """The negative prompt's embedding [L, D], padded like the prompts'; CacheError if the file is not the one
     the manifest recorded."""
@@ -738,6 +792,13 @@ class EmbeddingCache:
         out = trimmed.new_zeros(max_len, trimmed.shape[1])
         out[:trimmed.shape[0]] = trimmed
         return out
+
+    def prefetch(self, prompt_idxs) -> None:
+        """Start reading from disk the embeddings of these prompts that are not in memory (a hint only)."""
+        for prompt_idx in dict.fromkeys(int(p) for p in prompt_idxs):
+            if prompt_idx not in self._lru:
+                self._part(prompt_location(prompt_idx, self.num_parts)[0]).prefetch(
+                    prompt_location(prompt_idx, self.num_parts)[1])
 
     def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:
         """(the prompt's real token embeddings [seq_len, D], the length `get` pads them to)."""

@@ -29,7 +29,7 @@ import webdataset as wds
 from . import format as F
 from .errors import CacheError
 from .manifest import check_settings, load_manifest
-from .schema import SAMPLE_FIELDS, sample_problems
+from .schema import SAMPLE_FIELDS, recorded_steps, sample_problems
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -253,12 +253,13 @@ class CacheIndex:
 
 
 def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: list) -> None:
-    """CacheError unless the indexed samples of `cache` are exactly one per (prompt, seed, step) its manifest
-    promises: a manifest edited by hand (a shard dropped or listed twice) must not become a partial or
+    """CacheError unless the indexed samples of `cache` are exactly one per (prompt, seed, recorded step) its
+    manifest promises: a manifest edited by hand (a shard dropped or listed twice) must not become a partial or
     skewed epoch. `shards` is `shard_list` of the caches the table was built from."""
     m = cache.manifest
     try:
         dims = (int(m[F.F_PROMPTS]), int(m[F.F_SEEDS_PER_PROMPT]), int(m[F.F_STEPS]))
+        recorded = np.asarray(recorded_steps(m), dtype=np.int64)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"{cache.path / F.MANIFEST} lacks the field {e}; rebuild the cache with "
                          "`wandistiller teacher-cache`") from e
@@ -266,27 +267,32 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
     fix = (f"rerun the same `wandistiller teacher-cache` command on it: it rewrites {F.MANIFEST} from the parts' "
            "progress records (`wandistiller cache verify` lists every problem)")
     _, first, counts = np.unique(sample_code(rows), return_index=True, return_counts=True)
+    subset = len(recorded) < dims[2]
     for cols, limit in zip((C_PROMPT, C_SEED, C_STEP), dims):
-        foreign = np.flatnonzero((rows[:, cols] < 0) | (rows[:, cols] >= limit))
+        out = (rows[:, cols] < 0) | (rows[:, cols] >= limit)
+        if cols == C_STEP and subset:
+            out |= ~np.isin(rows[:, cols], recorded)
+        foreign = np.flatnonzero(out)
         if len(foreign):
             r = rows[foreign[0]]
+            steps = f"recorded steps {','.join(map(str, recorded))}" if subset else f"{dims[2]} steps"
             raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2][F.S_PATH]} holds sample "
                              f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
-                             f"{dims[0]} prompts x {dims[1]} seeds x {dims[2]} steps of its manifest; {fix}")
+                             f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
     if (counts > 1).any():
         code = np.unique(sample_code(rows))[np.argmax(counts > 1)]
         where = sorted({shards[int(r[C_SHARD])][2][F.S_PATH] for r in rows[sample_code(rows) == code]})
         raise CacheError(f"cache {cache.path}: {int((counts > 1).sum())} sample(s) are listed more than once "
                          f"(e.g. in {' and '.join(where) if len(where) > 1 else where[0] + ', listed twice'} of "
                          f"{F.MANIFEST}); {fix}")
-    expected = dims[0] * dims[1] * dims[2]
+    expected = dims[0] * dims[1] * len(recorded)
     if len(first) != expected:
         listed = {rec[F.S_PATH] for ci, _, rec, _ in shards if ci == cache_id}
         unlisted = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache.path / F.SHARDS_DIR).glob("*.tar")
                           if f"{F.SHARDS_DIR}/{p.name}" not in listed)
         why = f"; {', '.join(unlisted[:3])} exist(s) but {F.MANIFEST} does not list it" if unlisted else ""
         raise CacheError(f"cache {cache.path} lists {len(first)} samples, its settings make {expected} "
-                         f"(prompts x seeds x steps): an epoch would miss {expected - len(first)}{why}; {fix}")
+                         f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(first)}{why}; {fix}")
 
 
 def open_index(dirs: list[str | os.PathLike], check_sha256: bool = False) -> CacheIndex:
@@ -310,7 +316,7 @@ def later_state_rows(index: CacheIndex, rows: np.ndarray, end_step: np.ndarray) 
     """For each of `rows`, the index row of the same trajectory (prompt, seed) at step `end_step[step]`, or -1
     where that is the cache's step count (the trajectory's final latent, in the prompt store, not a shard).
     Rows of one trajectory are written in one block, so a pair usually lies in one shard. KeyError if a
-    needed state is not indexed (`check_complete` guarantees it is for a complete cache)."""
+    needed state is not indexed (`check_complete` guarantees every recorded step is, for a complete cache)."""
     table = index.table
     steps = table[rows, C_STEP]
     ends = np.asarray(end_step, dtype=np.int64)[steps]

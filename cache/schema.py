@@ -72,7 +72,7 @@ SAMPLE_FIELDS: dict[str, SampleField] = {f.name: f for f in (
 META_FIELDS: dict[str, MetaField] = {f.name: f for f in (
     MetaField(F.M_PROMPT_IDX, "global prompt index (order of first appearance in the prompt file)", int),
     MetaField(F.M_SEED_IDX, "which of the prompt's seeds", int),
-    MetaField(F.M_STEP, "index of the teacher's sampling step", int),
+    MetaField(F.M_STEP, "index of the teacher's sampling step (one of the cache's `recorded_steps`)", int),
     MetaField(F.M_TIMESTEP, "the scheduler's timestep at that step", float),
     MetaField(F.M_SIGMA, "the scheduler's sigma at that step", float),
     MetaField(F.M_EXPERT, "expert that ran the step (1 = transformer, 2 = transformer_2)", int),
@@ -85,6 +85,16 @@ def sample_fields(manifest: Mapping) -> tuple[str, ...]:
     if isinstance(manifest.get(F.F_SAMPLE_FIELDS), list):
         return tuple(manifest[F.F_SAMPLE_FIELDS])
     return tuple(f.name for f in SAMPLE_FIELDS.values() if f.present(manifest))  # caches written before the list
+
+
+def recorded_steps(manifest: Mapping) -> tuple[int, ...]:
+    """The teacher steps every trajectory of the cache records, ascending: the manifest's `recorded_steps`
+    (teacher-cache --record-steps N), else every step. The same for every (prompt, seed), so a cache holds
+    prompts x seeds x len(recorded_steps) samples."""
+    steps = manifest.get(F.F_RECORDED_STEPS)
+    if isinstance(steps, list):
+        return tuple(int(k) for k in steps)
+    return tuple(range(int(manifest[F.F_STEPS])))
 
 
 def declared_fields(header: Mapping) -> list[str]:
@@ -144,4 +154,8 @@ def sample_problems(key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping
             problems.append(f"sample {key} metadata names another sample")
     except ValueError as e:
         problems.append(str(e))
+    recorded = manifest.get(F.F_RECORDED_STEPS)
+    if not problems and isinstance(recorded, list) and meta[F.M_STEP] not in recorded:
+        problems.append(f"sample {key} is of step {meta[F.M_STEP]}, which the cache does not record (its "
+                        f"{F.F_RECORDED_STEPS}: {','.join(map(str, recorded))})")
     return problems

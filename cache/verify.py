@@ -25,7 +25,7 @@ from .features import read_projection
 from .manifest import load_manifest, negative_problem, settings_checkable, settings_problem
 from .prompt_store import prompt_row_problems
 from .reader import ShardStream, decode_sample
-from .schema import sample_problems
+from .schema import recorded_steps, sample_problems
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ def _verify(cache_dir: Path, progress: bool, notes: list[str]) -> list[str]:
     total = sum(r[F.S_SAMPLES] for r in m[F.F_SHARDS])
     if total != m[F.F_SAMPLES]:
         problems.append(f"{F.MANIFEST}: samples {m[F.F_SAMPLES]} but its shards hold {total}")
-    expected = m[F.F_PROMPTS] * m[F.F_SEEDS_PER_PROMPT] * m[F.F_STEPS]
+    expected = m[F.F_PROMPTS] * m[F.F_SEEDS_PER_PROMPT] * len(recorded_steps(m))
     if total != expected:
         problems.append(f"{F.MANIFEST}: {total} samples listed, {expected} expected "
-                        f"(prompts x seeds x steps); the cache is incomplete")
+                        f"(prompts x seeds x recorded steps); the cache is incomplete")
     problems += _check_negative(cache_dir, m, notes)
     if m.get(F.F_RECORD_FEATURES):
         try:

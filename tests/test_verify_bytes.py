@@ -128,7 +128,8 @@ def test_a_store_without_checksums_verifies_with_a_note_and_still_refuses_a_miss
     assert any(F.F_TEACHER_IDENTITY in n for n in notes) and any(F.F_NEGATIVE_SHA256 in n for n in notes)
     assert any(n.startswith(f"{STORE} records no checksums for seq_lens, prompt_idx, text, embeds") for n in notes)
     r = _verify(cache_copy)
-    assert r.exit_code == 0 and r.output.startswith("OK")
+    assert r.exit_code == 0 and r.stdout.splitlines() == [f"NOTE {n}" for n in notes] + r.stdout.splitlines()[-1:]
+    assert r.stdout.splitlines()[-1].startswith("OK")
     cache = EmbeddingCache(cache_copy, 1)
     assert all(torch.equal(cache.get(p), before[p]) for p in range(7))
     _chunk(cache_copy, F.Z_EMBEDS, 6).unlink()

@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 
 from cache import format as F
+from cache.atomic import fsync_paths
 from cache.progress import PartProgress
-from cache.prompt_store import write_latent_rows
+from cache.prompt_store import ChunkError, damaged_part, write_latent_rows
 from cache.writer import ShardWriter
+from pipeline import signals
 from pipeline.faults import fault_point
 
 from .outdir import next_shard_index
@@ -31,8 +33,9 @@ def expert_window(batch_size: int, steps: int, latent_numel: int, dtype_bytes: i
 class BlockSink:
     """Runs in the writer thread: packs finished blocks into shards, then records them as done.
 
-    Order per shard: rename the tar into place → write its trajectories' final latents → rewrite
-    progress.json. A crash anywhere before the last step leaves the blocks not done; they rerun.
+    Order per shard: rename the tar into place (fsynced) → write its trajectories' final latents and fsync their
+    chunk files and folder → rewrite progress.json. A crash (or a power loss) anywhere before the last step
+    leaves the blocks not done; they rerun.
     """
 
     def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
@@ -75,9 +78,14 @@ class BlockSink:
         record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
         self.writer = None
         fault_point("after_rename")
+        written = []
         for _, traj, final in self.pending:
             rows = [p // self.num_parts for p, _ in traj]
-            write_latent_rows(self.store, F.Z_FINAL_LATENTS, rows, [s for _, s in traj], final)
+            try:  # (a row shared with an earlier block is read back first: its chunk is checked then)
+                written += write_latent_rows(self.store, F.Z_FINAL_LATENTS, rows, [s for _, s in traj], final)
+            except ChunkError as e:
+                raise damaged_part(self.out, self.prog.part, f"its prompt store's {e.named()}") from e
+        fsync_paths(written)  # durable before the progress record calls their blocks done
         fault_point("before_progress")
         self.prog.shards.append(record)
         self.prog.done_blocks = sorted(set(self.prog.done_blocks) | {b for b, _, _ in self.pending})
@@ -97,14 +105,26 @@ def denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs
     phases [None] is step-major (every step of a block, then the next block); [(1,), (2,)] is expert-major:
     every block's high-noise steps with expert 1, then their low-noise steps with expert 2, each block's
     scheduler state carried across. Both orders make the same records: same steps, same inputs, same batches.
+
+    A SIGTERM stops it after the step in progress (`signals.Terminated`; under --record-steps, the next step it
+    records): the window's blocks are dropped, so a scheduler's grace period needs to cover a teacher step or
+    two, not a whole block.
     """
     records: dict[int, list[StepRecord]] = {b: [] for b in window}
     states: dict = {}
     finals: dict[int, torch.Tensor] = {}
+
+    def keep(b: int):
+        def on_step(record: StepRecord) -> None:
+            records[b].append(record)
+            fault_point("denoise_step")
+            signals.check()
+
+        return on_step
+
     for phase in phases:
         experts.activate(phase)
         for b in window:
             noise, cond = inputs(b)
-            finals[b], states[b] = runner.run(noise, cond, neg, on_step=records[b].append, experts=phase,
-                                              state=states.get(b))
+            finals[b], states[b] = runner.run(noise, cond, neg, on_step=keep(b), experts=phase, state=states.get(b))
     return [(b, records[b], finals[b]) for b in window]

@@ -5,11 +5,19 @@ entry (placements/)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cache import format as F
+from cache.size import human, project
+from pipeline.errors import UserError
 
 from . import placements
 from .placements.device_map import parse_max_memory, read_device_map
-from .planner import Inventory, Needs, activation_bytes, decide, gib, teacher_sizes, tokens_per_sample
+from .planner import (
+    DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, teacher_sizes,
+    tokens_per_sample,
+)
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
 
@@ -33,6 +41,7 @@ class Plan:
     streamed_bytes_per_step: int
     decision: list[str]
     notes: list[str]
+    cache: dict | None = field(default=None)  # the cache's projected bytes (`cache_projection`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -60,6 +69,8 @@ class Plan:
                   "", "decision:"] + [f"  - {r}" for r in self.decision]
         if self.notes:
             lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+        if self.cache:
+            lines += ["", _render_cache(self.cache)]
         return "\n".join(lines)
 
 
@@ -78,7 +89,11 @@ def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, b
     needs = Needs.of(sizes, act)
     notes: list[str] = []
     if placement == "auto":
-        d = decide(needs, inv)
+        try:
+            d = decide(needs, inv)
+        except FitsNowhere as e:  # the figures, so the user sees how far off each machine is
+            report = _nowhere_report(teacher, dtype, batch_size, height, width, frames, cfg, text_len, inv)
+            raise UserError(f"{e.line}\n{report}") from e
         entry, order, why = placements.get(d.placement), d.expert_order, d.reasons
     else:
         entry = placements.get(placement)
@@ -105,6 +120,28 @@ def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, b
                 order, comps, act, layout.resident, layout.streamed, why, notes)
 
 
+def _nowhere_report(teacher: str, dtype: str, batch_size: int, height: int, width: int, frames: int, cfg: bool,
+                    text_len: int, inv: Inventory) -> str:
+    """What `plan` adds to "the teacher fits nowhere": each component's parameters and bytes at each dtype, and per
+    dtype the least machine of each placement that would hold it (indented lines under the error line)."""
+    dtypes = list(dict.fromkeys([dtype, *(d for d in DTYPE_BYTES if d != "float16")]))  # float16 weighs as bfloat16
+    sizes = {d: teacher_sizes(teacher, d) for d in dtypes}
+    acts = {d: activation_bytes(sizes[d], batch_size, height, width, frames, cfg, text_len) for d in dtypes}
+    first = sizes[dtype]
+    lines = [f"  {'component':<14}{'class':<24}{'params':>16}" + "".join(f"{d:>12}" for d in dtypes)]
+    for name in ("text_encoder", *first.experts):
+        c = first.components.get(name)
+        if c is not None:
+            lines.append(f"  {name:<14}{c.cls:<24}{c.params:>16,}"
+                         + "".join(f"{gib(sizes[d].components[name].bytes):>12}" for d in dtypes))
+    lines.append(f"  {f'activations (batch {batch_size}, {height}x{width}x{frames})':<54}"
+                 + "".join(f"{gib(acts[d]):>12}" for d in dtypes))
+    for d in dtypes:
+        lines.append(f"  would fit at {d}{' (this run)' if d == dtype else ''}, any one of:")
+        lines += [f"    - {m}" for m in machines_that_fit(Needs.of(sizes[d], acts[d]), inv.ranks_per_node)]
+    return "\n".join(lines)
+
+
 def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     """The text encoder runs alone before the transformers load: does it fit where the placement puts it?"""
     enc = needs.text_encoder
@@ -121,12 +158,59 @@ def plan_from_flags(teacher: str, placement: str = "auto", dtype: str | None = N
                     height: int = 480, width: int = 832, frames: int = 1, max_sequence_length: int = 512,
                     max_memory: str | None = None, expert_order: str = "auto", offload_dir: str | None = None,
                     assume_gpus: str | None = None, assume_ram: str | None = None, assume_disk: str | None = None,
-                    ranks_per_node: int = 1) -> Plan:
+                    ranks_per_node: int = 1, prompts: int | None = None, seeds_per_prompt: int = 1,
+                    steps: int = 40, record_steps: int | None = None) -> Plan:
     """`wandistiller plan`: the plan for this machine, or for the one the `assume_*` strings describe
-    ('4x24GiB', '256GiB'; parts not assumed are measured here, this machine's GPUs only if none are assumed)."""
+    ('4x24GiB', '256GiB'; parts not assumed are measured here, this machine's GPUs only if none are assumed),
+    with the bytes of the cache it would write (`cache_projection`)."""
     measured = Inventory.measure(offload_dir, ranks_per_node, gpus=assume_gpus is None)
     inv = Inventory.assume(assume_gpus, assume_ram, assume_disk, ranks_per_node, measured)
     dmap = read_device_map(placement, check_devices=assume_gpus is None)[0] if placement.endswith(".json") else None
-    return make_plan(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
+    plan = make_plan(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
                      inventory=inv, max_memory=parse_max_memory(max_memory), device_map=dmap,
                      expert_order=expert_order)
+    plan.cache = cache_projection(teacher, plan.dtype, height, width, frames, max_sequence_length, prompts,
+                                  seeds_per_prompt, steps, record_steps, batch_size)
+    return plan
+
+
+def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: int, max_sequence_length: int,
+                     prompts: int | None, seeds_per_prompt: int, steps: int, record_steps: int | None,
+                     batch_size: int) -> dict:
+    """The bytes of the cache this run would write (plain samples: x_t and target; `cache.size`), per sample and
+    per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length tokens, the
+    bound (only a prompt's real tokens are stored)."""
+    from pipeline.config import TeacherCacheConfig
+
+    from .teacher import TeacherSpec
+
+    root = Path(teacher)
+    mi = json.loads((root / "model_index.json").read_text())
+    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
+    configs = {c: json.loads((root / c / "config.json").read_text()) for c in experts}
+    vae = root / "vae" / "config.json"
+    configs["vae"] = json.loads(vae.read_text()) if vae.is_file() else {}  # Wan's factors (8, 4) by default
+    spec = TeacherSpec(name=teacher, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
+    recorded = min(record_steps or steps, steps)
+    settings = {F.F_DTYPE: dtype, F.F_LATENT_SHAPE: list(spec.latent_shape(height, width, frames)),
+                F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: max_sequence_length,
+                F.F_SEEDS_PER_PROMPT: seeds_per_prompt, F.F_STEPS: steps,
+                F.F_RECORDED_STEPS: list(range(recorded))}  # which steps does not change the size
+    size = project(settings, prompts or 1, batch_size=batch_size,
+                   samples_per_shard=TeacherCacheConfig.samples_per_shard)
+    per_prompt = seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
+    return {"steps": steps, "recorded_steps": recorded, "seeds_per_prompt": seeds_per_prompt,
+            "max_sequence_length": max_sequence_length,
+            "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
+            "bytes_per_prompt": round(per_prompt), "prompts": prompts,
+            "total_bytes": size.total if prompts else None}
+
+
+def _render_cache(c: dict) -> str:
+    head = (f"cache       {human(c['sample_bytes'])} per sample x {c['recorded_steps']} of {c['steps']} steps x "
+            f"{c['seeds_per_prompt']} seed(s) + {human(c['prompt_store_bytes'])} of prompt store (noise, final latent, "
+            f"the embedding at all {c['max_sequence_length']} tokens: at most) = {human(c['bytes_per_prompt'])} per "
+            "prompt")
+    if c["prompts"]:
+        return head + f"; {c['prompts']:,} prompts: {human(c['total_bytes'])}"
+    return head + " (--prompts N: the total)"

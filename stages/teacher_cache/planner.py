@@ -324,6 +324,28 @@ class Needs:
         return 2 * self.layer + self.activations
 
 
+class FitsNowhere(UserError):
+    """`decide` found no placement: the one line (`line`, and where to see more), with what it was asked to place
+    where (`needs`, `inv`) for a report of what would fit (`wandistiller plan`)."""
+
+    def __init__(self, line: str, needs: Needs, inv: Inventory):
+        super().__init__(f"{line}; `wandistiller plan` shows the sizes and the machines that would fit")
+        self.line, self.needs, self.inv = line, needs, inv
+
+
+def machines_that_fit(needs: Needs, ranks_per_node: int = 1) -> list[str]:
+    """The least of each resource `decide` would accept for `needs`, one line per placement: a GPU's total memory,
+    RAM available and free disk, its margins included (a GPU counted as wholly free)."""
+    gpu = lambda b: gib((b + GPU_RESERVE) / (1 - GPU_MARGIN))  # noqa: E731
+    ram = lambda b: gib(b * ranks_per_node / (1 - RAM_MARGIN))  # noqa: E731
+    both, one, act, two = sum(needs.experts), max(needs.experts), needs.activations, len(needs.experts) > 1
+    major = lambda text: f" ({text} expert-major, one expert resident)" if two else ""  # noqa: E731
+    return [f"cuda: one GPU of {gpu(both + act)}" + major(gpu(one + act)),
+            f"offload: a GPU of {gpu(needs.layer_streaming_gpu)} with {ram(both)} of RAM available" + major(ram(one)),
+            f"cpu (no GPU): {ram(both + act)} of RAM available" + major(ram(one + act)),
+            f"disk: {gib(both * ranks_per_node / 0.95)} free under --offload-dir (weights streamed block by block)"]
+
+
 @dataclass(frozen=True)
 class Decision:
     placement: str  # cpu | cuda | balanced | offload | disk
@@ -404,5 +426,5 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         why.append(f"weights streamed from the offload folder ({gib(both)} of {gib(inv.usable_disk)} free disk); "
                    "RAM holds one block at a time")
         return Decision("disk", "step", why)
-    raise UserError("the teacher fits nowhere on this machine: " + "; ".join(why) +
-                    f"; the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)")
+    raise FitsNowhere("the teacher fits nowhere on this machine: " + "; ".join(why) +
+                      f"; the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)", needs, inv)

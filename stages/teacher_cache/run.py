@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import gc
+import hashlib
 import math
 import resource
 import time
@@ -12,32 +13,36 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tqdm.auto import tqdm
 
 from cache import format as F
-from cache.atomic import atomic_write_bytes
+from cache.atomic import atomic_write_bytes, fsync_paths
 from cache import lock
 from cache.errors import CacheError
 from cache.features import matrix_sha256, projection_matrix, write_projection
 from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress, list_parts
-from cache.prompt_store import create_prompt_store, open_prompt_store, prompt_store_path, write_prompt_rows
+from cache.prompt_store import (
+    create_prompt_store, damaged_part, open_prompt_store, part_negative, prompt_store_path, store_relpath,
+    write_prompt_rows,
+)
+from cache.schema import recorded_steps
+from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
 from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
-from . import outdir, placements
+from . import disk, outdir, placements
 from .blocks import BlockSink, denoise, expert_window
 from .encode import encode_prompts
 from .features import FeatureRecorder
 from .placements import Placement
 from .progress import StageOneProgress
 from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder, resolve_teacher
-from .trajectory import Schedule, TrajectoryRunner, initial_noise
+from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
 
 
 def _resolve_parts(cfg: TeacherCacheConfig) -> tuple[int, int, bool]:
@@ -52,8 +57,10 @@ def _resolve_parts(cfg: TeacherCacheConfig) -> tuple[int, int, bool]:
     return env.rank, env.world_size, env.world_size > 1
 
 
+@signals.handle_sigterm()
 def run(cfg: TeacherCacheConfig) -> dict:
-    """Build (or resume) the cache described by `cfg`; returns the closing summary."""
+    """Build (or resume) the cache described by `cfg`; returns the closing summary. SIGTERM: exit 143 once the
+    finished blocks are recorded (see `_run_blocks`); the same command resumes."""
     t0 = time.time()
     part, num_parts, torchrun = _resolve_parts(cfg)
     if torchrun:
@@ -117,6 +124,11 @@ class _Part:
     def dtype(self) -> torch.dtype:
         return F.DTYPES[self.placement.dtype]
 
+    @cached_property
+    def recorded(self) -> tuple[int, ...]:
+        """The steps each trajectory records (--record-steps; every step without it)."""
+        return recorded_steps(self.header)
+
     @property
     def device(self) -> torch.device:
         return self.placement.device
@@ -173,7 +185,7 @@ def _setup(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, p
         F.F_SCHEDULER: {k: v for k, v in scheduler.config.items() if not k.startswith("_")}
         | {"_class_name": type(scheduler).__name__},
         F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,
-    } | _feature_header(cfg, spec, latent_shape)
+    } | _feature_header(cfg, spec, latent_shape) | _record_header(cfg)
     # The teacher's identity enters through its content (configs, weight samples), not its name or path,
     # so moving the teacher folder does not invalidate a cache. The manifest records it too, so that its
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
@@ -200,6 +212,17 @@ def _feature_header(cfg: TeacherCacheConfig, spec: TeacherSpec, latent_shape) ->
             F.F_FEATURE_PROJECTION_SHA256: matrix_sha256(matrix)}
 
 
+def _record_header(cfg: TeacherCacheConfig) -> dict:
+    """The steps --record-steps keeps and the settings that chose them (absent when every step is recorded, so
+    such caches keep their fingerprint)."""
+    seed = cfg.seed if cfg.record_seed is None else cfg.record_seed
+    steps = choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ())
+    if len(steps) == cfg.steps:
+        return {}
+    return {F.F_RECORDED_STEPS: steps, F.F_RECORD_STEPS: cfg.record_steps, F.F_RECORD_SEED: seed,
+            F.F_KEEP_STEPS: sorted(cfg.keep_steps or ())}
+
+
 def _open_part(job: _Part) -> PartProgress:
     """This part's progress record in --out: a new one, or the one to resume. Foreign or mismatched content is
     refused unless --overwrite, which clears it first; what a crash left half done is tidied."""
@@ -223,6 +246,8 @@ def _open_part(job: _Part) -> PartProgress:
         # Shard boundaries are part of the cache's bytes: another value would not equal an uninterrupted run.
         raise UserError(f"part {part} of {out} was started with --samples-per-shard {prog.samples_per_shard}; "
                         "resume with that value or add --overwrite to start again")
+    disk.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
+                    job.torchrun)
     save_resolved(cfg, job.part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
     if prog is None:
         prog = PartProgress(part=part, num_parts=job.num_parts, fingerprint=job.fingerprint, prompts=len(job.rows),
@@ -285,11 +310,15 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     for r, p in enumerate(job.rows):
         noise = torch.stack([initial_noise(cfg.seed, p, s, job.latent_shape) for s in range(cfg.seeds_per_prompt)])
         store[F.Z_INIT_NOISE][r] = noise.numpy()
+    # Every file of the store on disk before the record says `encoded`: a power loss must not leave rows the
+    # record vouches for that never reached the disk (zarr's own writes are not fsynced).
+    fsync_paths([prompt_store_path(job.out, job.part)])
     del tokenizer, encoder, embeds
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     prog.encoded = True
+    prog.negative_sha256 = hashlib.sha256(neg_bytes).hexdigest()  # checked when a resume reads it
     prog.save(job.out)
 
 
@@ -305,14 +334,16 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     Returns the loop's wall time."""
     cfg, blocks = job.cfg, job.blocks
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
-    neg = st_load((job.part_dir / F.NEGATIVE).read_bytes())[F.NEG_EMBEDS].unsqueeze(0)
+    neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
     runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
                               job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                              patch=job.spec.patch_size, features=_feature_recorder(job))
-    bar = tqdm(total=sum(len(blocks[b]) for b in todo) * cfg.steps, desc=f"teacher-cache part {job.part}",
+                              patch=job.spec.patch_size, features=_feature_recorder(job),
+                              record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
+    recorded = len(job.recorded)
+    bar = tqdm(total=sum(len(blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
                unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
-    progress = StageOneProgress(bar, part=job.part, steps=cfg.steps, seeds=cfg.seeds_per_prompt,
-                                cache_samples=len(job.prompts) * cfg.seeds_per_prompt * cfg.steps, shards=prog.shards,
+    progress = StageOneProgress(bar, part=job.part, steps=recorded, seeds=cfg.seeds_per_prompt,
+                                cache_samples=len(job.prompts) * cfg.seeds_per_prompt * recorded, shards=prog.shards,
                                 tensorboard_dir=job.part_dir / F.TENSORBOARD if cfg.report_to == "tensorboard" else None)
     sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
@@ -327,25 +358,38 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [p // job.num_parts for p, _ in blocks[b]]
         lo = min(rows)  # a block's rows are consecutive (one per prompt, repeated per seed): one read
-        cond = F.storage_to_torch(z_embeds[lo:max(rows) + 1], embeds_dtype)[[r - lo for r in rows]]
+        try:
+            read = z_embeds[lo:max(rows) + 1]
+        except ValueError as e:  # zarr's check of each chunk's crc32c: the store changed since it was written
+            why = "fail their chunk's crc32c (changed after stage one wrote them)" if "checksum" in str(e) else \
+                f"do not read ({e})"
+            raise damaged_part(job.out, job.part, f"embeds of rows {lo}-{max(rows)} of {store_relpath(job.part)} "
+                                                  f"{why}") from e
+        cond = F.storage_to_torch(read, embeds_dtype)[[r - lo for r in rows]]
         noise = torch.stack([initial_noise(cfg.seed, p, s, job.latent_shape) for p, s in blocks[b]])
         return noise, cond
 
     # Step-major: one block at a time, all its steps. Expert-major: a window of blocks with expert 1, then
     # with expert 2, so one expert is resident at a time; the window's records wait in RAM meanwhile.
     expert_major = job.placement.expert_major
-    window = expert_window(cfg.batch_size, cfg.steps, math.prod(job.latent_shape), job.dtype.itemsize,
+    window = expert_window(cfg.batch_size, recorded, math.prod(job.latent_shape), job.dtype.itemsize,
                            cfg.save_cond_uncond) if expert_major else 1
     phases = [(e,) for e in range(1, len(experts) + 1)] if expert_major else [None]
+    stopped = False
     try:
-        for w in range(0, len(todo), window):
-            for b, records, final in denoise(runner, experts, phases, todo[w:w + window], inputs, neg):
-                if pending is not None:
-                    pending.result()  # at most one block in flight: bounded memory, errors surface here
-                pending = pool.submit(sink.add, b, blocks[b], records, final)
-        if pending is not None:
-            pending.result()
-        pool.submit(sink.flush).result()
+        with signals.deferred():  # SIGTERM stops at the next teacher step (denoise) or between windows
+            try:
+                for w in range(0, len(todo), window):
+                    for b, records, final in denoise(runner, experts, phases, todo[w:w + window], inputs, neg):
+                        if pending is not None:
+                            pending.result()  # at most one block in flight: bounded memory, errors surface here
+                        pending = pool.submit(sink.add, b, blocks[b], records, final)
+                    signals.check()
+            except signals.Terminated:
+                stopped = True  # the window in progress is dropped; what finished is kept, in a shorter shard
+            if pending is not None:
+                pending.result()
+            pool.submit(sink.flush).result()
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         sink.abort()
@@ -355,6 +399,9 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     pool.shutdown(wait=True)
     bar.close()
     progress.close()
+    if stopped:
+        raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(blocks)} blocks of "
+                                 f"part {job.part} cached; rerun the same command to resume")
     return time.perf_counter() - t_loop
 
 

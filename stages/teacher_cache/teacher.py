@@ -21,6 +21,7 @@ CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler"
                 "transformer": "config.json", "transformer_2": "config.json"}
 WEIGHT_SUFFIXES = (".safetensors",)
 _SAMPLE = 1 << 16  # bytes read at each end of a weight file for its identity
+ROPE_MAX_SEQ_LEN = 1024  # WanTransformer3DModel's default, for a config that does not say
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,18 @@ class TeacherSpec:
                                 f"{m // self.vae_spatial}); use {lo or hi} or {hi}")
         if (frames - 1) % self.vae_temporal:
             raise UserError(f"--frames {frames} must be 1 or 4k+1 for this VAE (temporal factor {self.vae_temporal})")
+        # Wan's rotary embedding (diffusers' WanRotaryPosEmbed) holds rope_max_seq_len positions per axis (frames,
+        # height, width, in patches): a larger size fails in the first forward, after the prompts were encoded.
+        rope = min(int(self.configs[e].get("rope_max_seq_len", ROPE_MAX_SEQ_LEN)) for e in self.experts)
+        pt, ph, pw = self.patch_size
+        _, f, h, w = self.latent_shape(height, width, frames)
+        for name, value, patches, top in (
+                ("height", height, h // ph, rope * ph * self.vae_spatial),
+                ("width", width, w // pw, rope * pw * self.vae_spatial),
+                ("frames", frames, f // pt, (rope * pt - 1) * self.vae_temporal + 1)):
+            if patches > rope:
+                raise UserError(f"--{name} {value} is {patches} patches along that axis, more than the teacher's "
+                                f"rotary position table holds (rope_max_seq_len {rope}); the maximum is --{name} {top}")
 
     def identity(self) -> dict:
         """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""

@@ -14,6 +14,7 @@ import copy
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeline.wan_inputs import model_timestep
@@ -32,6 +33,21 @@ def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torc
     """float32 noise [C, F, H, W], drawn on the CPU so every device and placement gets the same bits."""
     g = torch.Generator("cpu").manual_seed(noise_seed(base_seed, prompt_idx, seed_idx))
     return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+
+
+def choose_recorded_steps(steps: int, record_steps: int | None, seed: int, keep=()) -> list[int]:
+    """The steps every trajectory records under --record-steps N, ascending: step 0 (the noise state any K-step
+    student starts from) and `keep`, then the rest drawn uniformly, without replacement, from the other steps by a
+    generator seeded with `seed` alone. One set for the whole cache (not one per trajectory): every reader (the
+    epoch plan, `cache verify`, a segment student's boundaries, eval's per-step table) then knows the cache's steps
+    from its manifest. None, or N >= steps: every step."""
+    if record_steps is None or record_steps >= steps:
+        return list(range(steps))
+    fixed = sorted({0, *keep})
+    rest = [k for k in range(steps) if k not in fixed]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), 0x524543])))  # "REC"
+    drawn = rng.choice(rest, size=record_steps - len(fixed), replace=False) if record_steps > len(fixed) else []
+    return sorted(fixed + [int(k) for k in drawn])
 
 
 @dataclass(frozen=True)
@@ -80,7 +96,8 @@ class TrajectoryRunner:
 
     def __init__(self, experts: list[torch.nn.Module], scheduler, schedule: Schedule, steps: int,
                  dtype: torch.dtype, device: torch.device, expand_timesteps: bool, keep_cond_uncond: bool = False,
-                 patch: tuple[int, int, int] = (1, 2, 2), features: FeatureRecorder | None = None):
+                 patch: tuple[int, int, int] = (1, 2, 2), features: FeatureRecorder | None = None,
+                 record: frozenset[int] | None = None):
         self.experts = experts
         self.scheduler = scheduler
         self.schedule = schedule
@@ -91,6 +108,7 @@ class TrajectoryRunner:
         self.keep_cond_uncond = keep_cond_uncond
         self.patch = patch
         self.features = features
+        self.record = record  # steps handed to on_step (None: every step); every step runs either way
 
     def _model(self, expert: int) -> torch.nn.Module:
         return self.experts[expert - 1]
@@ -100,7 +118,7 @@ class TrajectoryRunner:
             experts: tuple[int, ...] | None = None, state=None):
         """Denoise `noise` [B, C, F, H, W] (float32) with prompt embeddings `cond` [B, L, D].
 
-        `on_step(StepRecord)` receives every step. With `experts`, only steps of those experts run, and the
+        `on_step(StepRecord)` receives every recorded step. With `experts`, only steps of those experts run, and the
         returned state (latents + scheduler) continues in a later call: that is the expert-major order.
         Returns (final latents float32 on CPU, state).
         """
@@ -126,10 +144,11 @@ class TrajectoryRunner:
             scale = self.schedule.guidance[i]
             latent_in = latents.to(self.dtype)
             timestep = model_timestep(t.expand(b), latents.shape[2:], self.expand_timesteps, self.patch)
-            recording = self.features.capture(model, b) if self.features else contextlib.nullcontext()
+            kept = on_step is not None and (self.record is None or i in self.record)
+            recording = self.features.capture(model, b) if self.features and kept else contextlib.nullcontext()
             with recording:
                 noise_pred, noise_cond, noise_uncond = self._predict(model, latent_in, timestep, context, scale)
-            if on_step is not None:
+            if kept:
                 keep = self.keep_cond_uncond and noise_cond is not None
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
                                    noise_pred.to(self.dtype).cpu(),

@@ -1,0 +1,199 @@
+"""What a cache costs on disk, from its settings: bytes per sample, per prompt, and for a prompt count.
+
+The one place for the arithmetic that `cache info`, `wandistiller plan` and teacher-cache's disk check share. The
+figures are file sizes (filesystem blocks aside), exact for what stage one writes:
+
+- a sample, in a shard: a tar header and the JSON metadata, a tar header and the safetensors member (its header,
+  then every tensor the schema declares for the cache), each member padded to the tar's 512-byte blocks; a shard
+  closes at the first block of trajectories past `samples_per_shard` samples and ends in two zero blocks, padded
+  to a whole 10 KiB tar record;
+- a prompt, in its part's prompt store: the chunks of its embedding that hold real tokens (the zero padding past
+  them is never written), its initial noise and its final latents (float32, every seed, one chunk each), each
+  chunk ending in its 4-byte crc32c;
+- fixed: the manifest, the negative prompt, progress records, resolved configs and zarr metadata. Measured on a
+  finished cache; left out of a projection made before a run (a few KiB per part).
+
+Before a run the prompts' token counts are not known: a projection then takes the embedding at its bound
+(`embed_chunks_bound`, from the prompt's text, or max_sequence_length when only a count is known).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+
+from . import format as F
+from .errors import CacheError
+from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
+
+_CRC = 4  # bytes of the crc32c that ends every prompt-store chunk
+# The longest metadata a sample can carry (key digits at their limits, floats at their longest repr): its
+# member takes one tar block either way, but the arithmetic does not rely on it.
+_META_WORST = {F.M_PROMPT_IDX: 99_999_999, F.M_SEED_IDX: 99, F.M_STEP: 999, F.M_TIMESTEP: -1.2345678901234567e-300,
+               F.M_SIGMA: -1.2345678901234567e-300, F.M_EXPERT: 2, F.M_GUIDANCE: -1.2345678901234567e-300}
+
+
+def _tar_member(size: int) -> int:
+    return tarfile.BLOCKSIZE + size + (-size % tarfile.BLOCKSIZE)
+
+
+def sample_disk_bytes(settings: Mapping) -> int:
+    """Bytes one sample takes in a shard of the cache `settings` (a manifest, or stage one's header) describe."""
+    tensors = {}
+    for name in sample_fields(settings):
+        field = SAMPLE_FIELDS[name]
+        tensors[name] = torch.empty(field.shape(settings), dtype=F.DTYPES[field.dtype_name(settings)])
+    meta = json.dumps(_META_WORST, sort_keys=True).encode()
+    # safetensors' header depends on names, dtypes and shapes only: one save of uninitialised tensors gives it
+    return _tar_member(len(meta)) + _tar_member(len(st_save(tensors)))
+
+
+def shard_bytes(block_samples: Iterable[int], samples_per_shard: int, per_sample: int) -> int:
+    """Bytes of the shards one part writes for blocks of `block_samples` samples each, in that order: a shard
+    closes at the first block boundary past `samples_per_shard` samples (and after the last block)."""
+    total, open_samples = 0, 0
+    for n in block_samples:
+        open_samples += int(n)
+        if open_samples >= samples_per_shard:
+            total += _shard(open_samples * per_sample)
+            open_samples = 0
+    return total + (_shard(open_samples * per_sample) if open_samples else 0)
+
+
+def _shard(members: int) -> int:
+    end = members + 2 * tarfile.BLOCKSIZE
+    return end + (-end % tarfile.RECORDSIZE)
+
+
+def embed_chunk_tokens(settings: Mapping) -> int:
+    """Tokens per chunk of the prompt store's embeddings (prompt_store.EMBED_CHUNK_TOKENS, at most the padding)."""
+    from .prompt_store import EMBED_CHUNK_TOKENS
+
+    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), EMBED_CHUNK_TOKENS)
+
+
+def embed_chunks_bound(text: str, settings: Mapping) -> int:
+    """Embedding chunks a prompt can take at most: Wan's UMT5 tokenizer (SentencePiece, byte fallback) makes a
+    token of at least one byte of UTF-8 text, plus the leading word marker and the end-of-sequence token."""
+    tokens = min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), len(text.encode("utf-8")) + 2)
+    return max(1, math.ceil(tokens / embed_chunk_tokens(settings)))
+
+
+def latent_bytes(settings: Mapping) -> int:
+    """Bytes of one float32 latent (initial noise or final latent of one seed)."""
+    return math.prod(int(v) for v in settings[F.F_LATENT_SHAPE]) * 4
+
+
+def prompt_bytes(settings: Mapping, embed_chunks: float | None = None) -> float:
+    """Prompt-store bytes of one prompt whose embedding takes `embed_chunks` chunks (default: all of
+    max_sequence_length, the bound): the embedding, then the initial noise and final latents of its seeds."""
+    chunk = embed_chunk_tokens(settings)
+    if embed_chunks is None:
+        embed_chunks = math.ceil(int(settings[F.F_MAX_SEQUENCE_LENGTH]) / chunk)
+    itemsize = F.DTYPES[str(settings[F.F_DTYPE])].itemsize
+    embed = embed_chunks * (chunk * int(settings[F.F_TEXT_DIM]) * itemsize + _CRC)
+    return embed + 2 * (int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC)
+
+
+def part_blocks(trajectories: int, batch_size: int) -> list[int]:
+    """Trajectories per block of a part holding `trajectories` (stage one's blocks: batch_size at a time)."""
+    full, rest = divmod(trajectories, batch_size)
+    return [batch_size] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """A cache's bytes, split by where they live."""
+
+    prompts: int
+    samples: int  # prompts x seeds x recorded steps
+    recorded_steps: int  # per trajectory
+    sample_bytes: int  # one sample in a shard
+    prompt_bytes: float  # one prompt in the prompt store
+    shard_bytes: int  # every shard (samples and each shard's tar end)
+    store_bytes: int  # every prompt's rows
+    fixed_bytes: int  # manifest, negative prompt, progress, metadata (0 before a run)
+
+    @property
+    def total(self) -> int:
+        return self.shard_bytes + self.store_bytes + self.fixed_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"total_bytes": self.total}
+
+
+def project(settings: Mapping, prompts: int, num_parts: int = 1, batch_size: int = 4, samples_per_shard: int = 1024,
+            embed_chunks: float | None = None, fixed_bytes: int = 0) -> CacheSize:
+    """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts (prompt i in
+    part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more)."""
+    per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
+    seeds = int(settings[F.F_SEEDS_PER_PROMPT])
+    shards = 0
+    for part in range(num_parts):
+        trajectories = len(F.part_prompts(part, prompts, num_parts)) * seeds
+        shards += shard_bytes([n * recorded for n in part_blocks(trajectories, batch_size)], samples_per_shard,
+                              per_sample)
+    per_prompt = prompt_bytes(settings, embed_chunks)
+    return CacheSize(prompts, prompts * seeds * recorded, recorded, per_sample, per_prompt, shards,
+                     round(prompts * per_prompt), fixed_bytes)
+
+
+def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
+    """What a projection from a finished cache takes from the cache itself: its prompts' mean embedding chunks
+    (from their token counts), its fixed bytes, and the batch size and shard size its parts were written with."""
+    from .progress import PartProgress
+    from .prompt_store import open_prompt_store, prompt_store_path
+
+    cache_dir = Path(cache_dir)
+    chunk, chunks, rows = embed_chunk_tokens(manifest), 0, 0
+    for part in range(int(manifest[F.F_NUM_PARTS])):
+        path = prompt_store_path(cache_dir, part)
+        try:
+            lens = np.asarray(open_prompt_store(path)[F.Z_SEQ_LENS][:], dtype=np.int64)
+        except Exception as e:  # zarr's errors for a missing or damaged store are of many kinds
+            raise CacheError(f"{path} is unreadable ({type(e).__name__}: {e}); run `wandistiller cache verify "
+                             f"{cache_dir}`") from e
+        lens = lens[lens >= 0]
+        chunks += int(np.ceil(lens / chunk).clip(min=1).sum())
+        rows += len(lens)
+    prog = PartProgress.load(cache_dir, 0)
+    shards = manifest[F.F_SHARDS]
+    per_shard = prog.samples_per_shard if prog and prog.samples_per_shard else max(s[F.S_SAMPLES] for s in shards)
+    return {"embed_chunks": chunks / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
+            "batch_size": prog.batch_size if prog else 1, "samples_per_shard": int(per_shard)}
+
+
+# Prompt-store arrays that grow with the prompts (counted by `prompt_bytes`); the rest of a store is metadata.
+_PER_PROMPT_ARRAYS = (F.Z_EMBEDS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS)
+
+
+def fixed_bytes(cache_dir: Path) -> int:
+    """Bytes of a finished cache's files that are neither shards nor per-prompt chunks: the files at its root,
+    and everything under parts/ but the chunk files of the arrays `prompt_bytes` counts (not listed: at a
+    million prompts they are millions of files)."""
+    total = sum(p.stat().st_size for p in cache_dir.iterdir() if p.is_file())
+    for root, dirs, files in os.walk(cache_dir / F.PARTS_DIR):
+        here = Path(root)
+        if here.parent.name == F.PROMPTS_ZARR and here.name in _PER_PROMPT_ARRAYS:
+            dirs[:] = []
+            files = [f for f in files if f == "zarr.json"]
+        total += sum((here / f).stat().st_size for f in files)
+    return total
+
+
+def human(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
