@@ -15,7 +15,9 @@ The exit codes: one table for every command and every torchrun rank. `classify` 
   4     lost contact with another rank (torch.distributed.DistError, a     `error: lost contact with another rank`;
         gloo peer that closed its connection): not this rank's fault       the rank that failed first says why
   130   interrupted (Ctrl-C)                                               `error: interrupted; rerun ...`
-  143   terminated by SIGTERM (reserved: nothing exits with it yet)
+  143   terminated by SIGTERM (pipeline/signals.py): the stage stopped     `error: terminated (SIGTERM) ...; rerun ...`
+        cleanly (stage one: finished blocks recorded; stage two: a
+        checkpoint at the step it stopped)
 
 Under torchrun every line starts with `[rank R] `, and the failing rank's text also goes to torchrun's error
 file, so torchrun's closing ChildFailedError summary quotes it.
@@ -41,13 +43,14 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from cache.errors import CacheError
 
 from .runtime import DistEnv
+from .signals import Terminated
 
 EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_OOM = 3
 EXIT_PEER_LOST = 4
 EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143  # 128 + SIGTERM: reserved for stopping cleanly when a scheduler preempts the job
+EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempts the job
 
 
 class UserError(Exception):
@@ -128,8 +131,11 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
         return EXIT_USAGE, str(exc)
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
         return EXIT_USAGE, _disk_message(exc, stage)
+    rerun = RERUN.get(stage, "rerun the same command")
+    if isinstance(exc, Terminated):  # the stage's message says where it stopped; raised at once, it has none
+        return EXIT_TERMINATED, str(exc) or f"terminated (SIGTERM); {rerun} to continue"
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, f"interrupted; {RERUN.get(stage, 'rerun the same command')} to continue"
+        return EXIT_INTERRUPTED, f"interrupted; {rerun} to continue"
     if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)):
         return EXIT_PEER_LOST, (f"lost contact with another rank ({_first_line(exc)}); the rank that failed first "
                                 "prints why")

@@ -79,6 +79,22 @@ def test_segment_targets_are_average_velocities_of_the_cached_states(tiny_cache)
     assert torch.allclose(landed, final[(p, s)], atol=1e-5)
 
 
+def test_segment_start_weight_weighs_the_states_the_sampler_queries(tiny_cache):
+    from stages.train_student.objectives import Batch, Outputs
+
+    m = load_manifest(tiny_cache)
+    plain, weighted = Segment({"student_steps": 2}), Segment({"student_steps": 2, "start_weight": 4.0})
+    for obj in (plain, weighted):
+        check_cache(obj, m, str(tiny_cache), num_layers=1)
+    target = torch.randn(4, 2, 1, 4, 4)
+    batch = Batch({SEGMENT_VELOCITY: target}, torch.zeros(4), torch.zeros(4, 3, 8), torch.ones(4),
+                  {"step": torch.tensor([0, 1, 2, 3])})
+    out = Outputs(target + 1.0)
+    a, b = plain.terms(out, batch, None)["segment"], weighted.terms(out, batch, None)["segment"]
+    # steps 0 and 2 start the two segments (the K=2 sampler's queries); 1 and 3 lie inside them
+    assert torch.equal(b, a * torch.tensor([4.0, 1.0, 4.0, 1.0]))
+
+
 def _one_line_error(args: list[str]) -> str:
     r = CliRunner().invoke(main, args, catch_exceptions=False)
     assert r.exit_code == 2, r.output

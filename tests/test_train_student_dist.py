@@ -27,7 +27,8 @@ def torchrun(cache: Path, out: Path, env_extra: dict, timeout: float, **kw) -> s
             "-m", "pipeline.cli", "train-student", "--cache", str(cache), "--student-config", TINY, "--out", str(out),
             "--num-workers", "1", "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0"]
     for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        flag = k.replace("_", "-")
+        args += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

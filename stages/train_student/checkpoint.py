@@ -21,6 +21,12 @@ folder is renamed aside first, so a kill never leaves a half-deleted checkpoint 
 out. A checkpoint of an earlier version (no record and no `digests` key in its trainer state) is
 accepted unverified when all of its files load; one with the key but no record is damaged. When there
 are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy.
+
+Sharded checkpoints (`--strategy fsdp`, stages/train_student/strategy.py) hold no weights file of their own:
+the model, optimizer and EMA tensors are in `sharded/`, a torch.distributed.checkpoint (DCP) folder in which
+every rank writes its own shards (`__R_0.distcp`) and rank 0 the index (`.metadata`). Each rank hashes the
+files it wrote, rank 0 records them all in `digests.json` (as `sharded/<name>`) beside `trainer_state.json`,
+and the folder is renamed into place and trusted exactly as above. DCP reads back into any number of ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from cache.atomic import fsync_dir
 from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
+from pipeline.runtime import DistEnv, barrier
+
+from .comm import all_gather_bytes
 
 MODEL = "model.safetensors"
 EMA = "ema.safetensors"
@@ -53,6 +62,10 @@ DIGESTS = "digests.json"  # {"format": 1, "files": {name: {"bytes": n, "sha256":
 DIGESTS_KEY = "digests"  # in trainer_state.json of every checkpoint written with a digest record
 DIGESTS_FORMAT = 1
 FILES = (MODEL, EMA, HEADS, OPTIMIZER, STATE)  # every name a checkpoint may hold besides DIGESTS
+SHARDED = "sharded"  # the DCP folder of a sharded checkpoint, instead of MODEL, EMA, HEADS and OPTIMIZER
+SHARDED_INDEX = ".metadata"  # DCP's index in it, written by rank 0 once every rank's shards are written
+# Top-level keys of the state a sharded checkpoint holds (DCP names each tensor "<key>.<name>").
+DCP_MODEL, DCP_OPTIMIZER, DCP_EMA = "model", "optimizer", "ema"
 TMP = ".tmp"
 _NAME = re.compile(r"^step-(\d{8})$")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports the OS error of a failed write
@@ -189,7 +202,6 @@ def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[st
     its folder."""
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dirname(step)
     tmp = root / f"{step_dirname(step)}.{os.getpid()}{TMP}"  # the pid: never another writer's folder
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -209,6 +221,14 @@ def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[st
         optimizer_digest = _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         files = {name: f.result() for name, f in pending.items()}
     files[OPTIMIZER] = optimizer_digest
+    return _seal(out, tmp, step, files, trainer_state, keep)
+
+
+def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], trainer_state: dict, keep: int) -> Path:
+    """Write the trainer state and the digest record of `files` (and of the state) into the temporary folder `tmp`,
+    rename it to checkpoint `step`'s final name and prune; rank 0 only. Returns the final folder."""
+    root = Path(out) / CHECKPOINTS
+    final = root / step_dirname(step)
     state = {**trainer_state, DIGESTS_KEY: DIGESTS}
     files[STATE] = _write_bytes(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
     _write_bytes(tmp / DIGESTS, (json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n").encode())
@@ -224,6 +244,55 @@ def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[st
     fault_point("after_checkpoint_rename")
     prune(out, keep, step)
     return final
+
+
+def save_sharded(out: str | os.PathLike, step: int, state_dict: dict, trainer_state: dict, keep: int, env: DistEnv,
+                 device: torch.device) -> None:
+    """Write checkpoint `step` of a sharded run; every rank calls this. Each rank writes its part of `state_dict`
+    (DTensors as their local shards, plain tensors once) into SHARDED/ through torch.distributed.checkpoint and
+    hashes the files it wrote (in parallel over the ranks); rank 0 records them all and renames the folder into
+    place as `save` does. Ends with a barrier: the checkpoint is in place (or the job failed) on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(out) / CHECKPOINTS
+    pid = all_gather_bytes(str(os.getpid()).encode(), device)[0].decode()  # rank 0's: one folder for all ranks
+    tmp = root / f"{step_dirname(step)}.{pid}{TMP}"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier(device)
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp / SHARDED))  # returns once the index is written
+    fault_point("in_checkpoint")
+    shards = tmp / SHARDED
+    mine = {f"{SHARDED}/{p.name}": _fsync_and_digest(p) for p in sorted(shards.iterdir())
+            if p.name.startswith(f"__{env.rank}_") or (env.is_main and p.name == SHARDED_INDEX)}
+    gathered = all_gather_bytes(json.dumps(mine).encode(), device)
+    if env.is_main:
+        files: dict[str, dict] = {}
+        for part in gathered:
+            files.update(json.loads(part))
+        for p in sorted(shards.iterdir()):  # a file of a layout DCP may use one day: recorded all the same
+            files.setdefault(f"{SHARDED}/{p.name}", _fsync_and_digest(p))
+        fsync_dir(shards)
+        _seal(out, tmp, step, files, trainer_state, keep)
+    barrier(device)
+
+
+def sharded_keys(path: Path) -> set[str]:
+    """The top-level keys (DCP_MODEL, DCP_OPTIMIZER, DCP_EMA) held by sharded checkpoint `path`."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path / SHARDED).read_metadata()
+    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+
+
+def load_sharded(path: Path, state_dict: dict) -> None:
+    """Fill `state_dict` in place from sharded checkpoint `path`; every rank calls this with its own tensors
+    (DTensors laid out as they are trained: DCP reads each rank's slice, whatever world size wrote it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path / SHARDED))
 
 
 def complete(out: str | os.PathLike) -> list[Path]:
@@ -281,12 +350,25 @@ def _read_record(path: Path) -> dict[str, dict]:
     files = record.get("files") if isinstance(record, dict) else None
     if not isinstance(record, dict) or record.get("format") != DIGESTS_FORMAT:
         raise ValueError(f"{DIGESTS}: not a digest record of format {DIGESTS_FORMAT}")
-    if not isinstance(files, dict) or not files.keys() <= set(FILES) or not {MODEL, OPTIMIZER, STATE} <= files.keys():
+    sharded = {n for n in files if _is_shard_name(n)} if isinstance(files, dict) else set()
+    if sharded:  # a sharded checkpoint: its DCP folder's files and the trainer state, nothing else
+        if files.keys() - sharded != {STATE} or f"{SHARDED}/{SHARDED_INDEX}" not in sharded:
+            raise ValueError(f"{DIGESTS}: does not list {SHARDED}/{SHARDED_INDEX} and {STATE} (and only files of "
+                             f"{SHARDED}/ besides)")
+    elif not isinstance(files, dict) or not files.keys() <= set(FILES) or not {MODEL, OPTIMIZER, STATE} <= files.keys():
         raise ValueError(f"{DIGESTS}: does not list {MODEL}, {OPTIMIZER} and {STATE} (and nothing else)")
     for name, d in files.items():
         if not (isinstance(d, dict) and type(d.get("bytes")) is int and isinstance(d.get("sha256"), str)):
             raise ValueError(f"{DIGESTS}: the entry of {name} is not {{bytes, sha256}}")
     return files
+
+
+def _is_shard_name(name) -> bool:
+    """`sharded/<file>`: a file directly in a sharded checkpoint's DCP folder (never a path out of it)."""
+    if not isinstance(name, str) or not name.startswith(f"{SHARDED}/"):
+        return False
+    rest = name[len(SHARDED) + 1:]
+    return bool(rest) and "/" not in rest and "\\" not in rest and rest not in (".", "..")
 
 
 def _check_recorded(path: Path, files: dict[str, dict]) -> str | None:

@@ -3,9 +3,10 @@ clipping, accumulation, autocast, EMA (diffusers' EMAModel), held-out evaluation
 (validation.py), metrics (metrics.jsonl and the tracker of tracking.py) and checkpoints.
 
 Loss scaling: every optimizer step's loss is the mean over *all* its samples on all ranks. Each rank
-backpropagates sum(per-sample loss) x world / samples_in_step; DDP averages gradients over the world,
-which gives exactly sum over all samples / samples_in_step: the gradient a single process computes
-with the same global batch, even when an epoch's last batch is short or empty on some ranks.
+backpropagates sum(per-sample loss) x world / samples_in_step; DDP averages gradients over the world (FSDP's
+reduce-scatter averages them too), which gives exactly sum over all samples / samples_in_step: the gradient a
+single process computes with the same global batch, even when an epoch's last batch is short or empty on some
+ranks. How the student is laid over the ranks (wrapping, gradient sync, checkpoints) is strategy.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from diffusers.training_utils import EMAModel
 from cache import format as F
 from cache.atomic import atomic_write_bytes
 from cache.reader import EpochPlan
+from pipeline import signals
 from pipeline.artifact import RunLayout
+from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier
 from pipeline.wan_inputs import model_timestep
@@ -36,6 +39,7 @@ from . import checkpoint
 from .comm import all_gather_bytes, all_reduce
 from .data import DataSplit, RankBatches, collate, eval_batches, make_loader
 from .objectives import Batch, Objective
+from .strategy import DDP, Strategy
 from .tracking import NullTracker, Tracker
 
 # Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
@@ -109,6 +113,19 @@ def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: t
     return Batch(fields, t, context, batch["weight"].to(device), meta)
 
 
+def nonfinite_input(b: Batch, keys: list[str]) -> str | None:
+    """The first NaN or infinity among a micro-batch's inputs (each cached field and the prompt embedding, sample
+    by sample), in words naming the sample; None when every input is finite. Called only once a loss is not."""
+    real = torch.nonzero(b.weight > 0).flatten().tolist()  # the samples; `keys` names them in order
+    for j, key in zip(real, keys):
+        for name, t in [*b.fields.items(), ("its prompt embedding", b.context)]:
+            if not bool(torch.isfinite(t[j]).all()):
+                kind = "NaN" if bool(torch.isnan(t[j]).any()) else "an infinity"
+                p, s, k = F.parse_key(key)
+                return f"{kind} in {name} of sample {key} (prompt {p}, seed {s}, step {k})"
+    return None
+
+
 class Trainer:
     """Runs optimizer steps from `state` to `total` over the exact epoch sequence of `plan`."""
 
@@ -116,8 +133,13 @@ class Trainer:
                  plan: EpochPlan, optimizer, scaler, ema: EMAModel | None, state: TrainState, total: int, out: Path,
                  mixed_dtype: torch.dtype | None, expand_timesteps: bool, patch: tuple[int, int, int],
                  checkpoint_extra: dict, objective: Objective, heads: torch.nn.Module | None = None,
-                 tracker: Tracker | None = None, validator=None):
+                 tracker: Tracker | None = None, validator=None, strategy: Strategy | None = None):
+        # `ddp`: the module forward and backward run through (strategy.wrap's), None for the model itself
         self.cfg, self.env, self.device, self.model, self.ddp = cfg, env, device, model, ddp
+        if strategy is None:  # a caller that wrapped the model itself (bench/): DDP's behaviour around it
+            strategy = DDP(env, device, mixed_dtype)
+            strategy.model, strategy.heads, strategy.ddp = model, heads, ddp
+        self.strategy = strategy
         self.objective, self.heads = objective, heads
         self.data, self.plan, self.optimizer, self.scaler, self.ema = data, plan, optimizer, scaler, ema
         self.state, self.total, self.out = state, total, out
@@ -134,6 +156,7 @@ class Trainer:
         self.tracker = tracker or NullTracker()
         self.validator = validator  # validation.Validator on rank 0 when --val-every is on, else None
         self.last_eval: float | None = None
+        self.checkpointed: int | None = None  # the step of the last checkpoint this run wrote
         self.data_wait_s = 0.0  # seconds step() spent blocked in next(loader) since fit last read it
 
     # -- logging -------------------------------------------------------------------------------------
@@ -161,10 +184,16 @@ class Trainer:
         if self.heads is not None:
             self.heads.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        for items in eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size):
-            b = to_batch(collate(self.dataset.__getitems__(items)), self.device, self.expand_timesteps, self.patch)
+        batches = eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size)
+        if self.strategy.lockstep:  # every forward is a collective: as many as rank 0's (the most), extras discarded
+            most = len(eval_batches(rows, 0, self.env.world_size, self.cfg.batch_size))
+            batches += [None] * (most - len(batches))
+        for items in batches:
+            b = to_batch(collate(self.dataset.__getitems__(items or [(int(rows[0]), 0.0)])), self.device,
+                         self.expand_timesteps, self.patch)
             per, _ = self.objective.loss(self.model, b, self.autocast, self.heads)
-            total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
+            if items is not None:
+                total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
         self.model.train()
         if self.heads is not None:
             self.heads.train()
@@ -185,18 +214,14 @@ class Trainer:
         if self.validator is None:
             return
         swap = self.ema is not None
-        if swap:
-            self.ema.store(self.model.parameters())
-            self.ema.copy_to(self.model.parameters())
         try:
-            record, grid = self.validator.run(self.model, self.state.step)
+            with self.strategy.ema_weights(self.ema) if swap else contextlib.nullcontext(), self.strategy.inference():
+                record, grid = self.validator.run(self.model, self.state.step)
         except Exception as e:  # noqa: BLE001 -- validation must never stop training
             record, grid = None, None
             tqdm.write(f"warning: validation at step {self.state.step} failed, training goes on: "
                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
         finally:
-            if swap:
-                self.ema.restore(self.model.parameters())
             self.model.train()
         if record is not None:
             self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
@@ -209,13 +234,48 @@ class Trainer:
         rng = all_gather_bytes(json.dumps(checkpoint.rng_state()).encode(), self.device)
         if self.env.is_main:
             self.tracker.flush()  # before the checkpoint: what it covers is on disk, so a resume leaves no gap
-            state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
-                                          "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
-            state["extra"] = self.checkpoint_extra
-            checkpoint.save(self.out, self.state.step, self.model, ema_tensors(self.ema, self.model) if self.ema else None,
-                            self.optimizer, state, self.cfg.keep_checkpoints, self.heads)
+        state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
+                                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                                      "strategy": self.strategy.name}
+        state["extra"] = self.checkpoint_extra
+        # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
+        ema = ema_tensors(self.ema, self.model) if self.ema else None
+        self.strategy.save_checkpoint(self.out, self.state.step, ema, self.optimizer, state, self.cfg.keep_checkpoints)
+        if self.env.is_main:
             plot_losses(self.out)
         barrier(self.device)
+        self.checkpointed = self.state.step
+
+    def stop(self) -> None:
+        """A SIGTERM reached some rank: every rank writes this step's checkpoint (unless it just did) and raises the
+        same `Terminated`, so the rerun with --resume loses no optimizer step."""
+        step = self.state.step
+        if self.checkpointed != step:
+            self.save_checkpoint()
+        err = signals.Terminated(f"terminated (SIGTERM) at step {step} of {self.total}; checkpoint "
+                                 f"{checkpoint.step_dirname(step)} written; rerun the same command with --resume "
+                                 "to continue")
+        err.all_ranks = True  # every rank stops here alike: rank 0 alone prints it
+        raise err
+
+    def nonfinite_error(self, loss: float, bad: str | None) -> UserError:
+        """Why the loss of the step being taken is not finite, in one line every rank raises alike: a NaN or infinity
+        in the batch (any rank's: gathered) is the cache's, else the training diverged."""
+        found = [s.decode() for s in all_gather_bytes((bad or "").encode(), self.device)]
+        where, step, caches = next((s for s in found if s), None), self.state.step + 1, list(self.cfg.cache)
+        if where is not None:
+            verify = (f"`wandistiller cache verify {caches[0]}`" if len(caches) == 1 else
+                      f"`wandistiller cache verify` on each of {', '.join(map(str, caches))}")
+            err = UserError(f"loss became {loss} at step {step}: its batch holds {where}, so the cache does, not "
+                            f"the training; run {verify} (a cache that verifies was written so by stage one: rebuild "
+                            "it, e.g. with --dtype bfloat16 rather than float16)")
+        else:
+            err = UserError(f"loss became {loss} at step {step} with finite inputs (every cached tensor and prompt "
+                            f"embedding of the batch is finite): the training diverged; lower --lr (now "
+                            f"{self.cfg.lr:g}) or raise --warmup-steps, keep --max-grad-norm on, and rerun (with "
+                            "--resume to continue from the last checkpoint)")
+        err.all_ranks = True  # every rank raises it at the same step: rank 0 alone prints it
+        return err
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int, dict[str, float]]:
@@ -227,6 +287,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         term_sums: dict[str, torch.Tensor] = {}
         keys = []
+        bad, looked = None, False  # the first non-finite input of this rank's micro-batches, once a loss is not
         for j, _ in enumerate(micros):
             t_wait = time.perf_counter()
             batch = next(loader_iter)
@@ -234,26 +295,30 @@ class Trainer:
             keys.append(batch["keys"])
             b = to_batch(batch, self.device, self.expand_timesteps, self.patch)
             last = j == len(micros) - 1
-            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
-            with sync:
+            with self.strategy.accumulate(last):
                 per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()
                 self.scaler.scale(weighted * (world / count)).backward()
             loss_sum += weighted.detach().double().cpu()
+            if not looked and not math.isfinite(loss_sum):
+                bad, looked = nonfinite_input(b, batch["keys"]), True
             if len(terms) > 1:
                 for name, t in terms.items():
                     term_sums[name] = term_sums.get(name, 0) + (t.detach() * b.weight).sum().double().cpu()
         if self.debug_dir:
             self.trained_keys.extend(keys)
+        self.strategy.reduce_gradients()
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = self.strategy.clip_grad_norm(self.params, max_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.step(self.model.parameters())
         loss = all_reduce(loss_sum, self.device).item() / count
+        if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
+            raise self.nonfinite_error(loss, bad)
         terms = {}
         if term_sums:
             names = sorted(term_sums)
@@ -276,7 +341,8 @@ class Trainer:
             while st.step < self.total:
                 sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
                 loader = make_loader(self.dataset, sampler, cfg.num_workers, pin)
-                it = iter(loader)
+                with signals.held():  # its workers start with SIGTERM held, until they ignore it (data.make_loader)
+                    it = iter(loader)
                 while st.epoch_step < self.plan.steps and st.step < self.total:
                     maybe_fail(env.rank, st.step + 1)
                     fault_point("train_step")
@@ -293,9 +359,6 @@ class Trainer:
                     st.epoch_step += 1
                     st.samples += count
                     st.wall_s = time.time() - t_start
-                    if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
-                        raise FloatingPointError(f"loss became {loss} at step {st.step}; lower --lr or use "
-                                                 "--mixed-precision bf16 instead of fp16")
                     if st.step % cfg.log_every == 0 or st.step == self.total:
                         self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
                                   "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
@@ -314,6 +377,10 @@ class Trainer:
                         self.validate()
                     if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
                         self.save_checkpoint()
+                    # A step boundary: stop here if any rank got a SIGTERM (one collective per step under torchrun,
+                    # so all ranks stop at the same step). After the last step the run just finishes.
+                    if st.step < self.total and signals.agree(self.device):
+                        self.stop()
                 del it, loader  # stops the workers of this epoch
                 if st.epoch_step >= self.plan.steps:
                     st.epoch += 1

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from cache import format as F
-from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
+from cache.schema import SAMPLE_FIELDS, missing_fields, recorded_steps, sample_fields
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,9 @@ class Segment(Objective):
     step of that velocity from a boundary lands on the next boundary, so the student samples in K steps with one
     forward each (the targets come from the guided trajectory: no CFG). The boundaries are the points of the
     K-step Euler schedule on the teacher's sigma grid (pipeline/sampling.py), exact when K divides the cache's
-    steps. `velocity_weight` > 0 adds that weight times the per-step velocity loss at the same states."""
+    steps. `velocity_weight` > 0 adds that weight times the per-step velocity loss at the same states;
+    `start_weight` weighs the segment loss at the segments' first states (the only states the K-step sampler
+    queries) against 1 at the states inside a segment."""
 
     name = "segment"
     help = ("K-step student (--student-steps K): at each cached state, MSE to the average velocity to the end of "
@@ -228,7 +230,10 @@ class Segment(Objective):
         if cfg.student_steps is None:
             raise UserError("--objective segment needs --student-steps K (the student's sampling steps, 1 up to the "
                             "cache's steps; K dividing them reproduces the schedule exactly)")
-        return cls({"student_steps": int(cfg.student_steps), "velocity_weight": float(cfg.segment_velocity_weight)})
+        settings = {"student_steps": int(cfg.student_steps), "velocity_weight": float(cfg.segment_velocity_weight)}
+        if float(cfg.segment_start_weight) != 1.0:  # recorded only when set: runs without it keep their settings
+            settings["start_weight"] = float(cfg.segment_start_weight)
+        return cls(settings)
 
     @property
     def k(self) -> int:
@@ -259,6 +264,7 @@ class Segment(Objective):
         if len(bounds) != self.k:
             raise UserError(f"--student-steps {self.k}: only {len(bounds)} distinct cached steps lie near the {self.k}-"
                             f"step schedule of the cache {cache}; choose a divisor of {steps}")
+        _check_boundaries_recorded(self.k, bounds, manifest, cache, sched, [float(v) for v in sigmas])
         if not exact:
             log.warning("--student-steps %d does not divide the cache's %d steps: segments end at the nearest cached "
                         "steps %s, which the %d-step scheduler does not hit exactly", self.k, steps, bounds, self.k)
@@ -276,7 +282,13 @@ class Segment(Objective):
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
         from .data import SEGMENT_VELOCITY
 
-        terms = {"segment": mse(out.prediction, batch.fields[SEGMENT_VELOCITY])}
+        seg = mse(out.prediction, batch.fields[SEGMENT_VELOCITY])
+        start_w = float(self.settings.get("start_weight", 1.0))
+        if start_w != 1.0:  # the states the K-step sampler starts its steps from weigh start_w, the others 1
+            starts = torch.as_tensor(self.settings["boundaries"], device=seg.device)
+            step = batch.meta["step"].to(seg.device)
+            seg = seg * torch.where(torch.isin(step, starts), start_w, 1.0).to(seg.dtype)
+        terms = {"segment": seg}
         w = float(self.settings.get("velocity_weight", 0.0))
         if w > 0:
             terms["velocity"] = w * mse(out.prediction, batch.fields[F.T_TARGET])
@@ -284,6 +296,28 @@ class Segment(Objective):
 
     def student_steps(self, manifest: dict) -> int | None:
         return self.k
+
+
+def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache: str, sched: dict,
+                               sigmas: list[float]) -> None:
+    """A segment student starts its segments at cached states: refuse (one line) a cache recorded with
+    --record-steps that lacks one of the K boundaries, naming the settings that would have them."""
+    from pipeline.sampling import segment_boundaries
+
+    recorded = recorded_steps(manifest)
+    missing = [b for b in bounds if b not in recorded]
+    if not missing:
+        return
+    steps = int(manifest[F.F_STEPS])
+    usable = [j for j in range(1, min(steps, 16) + 1)
+              if set(segment_boundaries(sched, steps, j, sigmas)[0]) <= set(recorded)]
+    made = (f"teacher-cache --record-steps {manifest.get(F.F_RECORD_STEPS)} --record-seed "
+            f"{manifest.get(F.F_RECORD_SEED)}"
+            + (f" --keep-steps {','.join(map(str, manifest[F.F_KEEP_STEPS]))}" if manifest.get(F.F_KEEP_STEPS) else ""))
+    raise UserError(f"--student-steps {k} starts its segments at steps {','.join(map(str, bounds))} of the cache "
+                    f"{cache}, which records only steps {','.join(map(str, recorded))} ({made}), not "
+                    f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "
+                    f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
 
 
 @contextlib.contextmanager

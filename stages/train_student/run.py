@@ -8,7 +8,7 @@ Under torchrun every rank runs this; rank 0 alone writes shared files.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import errno
 import json
 import os
 import shutil
@@ -20,18 +20,21 @@ import torch
 
 from cache import format as F
 from cache import lock
-from cache.atomic import atomic_write_json
+from cache.atomic import atomic_write_json, publish_dir
 from cache.reader import EpochPlan, open_caches
+from pipeline import signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord, RunLayout
 from pipeline.config import TrainStudentConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
+from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
 
 from . import checkpoint
 from .comm import all_gather_bytes
 from .data import DataSplit, prepare
 from .loop import TrainState, Trainer, make_ema, plot_losses, truncate_metrics
-from .objectives import Objective, WithHeads, check_cache, get_objective
+from .objectives import Objective, check_cache, get_objective
+from .strategy import Strategy, get_strategy
 from .student import build_student, check_compatible, init_from_teacher, load_student_config
 from .tracking import open_tracker, require_backend
 from .validation import make_validator
@@ -39,6 +42,7 @@ from .validation import make_validator
 STAGE = "train-student"
 
 
+@signals.handle_sigterm()
 def run(cfg: TrainStudentConfig) -> dict:
     """Train the student described by `cfg`; returns the closing summary."""
     env = dist_env()
@@ -48,12 +52,27 @@ def run(cfg: TrainStudentConfig) -> dict:
             init_distributed(cfg.collective_timeout_s, use_cuda=device.type == "cuda")
         return _run(cfg, env, device)
     except BaseException as e:
+        unwritable = _cannot_write(e, Path(cfg.out))
         if env.world_size > 1:
-            exit_rank(e, env, STAGE)
+            exit_rank(unwritable or e, env, STAGE)
+        if unwritable is not None:
+            raise unwritable from e
         raise
     finally:
         lock.release(Path(cfg.out) / lock.RUN_LOCK)
         teardown()
+
+
+def _cannot_write(e: BaseException, out: Path) -> UserError | None:
+    """A write inside --out refused for its permissions (or a file where a folder must be): the user's to fix, so one
+    line instead of a traceback (errors.classify keeps EACCES elsewhere a bug). None for anything else."""
+    if not isinstance(e, OSError) or e.errno not in (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR):
+        return None
+    path = Path(e.filename or "")
+    if not e.filename or not path.absolute().is_relative_to(out.absolute()):
+        return None
+    return UserError(f"cannot write {path} ({e.strerror}); make {out} writable or choose another --out, and rerun "
+                     "(with --resume to keep its checkpoints)")
 
 
 def _device(cfg: TrainStudentConfig, env: DistEnv) -> torch.device:
@@ -120,28 +139,22 @@ def _optimizer(model: torch.nn.Module, cfg: TrainStudentConfig, device: torch.de
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
 
 
-def _param_sha(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
-    """diffusers format, written beside its final name and renamed into place."""
+    """diffusers format, written beside its final name, fsynced and swapped into place (`atomic.publish_dir`):
+    `dest` is the old folder or the new one at every instant, never a half-written one."""
+    for stale in dest.parent.glob(f"{dest.name}.*.tmp"):  # what a killed save left (the run lock is held)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        publish_dir(tmp, dest, before_replace=lambda: fault_point("before_dir_rename"),
+                    after_replace=lambda: fault_point("after_dir_rename"))
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        err = checkpoint.as_os_error(e, tmp)
+        err = None if isinstance(e, OSError) else checkpoint.as_os_error(e, tmp)
         if err is None:
             raise
         raise err from e  # a full disk: one line from the CLI, not a SafetensorError traceback
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(tmp, dest)
 
 
 def _distill_record(cfg: TrainStudentConfig, data: DataSplit, state: TrainState, ema: bool,
@@ -181,6 +194,7 @@ class _Setup:
     plan: EpochPlan
     total: int  # optimizer steps of the run
     identity: dict  # what a checkpoint must match to be resumed
+    strategy: Strategy  # how the student is laid over the ranks (strategy.py)
 
     @property
     def manifest(self) -> dict:
@@ -206,30 +220,34 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
     if objective.name != "velocity" or objective.record():  # runs from before objectives resume unchanged
         identity["objective"] = {"name": objective.name, **objective.record()}
-    return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity)
+    strategy = get_strategy(cfg.strategy, env, device, mixed)
+    return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity, strategy)
 
 
 def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool):
-    """The student (same seed on every rank; DDP also broadcasts rank 0's weights when it wraps), the
-    objective's heads, the optimizer and the fp16 scaler."""
+    """The student (same seed on every rank; DDP also broadcasts rank 0's weights when it wraps) placed by the
+    strategy, the objective's heads, the optimizer and the fp16 scaler, and the module the loop runs (the DDP
+    wrapper, or None: the student itself)."""
     model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
-    if cfg.init_from_teacher and env.is_main and fresh:
+    if cfg.init_from_teacher and fresh and (env.is_main or not s.strategy.syncs_init):
         rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
              f"{rep['teacher_blocks']}; {rep['shape_mismatch']} differ in shape, {rep['missing']} not in the teacher)")
         # The seed alone no longer reproduces the untrained student: keep it for evaluation.
-        _save_pretrained(model, s.layout.student_init)
+        if env.is_main:
+            _save_pretrained(model, s.layout.student_init)
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    model.to(s.device).train()
+    model.train()
     with torch.random.fork_rng(devices=[]):  # the heads' own stream: the student's init and data order stay
         torch.manual_seed(cfg.seed + 1)
         heads = s.objective.heads(s.student_cfg, s.manifest)
     if heads is not None:
-        heads.to(s.device).train()
+        heads.train()
+    wrapped = s.strategy.wrap(model, heads)  # onto the device: replicated (ddp) or sharded (fsdp)
     optimizer = _optimizer(model, cfg, s.device, heads)
     scaler = torch.amp.GradScaler(s.device.type, enabled=s.mixed == torch.float16)
-    return model, heads, optimizer, scaler
+    return model, heads, optimizer, scaler, wrapped
 
 
 def _pick_checkpoint(env: DistEnv, s: _Setup) -> Path | None:
@@ -253,9 +271,14 @@ def _pick_checkpoint(env: DistEnv, s: _Setup) -> Path | None:
     return s.layout.checkpoints / choice["name"] if choice["name"] else None
 
 
-def _resume(ckpt: Path, env: DistEnv, s: _Setup, model, heads, optimizer, scaler) -> tuple[TrainState, dict | None]:
+def _resume(ckpt: Path, env: DistEnv, s: _Setup, optimizer, scaler) -> tuple[TrainState, dict | None]:
     """Restore checkpoint `ckpt` after checking it belongs to this run; returns (state, EMA tensors)."""
     saved = checkpoint.read_state(ckpt)
+    written_by = saved.get("strategy", "ddp")  # checkpoints from before --strategy are ddp's
+    if written_by != s.strategy.name:
+        raise UserError(f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
+                        f"{'sharded' if written_by == 'fsdp' else 'whole'}); resume with --strategy {written_by}, "
+                        "or use a new --out")
     for k in sorted(s.identity.keys() | saved["extra"].keys()):
         v = s.identity.get(k)
         if saved["extra"].get(k) != v:
@@ -263,7 +286,7 @@ def _resume(ckpt: Path, env: DistEnv, s: _Setup, model, heads, optimizer, scaler
                             f"({saved['extra'].get(k)!r:.80} vs {v!r:.80}); resume with the same caches, seed, "
                             "--batch-size x ranks, --grad-accum, data selection, student config and --objective, "
                             "or use a new --out")
-    saved, ema_state = checkpoint.load(ckpt, model, optimizer, s.device, heads)
+    saved, ema_state = s.strategy.load_checkpoint(ckpt, optimizer)
     state = TrainState(**{k: saved[k] for k in ("step", "epoch", "epoch_step", "samples", "wall_s")})
     rngs = saved.get("rng") or []
     if env.rank < len(rngs) and saved.get("world_size") == env.world_size:
@@ -277,29 +300,22 @@ def _resume(ckpt: Path, env: DistEnv, s: _Setup, model, heads, optimizer, scaler
     return state, ema_state
 
 
-def _check_ranks_agree(model: torch.nn.Module, device: torch.device) -> str:
-    """DDP must have kept every rank's weights identical; returns their sha256."""
-    sha = _param_sha(model)
-    shas = [x.decode() for x in all_gather_bytes(sha.encode(), device)]
-    if len(set(shas)) != 1:
-        raise RuntimeError(f"ranks ended with different weights ({[x[:12] for x in shas]}); this is a bug")
-    return sha
-
-
-def _save(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, model, ema, state: TrainState) -> None:
+def _save(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, ema, state: TrainState) -> None:
     """The EMA student, the distillation record, the loss curve, then the student in diffusers format.
     student/ is renamed into place last, so it exists only when the run finished: a kill before that leaves
-    an OUT that `--resume` completes and `sample` refuses, never a raw student without its EMA or record."""
+    an OUT that `--resume` completes and `sample` refuses, never a raw student without its EMA or record.
+    The strategy hands rank 0 the full weights (ddp: the student itself, the EMA swapped in for its save)."""
+    if ema is not None:
+        with s.strategy.full_model(ema) as full:
+            if env.is_main:
+                _save_pretrained(full, s.layout.student_ema)
     if env.is_main:
-        if ema is not None:  # swap the EMA weights in for the save (no second model to initialise)
-            ema.store(model.parameters())
-            ema.copy_to(model.parameters())
-            _save_pretrained(model, s.layout.student_ema)
-            ema.restore(model.parameters())
         record = _distill_record(cfg, s.data, state, ema is not None, s.objective)
         atomic_write_json(s.layout.distill, record.to_json())
         plot_losses(s.layout.root)
-        _save_pretrained(model, s.layout.student)
+    with s.strategy.full_model() as full:
+        if env.is_main:
+            _save_pretrained(full, s.layout.student)
     barrier(s.device)
 
 
@@ -308,27 +324,22 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     require_backend(cfg.report_to)  # a missing tracker package is refused before anything slow
     s = _setup(cfg, env, device)
     ckpt = _pick_checkpoint(env, s) if cfg.resume else None
-    model, heads, optimizer, scaler = _build_student(cfg, env, s, fresh=ckpt is None)
+    model, heads, optimizer, scaler, wrapped = _build_student(cfg, env, s, fresh=ckpt is None)
     state, ema_state = TrainState(), None
     if ckpt is not None:
-        state, ema_state = _resume(ckpt, env, s, model, heads, optimizer, scaler)
+        state, ema_state = _resume(ckpt, env, s, optimizer, scaler)
     elif cfg.resume:
         print0(f"--resume: no complete checkpoint in {s.layout.checkpoints}; starting from step 0")
     if env.is_main:  # only now: a refused --resume leaves the run as it was
         save_resolved(cfg, s.layout.resolved_config)
         if ckpt is None:
             s.layout.metrics.write_text("")
-    ddp = None
-    if env.world_size > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model if heads is None else WithHeads(model, heads),
-            device_ids=[s.device.index] if s.device.type == "cuda" else None, broadcast_buffers=False,
-            gradient_as_bucket_view=True)
     ema = make_ema(model, cfg.ema_decay, ema_state, state.step) if cfg.ema_decay > 0 else None
     print0(f"train-student: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter student on "
-         f"{env.world_size} x {s.device.type}, objective {s.objective.name}, {len(s.data.train_rows)} training "
-         f"samples ({len(s.data.heldout_rows)} held out), global batch {s.plan.global_batch} x {cfg.grad_accum} "
-         f"accum, {s.plan.steps} steps/epoch, {s.total} steps, mixed precision {s.mixed or 'no'}")
+         f"{env.world_size} x {s.device.type} ({cfg.strategy}), objective {s.objective.name}, "
+         f"{len(s.data.train_rows)} training samples ({len(s.data.heldout_rows)} held out), global batch "
+         f"{s.plan.global_batch} x {cfg.grad_accum} accum, {s.plan.steps} steps/epoch, {s.total} steps, mixed "
+         f"precision {s.mixed or 'no'}")
 
     # The run's hyperparameters for the tracker: the resolved config and what it resolved to.
     tracked = dataclasses.asdict(cfg) | {"cache_fingerprint": ",".join(s.identity["fingerprints"]),
@@ -338,16 +349,19 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
                            is_main=env.is_main)
     # Validation samples the student as distill.json will say it is sampled (its steps and scheduler).
     validator = make_validator(cfg, env.is_main, s.data, _distill_record(cfg, s.data, state, ema is not None,
-                                                                          s.objective), s.device)
-    trainer = Trainer(cfg=cfg, env=env, device=s.device, model=model, ddp=ddp, data=s.data, plan=s.plan,
+                                                                          s.objective), s.device,
+                               every_rank=s.strategy.lockstep)
+    trainer = Trainer(cfg=cfg, env=env, device=s.device, model=model, ddp=wrapped, data=s.data, plan=s.plan,
                       optimizer=optimizer, scaler=scaler, ema=ema, state=state, total=s.total, out=s.layout.root,
                       mixed_dtype=s.mixed, expand_timesteps=bool(s.manifest.get(F.F_EXPAND_TIMESTEPS)),
                       patch=tuple(s.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra=s.identity,
-                      objective=s.objective, heads=heads, tracker=tracker, validator=validator)
-    state = trainer.fit()
-    sha = _check_ranks_agree(model, s.device)
-    trainer.write_debug(sha)
-    _save(cfg, env, s, model, ema, state)
+                      objective=s.objective, heads=heads, tracker=tracker, validator=validator,
+                      strategy=s.strategy)
+    with signals.deferred():  # SIGTERM: a checkpoint at the next step boundary (Trainer.fit); after the last, finish
+        state = trainer.fit()
+        sha = s.strategy.weights_sha()  # ddp: also checks that every rank holds the same weights
+        trainer.write_debug(sha)
+        _save(cfg, env, s, ema, state)
 
     out = s.layout.root
     summary = {"out": str(out), "steps": state.step, "epochs": state.epoch, "samples": state.samples,

@@ -84,6 +84,13 @@ def build_student(cfg: dict, path: str, seed: int) -> torch.nn.Module:
         raise UserError(f"student config {path} cannot build a WanTransformer3DModel: {e}") from e
 
 
+def empty_student(config: dict) -> torch.nn.Module:
+    """The student's module with no memory behind its weights (meta device), to be given them with
+    `load_state_dict(..., assign=True)`: how full weights gathered from shards become a model to save."""
+    with torch.device("meta"):
+        return _model_class()(**{k: v for k, v in config.items() if not k.startswith("_")})
+
+
 def _teacher_weights(path: str | os.PathLike) -> tuple[list[Path], dict]:
     """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder
     or a single .safetensors file)."""

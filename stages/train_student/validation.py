@@ -1,4 +1,5 @@
-"""Validation by sampling, teacher-free: rank 0 samples the student on held-out prompts during training.
+"""Validation by sampling, teacher-free: rank 0 samples the student on held-out prompts during training
+(every rank with --strategy fsdp, whose forward is a collective; rank 0 alone logs).
 
 Every --val-every steps the student samples the first --val-max-prompts held-out prompts (all their cached
 seeds) from the cache's initial noise and prompt embeddings, with the steps and scheduler distill.json records
@@ -153,8 +154,11 @@ def image_grid(teacher: np.ndarray, student: np.ndarray) -> np.ndarray:
     return grid
 
 
-def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torch.device) -> Validator | None:
-    """Rank 0's validator when --val-every is on (None elsewhere: the other ranks only train)."""
-    if not (is_main and cfg.val_every and len(data.heldout_prompts)):
+def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torch.device,
+                   every_rank: bool = False) -> Validator | None:
+    """Rank 0's validator when --val-every is on (None elsewhere: the other ranks only train). `every_rank`: a
+    sharded student's forward needs every rank (--strategy fsdp), so every rank samples the same trajectories;
+    rank 0 alone decodes and logs."""
+    if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
-    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, cfg.val_decode)
+    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, cfg.val_decode and is_main)

@@ -1,0 +1,122 @@
+"""Stopping cleanly on SIGTERM: what SLURM and Kubernetes send before they kill a job, after a grace period.
+
+`handle_sigterm()` (a context manager, or a decorator on a stage's `run`) installs the handler while the stage
+runs and puts the previous one back afterwards. Outside a `deferred()` block SIGTERM raises `Terminated` at once,
+as Ctrl-C raises KeyboardInterrupt: setup, encoding and loading leave nothing worth waiting for, and every write
+there is atomic. Inside one, SIGTERM only sets a flag and the stage's loop stops at its next boundary, after
+making what it finished durable (stage one: a shard of its finished blocks; stage two: a checkpoint), by raising
+`Terminated` with the line to print. Either way the exit code is 143 (`pipeline.errors`).
+
+Under torchrun stage two's ranks must stop at the same step, since a checkpoint is a collective: `agree` reduces
+every rank's flag once per step, so a SIGTERM that reaches one rank stops all of them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class Terminated(BaseException):
+    """SIGTERM stopped the stage. The message, when there is one, says where it stopped and how to continue.
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+
+_installed = False
+_requested = False
+_deferring = 0
+
+
+def _handler(signum, frame) -> None:
+    global _requested
+    first = not _requested
+    _requested = True
+    # A second SIGTERM (torchrun forwarding the scheduler's, say) never interrupts the stop the first began.
+    if first and not _deferring:
+        raise Terminated()
+
+
+@contextlib.contextmanager
+def handle_sigterm():
+    """Turn SIGTERM into `Terminated` (at once, or at the next boundary inside `deferred()`) while this block runs.
+    A no-op off the main thread (Python delivers signals there only) and when a handler is installed already."""
+    global _installed, _requested, _deferring
+    if _installed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _handler)
+    _installed, _requested, _deferring = True, False, 0
+    try:
+        yield
+    finally:  # (None: a handler installed outside Python, which cannot be put back; the default then)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        _installed, _requested, _deferring = False, False, 0
+
+
+@contextlib.contextmanager
+def deferred():
+    """Inside this block SIGTERM only sets the flag: the code stops at its own boundaries (`requested`, `check`)."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+
+
+@contextlib.contextmanager
+def held():
+    """SIGTERM blocked in this thread while the block runs. What matters is what a process forked inside inherits:
+    it starts with SIGTERM blocked, until it chooses what to do with it (`worker_ignores_sigterm`). This process
+    still gets its own SIGTERM, through its other threads."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def worker_ignores_sigterm(worker_id: int = 0) -> None:
+    """A DataLoader `worker_init_fn`: ignore SIGTERM from anyone but the parent (the trainer).
+
+    SLURM signals every process of a job step: a worker that died of it would fail the trainer's next batch before
+    the step boundary where it checkpoints and stops. The trainer itself sends SIGTERM only to end its workers
+    (multiprocessing at exit), and they must then go, or its exit waits for them forever: torch's own worker
+    handler draws the same line but dies of the others' SIGTERM too. The worker is forked inside `held()`, so a
+    SIGTERM sent before this runs waits, blocked, for the thread below instead of killing it."""
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
+
+    def watch() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="sigterm-watch", daemon=True).start()
+
+
+def requested() -> bool:
+    """Whether a SIGTERM arrived since `handle_sigterm` began (one global read: cheap enough for every step)."""
+    return _requested
+
+
+def check() -> None:
+    """Raise `Terminated` if a SIGTERM arrived: a boundary where the loop may stop."""
+    if _requested:
+        raise Terminated()
+
+
+def agree(device: torch.device) -> bool:
+    """Whether any rank got a SIGTERM. Under torchrun every rank must call it at the same point (a collective: an
+    all-reduce of one integer on `device`, the process group's: the CPU for gloo, the rank's GPU for NCCL); all
+    get the same answer. One process: just `requested()`."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return _requested
+    flag = torch.tensor([int(_requested)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

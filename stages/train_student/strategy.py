@@ -1,0 +1,343 @@
+"""How stage two lays the student over the ranks (`train-student --strategy`): the one module a new strategy
+starts in.
+
+`ddp` (the default) keeps a whole student on every rank: weights, gradients, both AdamW moments and the EMA,
+and DDP averages the gradients. `fsdp` shards all of them over the ranks with PyTorch FSDP2 (`fully_shard`:
+every parameter becomes a DTensor split on dim 0 over a DeviceMesh of all ranks): one unit per transformer
+block and one, the root, for the rest. A unit's full weights exist only while it runs (all-gathered for its
+forward and again for its backward, freed after), and its gradients are reduce-scattered (averaged over the
+ranks, as DDP's all-reduce), so a rank holds 1/world of the training state plus one block's full weights
+(docs/multi-gpu.md has the arithmetic).
+
+The same under every strategy: the epoch plan and the loss scaling (the loss all-reduce), AdamW, clipping of
+the global gradient norm, the EMA rule (each rank updates the shards it holds: the same arithmetic element
+by element), and the run artifact (fsdp gathers the full weights on rank 0 and writes them as ddp does). What
+differs is one method each below: how the model is placed and wrapped, when gradients are reduced during
+accumulation (ddp: on the last micro-step; fsdp: every micro-step, so gradients stay sharded), how the gradient
+norm is taken, how checkpoints are written and read (fsdp: sharded, through torch.distributed.checkpoint, see
+checkpoint.py; a checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
+weights are swapped in, and how the full weights are had for the artifact.
+
+The objective's heads (small projection heads) stay whole on every rank under both: DDP averages their
+gradients with the student's; under fsdp `reduce_gradients` all-reduces them after the last micro-step.
+
+How to add a strategy: subclass `Strategy`, set `name`, implement the methods, decorate it with `@register`,
+add the name to `pipeline.config.STRATEGIES` and the CLI's `--strategy` choice, and test it as
+tests/test_fsdp.py does (two gloo processes equal one process; kill and resume bit-equal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from pipeline.runtime import DistEnv
+
+from . import checkpoint
+from .comm import all_gather_bytes
+from .objectives import WithHeads
+from .student import empty_student
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dtype | None) -> Strategy:
+    return STRATEGIES[name](env, device, mixed)
+
+
+def state_sha(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names and bytes, in name order."""
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Strategy:
+    """One way of laying the student, its gradients, optimizer state and EMA over the ranks."""
+
+    name: ClassVar[str]
+    # Every forward is a collective (all-gathers of weights): every rank must run the same forwards, in held-out
+    # evaluation and validation by sampling too.
+    lockstep: ClassVar[bool] = False
+    # wrap() gives every rank rank 0's weights (DDP broadcasts them), so rank 0 alone initialises from a teacher.
+    syncs_init: ClassVar[bool] = True
+
+    def __init__(self, env: DistEnv, device: torch.device, mixed: torch.dtype | None):
+        self.env, self.device, self.mixed = env, device, mixed
+        self.model: torch.nn.Module | None = None
+        self.heads: torch.nn.Module | None = None
+
+    def wrap(self, model: torch.nn.Module, heads: torch.nn.Module | None) -> torch.nn.Module | None:
+        """Move the student (built on the CPU) and the heads to the device, laid out as this strategy trains them.
+        Called before the optimizer is built, which must see the final parameters. Returns the module the loop
+        runs forward and backward through, None when that is the student itself."""
+        raise NotImplementedError
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-step's forward and backward (`last`: the optimizer step's last one), for holding back
+        the gradient reduction until then where the strategy does."""
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        """After the last micro-step's backward: reduce any gradients the wrapping does not."""
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of `params` to a global norm of `max_norm`; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def save_checkpoint(self, out: Path, step: int, ema: dict[str, torch.Tensor] | None, optimizer,
+                        trainer_state: dict, keep: int) -> None:
+        """Write checkpoint `step` (every rank calls this)."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: Path, optimizer) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        """Restore weights, heads and optimizer from checkpoint `path`; returns (trainer state, EMA tensors)."""
+        raise NotImplementedError
+
+    def ema_weights(self, ema) -> contextlib.AbstractContextManager:
+        """The EMA weights in the student for the duration (diffusers' EMAModel `ema`), the trained ones after."""
+        raise NotImplementedError
+
+    def inference(self) -> contextlib.AbstractContextManager:
+        """Around forwards outside the training step's autocast (validation by sampling)."""
+        return contextlib.nullcontext()
+
+    def full_model(self, ema=None) -> contextlib.AbstractContextManager:
+        """Rank 0: the student with its full weights (the EMA's when `ema` is given), for `save_pretrained`;
+        None on the other ranks. Every rank enters it."""
+        raise NotImplementedError
+
+    def weights_sha(self) -> str:
+        """sha256 of the student's full weights, the same on every rank (checking they agree where they are
+        replicated)."""
+        raise NotImplementedError
+
+
+@register
+class DDP(Strategy):
+    """A full replica per rank; DistributedDataParallel averages the gradients (no wrapping for one process)."""
+
+    name = "ddp"
+
+    def __init__(self, env: DistEnv, device: torch.device, mixed: torch.dtype | None):
+        super().__init__(env, device, mixed)
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+
+    def wrap(self, model, heads):
+        self.model, self.heads = model.to(self.device), heads
+        if heads is not None:
+            heads.to(self.device)
+        if self.env.world_size > 1:  # broadcasts rank 0's weights to every rank
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                model if heads is None else WithHeads(model, heads),
+                device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False,
+                gradient_as_bucket_view=True)
+        return self.ddp
+
+    def accumulate(self, last):
+        return contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+
+    def save_checkpoint(self, out, step, ema, optimizer, trainer_state, keep):
+        if self.env.is_main:
+            checkpoint.save(out, step, self.model, ema, optimizer, trainer_state, keep, self.heads)
+
+    def load_checkpoint(self, path, optimizer):
+        return checkpoint.load(path, self.model, optimizer, self.device, self.heads)
+
+    @contextlib.contextmanager
+    def ema_weights(self, ema) -> Iterator[None]:
+        ema.store(self.model.parameters())  # the trained weights wait in host memory
+        ema.copy_to(self.model.parameters())
+        try:
+            yield
+        finally:
+            ema.restore(self.model.parameters())
+
+    @contextlib.contextmanager
+    def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:
+        if not self.env.is_main:
+            yield None
+        elif ema is None:
+            yield self.model
+        else:
+            with self.ema_weights(ema):
+                yield self.model
+
+    def weights_sha(self) -> str:
+        sha = state_sha(self.model.state_dict())
+        shas = [x.decode() for x in all_gather_bytes(sha.encode(), self.device)]
+        if len(set(shas)) != 1:
+            raise RuntimeError(f"ranks ended with different weights ({[x[:12] for x in shas]}); this is a bug")
+        return sha
+
+
+@register
+class FSDP(Strategy):
+    """PyTorch FSDP2: weights, gradients, AdamW moments and EMA sharded over the ranks, a unit per block."""
+
+    name = "fsdp"
+    lockstep = True
+    syncs_init = False  # nothing is broadcast: every rank builds (and initialises) the same student, then shards it
+
+    def wrap(self, model, heads):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():  # one process: FSDP still wants a process group (of one)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+        kw = {"mesh": mesh}
+        if self.mixed == torch.bfloat16:
+            # Gather and compute in bf16, keep the float32 shards as master weights and reduce gradients in
+            # float32. Inputs keep their dtype (autocast casts what it casts, as under ddp): bf16 holds integers
+            # exactly only up to 256, and timesteps run to 1000.
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)
+        # The transformer's output is a view (its final reshape); no objective changes it in place, which is
+        # what FSDP2 warns about on every forward.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)  # the root: patch and condition embedders, output norm and projection
+        # fully_shard moved each unit's shards to the mesh's device; the heads are whole on every rank
+        self.model, self.heads = model, heads
+        if heads is not None:
+            heads.to(self.device)
+        self.container = model if heads is None else WithHeads(model, heads)  # one module for the optimizer's names
+        return None
+
+    def accumulate(self, last):
+        # Every micro-step's gradients are reduce-scattered and summed into the shards. Holding the reduction back
+        # to the last micro-step (set_requires_gradient_sync(False), DDP's no_sync) would keep every block's full
+        # float32 gradient on every rank in between: 4 bytes per parameter, a quarter of what sharding saves, in
+        # the runs that accumulate because memory is short. The price is one reduce-scatter per micro-step.
+        return contextlib.nullcontext()
+
+    def inference(self):
+        # Under the bf16 policy the gathered weights are bf16 whatever runs them: float inputs need autocast
+        # (the training step has it); under ddp the sampler runs in the weights' float32.
+        if self.mixed == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _shards(self) -> list[torch.nn.Parameter]:
+        """The student's parameters as the shards they are trained as. The root unit keeps its full weights after
+        a forward (FSDP2 expects a backward to need them), and a forward without one (evaluation, validation)
+        leaves them there, registered in place of the shards and used as they are by the next forward: so every
+        unit is resharded before the parameters are read or swapped, and after a swap."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return list(self.model.parameters())
+
+    def reduce_gradients(self) -> None:
+        if self.heads is None or self.env.world_size == 1:
+            return
+        for p in self.heads.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # unused on this rank: a zero contribution, and the collective still matches
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.env.world_size)
+
+    def clip_grad_norm(self, params, max_norm):
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        sharded = [g for g in grads if isinstance(g, DTensor)]
+        whole = [g for g in grads if not isinstance(g, DTensor)]
+        square = torch.zeros((), dtype=torch.float32, device=self.device)
+        for group in (sharded, whole):  # DTensors and plain tensors do not mix in one norm
+            if group:
+                norm = torch.nn.utils.get_total_norm(group)
+                if isinstance(norm, DTensor):
+                    norm = norm.full_tensor()  # the sum over every rank's shard
+                square = square + norm.float().square()
+        total = square.sqrt()
+        if math.isfinite(max_norm):
+            coef = min(float(max_norm / (total + 1e-6)), 1.0)  # clip_grad_norm_'s coefficient
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+    def save_checkpoint(self, out, step, ema, optimizer, trainer_state, keep):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._shards()
+        model_state, optim_state = get_state_dict(self.container, optimizer)  # this rank's shards, no copies
+        state = {checkpoint.DCP_MODEL: model_state, checkpoint.DCP_OPTIMIZER: optim_state}
+        if ema is not None:
+            state[checkpoint.DCP_EMA] = ema
+        checkpoint.save_sharded(out, step, state, trainer_state, keep, self.env, self.device)
+
+    def load_checkpoint(self, path, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.container, optimizer)  # the shapes and shards to fill
+        state = {checkpoint.DCP_MODEL: model_state, checkpoint.DCP_OPTIMIZER: optim_state}
+        ema = None
+        if checkpoint.DCP_EMA in checkpoint.sharded_keys(path):
+            ema = state[checkpoint.DCP_EMA] = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+        checkpoint.load_sharded(path, state)
+        set_state_dict(self.container, optimizer, model_state_dict=state[checkpoint.DCP_MODEL],
+                       optim_state_dict=state[checkpoint.DCP_OPTIMIZER])
+        return checkpoint.read_state(path), ema
+
+    @contextlib.contextmanager
+    def ema_weights(self, ema) -> Iterator[None]:
+        params = self._shards()
+        kept = [p.detach().clone() for p in params]  # this rank's shards: 1/world of the student, on the device
+        try:
+            with torch.no_grad():
+                for p, s in zip(params, ema.shadow_params):
+                    p.copy_(s)
+            yield
+        finally:
+            self._shards()  # no unit may keep full EMA weights for the next training forward
+            with torch.no_grad():
+                for p, k in zip(params, kept):
+                    p.copy_(k)
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0's host memory ({} elsewhere); every rank takes part in the gathers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._shards()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    @contextlib.contextmanager
+    def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:
+        # The EMA weights stay swapped in until the caller is done: with one rank the gathered tensors are the
+        # shards themselves, which the swap's end overwrites.
+        with self.ema_weights(ema) if ema is not None else contextlib.nullcontext():
+            full = self._full_state()
+            if not self.env.is_main:
+                yield None
+                return
+            plain = empty_student(dict(self.model.config))  # the unsharded class, given the gathered tensors
+            plain.load_state_dict(full, assign=True)
+            yield plain
+
+    def weights_sha(self) -> str:
+        full = self._full_state()  # every rank takes part in the gathers; rank 0 alone holds the result
+        sha = state_sha(full) if self.env.is_main else ""
+        return all_gather_bytes(sha.encode(), self.device)[0].decode()
