@@ -127,6 +127,13 @@ def tiny_teacher_cmd(out, variant, seed):
 @click.option("--feature-pool", type=click.Choice(["none", "mean"]),
               help="Keep one feature row per latent token (none) or their mean.  [default: none]")
 @click.option("--feature-seed", type=int, help="Seed of the fixed feature projection.  [default: 0]")
+@click.option("--record-steps", type=int,
+              help="Record only N of the --steps per trajectory (every step still runs; the final latent is always "
+              "kept): step 0, --keep-steps, the rest drawn by --record-seed, the same for every trajectory; "
+              "`plan --record-steps` and `cache info` show the bytes.  [default: every step]")
+@click.option("--record-seed", type=int, help="Seed of the steps --record-steps draws.  [default: --seed]")
+@click.option("--keep-steps", help="Steps --record-steps always records besides 0, e.g. the boundaries a "
+              "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
 @click.option("--report-to", type=click.Choice(["tensorboard", "none"]),
               help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard under "
               "CACHE_DIR/parts/part-P/tensorboard.  [default: none]")
@@ -323,6 +330,9 @@ def _objective_help() -> str:
 @click.option("--verify", type=click.Choice(["sha256", "size"]),
               help="Shard check before training.  [default: sha256]")
 @click.option("--collective-timeout-s", type=float, help="Seconds a rank may wait in a collective.  [default: 600]")
+@click.option("--strategy", type=click.Choice(["ddp", "fsdp"]),
+              help="ddp: a full student per rank; fsdp: weights, gradients, AdamW state and EMA sharded over the "
+              "ranks (FSDP2), for students that do not fit one GPU (docs/multi-gpu.md).  [default: ddp]")
 @click.option("--objective", help="What the student learns: " + _objective_help() + ".  [default: velocity]")
 @click.option("--feature-pairs", help="velocity+feature: student block:teacher block pairs, e.g. 0:1,1:3.")
 @click.option("--feature-weight", type=float, help="velocity+feature: weight of the feature term.  [default: 1.0]")
@@ -331,10 +341,14 @@ def _objective_help() -> str:
                    "teacher's schedule exactly).")
 @click.option("--segment-velocity-weight", type=float,
               help="segment: weight of an added per-step velocity loss at the same states.  [default: 0]")
+@click.option("--segment-start-weight", type=float,
+              help="segment: weight of the loss at each segment's first state (where the K-step sampler queries the "
+                   "student) against 1 inside a segment.  [default: 1]")
 @common_options
 @user_errors("train-student")
 def train_student_cmd(config_file, cache, **flags):
-    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP under torchrun.
+    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy)
+    under torchrun.
 
     Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
@@ -365,21 +379,32 @@ def train_student_cmd(config_file, cache, **flags):
 @click.option("--assume-ram", help="Plan for this much available RAM (e.g. 256GiB).")
 @click.option("--assume-disk", help="Plan for this much free disk under --offload-dir (e.g. 2TiB).")
 @click.option("--ranks-per-node", type=int, default=1, show_default=True, help="torchrun processes per node.")
+@click.option("--prompts", type=click.IntRange(min=1), help="Prompt count: project the cache's total bytes.")
+@click.option("--seeds-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Trajectories per prompt (for the cache's bytes).")
+@click.option("--steps", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Denoising steps (for the cache's bytes).")
+@click.option("--record-steps", type=click.IntRange(min=1), help="Steps recorded per trajectory (teacher-cache "
+              "--record-steps).  [default: every step]")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors("plan")
 def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length, max_memory,
-             expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node, as_json):
-    """Where the teacher's weights would live, what each device holds, and (auto) why: from configs alone.
+             expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node, prompts,
+             seeds_per_prompt, steps, record_steps, as_json):
+    """Where the teacher's weights would live, what each device holds, and (auto) why, and the bytes of the cache
+    it would write: from configs alone.
 
     \b
     Example:
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
+      wandistiller plan --teacher tests/data/wan22-a14b-configs --prompts 100000 --record-steps 8
     """
     _quiet_libraries()
     from stages.teacher_cache import plan_from_flags
 
     plan = plan_from_flags(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
-                           max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node)
+                           max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node,
+                           prompts, seeds_per_prompt, steps, record_steps)
     click.echo(plan.to_json() if as_json else plan.render())
 
 
@@ -390,20 +415,27 @@ def cache_group():
 
 @cache_group.command("info")
 @click.argument("cache_dir", type=click.Path())
+@click.option("--prompts", type=click.IntRange(min=1),
+              help="Project the bytes of a cache like this one with N prompts.  [default: its own count]")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors("cache")
-def cache_info_cmd(cache_dir, as_json):
-    """Summarise a finished cache: samples, shards, prompts, steps, latent shape, bytes, fingerprint.
+def cache_info_cmd(cache_dir, prompts, as_json):
+    """Summarise a finished cache: samples, shards, prompts, steps, latent shape, bytes, fingerprint, and the
+    bytes on disk per sample, per prompt and projected for --prompts N.
 
-    Example: wandistiller cache info runs/cache --json
+    Example: wandistiller cache info runs/cache --prompts 100000
     """
     from cache.manifest import summarize
 
-    info = summarize(cache_dir)
+    info = summarize(cache_dir, prompts)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
+    from cache.size import human
+
     for k, v in info.items():
+        if "bytes" in k and isinstance(v, int):
+            v = f"{v:,} ({human(v)})"
         click.echo(f"{k:>18}: {v}")
 
 
@@ -411,13 +443,22 @@ def cache_info_cmd(cache_dir, as_json):
 @click.argument("cache_dir", type=click.Path())
 @user_errors("cache")
 def cache_verify_cmd(cache_dir):
-    """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not.
+    """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
+    folder).
 
     Example: wandistiller cache verify runs/cache
     """
+    from cache.errors import CacheError
     from cache.verify import verify_cache
 
-    problems = verify_cache(cache_dir, progress=sys.stderr.isatty())
+    if not os.path.isdir(cache_dir):  # nothing to verify: the user's to fix, like `cache info`
+        what = "is a file, not a cache folder" if os.path.exists(cache_dir) else "does not exist"
+        raise CacheError(f"cache directory {cache_dir} {what}; pass the CACHE_DIR that `wandistiller teacher-cache "
+                         "--out` wrote")
+    notes: list[str] = []
+    problems = verify_cache(cache_dir, progress=sys.stderr.isatty(), notes=notes)
+    for n in notes:  # what a cache of an earlier WanDistiller records no checksum for: not a problem
+        click.echo(f"NOTE {n}")
     if problems:
         for p in problems:
             click.echo(f"BAD {p}")

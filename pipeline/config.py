@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cache.atomic import atomic_write_bytes
+
 from .config_types import type_problem
 from .errors import UserError
 
@@ -79,8 +81,9 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
-    """Write the resolved config next to an output, so every result says how it was made."""
-    Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n")
+    """Write the resolved config next to an output, so every result says how it was made (tmp + fsync + rename:
+    a kill leaves the old one or the new one)."""
+    atomic_write_bytes(path, (json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n").encode())
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -131,9 +134,17 @@ class TeacherCacheConfig:
     feature_pool: str = "none"
     feature_seed: int = 0
     report_to: str = "none"  # tensorboard: progress scalars under CACHE_DIR/parts/part-P/tensorboard
+    # Bounded cache size: record only record_steps of the teacher's steps per trajectory (every step still runs;
+    # the final latent is always stored). The same steps for every trajectory: step 0, keep_steps, and the rest
+    # drawn from record_seed (default: seed). None: every step.
+    record_steps: int | None = None
+    record_seed: int | None = None
+    keep_steps: tuple[int, ...] | None = None  # steps always recorded, e.g. a few-step student's boundaries
 
     def __post_init__(self):
         object.__setattr__(self, "record_features", _int_list("record-features", self.record_features))
+        object.__setattr__(self, "keep_steps", _int_list("keep-steps", self.keep_steps))
+        _check_record_steps(self)
         if self.record_features is not None and (not self.record_features
                                                  or len(set(self.record_features)) != len(self.record_features)):
             raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
@@ -177,10 +188,35 @@ class TeacherCacheConfig:
             raise ValueError(f"device must be a CUDA device index >= 0, got {self.device}")
 
 
+def _check_record_steps(cfg: TeacherCacheConfig) -> None:
+    """--record-steps N out of --steps, with its seed and the steps it must keep."""
+    n, steps = cfg.record_steps, cfg.steps
+    if n is None:
+        if cfg.record_seed is not None or cfg.keep_steps is not None:
+            raise ValueError("record-seed and keep-steps choose the steps --record-steps N records: give "
+                             "--record-steps too")
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"record-steps must be an integer >= 1, got {n!r}")
+    if isinstance(steps, int) and n > steps:
+        raise ValueError(f"record-steps {n} exceeds --steps {steps}; choose 1 to {steps} (or leave it out to record "
+                         "every step)")
+    if cfg.record_seed is not None and (not isinstance(cfg.record_seed, int) or isinstance(cfg.record_seed, bool)):
+        raise ValueError(f"record-seed must be an integer, got {cfg.record_seed!r}")
+    keep = sorted({0, *(cfg.keep_steps or ())})
+    if isinstance(steps, int) and keep[-1] >= steps:
+        raise ValueError(f"keep-steps must list steps from 0 to {steps - 1} (--steps {steps}), got "
+                         f"{','.join(map(str, cfg.keep_steps))}")
+    if len(keep) > n:
+        raise ValueError(f"keep-steps {','.join(map(str, keep))} (step 0 always included) are {len(keep)} steps, more "
+                         f"than --record-steps {n}; record at least {len(keep)}")
+
+
 FEATURE_POOLS = ("none", "mean")  # cache/features.py
 MIXED_PRECISION = ("no", "bf16", "fp16")
 REPORT_TO = ("tensorboard", "wandb", "none")  # stages/train_student/tracking.py
 SHARD_CHECKS = ("sha256", "size")
+STRATEGIES = ("ddp", "fsdp")  # stages/train_student/strategy.py
 
 
 def _int_list(name: str, value) -> tuple[int, ...] | None:
@@ -236,6 +272,11 @@ class TrainStudentConfig:
     verify: str = "sha256"  # shard check before training: sha256 (size + hash + member index) | size
     embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
     collective_timeout_s: float = 600.0  # a rank waiting longer than this in a collective fails
+    # How the student is laid over the ranks: ddp = a full replica per rank (weights, gradients, AdamW moments,
+    # EMA); fsdp = PyTorch FSDP2, each rank holds 1/world of all of them (for students whose training state does
+    # not fit one GPU; docs/multi-gpu.md). Checkpoints of fsdp are sharded (torch.distributed.checkpoint);
+    # the run artifact is the same.
+    strategy: str = "ddp"
     # What the student learns: a registered objective (stages/train_student/objectives.py; `train-student
     # --help` lists them). velocity = the teacher's prediction at each cached step.
     objective: str = "velocity"
@@ -244,9 +285,11 @@ class TrainStudentConfig:
     feature_weight: float = 1.0
     # segment: a few-step student sampled with student_steps Euler steps (1 .. the cache's steps; a divisor of them
     # reproduces the teacher's schedule exactly); segment_velocity_weight > 0 adds that weight x the per-step
-    # velocity loss at the same states
+    # velocity loss at the same states; segment_start_weight weighs the segment loss at the states the K-step sampler
+    # starts its steps from (the segments' first states) against 1 at the states inside a segment
     student_steps: int | None = None
     segment_velocity_weight: float = 0.0
+    segment_start_weight: float = 1.0
     # Where the curves go besides metrics.jsonl: tensorboard (event files in OUT/tensorboard), wandb (the optional
     # extra `wandistiller[wandb]`; WANDB_MODE, WANDB_PROJECT, ... as W&B reads them) or none. Rank 0 alone writes.
     report_to: str = "tensorboard"
@@ -264,6 +307,7 @@ class TrainStudentConfig:
             raise ValueError(f"feature-pairs must be a string like \"0:10,1:30\", got {self.feature_pairs!r}")
         _positive("feature-weight", self.feature_weight, allow_zero=True)
         _positive("segment-velocity-weight", self.segment_velocity_weight, allow_zero=True)
+        _positive("segment-start-weight", self.segment_start_weight)
         if self.student_steps is not None:
             if not isinstance(self.student_steps, int) or isinstance(self.student_steps, bool) or self.student_steps < 1:
                 raise ValueError(f"student-steps must be an integer >= 1, got {self.student_steps!r}")
@@ -306,6 +350,12 @@ class TrainStudentConfig:
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if self.verify not in SHARD_CHECKS:
             raise ValueError(f"verify must be one of {', '.join(SHARD_CHECKS)}, got {self.verify!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
+            raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
+                             "this rank's shard of the gradients and ranks could disagree on skipping a "
+                             "step); use --mixed-precision bf16")
         object.__setattr__(self, "train_steps", _int_list("train-steps", self.train_steps))
         object.__setattr__(self, "teacher_blocks", _int_list("teacher-blocks", self.teacher_blocks))
         if self.teacher_blocks is not None and self.init_from_teacher is None:

@@ -3,17 +3,24 @@
 WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" makes the process stop the n-th time (1-based) it reaches
 `<point>`: `kill` (default) sends itself SIGKILL (no cleanup, no `finally`, exactly like the OOM killer or
 a preempted node); `enospc` raises OSError(ENOSPC) there, as a full disk would; `stop` sends itself SIGSTOP
-(the test resumes it with SIGCONT): a writer caught in the middle of its work, for concurrency tests. Points:
+(the test resumes it with SIGCONT): a writer caught in the middle of its work, for concurrency tests; `term`
+has SIGTERM sent to it and to its children (DataLoader workers) by another process, as SLURM signals every
+process of a job step before its grace period ends; `int` sends itself SIGINT (Ctrl-C). WANDISTILLER_KILL_RANK=R
+(torchrun) limits it to rank R. Points:
 
   stage one  after_encode_rows  prompt rows are in prompts.zarr, the progress record does not say so yet
              mid_shard          samples of a block are in the shard's temporary file, not yet renamed
              after_rename       a shard has its final name; its final latents and progress record are not written
-             before_progress    final latents written; the progress record does not list the shard yet
+             before_progress    final latents written and fsynced; the progress record does not list the shard yet
              in_manifest        manifest.json's temporary file is written and fsynced, not yet renamed
+             denoise_step       the teacher finished one denoising step of a block (main thread)
   stage two  train_step         an optimizer step begins
              in_checkpoint      the checkpoint's weights are written into its temporary folder, the rest not
              before_checkpoint_rename   the temporary folder is complete and fsynced, not yet renamed
              after_checkpoint_rename    the checkpoint has its final name; older ones are not yet pruned
+  folders    before_dir_rename  student/, student_ema/, student_init/ or an export is complete and fsynced under its
+                                temporary name, not yet renamed (cache.atomic.publish_dir)
+             after_dir_rename   it has its final name; the folder it replaced is not yet deleted
 
 Unset (every real run), `fault_point` returns after one global lookup. The variable is read on the
 first call, not at import, so processes forked from a preloaded server still see their own setting.
@@ -24,11 +31,15 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+from pathlib import Path
 
 KILL_AT_ENV = "WANDISTILLER_KILL_AT"
-POINTS = ("after_encode_rows", "mid_shard", "after_rename", "before_progress", "in_manifest",
-          "train_step", "in_checkpoint", "before_checkpoint_rename", "after_checkpoint_rename")
-HOWS = ("kill", "enospc", "stop")
+KILL_RANK_ENV = "WANDISTILLER_KILL_RANK"
+POINTS = ("after_encode_rows", "mid_shard", "after_rename", "before_progress", "in_manifest", "denoise_step",
+          "train_step", "in_checkpoint", "before_checkpoint_rename", "after_checkpoint_rename",
+          "before_dir_rename", "after_dir_rename")
+HOWS = ("kill", "enospc", "stop", "term", "int")
 
 _UNREAD = object()
 _target = _UNREAD  # None (unset) or (point, n, how), parsed on first use
@@ -37,6 +48,9 @@ _seen: dict[str, int] = {}
 
 def _parse(spec: str | None) -> tuple[str, int, str] | None:
     if not spec:
+        return None
+    rank = os.environ.get(KILL_RANK_ENV)
+    if rank is not None and rank != os.environ.get("RANK", "0"):
         return None
     parts = spec.split(":")
     if len(parts) not in (2, 3) or parts[0] not in POINTS or not parts[1].isdigit() or int(parts[1]) < 1 \
@@ -63,7 +77,24 @@ def fault_point(name: str) -> None:
         return
     if how == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {KILL_AT_ENV} at {name}:{n})")
-    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+    if how == "term":
+        # The shell's `kill` is the sender (a DataLoader worker tells its trainer's SIGTERM from others'); it has
+        # signalled when this returns, and the handler runs in the main thread before the next step.
+        pids = [str(p) for p in [os.getpid(), *_children(os.getpid())]]
+        subprocess.run(["sh", "-c", 'kill -s TERM "$@"', "sh", *pids], check=True)
+        return
+    os.kill(os.getpid(), {"stop": signal.SIGSTOP, "int": signal.SIGINT}.get(how, signal.SIGKILL))
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux: every thread's `children` list in /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
 
 def reset() -> None:

@@ -17,6 +17,7 @@ from cache.errors import CacheError
 from pipeline import errors
 from pipeline.errors import UserError, classify, exit_rank, user_errors
 from pipeline.runtime import DistEnv
+from pipeline.signals import Terminated
 
 STAGE = "train-student"
 DISK = ("; free space (or raise the quota / file-size limit) and rerun the same command with --resume: everything "
@@ -41,6 +42,11 @@ TABLE = [
      "lost contact with another rank (Connection reset by peer); the rank that failed first prints why"),
     (RuntimeError(GLOO_PEER), 4, f"lost contact with another rank ({GLOO_PEER}); the rank that failed first prints why"),
     (KeyboardInterrupt(), 130, "interrupted; rerun the same command with --resume to continue"),
+    (Terminated(), 143, "terminated (SIGTERM); rerun the same command with --resume to continue"),
+    (Terminated("terminated (SIGTERM) at step 7 of 10; checkpoint step-00000007 written; rerun the same command "
+                "with --resume to continue"), 143,
+     "terminated (SIGTERM) at step 7 of 10; checkpoint step-00000007 written; rerun the same command with --resume "
+     "to continue"),
     (RuntimeError("injected failure"), 1, "RuntimeError: injected failure"),
     (OSError(errno.EACCES, "Permission denied"), 1, "PermissionError: [Errno 13] Permission denied"),
 ]

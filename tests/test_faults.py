@@ -57,6 +57,22 @@ def test_stage_two_full_disk_at_a_checkpoint_is_one_line_and_resumes(ws):
 
 
 @pytest.mark.slow
+def test_stage_one_sigterm_records_the_finished_blocks_exits_143_and_reruns_to_the_same_cache(ws):
+    _survived(SCENARIOS["stage1-sigterm"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+def test_stage_two_sigterm_checkpoints_the_step_exits_143_and_resumes_to_the_same_weights(ws):
+    _survived(SCENARIOS["stage2-sigterm"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_to_the_same_result(ws):
+    _survived(SCENARIOS["sigterm-torchrun"](ws, random.Random(0)))
+
+
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back_to_the_newest_sound_one(ws):
     rows = SCENARIOS["checkpoint-corrupt"](ws, random.Random(0))
     _survived(rows)

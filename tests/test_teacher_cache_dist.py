@@ -62,11 +62,13 @@ def test_an_unexpected_exception_keeps_its_traceback_and_reaches_the_summary(tin
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # Each rank that reached the fault point prints the error once. torchrun SIGTERMs the other ranks as soon as
-    # one fails, so a rank still encoding then (a busy machine) never gets there; its summary entry says so.
+    # one fails, so a rank still encoding then (a busy machine) never gets there; its summary entry says so (143:
+    # it stopped on the SIGTERM; -15: it got it before the stage installed its handler).
     summary = output.split("Failures:")[-1]
     printed = {r: len(_own_lines(output, r, f"ValueError: {KILL_AT_ENV}='nowhere:1'")) for r in (0, 1)}
     assert sorted(set(printed.values()) - {0}) == [1], output[-3000:]
     for rank, n in printed.items():
-        assert n == 1 or re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\n\s*exitcode\s*: -15", summary), output[-3000:]
+        assert n == 1 or re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\n\s*exitcode\s*: (-15|143)", summary), \
+            output[-3000:]
     assert "exitcode  : 1" in output and "To enable traceback" not in output, output[-3000:]
     assert "stages/teacher_cache/run.py" in output.split("Root Cause")[1]  # the rank's traceback, quoted

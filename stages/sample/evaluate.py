@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_json
-from cache.manifest import load_manifest
+from cache.manifest import check_settings, load_manifest
 from cache.prompt_store import EmbeddingCache
+from cache.schema import recorded_steps
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
@@ -79,14 +80,15 @@ def _settings_warnings(student: Student, manifest: dict, teacher_timesteps: list
 @torch.inference_mode()
 def velocity_errors(models: dict, cache_dir: Path, manifest: dict, trajs, target_key: str, batch_size: int,
                     device: torch.device, dtype: torch.dtype) -> dict:
-    """Per-step mean of the per-sample MSE of every model against `target_key`, over `trajs`' samples."""
-    steps = int(manifest[F.F_STEPS])
+    """Per-step mean of the per-sample MSE of every model against `target_key`, over `trajs`' samples (at the
+    steps the cache records)."""
+    steps, recorded = int(manifest[F.F_STEPS]), recorded_steps(manifest)
     shape, expand = manifest[F.F_LATENT_SHAPE], bool(manifest.get(F.F_EXPAND_TIMESTEPS, False))
     embeds = EmbeddingCache(cache_dir, int(manifest[F.F_NUM_PARTS]))
     seeds = {(t.prompt_idx, t.seed_idx) for t in trajs}
     sums = {name: [0.0] * steps for name in models}
     counts = [0] * steps
-    bar = tqdm(total=len(trajs) * steps, desc="eval velocity", unit="sample", dynamic_ncols=True)
+    bar = tqdm(total=len(trajs) * len(recorded), desc="eval velocity", unit="sample", dynamic_ncols=True)
 
     def flush(batch):
         x = torch.stack([s[F.T_X_T] for s, _ in batch]).to(device, dtype)
@@ -116,12 +118,12 @@ def velocity_errors(models: dict, cache_dir: Path, manifest: dict, trajs, target
     if batch:
         flush(batch)
     bar.close()
-    if sum(counts) != len(trajs) * steps:
+    if sum(counts) != len(trajs) * len(recorded):
         raise UserError(f"the cache holds {sum(counts)} samples of the selected trajectories, expected "
-                        f"{len(trajs) * steps}; run `wandistiller cache verify {cache_dir}`")
+                        f"{len(trajs) * len(recorded)}; run `wandistiller cache verify {cache_dir}`")
     per_step = [{"step": k, "timestep": manifest[F.F_TIMESTEPS][k], "sigma": (manifest.get(F.F_SIGMAS) or [None] * steps)[k],
                  "expert": (manifest.get(F.F_EXPERTS) or [1] * steps)[k], "samples": counts[k],
-                 **{name: sums[name][k] / counts[k] for name in models}} for k in range(steps)]
+                 **{name: sums[name][k] / counts[k] for name in models}} for k in recorded]
     mean = {name: sum(sums[name]) / sum(counts) for name in models}
     return {"per_step": per_step, "mean": mean}
 
@@ -394,22 +396,52 @@ def _label(path: str, taken: set[str]) -> str:
     return label
 
 
-def run(cfg: EvalConfig) -> dict:
-    """Evaluate, write the JSON report and the plot next to it; returns the report."""
-    t_start = time.time()
-    # setup: cache, student, selection, models.
-    cache_dir = Path(cfg.cache)
-    manifest = load_manifest(cache_dir)
-    student = find_student(cfg.student, cfg.weights)
-    report_path = Path(cfg.report) if cfg.report else student.root / REPORT_NAME
-    if report_path.is_dir():
-        raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
+def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> None:
     shape = manifest[F.F_LATENT_SHAPE]
     check_compatible(student, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
                      text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
                      expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
+
+
+def _own_steps(student: Student, manifest: dict) -> int:
+    """The steps a student samples with: its own (a few-step student's `distill.json`), else the cache's."""
+    d = student.distill
+    return d.sampling_steps if d is not None and d.sampling_steps else int(manifest[F.F_STEPS])
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What `run` resolved before sampling anything: every check that can fail has run."""
+
+    cache_dir: Path
+    manifest: dict
+    student: Student
+    report_path: Path
+    teacher_path: Path | None
+    captions: list[str] | None
+    trajs: list
+    selection: dict
+    in_training: bool | None
+    device: torch.device
+    dtype: torch.dtype
+    target_key: str
+    guided_cache: bool
+    student_guidance: float
+    warnings: list[str]
+
+
+def _setup(cfg: EvalConfig) -> _Setup:
+    """Cache, student, teacher and selection, checked before the long part (not after it)."""
+    cache_dir = Path(cfg.cache)
+    manifest = load_manifest(cache_dir)
+    check_settings(cache_dir, manifest)  # an edited `guidance` or `steps` would mislabel every figure of the report
+    student = find_student(cfg.student, cfg.weights)
+    report_path = Path(cfg.report) if cfg.report else student.root / REPORT_NAME
+    if report_path.is_dir():
+        raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
+    _check_against_cache(student, manifest, cache_dir)
     teacher_path = None
-    if cfg.teacher_timing or cfg.attributes:  # resolve now: fail before the long part, not after it
+    if cfg.teacher_timing or cfg.attributes:
         name = cfg.teacher or manifest[F.F_TEACHER]
         try:
             teacher_path = teacher_dir(name)
@@ -423,8 +455,6 @@ def run(cfg: EvalConfig) -> dict:
     trajs, selection = trajectories.select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     guided_cache = bool(manifest.get("cfg", float(manifest[F.F_GUIDANCE]) > 1.0))
-    target_key = F.T_TARGET_COND if guided_cache and not student.guided else F.T_TARGET
-    student_guidance = 1.0 if student.guided else float(manifest[F.F_GUIDANCE])
     scheduler = scheduler_from_manifest(manifest)
     scheduler.set_timesteps(int(manifest[F.F_STEPS]))
     warnings = _settings_warnings(student, manifest, scheduler.timesteps.tolist())
@@ -436,83 +466,37 @@ def run(cfg: EvalConfig) -> dict:
     if student.setting("init_from_teacher") and not init_exact(student, cfg.init_seed):
         warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
                         "random initialisation, not its starting point (save student_init/ to compare with that)")
-    for w in warnings:
-        tqdm.write(f"warning: {w}")
-    models = {"student": load_transformer(student, dtype, device)}
-    models["untrained"], init_how = untrained_transformer(student, cfg.init_seed, dtype, device)
-    # What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
-    # its own steps, all from the same noise; the untrained twin at the first entry's steps is the baseline.
-    own_steps = student.distill.sampling_steps if student.distill is not None and student.distill.sampling_steps \
-        else int(manifest[F.F_STEPS])
-    steps_list = list(cfg.student_steps or (own_steps,))
+    return _Setup(cache_dir, manifest, student, report_path, teacher_path, captions, trajs, selection, in_training,
+                  device, dtype, F.T_TARGET_COND if guided_cache and not student.guided else F.T_TARGET, guided_cache,
+                  1.0 if student.guided else float(manifest[F.F_GUIDANCE]), warnings)
+
+
+def _entries(cfg: EvalConfig, su: _Setup, model) -> list[Entry]:
+    """What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
+    its own steps, all from the same noise."""
+    steps_list = list(cfg.student_steps or (_own_steps(su.student, su.manifest),))
     labels = ["student"] if len(steps_list) == 1 else [f"student@{k}" for k in steps_list]
-    entries = [make_entry(lab, student, models["student"], k, student_guidance, manifest)
+    entries = [make_entry(lab, su.student, model, k, su.student_guidance, su.manifest)
                for lab, k in zip(labels, steps_list)]
     taken = set(labels) | {"teacher", "untrained"}
     for path in cfg.compare:
         other = find_student(path, cfg.weights)
-        check_compatible(other, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
-                         text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
-                         expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
-        if other.fingerprints and manifest[F.F_FINGERPRINT] in other.fingerprints:
-            seen = {t.prompt_idx for t in trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
+        _check_against_cache(other, su.manifest, su.cache_dir)
+        if other.fingerprints and su.manifest[F.F_FINGERPRINT] in other.fingerprints:
+            seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
             if seen:
-                warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
+                su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
         label = _label(path, taken)
         taken.add(label)
-        k = other.distill.sampling_steps if other.distill is not None and other.distill.sampling_steps \
-            else int(manifest[F.F_STEPS])
-        entries.append(make_entry(label, other, load_transformer(other, dtype, device), k,
-                                  1.0 if other.guided else float(manifest[F.F_GUIDANCE]), manifest))
-    untrained = make_entry("untrained", student, models["untrained"], entries[0].steps, student_guidance, manifest)
+        entries.append(make_entry(label, other, load_transformer(other, su.dtype, su.device),
+                                  _own_steps(other, su.manifest),
+                                  1.0 if other.guided else float(su.manifest[F.F_GUIDANCE]), su.manifest))
+    return entries
 
-    # (a) velocity error per step.
-    velocity = velocity_errors(models, cache_dir, manifest, trajs, target_key, cfg.batch_size, device, dtype)
-    trained_steps = student.setting("train_steps")
-    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
-        for row in velocity["per_step"]:
-            row["trained_step"] = row["step"] in trained_steps
 
-    # (b) final latents sampled from the cached noise, each with its own schedule and steps.
-    neg = trajectories.negative_embeds(cache_dir)[None]
-    finals = final_latent_errors([*entries, untrained], cache_dir, manifest, trajs, neg, cfg.batch_size, device)
-    finals["student"] = finals[entries[0].label]
-    finals["student_steps"] = entries[0].steps
-
-    # (c) speed against the teacher on the same latents; with --attributes the teacher is loaded whole (text
-    # encoder and VAE), once, and the whole pipeline is timed too.
-    timing, teacher = None, None
-    if cfg.teacher_timing or captions is not None:
-        teacher = load_teacher(teacher_path, dtype, device, text=captions is not None, vae=captions is not None)
-        _check_cache_teacher(teacher, teacher_path, manifest)
-    if cfg.teacher_timing:
-        timing = time_sampling(entries, teacher, cache_dir, manifest, trajs, neg, cfg.timing_runs, device)
-        timing["teacher_path"] = str(teacher_path)
-
-    # (d) attributes of images drawn from shapes captions.
-    attrs = None
-    if captions is not None:
-        grid_path = report_path.with_name(report_path.stem + "-attributes.png")
-        attrs = attribute_scores(cfg, captions, teacher, entries, manifest, device, grid_path)
-    del teacher
-    table = few_step_table(entries, manifest, finals, timing, attrs)
-
-    report = {
-        "student": {**student.describe(), "init": init_how},
-        "cache": {"path": str(cache_dir), "fingerprint": manifest[F.F_FINGERPRINT], "teacher": manifest[F.F_TEACHER],
-                  "steps": manifest[F.F_STEPS], "guidance": manifest[F.F_GUIDANCE], "cfg": guided_cache,
-                  "in_training_cache": in_training},
-        "selection": selection, "trajectories": len(trajs), "target": target_key,
-        "student_guidance": student_guidance,
-        "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "attributes": attrs,
-        "entries": [e.describe() for e in entries], "table": table, "warnings": warnings,
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "wall_s": round(time.time() - t_start, 2),
-        "config": dataclasses.asdict(cfg),
-    }
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(report_path, report)
-    plot_path = report_path.with_suffix(".png")
-    plot_report(report, plot_path)
+def _summary(report: dict, entries: list[Entry], report_path: Path, plot_path: Path) -> str:
+    timing, attrs, velocity, finals = (report["timing"], report["attributes"], report["velocity_mse"],
+                                       report["final_latent_mse"])
     speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s at "
              f"{entries[0].steps} steps vs {timing['teacher_s_per_image']:.3f}s at {timing['steps']} steps per image)"
              ) if timing else ""
@@ -523,8 +507,74 @@ def run(cfg: EvalConfig) -> dict:
                 f"{t['background']:.1%}, shape {t['shape_colour']:.1%}), student {s['colour']:.1%} (background "
                 f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {_share(attrs, 'colour')}; "
                 f"grid {attrs['grid']}")
-    tqdm.write(f"eval of {len(trajs)} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
-               f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
-               f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
+    return (f"eval of {report['trajectories']} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
+            f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
+            f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
+
+
+def run(cfg: EvalConfig) -> dict:
+    """Evaluate, write the JSON report and the plot next to it; returns the report."""
+    t_start = time.time()
+    su = _setup(cfg)
+    manifest, device = su.manifest, su.device
+    for w in su.warnings:
+        tqdm.write(f"warning: {w}")
+    models = {"student": load_transformer(su.student, su.dtype, device)}
+    models["untrained"], init_how = untrained_transformer(su.student, cfg.init_seed, su.dtype, device)
+    entries = _entries(cfg, su, models["student"])
+    # the untrained twin at the first entry's steps is the baseline
+    untrained = make_entry("untrained", su.student, models["untrained"], entries[0].steps, su.student_guidance,
+                           manifest)
+
+    # (a) velocity error per step.
+    velocity = velocity_errors(models, su.cache_dir, manifest, su.trajs, su.target_key, cfg.batch_size, device,
+                               su.dtype)
+    trained_steps = su.student.setting("train_steps")
+    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
+        for row in velocity["per_step"]:
+            row["trained_step"] = row["step"] in trained_steps
+
+    # (b) final latents sampled from the cached noise, each with its own schedule and steps.
+    neg = trajectories.negative_embeds(su.cache_dir)[None]
+    finals = final_latent_errors([*entries, untrained], su.cache_dir, manifest, su.trajs, neg, cfg.batch_size, device)
+    finals["student"] = finals[entries[0].label]
+    finals["student_steps"] = entries[0].steps
+
+    # (c) speed against the teacher on the same latents; with --attributes the teacher is loaded whole (text
+    # encoder and VAE), once, and the whole pipeline is timed too.
+    timing, teacher = None, None
+    if cfg.teacher_timing or su.captions is not None:
+        teacher = load_teacher(su.teacher_path, su.dtype, device, text=su.captions is not None,
+                               vae=su.captions is not None)
+        _check_cache_teacher(teacher, su.teacher_path, manifest)
+    if cfg.teacher_timing:
+        timing = time_sampling(entries, teacher, su.cache_dir, manifest, su.trajs, neg, cfg.timing_runs, device)
+        timing["teacher_path"] = str(su.teacher_path)
+
+    # (d) attributes of images drawn from shapes captions.
+    attrs = None
+    if su.captions is not None:
+        grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
+        attrs = attribute_scores(cfg, su.captions, teacher, entries, manifest, device, grid_path)
+    del teacher
+    table = few_step_table(entries, manifest, finals, timing, attrs)
+
+    report = {
+        "student": {**su.student.describe(), "init": init_how},
+        "cache": {"path": str(su.cache_dir), "fingerprint": manifest[F.F_FINGERPRINT], "teacher": manifest[F.F_TEACHER],
+                  "steps": manifest[F.F_STEPS], "guidance": manifest[F.F_GUIDANCE], "cfg": su.guided_cache,
+                  "in_training_cache": su.in_training},
+        "selection": su.selection, "trajectories": len(su.trajs), "target": su.target_key,
+        "student_guidance": su.student_guidance,
+        "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "attributes": attrs,
+        "entries": [e.describe() for e in entries], "table": table, "warnings": su.warnings,
+        "device": str(device), "dtype": str(su.dtype).removeprefix("torch."), "wall_s": round(time.time() - t_start, 2),
+        "config": dataclasses.asdict(cfg),
+    }
+    su.report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(su.report_path, report)
+    plot_path = su.report_path.with_suffix(".png")
+    plot_report(report, plot_path)
+    tqdm.write(_summary(report, entries, su.report_path, plot_path))
     tqdm.write(_format_table(table))
     return report

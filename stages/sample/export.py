@@ -14,7 +14,8 @@
                          copy-paste call
 
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
-The folder is built under a temporary name and renamed into place when complete.
+The folder is built under a temporary name, fsynced and renamed into place when complete (an earlier export it
+replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from cache.atomic import publish_dir
 from pipeline.artifact import DISTILL
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
+from pipeline.faults import fault_point
 from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
 from .models import (
@@ -189,9 +192,9 @@ def run(cfg: ExportConfig) -> dict:
         if student.distill is not None:
             (tmp / DISTILL).write_text(json.dumps(student.distill.to_json(), indent=2) + "\n")
         (tmp / "README.md").write_text(_readme(out.resolve(), hints, student, teacher_name, own_scheduler))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        # fsynced, then swapped in: an earlier export at --out stays whole until the new one replaces it
+        publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
+                    after_replace=lambda: fault_point("after_dir_rename"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

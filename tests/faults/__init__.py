@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bad_input, concurrent, corrupt, stage_one, stage_two
+from . import bad_input, concurrent, corrupt, sigterm, stage_one, stage_two
 from .checkpoint import checkpoint_corruption
 from .proc import warm_up
 from .report import Row, render
@@ -25,6 +25,9 @@ SCENARIOS: dict[str, Callable[[Workspace, random.Random], list[Row]]] = {
     "stage1-disk": lambda ws, rng: [stage_one.full_disk(ws)],
     "stage2-kill": stage_two.kills,
     "stage2-disk": lambda ws, rng: [stage_two.full_disk(ws)],
+    "stage1-sigterm": lambda ws, rng: [sigterm.stage_one(ws, rng)],
+    "stage2-sigterm": lambda ws, rng: [sigterm.stage_two(ws, rng)],
+    "sigterm-torchrun": lambda ws, rng: [sigterm.torchrun(ws, rng)],
     "checkpoint-corrupt": lambda ws, rng: [checkpoint_corruption(ws)],
     "corrupt": lambda ws, rng: [corrupt.corrupt_caches(ws)],
     "rank-failure": lambda ws, rng: [stage_two.rank_failure(ws)],

@@ -62,6 +62,10 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
     stage_one_dir = x.files / "unfinished-cache"
     shutil.copytree(x.cache, stage_one_dir, dirs_exist_ok=True)
     (stage_one_dir / "manifest.json").unlink()
+    edited = x.files / "edited-cache"  # guidance changed by hand: no longer hashes to its fingerprint
+    shutil.copytree(x.cache, edited, dirs_exist_ok=True)
+    m = json.loads((edited / "manifest.json").read_text())
+    (edited / "manifest.json").write_text(json.dumps(m | {"guidance": m["guidance"] + 1}))
     table = [
         # teacher-cache: prompt files
         ("prompt file missing", t1() + ["--prompts", x.files / "nope.txt"], ["nope.txt does not exist", "pass a .txt"]),
@@ -156,6 +160,19 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
         ("cache info: not a cache", ["cache", "info", x.files], ["has no manifest.json"]),
         ("plan: GPUs unreadable", ["plan", "--teacher", ws.teacher, "--assume-gpus", "fourx24GiB"],
          ["cannot read --assume-gpus", "4x24GiB"]),
+        # issue 21, item 7, and the previous review's leftovers: each was a traceback
+        ("train: --out below a file", t2(x.file("plain", "x") / "run"), ["cannot write to", "choose a writable"]),
+        ("height beyond the teacher's rotary positions", t1(height=528),
+         ["33 patches", "rope_max_seq_len 32", "the maximum is --height 512"]),
+        ("cache verify: folder missing", ["cache", "verify", x.files / "none"], ["does not exist", "CACHE_DIR"]),
+        ("plan: the teacher fits nowhere", ["plan", "--teacher", ws.teacher, "--assume-gpus", "none",
+                                            "--assume-ram", "0", "--assume-disk", "0"], ["fits nowhere"]),
+        ("eval: manifest edited after stage one", ["eval", "--student", x.run, "--cache", edited],
+         ["no longer hash to its fingerprint", "guidance is"]),
+        ("resume: a prompt-store chunk fails its crc32c", t1(_killed_copy(x, "bad-chunk", _flip_embeds)),
+         ["is damaged", "fail their chunk's crc32c", "delete", "--overwrite"]),
+        ("resume: the part's negative prompt changed", t1(_killed_copy(x, "bad-negative", _flip_negative)),
+         ["is damaged", "negative.safetensors fails its sha256 check", "--overwrite"]),
     ]
     if not torch.cuda.is_available():
         table += [
@@ -165,6 +182,35 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
             ("train on CUDA without a GPU", t2(device="cuda"), ["no CUDA device is visible", "--device cpu"]),
         ]
     return table
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _flip_embeds(part_dir: Path) -> None:
+    for chunk in (part_dir / "prompts.zarr" / "embeds").glob("c.*"):
+        _flip(chunk, 8)
+
+
+def _flip_negative(part_dir: Path) -> None:
+    neg = part_dir / "negative.safetensors"
+    _flip(neg, neg.stat().st_size - 3)  # tensor data: it still decodes, to other values
+
+
+def _killed_copy(x: Inputs, name: str, damage) -> Path:
+    """A copy of the cache as a SIGKILLed stage one leaves it (no manifest, its last shard not yet written), with
+    part 0's own files then damaged by `damage(part_dir)`: the resume must refuse before computing anything.
+    Outside the protected inputs: a refused resume still rewrites the part's resolved config."""
+    path = x.root / name
+    shutil.copytree(x.cache, path)
+    m = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").unlink()
+    (path / m["shards"][-1]["path"]).unlink()
+    damage(path / "parts" / "part-00000")
+    return path
 
 
 def type_cases(x: Inputs) -> list[tuple[str, list, list[str]]]:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ["torch", "pipeline.cli", "stages.teacher_cache.run", "stages.train_student.run", "stages.sample.sample",
            "stages.sample.export", "stages.sample.evaluate"]
 # Variables a command inherits only when the scenario sets them.
-FAULT_ENV = ("WANDISTILLER_KILL_AT", "WANDISTILLER_FAIL_AT", "WANDISTILLER_DEBUG_DIR")
+FAULT_ENV = ("WANDISTILLER_KILL_AT", "WANDISTILLER_KILL_RANK", "WANDISTILLER_FAIL_AT", "WANDISTILLER_DEBUG_DIR")
 
 _ctx = None
 _logs: Path | None = None
@@ -66,7 +66,8 @@ def _context():
 
 @dataclass
 class Result:
-    """How a command ended: `code` is its exit status (-9 after SIGKILL, None if it hung)."""
+    """How a command ended: `code` is its exit status (-9 after SIGKILL, 143 after a clean stop on SIGTERM, None
+    if it hung)."""
 
     argv: list[str]
     code: int | None
@@ -91,6 +92,11 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
     for k in FAULT_ENV:
         os.environ.pop(k, None)
     os.environ.update(env)
+    # Started as a daemon (it dies with the suite), it may still start processes of its own as a command run from a
+    # shell does: train-student's DataLoader workers, forked (a forkserver's child would default to the forkserver,
+    # whose workers outlive the command). multiprocessing refuses children to daemons unless told otherwise.
+    mp.current_process()._config["daemon"] = False
+    mp.set_start_method("fork", force=True)
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -116,9 +122,9 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
 
 
 def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
-            kill_after_s: float | None = None, timeout_s: float = 300.0) -> Result:
-    """Run `wandistiller argv...` in a fresh process; SIGKILL it after `kill_after_s` if given."""
-    return start_cli(argv, env, fsize).wait(timeout_s, kill_after_s)
+            kill_after_s: float | None = None, timeout_s: float = 300.0, sig: int = signal.SIGKILL) -> Result:
+    """Run `wandistiller argv...` in a fresh process; send it `sig` (SIGKILL) after `kill_after_s` if given."""
+    return start_cli(argv, env, fsize).wait(timeout_s, kill_after_s, sig)
 
 
 @dataclass
@@ -142,11 +148,11 @@ class Running:
         except (OSError, IndexError):
             return False
 
-    def wait(self, timeout_s: float = 300.0, kill_after_s: float | None = None) -> Result:
+    def wait(self, timeout_s: float = 300.0, kill_after_s: float | None = None, sig: int = signal.SIGKILL) -> Result:
         p = self.process
         p.join(kill_after_s if kill_after_s is not None else timeout_s)
         if p.is_alive() and kill_after_s is not None:
-            os.kill(p.pid, signal.SIGKILL)
+            os.kill(p.pid, sig)
             p.join(timeout_s)
         wall = time.perf_counter() - self.t0
         code = p.exitcode
