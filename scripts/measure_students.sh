@@ -27,6 +27,13 @@ train seg4mix configs/student-shapes.json --objective segment --student-steps 4 
 $BIN/wandistiller eval --student "$OUT/velocity" --student-steps 1,2,4,8 --compare "$OUT/seg1" --compare "$OUT/seg2" \
     --compare "$OUT/seg4" --compare "$OUT/seg4mix" --cache "$OUT/cache" --teacher $T --report "$OUT/eval-fewstep.json" \
     --attributes data/shapes-heldout.txt --timing-runs 8 | tee "$OUT/eval-fewstep.log"
+# Issue 18, K = 2: can a segment student reach half the velocity student's 2-step latent error? The segment starts
+# (the only states the sampler queries) weighted 4x, at 4 and at 12 epochs, beside the plain K = 2 student.
+train seg2s4 configs/student-shapes.json --objective segment --student-steps 2 --segment-start-weight 4
+train seg2s4e12 configs/student-shapes.json --objective segment --student-steps 2 --segment-start-weight 4 --epochs 12
+$BIN/wandistiller eval --student "$OUT/velocity" --student-steps 2 --compare "$OUT/seg2" --compare "$OUT/seg2s4" \
+    --compare "$OUT/seg2s4e12" --cache "$OUT/cache" --teacher $T --report "$OUT/eval-seg2.json" \
+    --attributes data/shapes-heldout.txt --timing-runs 8 | tee "$OUT/eval-seg2.log"
 # Issue 19: a one-block student with and without feature distillation, same steps and seed.
 train v1b configs/student-shapes-1block.json
 train f1b configs/student-shapes-1block.json --objective velocity+feature --feature-pairs 0:3 --feature-weight 0.1

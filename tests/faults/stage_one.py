@@ -100,16 +100,18 @@ def random_kills(ws: Workspace, rng: random.Random) -> Row:
 
 # -- full disks and write errors -----------------------------------------------------------------------
 
-def _disk_attempt(ws: Workspace, row: Row, label: str, out: Path, first, resume=None) -> None:
-    """`first()` runs stage one into `out` under a full disk: it must stop with one line, exit 2, nothing
-    partial listed, no temporary file; then (space back) a plain rerun must give the uninterrupted cache."""
+def _disk_attempt(ws: Workspace, row: Row, label: str, out: Path, first, resume=None,
+                  says: str = "rerun the same command") -> None:
+    """`first()` runs stage one into `out` under a full disk: it must stop with one line (containing `says`), exit
+    2, nothing partial listed, no temporary file; then (space back) a plain rerun must give the uninterrupted
+    cache."""
     r = first()
     problems = []
     if r.code != 2:
         problems.append(f"exit {r.code}, expected 2: {r.describe()}")
     errors = r.error_lines
-    if len(errors) != 1 or "rerun the same command" not in errors[0]:
-        problems.append(f"expected one error line saying to rerun, got {errors or r.err[-500:]!r}")
+    if len(errors) != 1 or says not in errors[0]:
+        problems.append(f"expected one error line saying {says!r}, got {errors or r.err[-500:]!r}")
     if "Traceback" in r.err:
         problems.append("a traceback was printed")
     if out.exists():
@@ -142,14 +144,16 @@ def full_disk(ws: Workspace) -> Row:
     # ENOSPC where a disk fills up between two files: at each step of a shard's life, and in the manifest.
     for spec in ("after_encode_rows:1", "mid_shard:3", "after_rename:2", "before_progress:1", "in_manifest:1"):
         _no_space(ws, row, spec)
-    # A real small filesystem that fills up half way, grown afterwards (needs root to mount; else skipped).
+    # A real small filesystem, smaller than the run's projected bytes: refused before anything is computed (the
+    # projection is an upper bound, so a disk that passes it does not fill up; the kernel's own errors mid-run are
+    # the file-size limits above), then grown and rerun (needs root to mount; else skipped).
     mnt = ws.fresh("tmpfs")
     with small_filesystem(mnt, "320k") as grow:
         if grow is None:
             row.notes.append("small filesystem: cannot mount a tmpfs here (not root); skipped")
         else:
             out = mnt / "cache"
-            _disk_attempt(ws, row, "tmpfs of 320 kB filling up", out, lambda: run_cli(ws.stage_one(out)),
-                          resume=lambda: grow("8m"))
+            _disk_attempt(ws, row, "tmpfs of 320 kB, smaller than the run", out, lambda: run_cli(ws.stage_one(out)),
+                          resume=lambda: grow("8m"), says="free space")
     row.wall_s = time.perf_counter() - t0
     return row
