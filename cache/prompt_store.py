@@ -797,8 +797,8 @@ class EmbeddingCache:
         """Start reading from disk the embeddings of these prompts that are not in memory (a hint only)."""
         for prompt_idx in dict.fromkeys(int(p) for p in prompt_idxs):
             if prompt_idx not in self._lru:
-                self._part(prompt_location(prompt_idx, self.num_parts)[0]).prefetch(
-                    prompt_location(prompt_idx, self.num_parts)[1])
+                part, row = prompt_location(prompt_idx, self.num_parts)
+                self._part(part).prefetch(row)
 
     def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:
         """(the prompt's real token embeddings [seq_len, D], the length `get` pads them to)."""

@@ -80,13 +80,13 @@ def fault_point(name: str) -> None:
     if how == "term":
         # The shell's `kill` is the sender (a DataLoader worker tells its trainer's SIGTERM from others'); it has
         # signalled when this returns, and the handler runs in the main thread before the next step.
-        pids = [str(p) for p in [os.getpid(), *_children(os.getpid())]]
+        pids = [str(p) for p in [os.getpid(), *children(os.getpid())]]
         subprocess.run(["sh", "-c", 'kill -s TERM "$@"', "sh", *pids], check=True)
         return
     os.kill(os.getpid(), {"stop": signal.SIGSTOP, "int": signal.SIGINT}.get(how, signal.SIGKILL))
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux: every thread's `children` list in /proc)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

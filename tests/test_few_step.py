@@ -154,17 +154,11 @@ def test_segment_run_records_its_steps_and_resumes_bit_for_bit(tiny_cache, tmp_p
 @pytest.mark.dist
 @pytest.mark.slow
 def test_segment_on_two_ranks_matches_one_process(tiny_cache, tmp_path, monkeypatch):
-    from test_train_student_dist import ARGS, _debug, torchrun
+    from test_train_student_dist import ARGS, two_ranks_and_one
     from test_train_student import max_rel_diff
 
-    args = ARGS | {"objective": "segment", "student_steps": 2}
-    out2, dbg2 = tmp_path / "two", tmp_path / "debug-two"
-    proc = torchrun(tiny_cache, out2, {"WANDISTILLER_DEBUG_DIR": str(dbg2)}, 240, **args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out1, dbg1 = tmp_path / "one", tmp_path / "debug-one"
-    monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(dbg1))
-    train(tiny_cache, out1, **(args | dict(batch_size=4)))
-    ranks, one = _debug(dbg2), _debug(dbg1)[0]
+    out2, out1, ranks, one = two_ranks_and_one(tiny_cache, tmp_path, monkeypatch,
+                                               ARGS | {"objective": "segment", "student_steps": 2})
     assert ranks[0]["steps"] == ranks[1]["steps"] == one["steps"]
     assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]
     for i, ref in enumerate(one["micro_batches"]):

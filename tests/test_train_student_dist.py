@@ -37,18 +37,22 @@ def _debug(folder: Path) -> dict[int, dict]:
     return {r["rank"]: r for r in (json.loads(p.read_text()) for p in folder.glob("rank-*.json"))}
 
 
+def two_ranks_and_one(cache: Path, tmp_path: Path, monkeypatch, args: dict) -> tuple[Path, Path, dict, dict]:
+    """Train with `args` on two torchrun ranks and in one process with the same global batch (batch_size x 2):
+    (two's run folder, one's, the two ranks' debug records by rank, the one process's record)."""
+    out2, dbg2 = tmp_path / "two", tmp_path / "debug-two"
+    proc = torchrun(cache, out2, {"WANDISTILLER_DEBUG_DIR": str(dbg2)}, 240, **args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out1, dbg1 = tmp_path / "one", tmp_path / "debug-one"
+    monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(dbg1))
+    train(cache, out1, **(args | dict(batch_size=2 * args["batch_size"])))
+    return out2, out1, _debug(dbg2), _debug(dbg1)[0]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_partition_exactly_and_match_one_process(tiny_cache, tmp_path, monkeypatch):
-    out2, dbg2 = tmp_path / "two", tmp_path / "debug-two"
-    proc = torchrun(tiny_cache, out2, {"WANDISTILLER_DEBUG_DIR": str(dbg2)}, 240, **ARGS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    out1, dbg1 = tmp_path / "one", tmp_path / "debug-one"
-    monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(dbg1))
-    train(tiny_cache, out1, **(ARGS | dict(batch_size=4)))
-
-    ranks, one = _debug(dbg2), _debug(dbg1)[0]
+    out2, out1, ranks, one = two_ranks_and_one(tiny_cache, tmp_path, monkeypatch, ARGS)
     assert sorted(ranks) == [0, 1]
     # equal optimizer and micro-step counts on both ranks, identical weights
     assert ranks[0]["steps"] == ranks[1]["steps"] == one["steps"] == 6

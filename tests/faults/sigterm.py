@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.errors import EXIT_TERMINATED
-from pipeline.faults import KILL_AT_ENV, KILL_RANK_ENV
+from pipeline.faults import KILL_AT_ENV, KILL_RANK_ENV, children
 
 from .check import compare_caches, manifest_problems, progress_problems, read_progress, temp_files, weights_equal
 from .proc import FAULT_ENV, ROOT, Result, run_cli
@@ -210,13 +210,7 @@ class _Torchrun:
                                      text=True)
 
     def workers(self) -> list[int]:
-        out = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            try:
-                out += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        return out
+        return children(self.proc.pid)
 
     def stopped_worker(self, timeout_s: float = 240.0) -> int | None:
         """The worker that stopped itself (fault point `stop`), once it has."""
