@@ -178,7 +178,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
         atomic_write_bytes(out / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE, neg)
         atomic_write_bytes(out / F.NEGATIVE, neg)
     for lo in range(0, prompts, 64):
-        # stage one writes its noise row by row through zarr (see the row's note); this is the store's batched call
+        # as stage one writes its noise: the store's batched call, 64 rows at a time
         rows = list(range(lo, min(lo + 64, prompts)))
         noise = gen.latents32_of(rows)
         with watch:

@@ -171,6 +171,38 @@ def test_shard_bytes_are_webdatasets(tmp_path, n):
     assert (tmp_path / rec[F.S_PATH]).read_bytes() == buf.getvalue()
 
 
+@pytest.mark.parametrize("name", ["p00000001_s00_k000.json", "a", "x" * 99, "x" * 100, "x" * 180, "café.json",
+                                  "p00000012_s03_k039.safetensors"])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 797_184, 8**11 - 1, 8**11])
+def test_tar_header_template_is_tarfiles(name, size):
+    """The header of a member made from a template (name and checksum put in) is tarfile's own, byte for byte;
+    long and non-ASCII names, and sizes past the octal field, take tarfile's path (PAX headers)."""
+    from cache.writer import _tar_header, _tarinfo_header
+
+    assert _tar_header(name, size) == _tarinfo_header(name, size)
+
+
+def test_shard_sha256_is_of_the_bytes_on_disk(tmp_path, monkeypatch):
+    """The record's sha256, computed on the writer's hashing thread, is the file's, over many samples (the queue
+    fills and drains), with the write-behind flushing and dropping every 64 KiB, and after an abort of a shard
+    whose write-behind was in flight."""
+    import hashlib
+
+    import cache.writer as W
+
+    monkeypatch.setattr(W, "WRITE_BEHIND_BYTES", 64 << 10)
+    w = ShardWriter(tmp_path, part=0, index=9)
+    w.write(F.sample_key(0, 0, 0), {F.T_X_T: torch.zeros(4, 1, 64, 64)}, {F.M_PROMPT_IDX: 0})
+    assert w._behind is not None
+    w.abort()
+    assert not list(tmp_path.rglob("*.tar*"))
+    samples = [(F.sample_key(i, 0, 0), {F.T_X_T: torch.full((4, 1, 32, 32), float(i)).bfloat16(),
+                                        F.T_TARGET: torch.randn(4, 1, 32, 32)}, {F.M_PROMPT_IDX: i})
+               for i in range(300)]
+    _, rec = _write_shard(tmp_path, samples)
+    assert rec[F.S_SHA256] == hashlib.sha256((tmp_path / rec[F.S_PATH]).read_bytes()).hexdigest()
+
+
 def test_prompt_store_chunk_files_are_zarrs(tmp_path):
     """The prompt store's own chunk reads and writes (ChunkFiles) give what zarr gives: the same array content,
     the same chunk files with the same bytes; and a store of the earlier layout (one zstd chunk per padded
