@@ -170,3 +170,25 @@ def test_reader_decodes_safetensors_as_safetensors_does():
     for member in (bad, bytearray(data[:-4]), bytearray(b"\xff" * 8)):
         with pytest.raises(ValueError):
             _tensors_in(member)
+
+
+def test_lookahead_hints_each_batch_before_it_is_read():
+    """An in-process loader's batch sampler (`Lookahead`): the same batches in the same order, each hinted to the
+    kernel (`SampleDataset.prefetch`) `depth` batches before it is yielded, every batch exactly once."""
+    from stages.train_student.data import Lookahead
+
+    class Recorder:
+        def __init__(self):
+            self.hinted, self.yielded = [], []
+
+        def prefetch(self, items):
+            self.hinted.append(items)
+
+    batches = [[(i, 1.0), (i + 100, 1.0)] for i in range(7)]
+    ds = Recorder()
+    out = []
+    for b in Lookahead(batches, ds, depth=2):
+        assert ds.hinted[:len(out) + 3] == batches[:len(out) + 3]  # this batch and the next two: hinted already
+        out.append(b)
+    assert out == batches and ds.hinted == batches and len(Lookahead(batches, ds)) == 7
+    assert list(Lookahead([], ds)) == []

@@ -10,8 +10,10 @@ fetch, so the order and the exactly-once guarantee do not depend on their number
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +37,8 @@ from .comm import all_reduce_numpy
 
 log = logging.getLogger(__name__)
 
+# Batches whose reads an in-process loader hints to the kernel before it reads them (`Lookahead`).
+LOOKAHEAD_BATCHES = 2
 _SCAN_THREADS = 4  # hashing releases the GIL: a few shards at once per rank keep the disk busy
 
 
@@ -151,6 +155,7 @@ class SampleDataset(Dataset):
         self.max_len = int(index.manifest[F.F_MAX_SEQUENCE_LENGTH])
         self._reader: SampleReader | None = None
         self._embeds: list[EmbeddingCache] | None = None
+        self.hint_own_batch = True  # `make_loader` turns it off where a `Lookahead` hints the batches ahead
 
     def _open(self) -> None:
         self._reader = SampleReader(self.index)
@@ -178,13 +183,19 @@ class SampleDataset(Dataset):
                 "timestep": float(meta[F.M_TIMESTEP]), "sigma": float(meta[F.M_SIGMA]), "step": int(meta[F.M_STEP]),
                 "weight": float(weight), "key": self.index.key(row), "max_len": self.max_len}
 
-    def __getitems__(self, items: list[tuple[int, float]]) -> list[dict]:
+    def prefetch(self, items: list[tuple[int, float]]) -> None:
+        """Ask the kernel to start reading these items' samples and embeddings (those not in memory): their reads
+        then overlap on the disk. A hint only."""
         if self._reader is None:
             self._open()
-        self._reader.prefetch([row for row, _ in items])  # the batch's reads overlap on the disk
-        for c, embeds in enumerate(self._embeds):  # and so do its embeddings' (when not in memory already)
+        self._reader.prefetch([row for row, _ in items])
+        for c, embeds in enumerate(self._embeds):
             embeds.prefetch(int(self.index.table[row][C_PROMPT]) for row, _ in items
                             if int(self.index.table[row][C_CACHE]) == c)
+
+    def __getitems__(self, items: list[tuple[int, float]]) -> list[dict]:
+        if self.hint_own_batch:  # the batch's reads overlap on the disk (`Lookahead` hinted them already)
+            self.prefetch(items)
         return [self[i] for i in items]
 
     def __len__(self) -> int:
@@ -313,7 +324,35 @@ class RankBatches(Sampler):
         return sum(len(self.plan.micro_range(s)) for s in range(self.start_step, self.plan.steps))
 
 
+class Lookahead(Sampler):
+    """The batches of `batches`, each one's reads hinted to the kernel `depth` batches before it is read
+    (`SampleDataset.prefetch`): the disk works on the next batches while this process decodes and collates the
+    current one. For a loader without workers; workers read ahead by `prefetch_factor` batches themselves."""
+
+    def __init__(self, batches, dataset: SampleDataset, depth: int = LOOKAHEAD_BATCHES):
+        self.batches, self.dataset, self.depth = batches, dataset, depth
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        it = iter(self.batches)
+        ahead = deque(itertools.islice(it, self.depth + 1))
+        for b in ahead:
+            self.dataset.prefetch(b)
+        while ahead:
+            b = ahead.popleft()
+            nxt = next(it, None)
+            if nxt is not None:
+                self.dataset.prefetch(nxt)
+                ahead.append(nxt)
+            yield b
+
+
 def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:
+    dataset.hint_own_batch = num_workers > 0
+    if num_workers == 0:
+        sampler = Lookahead(sampler, dataset)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin, prefetch_factor=4 if num_workers else None,
                       worker_init_fn=signals.worker_ignores_sigterm if num_workers else None)
