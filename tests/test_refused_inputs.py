@@ -143,6 +143,23 @@ def test_size_beyond_the_teachers_rotary_positions(tiny_teacher, prompts_file, t
     assert not out.exists()
 
 
+def test_student_rotary_table_smaller_than_the_cache(tiny_cache, tmp_path):
+    """A student whose rope_max_seq_len holds fewer positions than the cache's latents have patches along an axis
+    failed in its first forward; refused with the figure before training starts."""
+    cfg = json.loads(Path(TINY).read_text()) | {"rope_max_seq_len": 1}
+    manifest = json.loads((tiny_cache / F.MANIFEST).read_text())
+    c, f, h, w = manifest[F.F_LATENT_SHAPE]
+    _, ph, pw = cfg["patch_size"]
+    assert max(h // ph, w // pw) > 1
+    path = tmp_path / "student.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    one_line(_cli("train-student", "--cache", tiny_cache, "--student-config", path, "--out", out, "--device", "cpu",
+                  "--max-steps", "1"),
+             "rope_max_seq_len 1 is fewer positions", f"set rope_max_seq_len to at least {max(h // ph, w // pw)}")
+    assert not (out / "student").exists()
+
+
 def test_verify_a_missing_folder(tmp_path):
     one_line(_cli("cache", "verify", tmp_path / "none"), "does not exist", "teacher-cache --out")
     (tmp_path / "file").write_text("x")

@@ -66,6 +66,13 @@ def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
     pt, ph, pw = tuple(get("patch_size"))
     if f % pt or h % ph or w % pw:
         problems.append(f"patch_size {[pt, ph, pw]} does not divide the latent grid {[f, h, w]}")
+    else:  # Wan's rotary table (WanRotaryPosEmbed) holds rope_max_seq_len positions per axis, in patches
+        rope = int(get("rope_max_seq_len"))
+        over = [f"{name} {n}" for name, n in (("frames", f // pt), ("height", h // ph), ("width", w // pw)) if n > rope]
+        if over:
+            problems.append(f"rope_max_seq_len {rope} is fewer positions than the cache's latents have patches "
+                            f"along an axis ({', '.join(over)}); set rope_max_seq_len to at least "
+                            f"{max(f // pt, h // ph, w // pw)}")
     teacher_patch = manifest.get(F.F_PATCH_SIZE)
     if teacher_patch is not None and manifest.get(F.F_EXPAND_TIMESTEPS) and [pt, ph, pw] != list(teacher_patch):
         problems.append(f"patch_size {[pt, ph, pw]} differs from the teacher's {teacher_patch}, and this cache "

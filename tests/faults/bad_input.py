@@ -125,6 +125,9 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
          ["unknown key(s) hidden_size", "WanTransformer3DModel takes"]),
         ("student config does not fit the cache", t2() + ["--student-config", x.student_config("w.json", text_dim=64)],
          ["text_dim 64 but the cache", "does not fit"]),
+        ("student rotary table smaller than the cache's latents",
+         t2() + ["--student-config", x.student_config("r.json", rope_max_seq_len=1)],
+         ["rope_max_seq_len 1 is fewer positions", "set rope_max_seq_len to at least"]),
         # train-student: numeric ranges and conflicting flags
         ("zero batch size", t2(batch_size=0), ["batch-size must be an integer >= 1"]),
         ("batch larger than the data", t2(batch_size=100), ["larger than a rank's share", "lower --batch-size"]),
