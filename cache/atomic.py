@@ -12,7 +12,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .format import TMP_SUFFIX
@@ -71,25 +71,24 @@ def fsync_paths(paths) -> None:
                 files += [Path(root, n) for n in names if not os.path.islink(os.path.join(root, n))]
         else:
             files.append(p)
-    if len(files) > 1:
-        list(thread_pool().map(fsync_dir, files))
-    elif files:
-        fsync_dir(files[0])
+    run_each(fsync_dir, files)
     for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):  # deepest first: each entry, then its holder
         if d.is_dir():
             fsync_dir(d)
 
 
-def drop_behind(fd: int) -> None:
-    """fsync a file written through `fd` and drop its pages from the page cache (posix_fadvise DONTNEED, which
-    frees clean pages only: hence the fsync first). For what the writer never reads again (shards, final latents,
-    prompt rows until stage one reads a few back): the page cache then keeps what is read (the teacher's weight
-    files under the `disk` and `offload` placements), and the writes reuse the pages just freed rather than
-    claim new ones. On a VM whose memory is backed lazily that is the difference between ~350 MiB/s and ~1.5
-    GiB/s of writes kept on disk (a first write to guest memory faulted in by the host there costs ~3 s/GiB)."""
-    os.fsync(fd)
+def drop_behind(fd: int, upto: int | None = None) -> None:
+    """Flush a file written through `fd` and drop its pages from the page cache (posix_fadvise DONTNEED, which
+    frees clean pages only: hence the flush first): the whole file, fsynced (it is complete), or with `upto` its
+    first `upto` bytes, fdatasynced (it is still being written: `ShardWriter` every WRITE_BEHIND_BYTES). For what
+    the writer never reads again (shards, final latents, prompt rows until stage one reads a few back): the page
+    cache then keeps what is read (the teacher's weight files under the `disk` and `offload` placements), and the
+    writes reuse the pages just freed rather than claim new ones. On a VM whose memory is backed lazily that is
+    the difference between ~350 MiB/s and ~1.5 GiB/s of writes kept on disk (a first write to guest memory
+    faulted in by the host there costs ~3 s/GiB)."""
+    (os.fsync if upto is None else os.fdatasync)(fd)
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, upto or 0, os.POSIX_FADV_DONTNEED)
 
 
 def _sync_and_drop_one(p: Path) -> None:
@@ -106,11 +105,7 @@ def _sync_and_drop_one(p: Path) -> None:
 def sync_and_drop(paths) -> None:
     """`drop_behind` for each file of `paths` (on `FSYNC_THREADS` threads: ext4 commits concurrent fsyncs
     together); missing files are skipped (a chunk removed since)."""
-    paths = list(dict.fromkeys(map(Path, paths)))
-    if len(paths) > 1:
-        list(thread_pool().map(_sync_and_drop_one, paths))
-    elif paths:
-        _sync_and_drop_one(paths[0])
+    run_each(_sync_and_drop_one, dict.fromkeys(map(Path, paths)))
 
 
 _POOLS: dict[tuple[int, str, int], ThreadPoolExecutor] = {}
@@ -123,6 +118,22 @@ def thread_pool(workers: int = FSYNC_THREADS, name: str = "fsync") -> ThreadPool
     if key not in _POOLS:
         _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix=f"{name}{workers}")
     return _POOLS[key]
+
+
+def run_each(fn: Callable, items, workers: int = FSYNC_THREADS) -> None:
+    """`fn(item)` for each item, on `workers` threads of this process's pool (inline where there is a single
+    item); the first error is raised once all have run. For calls that wait in the kernel without the GIL
+    (fsync, creating and writing files)."""
+    items = list(items)
+    if len(items) <= 1:
+        for it in items:
+            fn(it)
+        return
+    pool = thread_pool(workers)
+    futures = [pool.submit(fn, it) for it in items]
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 # Files written between two write-behinds: large enough that the fsyncs cost nothing next to the bytes, small
@@ -156,14 +167,6 @@ class _WriteBehind:
 
 
 write_behind = _WriteBehind()
-
-
-def drop_written(fd: int, upto: int) -> None:
-    """Write-behind of one file still being written: flush it (fdatasync) and drop its first `upto` bytes from
-    the page cache (`ShardWriter`, every WRITE_BEHIND_BYTES, on a thread of its own)."""
-    os.fdatasync(fd)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
 
 
 # renameat2(2)'s RENAME_EXCHANGE swaps two names in one step (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, not NFS).

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from concurrent.futures import wait
 from functools import cached_property
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from .atomic import thread_pool, write_behind
+from .atomic import run_each, write_behind
 from .errors import CacheError
 from .format import (
     NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE,
@@ -300,21 +299,6 @@ def _chunk_files(g: zarr.Group, name: str) -> ChunkFiles | None:
 WRITE_THREADS = 4
 
 
-def _in_threads(fn, items) -> None:
-    """`fn(item)` for each item, on WRITE_THREADS threads (in order on one where there is a single item); the
-    first error is raised once all have run."""
-    items = list(items)
-    if len(items) <= 1:
-        for it in items:
-            fn(it)
-        return
-    pool = thread_pool(WRITE_THREADS)
-    futures = [pool.submit(fn, it) for it in items]
-    wait(futures)
-    for f in futures:
-        f.result()
-
-
 def _has(g: zarr.Group, name: str) -> bool:
     """Whether the store holds array `name` (a path inside it)."""
     try:
@@ -389,7 +373,7 @@ def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], tex
     if emb is not None and emb.rows_whole(write=True):
         # the chunks past the prompt's tokens hold only zeros: no file; rows on WRITE_THREADS threads (creating a
         # file is most of the cost of a 512 KiB chunk on some filesystems, and it runs without the GIL)
-        _in_threads(lambda j: emb.write_row(rows[j], store[j], stop=int(lens[j])), range(len(rows)))
+        run_each(lambda j: emb.write_row(rows[j], store[j], stop=int(lens[j])), range(len(rows)), WRITE_THREADS)
     else:
         for j, r in enumerate(rows):
             g[Z_EMBEDS][r] = store[j]
@@ -433,6 +417,7 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
     by_row: dict[int, list[int]] = {}
     for j, r in enumerate(rows):
         by_row.setdefault(r, []).append(j)
+
     def one(r: int) -> None:
         js = by_row[r]
         if arr is files:
@@ -449,12 +434,10 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
             arr[r] = cur
 
     if arr is files:
-        _in_threads(one, by_row)
-    else:
-        for r in by_row:
-            one(r)
-    if arr is files:
+        run_each(one, by_row, WRITE_THREADS)
         return files.touched
+    for r in by_row:
+        one(r)
     root = getattr(g.store, "root", None)
     return [Path(root) / g.path / name] if root is not None else []
 

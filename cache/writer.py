@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
-from .atomic import WRITE_BEHIND_BYTES, drop_behind, drop_written, fsync_dir, thread_pool
+from .atomic import WRITE_BEHIND_BYTES, drop_behind, fsync_dir, thread_pool
 from .format import EXT_META, EXT_TENSORS, S_BYTES, S_PART, S_PATH, S_SAMPLES, S_SHA256, TMP_SUFFIX, shard_relpath
 from .schema import check_undeclared
 
@@ -182,10 +182,10 @@ class ShardWriter:
             if views:
                 views[0] = views[0][n:]
         if self.bytes - self._behind_at >= WRITE_BEHIND_BYTES:
-            # flushed and out of the page cache in the background while the writes go on (atomic.drop_written)
+            # flushed and out of the page cache in the background while the writes go on (atomic.drop_behind)
             self._wait_behind()
             self._behind_at = self.bytes
-            self._behind = thread_pool(1, "shard-behind").submit(drop_written, self._fd, self._behind_at)
+            self._behind = thread_pool(1, "shard-behind").submit(drop_behind, self._fd, self._behind_at)
 
     def _wait_behind(self) -> None:
         """Wait for the write-behind in flight; its error (EIO, ENOSPC of the flush) is raised here."""

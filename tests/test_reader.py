@@ -185,10 +185,11 @@ def test_lookahead_hints_each_batch_before_it_is_read():
             self.hinted.append(items)
 
     batches = [[(i, 1.0), (i + 100, 1.0)] for i in range(7)]
-    ds = Recorder()
-    out = []
-    for b in Lookahead(batches, ds, depth=2):
-        assert ds.hinted[:len(out) + 3] == batches[:len(out) + 3]  # this batch and the next two: hinted already
-        out.append(b)
-    assert out == batches and ds.hinted == batches and len(Lookahead(batches, ds)) == 7
-    assert list(Lookahead([], ds)) == []
+    for depth in (0, 2, 3, 10):
+        ds = Recorder()
+        out = []
+        for b in Lookahead(batches, ds, depth=depth):
+            assert ds.hinted == batches[:len(out) + 1 + depth]  # this batch and the next `depth`: hinted already
+            out.append(b)
+        assert out == batches and ds.hinted == batches
+    assert len(Lookahead(batches, ds)) == 7 and list(Lookahead([], ds)) == []

@@ -10,7 +10,6 @@ fetch, so the order and the exactly-once guarantee do not depend on their number
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import math
 from collections import deque
@@ -37,8 +36,8 @@ from .comm import all_reduce_numpy
 
 log = logging.getLogger(__name__)
 
-# Batches whose reads an in-process loader hints to the kernel before it reads them (`Lookahead`).
-LOOKAHEAD_BATCHES = 2
+# Batches whose reads an in-process loader has hinted to the kernel beyond the one it reads (`Lookahead`).
+LOOKAHEAD_BATCHES = 3
 _SCAN_THREADS = 4  # hashing releases the GIL: a few shards at once per rank keep the disk busy
 
 
@@ -336,17 +335,13 @@ class Lookahead(Sampler):
         return len(self.batches)
 
     def __iter__(self):
-        it = iter(self.batches)
-        ahead = deque(itertools.islice(it, self.depth + 1))
-        for b in ahead:
+        ahead: deque = deque()  # hinted, not yet read: when a batch is yielded, it and the next `depth`
+        for b in self.batches:
             self.dataset.prefetch(b)
-        while ahead:
-            b = ahead.popleft()
-            nxt = next(it, None)
-            if nxt is not None:
-                self.dataset.prefetch(nxt)
-                ahead.append(nxt)
-            yield b
+            ahead.append(b)
+            if len(ahead) > self.depth:
+                yield ahead.popleft()
+        yield from ahead
 
 
 def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:
