@@ -52,7 +52,7 @@ from cache.atomic import atomic_write_bytes
 from cache.manifest import settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress
 from cache.prompt_store import (
-    create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows, write_prompt_rows,
+    PromptRowWriter, create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows,
 )
 from cache.verify import verify_cache
 from cache.writer import ShardWriter
@@ -167,11 +167,15 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
                             batch_size=batch_size, header=head)
         prog.save(out)
         store = create_prompt_store(prompt_store_path(out, 0), prompts, MAX_LEN, TEXT_DIM, DTYPE, 1, LATENT_SHAPE)
-    for lo in range(0, prompts, 64):
-        rows = list(range(lo, min(lo + 64, prompts)))
+    with watch:
+        prompt_rows = PromptRowWriter(store)
+    for lo in range(0, prompts, 16):  # as stage one: the text encoder's batches of 16, written as they come
+        rows = list(range(lo, min(lo + 16, prompts)))
         embeds, texts = gen.embeds(rows, lens), [f"synthetic prompt {p}" for p in rows]
         with watch:
-            write_prompt_rows(store, rows, rows, texts, embeds, torch.from_numpy(lens[rows]))
+            prompt_rows.add(rows, rows, texts, embeds, torch.from_numpy(lens[rows]))
+    with watch:
+        prompt_rows.close()
     neg = gen.embeds([0], lens)[0].clone()
     with watch:
         neg = st_save({F.NEG_EMBEDS: neg, F.NEG_SEQ_LEN: torch.tensor([int(lens[0])])})
@@ -203,13 +207,13 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
                                                          F.T_TARGET: gen.latent(p * steps + k + 7)}, meta)
         pending.append((b, block))
         if writer.samples >= samples_per_shard or b == len(blocks) - 1:
-            finals = [(blk, gen.latents32_of(blk, 3).clone()) for _, blk in pending]
+            rows = [p for _, blk in pending for p in blk]
+            finals = torch.cat([gen.latents32_of(blk, 3).clone() for _, blk in pending])
             with watch:
                 with shards:
                     record = writer.close() | {F.S_BLOCKS: [bb for bb, _ in pending]}
                 writer = None
-                for blk, final in finals:
-                    write_latent_rows(store, F.Z_FINAL_LATENTS, blk, [0] * len(blk), final)
+                write_latent_rows(store, F.Z_FINAL_LATENTS, rows, [0] * len(rows), finals)  # as stage one: one call
                 prog.shards.append(record)
                 prog.done_blocks = sorted(set(prog.done_blocks) | {bb for bb, _ in pending})
                 prog.save(out)

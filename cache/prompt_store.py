@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import threading
 from collections import OrderedDict
 from functools import cached_property
 from pathlib import Path
@@ -65,15 +67,19 @@ def crc32c(data, crc: int = 0) -> int:
 
 
 class ChunkError(CacheError):
-    """A chunk file that is not what its array says: `reason` is why ("fails its crc32c", "is shorter ...")."""
+    """A chunk that is not what its array says: `reason` is why ("fails its crc32c", "is shorter ..."). In a
+    sharded array `inner` is the chunk's grid index inside the file `path`."""
 
-    def __init__(self, path: Path, reason: str):
-        super().__init__(f"{path} {reason}")
-        self.path, self.reason = path, reason
+    def __init__(self, path: Path, reason: str, inner: tuple[int, ...] | None = None):
+        self.path, self.reason, self.inner = path, reason, inner
+        super().__init__(f"{path}{self._where()} {reason}")
+
+    def _where(self) -> str:
+        return "" if self.inner is None else "[" + ",".join(map(str, self.inner)) + "]"
 
     def named(self) -> str:
-        """"<array>/<chunk> <reason>", the chunk named inside its store."""
-        return f"{self.path.parent.name}/{self.path.name} {self.reason}"
+        """"<array>/<file>[<chunk>] <reason>", the chunk named inside its store."""
+        return f"{self.path.parent.name}/{self.path.name}{self._where()} {self.reason}"
 
 UNWRITTEN_SEQ_LEN = -1
 EMBEDS_CRC32C = f"{Z_ROW_CRC32C}/{Z_EMBEDS}"  # crc32c of each row's real tokens (format.Z_ROW_CRC32C)
@@ -83,79 +89,205 @@ EMBED_CHUNK_TOKENS = 64
 # two million files).
 SEQ_LENS_CHUNK = 1 << 16
 TEXT_CHUNK = 1 << 12
+# Rows per file of `embeds`, `init_noise` and `final_latents` (zarr shards, `ChunkFiles`): at A14B sizes ~45 MB
+# of embeddings and ~25 MB of latents a file, ~16 files per 1,000 prompts instead of ~3,400.
+ROWS_PER_FILE = 64
+
+
+# An inner chunk a shard file does not hold (zarr's sharding index: offset and length both 2^64 - 1).
+NOT_HELD = 2**64 - 1
+# Shard indexes kept per array (a few KiB each, read once per file instead of once per row).
+INDEXES_KEPT = 256
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _plain_codecs(codecs: list[dict]) -> bool:
+    """Whether a chunk's codecs are ones `ChunkFiles` reads itself: bytes (little-endian), then optionally zstd,
+    then optionally crc32c."""
+    names = [c["name"] for c in codecs]
+    return (names in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"], ["bytes", "zstd", "crc32c"])
+            and codecs[0].get("configuration", {}).get("endian", "little") == "little"
+            and not any(set(c.get("configuration", {})) - {"level", "checksum", "endian"} for c in codecs))
 
 
 class ChunkFiles:
-    """The chunk files of one numeric zarr v3 array in a local store, read and written directly.
+    """The chunks of one numeric zarr v3 array in a local store, read and written directly.
 
     zarr's own path costs 2-20 ms per chunk (its event loop and codec pipeline), more than reading and
     decoding an A14B prompt's embedding; at 10^4-10^6 prompts that bounds stage two's loader and adds hours
     to stage one. The layout is the zarr v3 spec's, which zarr reads and writes the same way: chunk (i, j, k)
     of a regular grid is the file `c/i/j/k` ("default" chunk keys; `c.i.j.k` with the "." separator, which
-    new stores use: a few directories per prompt would be millions at scale) holding the chunk's
-    little-endian C-order bytes, zstd-compressed when the array's codecs say so (same codec, same level, so
-    the same bytes zarr writes), followed by its crc32c when the codecs end in "crc32c"; a missing chunk reads
-    as the fill value, and a chunk holding only the fill value is not written (zarr's default,
-    write_empty_chunks=False). A chunk is written under a temporary name and renamed into place, so a killed
-    writer leaves the old chunk or the new one, never a torn one (a row's final latents are rewritten when a
-    later block adds a seed). `open` returns None for any other layout, which callers then read through zarr.
+    new stores use) holding the chunk's little-endian C-order bytes, zstd-compressed when the array's codecs
+    say so (same codec, same level, so the same bytes zarr writes), followed by its crc32c when the codecs end
+    in "crc32c"; a missing chunk reads as the fill value, and a chunk holding only the fill value is not
+    written (zarr's default, write_empty_chunks=False).
+
+    **Sharded arrays** (zarr's "sharding_indexed" codec, which new stores use for the per-prompt arrays) hold
+    many chunks per file: `chunks` is then the inner chunk (one row's 64 tokens, one row's latents) and
+    `per_file` how many of them a file holds along each axis; the file is the inner chunks' stored bytes one
+    after the other (row-major here; zarr writes Morton order, both read the same), then the index of
+    (offset, length) per inner chunk (2^64-1 for one not held) with its own crc32c. Creating a file costs
+    ~0.8 ms on this project's CI disk, as much as writing 1 MB: one file per `ROWS_PER_FILE` rows instead
+    of one per row and 64 tokens is what keeps stage one's prompt store near the disk's speed
+    (bench.real_size). A file is always written whole (`write_chunks` groups a call's chunks per file and
+    copies the chunks of rows it is not given from the old file, as stored), under a temporary name renamed
+    into place, so a killed writer leaves the old file or the new one, never a torn one. `open` returns None
+    for any other layout, which callers then read through zarr.
     """
 
     def __init__(self, path: Path, meta: dict):
         self.path = path
         self.shape = tuple(meta["shape"])
-        self.chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        grid = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        codecs = meta["codecs"]
+        self.per_file: tuple[int, ...] | None = None  # inner chunks per file along each axis (sharded only)
+        self.index_at_end = True
+        if codecs[0]["name"] == "sharding_indexed":
+            cfg = codecs[0]["configuration"]
+            self.chunks = tuple(cfg["chunk_shape"])
+            self.per_file = tuple(g // c for g, c in zip(grid, self.chunks))
+            self.index_at_end = cfg.get("index_location", "end") == "end"
+            codecs = cfg["codecs"]
+        else:
+            self.chunks = grid
         self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         self.fill = meta["fill_value"]
-        zstd = [c for c in meta["codecs"] if c["name"] == "zstd"]
+        zstd = [c for c in codecs if c["name"] == "zstd"]
         self.zstd = numcodecs.Zstd(**zstd[0]["configuration"]) if zstd else None
-        self.crc = meta["codecs"][-1]["name"] == "crc32c"  # each chunk ends in the crc32c of what precedes it
+        self.crc = codecs[-1]["name"] == "crc32c"  # each chunk ends in the crc32c of what precedes it
         self.nbytes = int(np.prod(self.chunks)) * self.dtype.itemsize  # of a whole chunk, decoded
         self.sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
         self._dirs: set[Path] = set()  # chunk folders known to exist
-        self.touched: list[Path] = []  # chunk files written or removed: what a caller fsyncs (atomic.fsync_paths)
+        self.touched: list[Path] = []  # files written or removed: what a caller fsyncs (atomic.fsync_paths)
+        self._indexes: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (file, inode, size, mtime) -> index
+        self._lock = threading.Lock()  # over `_indexes`: rows are read and written on threads
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> ChunkFiles | None:
         path = Path(path)
         try:
             meta = json.loads((path / "zarr.json").read_text())
-            codecs = [c["name"] for c in meta["codecs"]]
+            codecs = meta["codecs"]
+            grid = meta["chunk_grid"]["configuration"]["chunk_shape"]
+            if codecs and codecs[0]["name"] == "sharding_indexed":
+                cfg = codecs[0].get("configuration", {})
+                index = cfg.get("index_codecs", [])
+                if (len(codecs) != 1 or [c["name"] for c in index] != ["bytes", "crc32c"]
+                        or index[0].get("configuration", {}).get("endian", "little") != "little"
+                        or cfg.get("index_location", "end") not in ("start", "end")
+                        or len(cfg["chunk_shape"]) != len(grid) or min(cfg["chunk_shape"]) < 1
+                        or any(g % c for g, c in zip(grid, cfg["chunk_shape"])) or not _plain_codecs(cfg["codecs"])):
+                    return None
+            elif not _plain_codecs(codecs):
+                return None
             if (meta["zarr_format"] != 3 or meta["chunk_grid"]["name"] != "regular"
                     or meta["chunk_key_encoding"]["name"] != "default"
                     or meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/") not in "/."
-                    or codecs not in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"], ["bytes", "zstd", "crc32c"])
-                    or meta["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
-                    or any(set(c.get("configuration", {})) - {"level", "checksum", "endian"} for c in meta["codecs"])
                     or meta.get("storage_transformers") or np.dtype(meta["data_type"]).kind not in "iuf"
                     or not isinstance(meta["fill_value"], (int, float))):
                 return None
             return cls(path, meta)
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None
 
-    def _file(self, idx: tuple[int, ...]) -> Path:
+    # -- where a chunk is ---------------------------------------------------------------------------------
+
+    def _key(self, idx: tuple[int, ...]) -> tuple[int, ...]:
+        """The grid index of the file holding chunk `idx` (the chunk's own, unsharded)."""
+        return idx if self.per_file is None else tuple(i // k for i, k in zip(idx, self.per_file))
+
+    def _key_file(self, key: tuple[int, ...]) -> Path:
         if self.sep == ".":
-            return self.path / ".".join(["c", *map(str, idx)])
-        return self.path.joinpath("c", *map(str, idx))
+            return self.path / ".".join(["c", *map(str, key)])
+        return self.path.joinpath("c", *map(str, key))
+
+    def _file(self, idx: tuple[int, ...]) -> Path:
+        return self._key_file(self._key(idx))
+
+    def chunk_name(self, idx: tuple[int, ...]) -> str:
+        """"<array>/<file>" (sharded: "<array>/<file>[<chunk's grid index>]"), how messages name a chunk."""
+        rel = self._file(idx).relative_to(self.path).as_posix()
+        return f"{self.path.name}/{rel}" + ("" if self.per_file is None else "[" + ",".join(map(str, idx)) + "]")
+
+    @cached_property
+    def _index_nbytes(self) -> int:
+        return 16 * math.prod(self.per_file) + 4  # (offset, length) uint64 per inner chunk, then its crc32c
+
+    def _index(self, fd: int, file: Path) -> np.ndarray:
+        """The shard index of the open file `file`, [*per_file, 2] uint64, checked against its crc32c and the
+        file's size (ChunkError); kept per (file, inode, size, mtime), so a file replaced is read again."""
+        st = os.fstat(fd)
+        key = (file, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            hit = self._indexes.get(key)
+            if hit is not None:
+                self._indexes.move_to_end(key)
+                return hit
+        n = self._index_nbytes
+        if st.st_size < n:
+            raise ChunkError(file, f"is shorter ({st.st_size} bytes) than its shard index ({n} bytes)")
+        raw = os.pread(fd, n, st.st_size - n if self.index_at_end else 0)
+        if len(raw) != n or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise ChunkError(file, "has a shard index that fails its crc32c (changed after it was written)")
+        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(*self.per_file, 2)
+        lo, hi = (0, st.st_size - n) if self.index_at_end else (n, st.st_size)
+        held = index[..., 0] != NOT_HELD
+        if held.any() and ((index[..., 0][held] < lo).any() or (index[..., 1][held] > hi - index[..., 0][held]).any()):
+            raise ChunkError(file, "has a shard index pointing past the file's end (truncated?)")
+        with self._lock:
+            self._indexes[key] = index
+            if len(self._indexes) > INDEXES_KEPT:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _span(self, idx: tuple[int, ...]) -> tuple[int, int, int, Path] | None:
+        """(fd, offset, length, file) of chunk `idx`'s stored bytes, or None where it was never written; the
+        caller closes fd."""
+        file = self._file(idx)
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if self.per_file is None:
+                return fd, 0, os.fstat(fd).st_size, file
+            off, n = (int(v) for v in self._index(fd, file)[tuple(i % k for i, k in zip(idx, self.per_file))])
+        except BaseException:
+            os.close(fd)
+            raise
+        if off == NOT_HELD:
+            os.close(fd)
+            return None
+        return fd, off, n, file
+
+    def location(self, idx: tuple[int, ...]) -> tuple[Path, int, int] | None:
+        """(file, offset, length) of chunk `idx`'s stored bytes (its crc32c included), or None where it was never
+        written: where `cache verify`'s messages point, and what tests damage."""
+        span = self._span(idx)
+        if span is None:
+            return None
+        os.close(span[0])
+        return span[3], span[1], span[2]
+
+    def has_chunk(self, idx: tuple[int, ...]) -> bool:
+        """Whether chunk `idx` was written (a stat, or a sharded file's index; no data read)."""
+        return self._file(idx).exists() if self.per_file is None else self.location(idx) is not None
 
     def prefetch_row(self, row: int, stop: int) -> None:
         """Ask the kernel to start reading the chunks `read_row(row, stop)` reads (posix_fadvise WILLNEED): a
         batch's embedding reads then overlap on the disk instead of waiting one after the other. A hint only."""
         for j in range(-(-stop // self.chunks[1])):
             try:
-                fd = os.open(self._file((row // self.chunks[0], j, *(0,) * (len(self.shape) - 2))), os.O_RDONLY)
-            except OSError:
-                continue  # never written (reads as the fill value) or gone: the read itself says so
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+                span = self._span((row // self.chunks[0], j, *(0,) * (len(self.shape) - 2)))
+            except (OSError, ChunkError):
+                continue  # the read itself says what is wrong
+            if span is not None:
+                try:
+                    os.posix_fadvise(span[0], span[1], span[2], os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(span[0])
 
-    def chunk_name(self, idx: tuple[int, ...]) -> str:
-        """"<array>/<chunk file>", how messages name a chunk inside its store."""
-        file = self._file(idx)
-        return f"{self.path.name}/{file.relative_to(self.path).as_posix()}"
+    # -- reading ------------------------------------------------------------------------------------------
 
     def read_chunk(self, idx: tuple[int, ...], out: np.ndarray | None = None, verify: bool = True) -> np.ndarray | None:
         """Chunk `idx` (grid coordinates), or None where it was never written (all fill value). An uncompressed
@@ -163,79 +295,41 @@ class ChunkFiles:
         checksum is then checked only with `verify` (which reads the rest of the chunk: a caller that checks
         what it read by other means, like `EmbeddingCache`, passes False). ChunkError for a chunk that fails its
         crc32c or is too short."""
-        file = self._file(idx)
-        try:
-            f = open(file, "rb", buffering=0)
-        except FileNotFoundError:
+        span = self._span(idx)
+        if span is None:
             return None
-        with f:
+        fd, off, size, file = span
+        inner = None if self.per_file is None else idx
+        try:
             if self.zstd is None:
                 out = np.empty(self.chunks, dtype=self.dtype) if out is None else out
                 view = memoryview(out.reshape(-1)).cast("B")
-                if f.readinto(view) != len(view):
-                    raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}")
+                if len(view) > size or os.preadv(fd, [view], off) != len(view):
+                    raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}", inner)
                 if self.crc and verify:
-                    rest = f.read()  # the chunk past what `out` holds, then its crc32c
+                    rest = os.pread(fd, size - len(view), off + len(view))  # the chunk past `out`, then its crc32c
                     if len(view) + len(rest) != self.nbytes + 4:
-                        raise ChunkError(file, f"holds {len(view) + len(rest)} bytes, a chunk is {self.nbytes} + 4")
+                        raise ChunkError(file, f"holds {len(view) + len(rest)} bytes, a chunk is {self.nbytes} + 4",
+                                         inner)
                     if crc32c(rest[:-4], crc32c(out)) != int.from_bytes(rest[-4:], "little"):
-                        raise ChunkError(file, "fails its crc32c (changed after it was written)")
+                        raise ChunkError(file, "fails its crc32c (changed after it was written)", inner)
                 return out
-            data = f.read()
+            data = os.pread(fd, size, off)
+        finally:
+            os.close(fd)
         if self.crc:
             if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
-                raise ChunkError(file, "fails its crc32c (changed after it was written)")
+                raise ChunkError(file, "fails its crc32c (changed after it was written)", inner)
             data = data[:-4]
         chunk = np.empty(self.chunks, dtype=self.dtype)
         try:
             self.zstd.decode(data, out=chunk)
         except (RuntimeError, ValueError) as e:  # not a zstd frame of this size: corrupt
-            raise ChunkError(file, f"does not decode ({e})") from e
+            raise ChunkError(file, f"does not decode ({e})", inner) from e
         if out is not None:
             out.reshape(-1)[:] = chunk.reshape(-1)[:out.size]
             return out
         return chunk
-
-    def write_chunk(self, idx: tuple[int, ...], block: np.ndarray | None) -> None:
-        """Write chunk `idx` (a whole chunk, shape `chunks`; None: only the fill value); a chunk of only the fill
-        value leaves no file. The
-        file is complete under a temporary name before it replaces the old one (zarr's own ".partial" suffix,
-        which stage one deletes on resume)."""
-        file = self._file(idx)
-        if block is None:  # known to hold only the fill value
-            empty = True
-        elif self.fill == 0 and self.dtype.kind in "iu" and block.flags.c_contiguous and block.nbytes % 8 == 0:
-            empty = not block.view(np.uint64).any()  # integers: zero iff every bit is, 8 bytes at a time
-        else:
-            empty = not (block.any() if self.fill == 0 else (block != self.fill).any())
-        self.touched.append(file)
-        if empty:
-            file.unlink(missing_ok=True)
-            return
-        data = np.ascontiguousarray(block, dtype=self.dtype)
-        data = self.zstd.encode(data) if self.zstd is not None else data.reshape(-1).view(np.uint8)
-        if file.parent not in self._dirs:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(file.parent)
-        parts = [memoryview(data).cast("B")] + ([crc32c(data).to_bytes(4, "little")] if self.crc else [])
-        nbytes = len(parts[0])
-        tmp = file.with_name(f"{file.name}.{os.getpid()}.partial")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                while parts:  # one writev, the data and its crc32c (a short write continues where it stopped)
-                    n = os.writev(fd, parts)
-                    while parts and n >= len(parts[0]):
-                        n -= len(parts.pop(0))
-                    if parts:
-                        parts[0] = parts[0][n:]
-            finally:
-                os.close(fd)
-            os.replace(tmp, file)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        write_behind.add(file, nbytes)  # synced and out of the page cache soon, in the background
 
     def read_row(self, row: int, stop: int | None = None, verify: bool = True,
                  missing: list | None = None) -> np.ndarray:
@@ -261,20 +355,6 @@ class ChunkFiles:
                     missing.append(idx)
         return out
 
-    def write_row(self, row: int, values: np.ndarray, stop: int | None = None) -> None:
-        """`array[row] = values` for arrays chunked one row at a time (chunks[0] == 1) along whole trailing axes.
-        With `stop`, the values from `stop` on are the fill value by the caller's word (the zero padding past a
-        prompt's tokens, which no reader reads): chunks wholly past it are removed without being looked at."""
-        c1 = self.chunks[1]
-        for j in range(-(-self.shape[1] // c1)):
-            if stop is not None and j * c1 >= stop:
-                self.write_chunk((row, j, *(0,) * (len(self.shape) - 2)), None)
-                continue
-            block = values[j * c1:(j + 1) * c1]
-            if len(block) < c1:  # the grid's last chunk reaches past the array: padded with the fill value
-                block = np.concatenate([block, np.full((c1 - len(block), *block.shape[1:]), self.fill, block.dtype)])
-            self.write_chunk((row, j, *(0,) * (len(self.shape) - 2)), block[None])
-
     def read_all(self) -> np.ndarray:
         """The whole of a one-dimensional array."""
         c0 = self.chunks[0]
@@ -283,10 +363,147 @@ class ChunkFiles:
         return np.concatenate(full)[:self.shape[0]] if full else np.zeros(0, dtype=self.dtype)
 
     def rows_whole(self, write: bool = False) -> bool:
-        """Whether `read_row` (and with `write`, `write_row`) applies: the axes past the second are whole in
+        """Whether `read_row` (and with `write`, `write_row(s)`) applies: the axes past the second are whole in
         every chunk (and for writing, one row per chunk)."""
         return (len(self.shape) >= 2 and tuple(self.chunks[2:]) == tuple(self.shape[2:])
                 and (not write or self.chunks[0] == 1))
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    def _stored(self, block: np.ndarray | None) -> list | None:
+        """A chunk's stored bytes as buffers (its data, then its crc32c), or None for a chunk of only the fill
+        value (which is not written)."""
+        if block is None:  # known to hold only the fill value
+            return None
+        if self.fill == 0:
+            flat = block.reshape(-1)
+            if self.dtype.kind in "iu" and block.flags.c_contiguous and block.nbytes % 8 == 0:
+                flat = flat.view(np.uint64)  # integers: zero iff every bit is, 8 bytes at a time
+            empty = not (flat[:64].any() or flat.any())  # a real chunk shows it in its first values: not all read
+        else:
+            empty = not (block != self.fill).any()
+        if empty:
+            return None
+        data = np.ascontiguousarray(block, dtype=self.dtype)
+        data = self.zstd.encode(data) if self.zstd is not None else data.reshape(-1).view(np.uint8)
+        return [memoryview(data).cast("B")] + ([crc32c(data).to_bytes(4, "little")] if self.crc else [])
+
+    def _replace(self, file: Path, parts: list | None) -> None:
+        """Make `file` hold `parts` (buffers, written in order), or remove it for None. The file is complete
+        under a temporary name before it replaces the old one (zarr's own ".partial" suffix, which stage one
+        deletes on resume); then handed to `write_behind`."""
+        self.touched.append(file)
+        if not parts:
+            file.unlink(missing_ok=True)
+            return
+        if file.parent not in self._dirs:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(file.parent)
+        parts = [memoryview(p).cast("B") if not isinstance(p, memoryview) else p for p in parts]
+        nbytes = sum(len(p) for p in parts)
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                while parts:  # writev of the buffers as they are (a short write continues where it stopped)
+                    n = os.writev(fd, parts[:_IOV_MAX])
+                    while parts and n >= len(parts[0]):
+                        n -= len(parts.pop(0))
+                    if parts:
+                        parts[0] = parts[0][n:]
+            finally:
+                os.close(fd)
+            os.replace(tmp, file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        write_behind.add(file, nbytes)  # synced and out of the page cache soon, in the background
+
+    def write_chunk(self, idx: tuple[int, ...], block: np.ndarray | None) -> None:
+        """Write chunk `idx` (a whole chunk, shape `chunks`; None: only the fill value, which leaves no chunk)."""
+        self.write_chunks({idx: block})
+
+    def write_chunks(self, blocks: dict[tuple[int, ...], np.ndarray | None]) -> None:
+        """Write whole chunks, {grid index: block or None}, each file once, files on WRITE_THREADS threads
+        (creating a file runs without the GIL). Sharded: a file holds the chunks given and, copied as stored,
+        those it held that are not given (read only when some are not)."""
+        if self.per_file is None:
+            run_each(lambda idx: self._replace(self._file(idx), self._stored(blocks[idx])), list(blocks),
+                     WRITE_THREADS)
+            return
+        by_file: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for idx in blocks:
+            by_file.setdefault(self._key(idx), []).append(idx)
+        run_each(lambda key: self._write_file(key, {idx: blocks[idx] for idx in by_file[key]}), list(by_file),
+                 WRITE_THREADS)
+
+    def _write_file(self, key: tuple[int, ...], given: dict[tuple[int, ...], np.ndarray | None]) -> None:
+        """Write the shard file `key` whole: the chunks `given`, and the others it held (copied as stored)."""
+        file = self._key_file(key)
+        base = tuple(k * p for k, p in zip(key, self.per_file))
+        grid = [range(b, min(b + p, -(-s // c))) for b, p, s, c in zip(base, self.per_file, self.shape, self.chunks)]
+        kept: dict[tuple[int, ...], bytes] = {}
+        if len(given) < math.prod(len(r) for r in grid):  # not every chunk of the file: keep the ones it held
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                try:
+                    index = self._index(fd, file)
+                    for local in np.ndindex(*self.per_file):
+                        idx = tuple(b + i for b, i in zip(base, local))
+                        off, n = (int(v) for v in index[local])
+                        if idx not in given and off != NOT_HELD:
+                            kept[idx] = os.pread(fd, n, off)
+                            if len(kept[idx]) != n:
+                                raise ChunkError(file, "is shorter than its shard index says", idx)
+                finally:
+                    os.close(fd)
+        index = np.full((*self.per_file, 2), NOT_HELD, dtype="<u8")
+        parts, pos = [], 0 if self.index_at_end else self._index_nbytes
+        for local in np.ndindex(*self.per_file):
+            idx = tuple(b + i for b, i in zip(base, local))
+            stored = self._stored(given[idx]) if idx in given else ([kept[idx]] if idx in kept else None)
+            if not stored:
+                continue
+            n = sum(len(p) for p in stored)
+            index[local] = (pos, n)
+            parts += stored
+            pos += n
+        if parts:
+            raw = index.tobytes()
+            head = [raw, crc32c(raw).to_bytes(4, "little")]
+            parts = parts + head if self.index_at_end else head + parts
+        self._replace(file, parts or None)
+
+    def _row_blocks(self, row: int, values: np.ndarray, stop: int | None) -> dict:
+        """The chunks of row `row` holding `values` (chunks wholly past `stop`: None, the fill value)."""
+        c1, tail = self.chunks[1], (0,) * (len(self.shape) - 2)
+        out = {}
+        for j in range(-(-self.shape[1] // c1)):
+            if stop is not None and j * c1 >= stop:
+                out[(row, j, *tail)] = None
+                continue
+            block = values[j * c1:(j + 1) * c1]
+            if len(block) < c1:  # the grid's last chunk reaches past the array: padded with the fill value
+                block = np.concatenate([block, np.full((c1 - len(block), *block.shape[1:]), self.fill, block.dtype)])
+            out[(row, j, *tail)] = block[None]
+        return out
+
+    def write_rows(self, rows: list[int], values, stops: list[int] | None = None) -> None:
+        """`array[rows[k]] = values[k]` for arrays chunked one row at a time (chunks[0] == 1) along whole trailing
+        axes, in one `write_chunks` (each file written once). With `stops`, the values of row k from `stops[k]` on
+        are the fill value by the caller's word (the zero padding past a prompt's tokens, which no reader
+        reads): chunks wholly past it are not written."""
+        blocks: dict = {}
+        for k, r in enumerate(rows):
+            blocks.update(self._row_blocks(r, values[k], None if stops is None else stops[k]))
+        self.write_chunks(blocks)
+
+    def write_row(self, row: int, values: np.ndarray, stop: int | None = None) -> None:
+        """`write_rows` of one row."""
+        self.write_rows([row], [values], None if stop is None else [stop])
 
 
 def _chunk_files(g: zarr.Group, name: str) -> ChunkFiles | None:
@@ -346,13 +563,18 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
     # (and stage two reads an embedding per sample); they are a few percent of a cache whose shards dominate.
     flat = {"name": "default", "separator": "."}  # c.i.j.k: one folder per array, not a few per prompt
     # A crc32c costs ~20 us per chunk (bench.real_size --integrity), zstd's checksum its compression.
+    # Each row's chunks (its embedding per EMBED_CHUNK_TOKENS tokens, its latents) are inner chunks of zarr
+    # shards of ROWS_PER_FILE rows: one file per 64 rows (see `ChunkFiles`).
+    rows = max(1, min(n, ROWS_PER_FILE))
+    tokens = min(max_len, EMBED_CHUNK_TOKENS)
     emb = g.create_array(Z_EMBEDS, shape=(n, max_len, dim), dtype=storage_numpy_dtype(dtype_name),
-                         chunks=(1, min(max_len, EMBED_CHUNK_TOKENS), dim), fill_value=0, compressors=Crc32cCodec(),
-                         chunk_key_encoding=flat)
+                         chunks=(1, tokens, dim), shards=(rows, -(-max_len // tokens) * tokens, dim), fill_value=0,
+                         compressors=Crc32cCodec(), chunk_key_encoding=flat)
     emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
     for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
         g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32", chunks=(1, seeds, *latent_shape),
-                       fill_value=0.0, compressors=Crc32cCodec(), chunk_key_encoding=flat)
+                       shards=(rows, seeds, *latent_shape), fill_value=0.0, compressors=Crc32cCodec(),
+                       chunk_key_encoding=flat)
     return g
 
 
@@ -360,29 +582,71 @@ def open_prompt_store(path: str | os.PathLike, mode: str = "r") -> zarr.Group:
     return zarr.open_group(str(path), mode=mode)
 
 
+class PromptRowWriter:
+    """Writes one part's encoded prompts as the text encoder makes them, a batch at a time (`add`), in memory
+    that does not grow with the prompt count: a batch's real tokens are kept (never the padding past them, 4 MiB
+    of an A14B prompt) only until every row of their file (`ROWS_PER_FILE` rows) has come, then that file is
+    written once. The small arrays (text, seq_lens, the rows' crc32c, prompt_idx: tens of bytes a prompt) are
+    written once, by `close`, which also writes the files not complete yet. Until `close` returns the rows are
+    not all there: stage one's progress record says `encoded` only after it (a killed run encodes again)."""
+
+    def __init__(self, g: zarr.Group):
+        self.g = g
+        emb = _chunk_files(g, Z_EMBEDS)
+        self.emb = emb if emb is not None and emb.rows_whole(write=True) else None  # None: zarr's path
+        self.n = int(g[Z_SEQ_LENS].shape[0])
+        self.per_file = emb.per_file[0] if self.emb is not None and emb.per_file else 1
+        self._pending: dict[int, dict[int, np.ndarray]] = {}  # file -> row -> the row's real tokens
+        self._small: dict[int, tuple[int, str, int, int]] = {}  # row -> (prompt_idx, text, seq_len, crc32c)
+
+    def add(self, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
+            seq_lens: torch.Tensor) -> None:
+        """Rows `rows` of the store: `embeds` is [b, L, D] zero-padded past each `seq_lens` (as the pipeline pads)."""
+        store = torch_to_storage(embeds)
+        lens = np.asarray(seq_lens, dtype=np.int32)
+        for j, r in enumerate(rows):
+            tokens = np.array(store[j, :lens[j]])  # a copy: the batch is the caller's
+            self._small[r] = (int(prompt_idx[j]), str(texts[j]), int(lens[j]), crc32c(tokens))
+            if self.emb is None:
+                self.g[Z_EMBEDS][r] = store[j]
+                continue
+            f = r // self.per_file
+            self._pending.setdefault(f, {})[r] = tokens
+            if len(self._pending[f]) == min(self.per_file, self.n - f * self.per_file):
+                self._write(self._pending.pop(f))
+
+    def _write(self, tokens: dict[int, np.ndarray]) -> None:
+        # the chunks past a prompt's tokens hold only zeros: not written
+        rows = sorted(tokens)
+        self.emb.write_rows(rows, [tokens[r] for r in rows], [len(tokens[r]) for r in rows])
+
+    def close(self) -> None:
+        for f in sorted(self._pending):
+            self._write(self._pending[f])
+        self._pending = {}
+        if not self._small:
+            return
+        rows = sorted(self._small)
+        idx_, texts, lens, crcs = (list(v) for v in zip(*(self._small[r] for r in rows)))
+        text, seq = self.g[Z_TEXT], self.g[Z_SEQ_LENS]  # opened once: zarr re-reads metadata at every g[name]
+        for lo, hi in _runs(rows):  # one zarr write per run of consecutive rows
+            text[rows[lo]:rows[hi - 1] + 1] = np.asarray(texts[lo:hi], dtype=str)
+            seq[rows[lo]:rows[hi - 1] + 1] = np.asarray(lens[lo:hi], dtype=np.int32)
+        if _has(self.g, EMBEDS_CRC32C):  # (a store of an earlier layout has none)
+            _write_values(self.g, EMBEDS_CRC32C, rows, crcs)
+        arr = self.g[Z_PROMPT_IDX]
+        all_idx = arr[:]
+        all_idx[rows] = idx_
+        arr[:] = all_idx
+        self._small = {}
+
+
 def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], texts: list[str],
                       embeds: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Write encoded prompts. `embeds` is [b, L, D] zero-padded past each `seq_lens` (as the pipeline pads)."""
-    store = torch_to_storage(embeds)
-    lens = np.asarray(seq_lens, dtype=np.int32)
-    text, seq = g[Z_TEXT], g[Z_SEQ_LENS]  # opened once: zarr re-reads an array's metadata at every g[name]
-    for lo, hi in _runs(rows):  # one zarr write per run of consecutive rows
-        text[rows[lo]:rows[hi - 1] + 1] = np.asarray(texts[lo:hi], dtype=str)
-        seq[rows[lo]:rows[hi - 1] + 1] = lens[lo:hi]
-    emb = _chunk_files(g, Z_EMBEDS)
-    if emb is not None and emb.rows_whole(write=True):
-        # the chunks past the prompt's tokens hold only zeros: no file; rows on WRITE_THREADS threads (creating a
-        # file is most of the cost of a 512 KiB chunk on some filesystems, and it runs without the GIL)
-        run_each(lambda j: emb.write_row(rows[j], store[j], stop=int(lens[j])), range(len(rows)), WRITE_THREADS)
-    else:
-        for j, r in enumerate(rows):
-            g[Z_EMBEDS][r] = store[j]
-    if _has(g, EMBEDS_CRC32C):  # (a store of an earlier layout has none)
-        _write_values(g, EMBEDS_CRC32C, rows, [crc32c(store[j, :lens[j]]) for j in range(len(rows))])
-    idx = g[Z_PROMPT_IDX]
-    all_idx = idx[:]
-    all_idx[rows] = prompt_idx
-    idx[:] = all_idx
+    """Write encoded prompts at once (`PromptRowWriter`). `embeds` is [b, L, D] zero-padded past each `seq_lens`."""
+    writer = PromptRowWriter(g)
+    writer.add(rows, prompt_idx, texts, embeds, seq_lens)
+    writer.close()
 
 
 def _write_values(g: zarr.Group, name: str, rows: list[int], values) -> None:
@@ -418,26 +682,26 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
     for j, r in enumerate(rows):
         by_row.setdefault(r, []).append(j)
 
-    def one(r: int) -> None:
+    def row(r: int) -> np.ndarray:
         js = by_row[r]
+        seeds = [seed_idx[j] for j in js]
+        if arr is files and seeds == list(range(files.shape[1])) and js == list(range(js[0], js[0] + len(js))):
+            return lat[js[0]:js[0] + len(js)]  # every seed, in order, side by side: the caller's memory, no copy
         if arr is files:
             # every seed of the row given: nothing of the old chunk survives, so it is not read
             whole = len({seed_idx[j] for j in js}) == files.shape[1]
-            cur = np.full(files.shape[1:], files.fill, dtype=np.float32) if whole else files.read_row(r)
+            cur = np.empty(files.shape[1:], dtype=np.float32) if whole else files.read_row(r)
         else:
             cur = arr[r]
         for j in js:
             cur[seed_idx[j]] = lat[j]
-        if arr is files:
-            files.write_row(r, cur)
-        else:
-            arr[r] = cur
+        return cur
 
     if arr is files:
-        run_each(one, by_row, WRITE_THREADS)
+        files.write_rows(list(by_row), [row(r) for r in by_row])  # each file written once
         return files.touched
     for r in by_row:
-        one(r)
+        arr[r] = row(r)
     root = getattr(g.store, "root", None)
     return [Path(root) / g.path / name] if root is not None else []
 
@@ -479,7 +743,10 @@ class RowError(CacheError):
 
 def _has_crc(g: zarr.Group, name: str) -> bool:
     """Whether each chunk of array `name` ends in its crc32c (stores written before the checksums: no)."""
-    return g[name].metadata.to_dict()["codecs"][-1]["name"] == "crc32c"
+    codecs = g[name].metadata.to_dict()["codecs"]
+    if codecs[-1]["name"] == "sharding_indexed":  # the chunks inside each file
+        codecs = codecs[-1]["configuration"]["codecs"]
+    return codecs[-1]["name"] == "crc32c"
 
 
 class PartRows:
@@ -576,7 +843,11 @@ class PartRows:
             return None
         for j in range(-(-seq_len // arr.chunks[1])):
             idx = (row, j, *(0,) * (len(arr.shape) - 2))
-            if not arr._file(idx).exists():
+            try:
+                held = arr.has_chunk(idx)
+            except ChunkError as e:  # a damaged shard index
+                raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)}: {e.named()}") from e
+            if not held:
                 return arr.chunk_name(idx)
         return None
 
@@ -795,6 +1066,9 @@ class EmbeddingCache:
     gives the real tokens alone and the padded length, for a reader that pads later (an A14B embedding is
     4 MiB padded, ~0.5 MiB trimmed). Every read is checked (`PartRows.trimmed`): CacheError for a row that is
     missing, has a missing chunk or fails its crc32c, never zeros.
+
+    One thread owns it: the LRU, the parts and the reads started by `submit` are touched by that thread alone;
+    the pool's threads only run `_load` (a read of a `PartRows` already opened and warmed, returning its result).
     """
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096):
@@ -803,6 +1077,7 @@ class EmbeddingCache:
         self.capacity = capacity
         self._parts: dict[int, PartRows] = {}  # per part: its arrays, opened once
         self._lru: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
+        self._pending: dict = {}  # prompt_idx -> concurrent.futures.Future of `_load`'s result (`submit`)
 
     def _part(self, part: int) -> PartRows:
         if part not in self._parts:
@@ -816,24 +1091,43 @@ class EmbeddingCache:
         out[:trimmed.shape[0]] = trimmed
         return out
 
-    def prefetch(self, prompt_idxs) -> None:
-        """Start reading from disk the embeddings of these prompts that are not in memory (a hint only)."""
-        for prompt_idx in dict.fromkeys(int(p) for p in prompt_idxs):
-            if prompt_idx not in self._lru:
-                part, row = prompt_location(prompt_idx, self.num_parts)
-                self._part(part).prefetch(row)
+    def submit(self, pool, prompt_idx: int) -> None:
+        """Start reading this prompt's embedding in a thread of `pool` (a concurrent.futures.Executor) unless it
+        is in memory or on its way; `get_trimmed` takes the result (or raises its error). The part is opened and
+        its lazily read arrays (`seq_lens`, `embeds`, `crcs`, `dtype_name`) are read here, in the owner's
+        thread, so the pool's threads share nothing that they would fill in."""
+        if prompt_idx in self._lru or prompt_idx in self._pending:
+            return
+        part, row = prompt_location(prompt_idx, self.num_parts)
+        rows = self._part(part)
+        rows.seq_lens, rows.embeds, rows.crcs, rows.dtype_name  # (each computed once, here)
+        self._pending[prompt_idx] = pool.submit(self._load, prompt_idx, rows, row)
+
+    def forget(self, cancel: bool = True) -> None:
+        """Drop the reads `submit` started, those not begun cancelled unless not `cancel` (in a forked child: the
+        parent's futures are not to be touched); `get_trimmed` reads again."""
+        for fut in self._pending.values() if cancel else ():
+            fut.cancel()
+        self._pending.clear()
+
+    def _load(self, prompt_idx: int, rows: PartRows, row: int) -> tuple[torch.Tensor, int]:
+        """The read behind `get_trimmed` (any thread: it only reads)."""
+        if row >= len(rows.seq_lens) or rows.seq_lens[row] < 0:
+            raise CacheError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written); "
+                             "rerun teacher-cache on that cache to complete it")
+        # One read per prompt, of the real tokens only: a padded real row is 512 x 4096, mostly zeros.
+        return storage_to_torch(rows.trimmed(row), rows.dtype_name), rows.max_len
 
     def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:
         """(the prompt's real token embeddings [seq_len, D], the length `get` pads them to)."""
         hit = self._lru.get(prompt_idx)
         if hit is None:
-            part, row = prompt_location(prompt_idx, self.num_parts)
-            rows = self._part(part)
-            if row >= len(rows.seq_lens) or rows.seq_lens[row] < 0:
-                raise CacheError(f"prompt {prompt_idx} has no embedding in {self.cache_dir} (row never written); "
-                                 "rerun teacher-cache on that cache to complete it")
-            # One read per prompt, of the real tokens only: a padded real row is 512 x 4096, mostly zeros.
-            hit = (storage_to_torch(rows.trimmed(row), rows.dtype_name), rows.max_len)
+            fut = self._pending.pop(prompt_idx, None)
+            if fut is not None:
+                hit = fut.result()  # what `_load` returned, or its error raised here
+            else:
+                part, row = prompt_location(prompt_idx, self.num_parts)
+                hit = self._load(prompt_idx, self._part(part), row)
             self._lru[prompt_idx] = hit
             if len(self._lru) > self.capacity:
                 self._lru.popitem(last=False)
@@ -862,7 +1156,8 @@ def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: i
 class FinalLatentCache:
     """Bounded LRU over the prompt stores of a cache: (prompt_idx, seed_idx) -> the teacher's final latent
     [C, F, H, W] float32. One read per prompt (its chunk holds every seed), checked against its crc32c; a
-    trajectory whose final latent was never written (all zeros, the fill value) is refused with CacheError."""
+    trajectory whose final latent was never written (all zeros, the fill value) is refused with CacheError.
+    One thread owns it, as an `EmbeddingCache`: `submit` starts a read in a pool's thread, `get` takes it."""
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 1024):
         self.cache_dir = Path(cache_dir)
@@ -870,15 +1165,44 @@ class FinalLatentCache:
         self.capacity = capacity
         self._parts: dict[int, PartRows] = {}
         self._lru: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._pending: dict = {}  # prompt_idx -> concurrent.futures.Future of `_load`'s result (`submit`)
+
+    def _part(self, part: int) -> PartRows:
+        if part not in self._parts:
+            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
+        return self._parts[part]
+
+    def submit(self, pool, prompt_idx: int) -> None:
+        """Start reading this prompt's final latents in a thread of `pool` (a concurrent.futures.Executor) unless
+        they are in memory or on their way; `get` takes them. The part and its array are opened here, in the
+        owner's thread."""
+        if prompt_idx in self._lru or prompt_idx in self._pending:
+            return
+        part, row = prompt_location(prompt_idx, self.num_parts)
+        rows = self._part(part)
+        rows._latent_array(Z_FINAL_LATENTS)  # opened once, here: the pool's threads only read it
+        self._pending[prompt_idx] = pool.submit(self._load, rows, row)
+
+    def forget(self, cancel: bool = True) -> None:
+        """Drop the reads `submit` started (see `EmbeddingCache.forget`); `get` reads again."""
+        for fut in self._pending.values() if cancel else ():
+            fut.cancel()
+        self._pending.clear()
+
+    @staticmethod
+    def _load(rows: PartRows, row: int) -> torch.Tensor:
+        """The read behind `get` (any thread: it only reads)."""
+        return torch.from_numpy(np.ascontiguousarray(rows.latents(Z_FINAL_LATENTS, row), dtype=np.float32))
 
     def get(self, prompt_idx: int, seed_idx: int) -> torch.Tensor:
         hit = self._lru.get(prompt_idx)
         if hit is None:
-            part, row = prompt_location(prompt_idx, self.num_parts)
-            if part not in self._parts:
-                self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
-            values = self._parts[part].latents(Z_FINAL_LATENTS, row)
-            hit = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            fut = self._pending.pop(prompt_idx, None)
+            if fut is not None:
+                hit = fut.result()  # what `_load` returned, or its error raised here
+            else:
+                part, row = prompt_location(prompt_idx, self.num_parts)
+                hit = self._load(self._part(part), row)
             self._lru[prompt_idx] = hit
             if len(self._lru) > self.capacity:
                 self._lru.popitem(last=False)

@@ -17,6 +17,7 @@ import math
 import os
 import tarfile
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,8 +370,16 @@ def _tensors_in(buf: bytearray) -> dict[str, torch.Tensor]:
     return out
 
 
+# The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with
+# them to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
+_GAP = 64 << 10
+
+
 class SampleReader:
-    """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files."""
+    """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files.
+
+    One thread owns a reader (its LRU of descriptors is not locked); `submit` runs a read in another thread
+    safely."""
 
     def __init__(self, index: CacheIndex, max_open: int = 64):
         self.index = index
@@ -389,6 +398,11 @@ class SampleReader:
             except OSError as e:
                 raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
                                  "it was moved or deleted after training started") from e
+            if hasattr(os, "posix_fadvise"):
+                # Rows are read in random order: no kernel read-ahead past each read. With it, every ~400 KB read
+                # of a real-size sample pulled ~1 MB from the disk (read_ahead_kb 8192 on the dev VM: 1.8x the
+                # bytes of an epoch, most of them evicted before their own read).
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._fds[shard] = fd
             if len(self._fds) > self.max_open:
                 os.close(self._fds.popitem(last=False)[1])
@@ -406,26 +420,55 @@ class SampleReader:
         return CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
                           "training?); run `wandistiller cache verify`")
 
-    def prefetch(self, rows) -> None:
-        """Ask the kernel to start reading these samples now (posix_fadvise WILLNEED), so that the reads of a
-        batch overlap on the disk instead of waiting one after the other; a hint only."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for row in rows:
-            r = self.index.table[int(row)]
-            lo = int(r[C_META_OFF])
-            os.posix_fadvise(self._fd(int(r[C_SHARD])), lo, int(r[C_TENS_OFF]) + int(r[C_TENS_LEN]) - lo,
-                             os.POSIX_FADV_WILLNEED)
-
     def read(self, row: int) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode. The tensors
         are views of one buffer read straight from the shard (no copy after the read)."""
+        return self._read(self._fd(int(self.index.table[row, C_SHARD])), row)
+
+    def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
+        """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state
+        of a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
+        return self._read_tensors(self._fd(int(self.index.table[row, C_SHARD])), row, names)
+
+    def submit(self, pool: Executor, row: int, names: tuple[str, ...] | None = None) -> Future:
+        """Start `read(row)` (with `names`: `read_tensors(row, names)`) in a thread of `pool`; the future holds
+        what it returns or raises. Call from the thread that owns this reader.
+
+        The thread reads from its own `os.dup` of the shard's descriptor, made here: this thread alone uses the
+        LRU of descriptors, which may close the original while the read is pending, and the kernel then reuses
+        its number for the next file opened (another shard: the read would silently return another sample's
+        bytes). A duplicate stays open on the same file until the read closes it (or, for a read cancelled
+        before it ran, its done-callback). Cheaper and simpler than a lock with reference counts: two syscalls
+        per read, no lock on the LRU."""
+        fd = os.dup(self._fd(int(self.index.table[row, C_SHARD])))
+
+        def run():
+            try:
+                return self._read(fd, row) if names is None else self._read_tensors(fd, row, names)
+            finally:
+                os.close(fd)
+
+        try:
+            fut = pool.submit(run)
+        except BaseException:
+            os.close(fd)
+            raise
+        fut.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)  # never ran: `run` did not close it
+        return fut
+
+    def _read(self, fd: int, row: int) -> tuple[dict[str, torch.Tensor], dict]:
         r = self.index.table[row]
-        fd = self._fd(int(r[C_SHARD]))
-        meta_b = self._pread(fd, int(r[C_META_OFF]), int(r[C_META_LEN]), row)
-        tens_b = bytearray(int(r[C_TENS_LEN]))
-        if os.preadv(fd, [tens_b], int(r[C_TENS_OFF])) != len(tens_b):
-            raise self._truncated(row)
+        meta_off, meta_len, tens_off = int(r[C_META_OFF]), int(r[C_META_LEN]), int(r[C_TENS_OFF])
+        tens_b = np.empty(int(r[C_TENS_LEN]), dtype=np.uint8)  # not zeroed (a bytearray is): the read fills it
+        if meta_off + meta_len <= tens_off <= meta_off + _GAP:  # the writer's order: one read of both members
+            head = bytearray(tens_off - meta_off)  # the metadata, its padding and the tensor member's tar header
+            if os.preadv(fd, [head, tens_b], meta_off) != len(head) + len(tens_b):
+                raise self._truncated(row)
+            meta_b = bytes(head[:meta_len])
+        else:
+            meta_b = self._pread(fd, meta_off, meta_len, row)
+            if os.preadv(fd, [tens_b], tens_off) != len(tens_b):
+                raise self._truncated(row)
         key = self.index.key(row)
         try:
             tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
@@ -437,11 +480,8 @@ class SampleReader:
             raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
         return tensors, meta
 
-    def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
-        """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state
-        of a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
+    def _read_tensors(self, fd: int, row: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         r = self.index.table[row]
-        fd = self._fd(int(r[C_SHARD]))
         data = self._pread(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
         key, manifest = self.index.key(row), self.index.caches[int(r[C_CACHE])].manifest
         try:

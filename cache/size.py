@@ -9,7 +9,8 @@ figures are file sizes (filesystem blocks aside), exact for what stage one write
   to a whole 10 KiB tar record;
 - a prompt, in its part's prompt store: the chunks of its embedding that hold real tokens (the zero padding past
   them is never written), its initial noise and its final latents (float32, every seed, one chunk each), each
-  chunk ending in its 4-byte crc32c;
+  chunk ending in its 4-byte crc32c; and per file of `ROWS_PER_FILE` rows of those arrays, the file's index
+  (16 bytes per chunk it can hold, then a crc32c: `index_bytes`);
 - fixed: the manifest, the negative prompt, progress records, resolved configs and zarr metadata. Measured on a
   finished cache; left out of a projection made before a run (a few KiB per part).
 
@@ -104,6 +105,20 @@ def prompt_bytes(settings: Mapping, embed_chunks: float | None = None) -> float:
     return embed + 2 * (int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC)
 
 
+def index_bytes(settings: Mapping, rows: int) -> int:
+    """Bytes of the shard indexes of a part of `rows` prompts: each of its files of embeddings, initial noise and
+    final latents (`prompt_store.ROWS_PER_FILE` rows each) ends in an index of 16 bytes per chunk the file can
+    hold, then its crc32c."""
+    from .prompt_store import ROWS_PER_FILE
+
+    if rows <= 0:
+        return 0
+    per_file = min(rows, ROWS_PER_FILE)
+    files = math.ceil(rows / per_file)
+    embed_chunks = math.ceil(int(settings[F.F_MAX_SEQUENCE_LENGTH]) / embed_chunk_tokens(settings))
+    return files * ((16 * per_file * embed_chunks + _CRC) + 2 * (16 * per_file + _CRC))
+
+
 def part_blocks(trajectories: int, batch_size: int) -> list[int]:
     """Trajectories per block of a part holding `trajectories` (stage one's blocks: batch_size at a time)."""
     full, rest = divmod(trajectories, batch_size)
@@ -120,7 +135,7 @@ class CacheSize:
     sample_bytes: int  # one sample in a shard
     prompt_bytes: float  # one prompt in the prompt store
     shard_bytes: int  # every shard (samples and each shard's tar end)
-    store_bytes: int  # every prompt's rows
+    store_bytes: int  # every prompt's rows and the files' indexes
     fixed_bytes: int  # manifest, negative prompt, progress, metadata (0 before a run)
 
     @property
@@ -137,14 +152,15 @@ def project(settings: Mapping, prompts: int, num_parts: int = 1, batch_size: int
     part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more)."""
     per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
     seeds = int(settings[F.F_SEEDS_PER_PROMPT])
-    shards = 0
+    shards = indexes = 0
     for part in range(num_parts):
-        trajectories = len(F.part_prompts(part, prompts, num_parts)) * seeds
-        shards += shard_bytes([n * recorded for n in part_blocks(trajectories, batch_size)], samples_per_shard,
+        rows = len(F.part_prompts(part, prompts, num_parts))
+        shards += shard_bytes([n * recorded for n in part_blocks(rows * seeds, batch_size)], samples_per_shard,
                               per_sample)
+        indexes += index_bytes(settings, rows)
     per_prompt = prompt_bytes(settings, embed_chunks)
     return CacheSize(prompts, prompts * seeds * recorded, recorded, per_sample, per_prompt, shards,
-                     round(prompts * per_prompt), fixed_bytes)
+                     round(prompts * per_prompt) + indexes, fixed_bytes)
 
 
 def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:

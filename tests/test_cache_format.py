@@ -203,13 +203,17 @@ def test_shard_sha256_is_of_the_bytes_on_disk(tmp_path, monkeypatch):
     assert rec[F.S_SHA256] == hashlib.sha256((tmp_path / rec[F.S_PATH]).read_bytes()).hexdigest()
 
 
-def test_prompt_store_chunk_files_are_zarrs(tmp_path):
+def test_prompt_store_chunk_files_are_zarrs(tmp_path, monkeypatch):
     """The prompt store's own chunk reads and writes (ChunkFiles) give what zarr gives: the same array content,
-    the same chunk files with the same bytes; and a store of the earlier layout (one zstd chunk per padded
+    the same files, the same chunks held in them (the same bytes where unsharded; a shard's chunks may lie in
+    another order), each reading the other's; and a store of the earlier layout (one zstd chunk per padded
     row) reads the same through EmbeddingCache."""
     import zarr
 
+    import cache.prompt_store as PS
     from cache.prompt_store import ChunkFiles, write_latent_rows
+
+    monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)  # 6 rows: two files per array, the second one partly filled
 
     n, L, D = 6, 150, 8
     g0 = torch.Generator().manual_seed(2)
@@ -226,8 +230,9 @@ def test_prompt_store_chunk_files_are_zarrs(tmp_path):
     ref = zarr.open_group(str(tmp_path / "ref"), mode="w")
     for name in ours.array_keys():
         a = ours[name]
-        ref.create_array(name, shape=a.shape, dtype=a.dtype, chunks=a.chunks, fill_value=a.fill_value,
-                         compressors=a.compressors, chunk_key_encoding=a.metadata.chunk_key_encoding)
+        ref.create_array(name, shape=a.shape, dtype=a.dtype, chunks=a.chunks, shards=a.shards,
+                         fill_value=a.fill_value, compressors=a.compressors,
+                         chunk_key_encoding=a.metadata.chunk_key_encoding)
     for r in range(n):
         ref[F.Z_EMBEDS][r] = F.torch_to_storage(emb[r])
         ref[F.Z_SEQ_LENS][r], ref[F.Z_TEXT][r], ref[F.Z_PROMPT_IDX][r] = int(lens[r]), f"t{r}", 10 + r
@@ -239,7 +244,17 @@ def test_prompt_store_chunk_files_are_zarrs(tmp_path):
         assert np.array_equal(zarr.open_group(str(tmp_path / "ours"))[name][:], ref[name][:]), name
         chunks = [{p.relative_to(root): p.read_bytes() for p in (root / name).rglob("*")
                    if p.is_file() and p.name != "zarr.json"} for root in (tmp_path / "ours", tmp_path / "ref")]
-        assert chunks[0] == chunks[1] and (chunks[0] or name == F.Z_INIT_NOISE), name  # noise: never written here
+        assert chunks[0].keys() == chunks[1].keys() and (chunks[0] or name == F.Z_INIT_NOISE), name  # noise: unwritten
+        mine, theirs = ChunkFiles.open(tmp_path / "ours" / name), ChunkFiles.open(tmp_path / "ref" / name)
+        if mine is None or mine.per_file is None:
+            assert chunks[0] == chunks[1], name
+            continue
+        assert mine.per_file == theirs.per_file and len(chunks[0]) == (2 if chunks[0] else 0), name
+        for idx in np.ndindex(*(-(-s // c) for s, c in zip(mine.shape, mine.chunks))):
+            held = mine.has_chunk(idx)
+            assert held == theirs.has_chunk(idx), (name, idx)
+            if held:
+                assert np.array_equal(mine.read_chunk(idx), theirs.read_chunk(idx)), (name, idx)
     assert ChunkFiles.open(tmp_path / "ours" / F.Z_TEXT) is None  # strings: zarr's path
 
     # the earlier layout: one zstd-compressed chunk per padded row, seq_lens one chunk per row
@@ -252,3 +267,65 @@ def test_prompt_store_chunk_files_are_zarrs(tmp_path):
     for r in range(n):
         if lens[r] > 0:
             assert torch.equal(cache.get(r).view(torch.int16), emb[r].view(torch.int16)), r
+
+
+def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_path, monkeypatch):
+    """Stage one's way (`PromptRowWriter`, the text encoder's batches, in any order): each file of
+    ROWS_PER_FILE rows is written once, when its last row comes (or at close), holding only its rows' real
+    tokens; the store reads the same as one written at once; the small arrays appear at close."""
+    import cache.prompt_store as PS
+
+    monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)
+    n, L, D = 10, 20, 8
+    g0 = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 7, 8, 20, 3, 9, 16, 2, 5, 11], dtype=torch.int32)
+    emb = torch.zeros(n, L, D, dtype=torch.bfloat16)
+    for i in range(n):
+        emb[i, :lens[i]] = torch.randn(int(lens[i]), D, generator=g0).bfloat16()
+    texts = [f"prompt {i}" for i in range(n)]
+    once = create_prompt_store(prompt_store_path(tmp_path / "once", 0), n, L, D, "bfloat16", 1, (4, 1, 2, 2))
+    write_prompt_rows(once, list(range(n)), list(range(n)), texts, emb, lens)
+    fed = create_prompt_store(prompt_store_path(tmp_path / "fed", 0), n, L, D, "bfloat16", 1, (4, 1, 2, 2))
+    writes = []
+    real_replace = PS.ChunkFiles._replace
+    monkeypatch.setattr(PS.ChunkFiles, "_replace", lambda self, file, parts: (
+        writes.append(file.name) if file.parent.name == F.Z_EMBEDS else None, real_replace(self, file, parts)))
+    writer = PS.PromptRowWriter(fed)
+    for batch in ([4, 5, 6], [0, 1], [7, 2, 3], [8]):  # out of order, which no encoder does
+        writer.add(batch, batch, [texts[i] for i in batch], emb[batch], lens[batch])
+    assert writes == ["c.1.0.0", "c.0.0.0"] and int(fed[F.Z_SEQ_LENS][0]) == -1  # files 0-3 and 4-7; nothing else
+    writer.add([9], [9], [texts[9]], emb[[9]], lens[[9]])
+    writer.close()
+    assert writes == ["c.1.0.0", "c.0.0.0", "c.2.0.0"]  # rows 8-9, when 9 came
+    for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, F.Z_TEXT, F.Z_PROMPT_IDX, PS.EMBEDS_CRC32C):
+        assert np.array_equal(fed[name][:], once[name][:]), name
+    files = PS.ChunkFiles.open(prompt_store_path(tmp_path / "fed", 0) / F.Z_EMBEDS)
+    assert files.per_file == (4, 1, 1)  # 4 rows a file, a chunk per row (20 tokens < EMBED_CHUNK_TOKENS)
+    assert all(files.has_chunk((r, 0, 0)) for r in range(n))
+    cache = EmbeddingCache(tmp_path / "fed", num_parts=1)
+    assert all(torch.equal(cache.get(i), emb[i]) for i in range(n))
+
+
+def test_a_damaged_shard_index_is_named_not_read_as_zeros(tmp_path):
+    """A file's index that fails its crc32c (or points past the file's end) is an error naming the file, for
+    a reader and for a writer that would copy the file's other rows."""
+    from cache.prompt_store import ChunkError, ChunkFiles, PartRows, crc32c, write_latent_rows
+
+    g = create_prompt_store(prompt_store_path(tmp_path, 0), n=3, max_len=6, dim=4, dtype_name="bfloat16", seeds=1,
+                            latent_shape=(4, 1, 2, 2))
+    write_latent_rows(g, F.Z_FINAL_LATENTS, [0, 1], [0, 0], torch.randn(2, 4, 1, 2, 2))
+    path = prompt_store_path(tmp_path, 0) / F.Z_FINAL_LATENTS / "c.0.0.0.0.0.0"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1  # inside the index
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"final_latents of row 1 \(prompt 1\): final_latents/c.0.0.0.0.0.0 has a "
+                                         r"shard index that fails its crc32c"):
+        PartRows(tmp_path, 0, 1).latents(F.Z_FINAL_LATENTS, 1)
+    with pytest.raises(ChunkError, match="shard index"):
+        write_latent_rows(g, F.Z_FINAL_LATENTS, [2], [0], torch.randn(1, 4, 1, 2, 2))  # would copy rows 0-1
+    path.write_bytes(bytes(data[:40]) + bytes(data[-(16 * 3 + 4):]))  # truncated, the index kept
+    data = bytearray(path.read_bytes())
+    data[-4:] = crc32c(bytes(data[-(16 * 3 + 4):-4])).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="past the file's end"):
+        ChunkFiles.open(path.parent).read_chunk((0, 0, 0, 0, 0, 0))

@@ -6,6 +6,7 @@ line (exit 2); stores and manifests written before the checksums still verify, w
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from cache import format as F
 from cache.errors import CacheError
 from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load_manifest
 from cache.prompt_store import (
-    EMBED_CHUNK_TOKENS, TEXT_CHUNK, EmbeddingCache, FinalLatentCache, PartRows, negative_embeds, prompt_store_path,
-    read_latents,
+    EMBED_CHUNK_TOKENS, TEXT_CHUNK, ChunkFiles, EmbeddingCache, FinalLatentCache, PartRows, negative_embeds,
+    prompt_store_path, read_latents,
 )
 from cache.reader import open_caches
 from cache.verify import verify_cache
@@ -59,16 +60,28 @@ def _edit_manifest(cache: Path, edit) -> None:
 
 
 def _chunk(cache: Path, name: str, row: int) -> Path:
+    """The chunk file of row `row` of array `name` in the earlier layout (one file per row)."""
     g = zarr.open_group(str(prompt_store_path(cache, 0)), mode="r")
     return cache / STORE / name / ".".join(["c", str(row), *"0" * (g[name].ndim - 1)])
+
+
+def _flip_row(cache: Path, name: str, row: int, offset: int) -> str:
+    """Flip a byte `offset` bytes into row `row`'s first chunk of array `name` (inside its shard file); returns
+    how messages name that chunk."""
+    files = ChunkFiles.open(prompt_store_path(cache, 0) / name)
+    idx = (row, *(0,) * (len(files.shape) - 1))
+    path, start, _ = files.location(idx)
+    _flip(path, start + offset)
+    return files.chunk_name(idx)
 
 
 # -- the prompt stores ---------------------------------------------------------------------------------
 
 def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
-    _flip(_chunk(cache_copy, F.Z_EMBEDS, 3), 4)  # inside the first real token
+    name = _flip_row(cache_copy, F.Z_EMBEDS, 3, 4)  # inside the first real token
+    assert name == "embeds/c.0.0.0[3,0,0]"  # the file of rows 0-63, the chunk inside it
     r = _verify(cache_copy)
-    assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 3 (prompt 3): embeds/c.3.0.0 fails its crc32c" in r.output
+    assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 3 (prompt 3): {name} fails its crc32c" in r.output
     _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 3", "crc32c", "--overwrite")
     assert not (tmp_path / "out" / "student").exists()
     with pytest.raises(CacheError, match=r"embeds of row 3 \(prompt 3\) fail their crc32c"):
@@ -78,7 +91,7 @@ def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
 
 def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_copy, tmp_path):
     """--verify size checks only that every chunk is there; the flipped token is refused when it is read."""
-    _flip(_chunk(cache_copy, F.Z_EMBEDS, 0), 4)
+    _flip_row(cache_copy, F.Z_EMBEDS, 0, 4)
     r = _train(cache_copy, tmp_path / "out", "--verify", "size", "--max-steps", "8")
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]  # after the progress bar's lines
     assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -86,10 +99,10 @@ def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_c
 
 
 def test_flipped_byte_in_a_final_latents_chunk(cache_copy, tmp_path):
-    _flip(_chunk(cache_copy, F.Z_FINAL_LATENTS, 2), 100)
+    name = _flip_row(cache_copy, F.Z_FINAL_LATENTS, 2, 100)
     r = _verify(cache_copy)
     assert r.exit_code == 1
-    assert f"BAD {STORE}: final_latents of row 2 (prompt 2): final_latents/c.2.0.0.0.0.0 fails its crc32c" in r.output
+    assert f"BAD {STORE}: final_latents of row 2 (prompt 2): {name} fails its crc32c" in r.output
     _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 2", "final_latents", "--overwrite")
     with pytest.raises(CacheError, match=r"final_latents of row 2 \(prompt 2\)"):
         read_latents(cache_copy, 1, [(2, 0)])  # sample/eval's reader
@@ -99,21 +112,22 @@ def test_flipped_byte_in_a_final_latents_chunk(cache_copy, tmp_path):
 
 
 def test_flipped_byte_in_init_noise_is_named(cache_copy):
-    _flip(_chunk(cache_copy, F.Z_INIT_NOISE, 5), 8)
+    _flip_row(cache_copy, F.Z_INIT_NOISE, 5, 8)
     r = _verify(cache_copy)
     assert r.exit_code == 1 and f"BAD {STORE}: init_noise of row 5 (prompt 5)" in r.output
     with pytest.raises(CacheError, match=r"init_noise of row 5 \(prompt 5\)"):
         read_latents(cache_copy, 1, [(5, 0)])
 
 
-def test_deleted_embeds_chunk_is_named_never_zeros(cache_copy, tmp_path):
-    _chunk(cache_copy, F.Z_EMBEDS, 4).unlink()
+def test_deleted_embeds_file_is_named_never_zeros(cache_copy, tmp_path):
+    (cache_copy / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63: every row of this cache
     r = _verify(cache_copy)
-    assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 4 (prompt 4): chunk embeds/c.4.0.0 is missing" in r.output
-    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 4", "c.4.0.0 is missing",
+    assert r.exit_code == 1
+    assert f"BAD {STORE}: embeds of row 4 (prompt 4): chunk embeds/c.0.0.0[4,0,0] is missing" in r.output
+    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 0", "c.0.0.0[0,0,0] is missing",
                     "--overwrite")
     assert line == _refused(_train(cache_copy, tmp_path / "out2", "--verify", "size"))  # found without reading
-    with pytest.raises(CacheError, match="c.4.0.0 is missing"):
+    with pytest.raises(CacheError, match=re.escape("c.0.0.0[4,0,0] is missing")):
         EmbeddingCache(cache_copy, 1).get(4)
 
 
@@ -240,7 +254,7 @@ def test_a_row_whose_chunk_of_zeros_was_never_written_passes_by_its_crc32c(tmp_p
     emb[1, :3] = torch.randn(3, 4).bfloat16()
     write_prompt_rows(g, [0, 1], [0, 1], ["zeros", "x"], emb, torch.tensor([5, 3]))
     rows = PartRows(tmp_path, 0, 1)
-    assert rows.missing_chunk(0) == "embeds/c.0.0.0"
+    assert rows.missing_chunk(0) == "embeds/c.0.0.0[0,0,0]"
     assert np.array_equal(rows.trimmed(0), np.zeros((5, 4), np.uint16)) and rows.check(0, False, False) is None
     assert not list(tmp_path.rglob("*.partial"))  # chunks are renamed into place
 

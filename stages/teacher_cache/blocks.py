@@ -78,13 +78,13 @@ class BlockSink:
         record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
         self.writer = None
         fault_point("after_rename")
-        written = []
-        for _, traj, final in self.pending:
-            rows = [p // self.num_parts for p, _ in traj]
-            try:  # (a row shared with an earlier block is read back first: its chunk is checked then)
-                written += write_latent_rows(self.store, F.Z_FINAL_LATENTS, rows, [s for _, s in traj], final)
-            except ChunkError as e:
-                raise damaged_part(self.out, self.prog.part, f"its prompt store's {e.named()}") from e
+        traj = [t for _, block_traj, _ in self.pending for t in block_traj]
+        try:  # one call for the shard's blocks: each prompt-store file written once (a row shared with an earlier
+            # block, or a file holding earlier rows, is read back first: its chunks are checked then)
+            written = write_latent_rows(self.store, F.Z_FINAL_LATENTS, [p // self.num_parts for p, _ in traj],
+                                        [s for _, s in traj], torch.cat([final for _, _, final in self.pending]))
+        except ChunkError as e:
+            raise damaged_part(self.out, self.prog.part, f"its prompt store's {e.named()}") from e
         fsync_paths(written)  # durable before the progress record calls their blocks done
         fault_point("before_progress")
         self.prog.shards.append(record)

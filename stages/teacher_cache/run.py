@@ -24,8 +24,8 @@ from cache.features import matrix_sha256, projection_matrix, write_projection
 from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress, list_parts
 from cache.prompt_store import (
-    create_prompt_store, damaged_part, open_prompt_store, part_negative, prompt_store_path, store_relpath,
-    write_latent_rows, write_prompt_rows,
+    ROWS_PER_FILE, PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
+    prompt_store_path, store_relpath, write_latent_rows,
 )
 from cache.schema import recorded_steps
 from pipeline import signals
@@ -37,15 +37,15 @@ from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardo
 
 from . import disk, outdir, placements
 from .blocks import BlockSink, denoise, expert_window
-from .encode import encode_prompts
+from .encode import encode_prompts, iter_encoded
 from .features import FeatureRecorder
 from .placements import Placement
 from .progress import StageOneProgress
 from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
 
-# Initial-noise rows written per call in the encode phase (64 A14B rows: 26 MB).
-NOISE_ROWS = 64
+# Initial-noise rows written per call in the encode phase: a whole file of the store's (64 A14B rows: 26 MB).
+NOISE_ROWS = ROWS_PER_FILE
 
 
 def _resolve_parts(cfg: TeacherCacheConfig) -> tuple[int, int, bool]:
@@ -300,9 +300,12 @@ def _encode(job: _Part, prog: PartProgress) -> None:
                                 job.spec.transformer_config["text_dim"], job.placement.dtype, cfg.seeds_per_prompt,
                                 job.latent_shape)
     texts = [job.prompts[i] for i in job.rows]
-    embeds, lens = encode_prompts(tokenizer, encoder, texts, cfg.max_sequence_length, dtype, device,
-                                  progress=dist_env().is_main or not job.torchrun)
-    write_prompt_rows(store, list(range(len(job.rows))), job.rows, texts, embeds, lens)
+    rows = PromptRowWriter(store)  # written batch by batch: memory does not grow with the prompt count
+    for lo, embeds, lens in iter_encoded(tokenizer, encoder, texts, cfg.max_sequence_length, dtype, device,
+                                         progress=dist_env().is_main or not job.torchrun):
+        hi = lo + len(lens)
+        rows.add(list(range(lo, hi)), job.rows[lo:hi], texts[lo:hi], embeds, lens)
+    rows.close()
     fault_point("after_encode_rows")
     neg, neg_len = encode_prompts(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype, device,
                                   progress=False)
@@ -317,7 +320,7 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     # Every file of the store on disk before the record says `encoded`: a power loss must not leave rows the
     # record vouches for that never reached the disk (zarr's own writes are not fsynced).
     fsync_paths([prompt_store_path(job.out, job.part)])
-    del tokenizer, encoder, embeds
+    del tokenizer, encoder
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from cache.prompt_store import ChunkFiles
+
 from .check import read_samples, tree_digest
 from .proc import run_cli
 from .report import Row
@@ -194,8 +196,12 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _flip_embeds(part_dir: Path) -> None:
-    for chunk in (part_dir / "prompts.zarr" / "embeds").glob("c.*"):
-        _flip(chunk, 8)
+    """Flip a byte of every row's first embeds chunk (inside the files of 64 rows)."""
+    files = ChunkFiles.open(part_dir / "prompts.zarr" / "embeds")
+    for row in range(files.shape[0]):
+        where = files.location((row, 0, 0))
+        if where is not None:
+            _flip(where[0], where[1] + 8)
 
 
 def _flip_negative(part_dir: Path) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cache import format as F
+from cache.prompt_store import ChunkFiles
 
 from .check import compare_caches, manifest_problems, sha256_file, temp_files
 from .proc import run_cli
@@ -179,34 +180,36 @@ def manifest_torn(cache: Path):
 STORE = f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROMPTS_ZARR}"
 
 
-def _store_chunk(cache: Path, name: str, row: int) -> Path:
-    """The chunk file of `row` of array `name` of part 0's store (rows are one chunk, '.'-separated keys)."""
-    ndim = len(json.loads((cache / STORE / name / "zarr.json").read_text())["shape"])
-    return cache / STORE / name / ".".join(["c", str(row), *"0" * (ndim - 1)])
-
-
 def _flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10
     path.write_bytes(bytes(data))
 
 
+def _flip_row(cache: Path, name: str, row: int, offset: int) -> None:
+    """Flip a byte `offset` bytes into the first chunk of `row` of array `name` of part 0's store (inside the
+    file of its 64 rows)."""
+    files = ChunkFiles.open(cache / STORE / name)
+    path, start, _ = files.location((row, *(0,) * (len(files.shape) - 1)))
+    _flip(path, start + offset)
+
+
 def embeds_flipped(cache: Path):
-    _flip(_store_chunk(cache, F.Z_EMBEDS, 7), 4)  # inside the prompt's first real token
+    _flip_row(cache, F.Z_EMBEDS, 7, 4)  # inside the prompt's first real token
     return ([f"BAD {STORE}: embeds of row 7 (prompt 7)", "crc32c"], [F.PROMPTS_ZARR, "prompt 7", "crc32c"],
             OVERWRITE)
 
 
 def final_latents_flipped(cache: Path):
-    _flip(_store_chunk(cache, F.Z_FINAL_LATENTS, 9), 100)
+    _flip_row(cache, F.Z_FINAL_LATENTS, 9, 100)
     return ([f"BAD {STORE}: final_latents of row 9 (prompt 9)", "crc32c"],
             [F.PROMPTS_ZARR, "prompt 9", F.Z_FINAL_LATENTS], OVERWRITE)
 
 
-def embeds_chunk_deleted(cache: Path):
-    _store_chunk(cache, F.Z_EMBEDS, 11).unlink()  # it would read as zeros
-    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): chunk embeds/c.11.0.0 is missing"],
-            [F.PROMPTS_ZARR, "prompt 11", "c.11.0.0 is missing"], OVERWRITE)
+def embeds_file_deleted(cache: Path):
+    (cache / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63 (every row here): they would read as zeros
+    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): chunk embeds/c.0.0.0[11,0,0] is missing"],
+            [F.PROMPTS_ZARR, "prompt 0", "c.0.0.0[0,0,0] is missing"], OVERWRITE)
 
 
 def negative_flipped(cache: Path):
@@ -246,7 +249,7 @@ CORRUPTIONS = {
     "manifest torn (half written by hand)": manifest_torn,
     "zarr embeds: byte flipped": embeds_flipped,
     "zarr final_latents: byte flipped": final_latents_flipped,
-    "zarr embeds: chunk deleted": embeds_chunk_deleted,
+    "zarr embeds: file deleted": embeds_file_deleted,
     "negative.safetensors: byte flipped": negative_flipped,
     "manifest edited: guidance": guidance_edited,
     "manifest edited: shard path outside the cache (../)": shard_path_escapes,
