@@ -204,8 +204,11 @@ def _flip(path: Path, offset: int) -> None:
 def test_resume_refuses_a_damaged_prompt_store_and_the_remedy_works(tiny_teacher, prompts_file, cache_copy,
                                                                       tiny_cache):
     _unfinished(cache_copy)
-    _flip(cache_copy / F.PARTS_DIR / F.part_dirname(0) / F.PROMPTS_ZARR / F.Z_EMBEDS / "c.6.0.0", 8)
+    from cache.prompt_store import ChunkFiles
+
     part_dir = cache_copy / F.PARTS_DIR / F.part_dirname(0)
+    path, start, _ = ChunkFiles.open(part_dir / F.PROMPTS_ZARR / F.Z_EMBEDS).location((6, 0, 0))  # in its file of 64
+    _flip(path, start + 8)
     one_line(_resume(tiny_teacher, prompts_file, cache_copy), "part 0 of", "is damaged",
              "embeds of rows 6-6 of parts/part-00000/prompts.zarr fail their chunk's crc32c", f"delete {part_dir}",
              "--overwrite")
