@@ -11,9 +11,11 @@ teacher. The result passes `cache verify`.
 - writer_vs_raw_write_a14b: bytes/s of the cache writer (prompt store, shards, final latents, progress,
   manifest, and the flush to disk of whatever it leaves unsynced) vs one sequential write + fsync of as
   many bytes, the faster of two passes (right after the writer, and at the end of the run);
-- loader_vs_raw_read_a14b: samples/s of stage two's loader over one epoch (RankBatches in the epoch's
-  order, SampleDataset with its embeddings, make_loader with the stage's default workers) vs a sequential
-  read of the bytes it needs (every shard and the embedding store);
+- loader_vs_raw_read_a14b: samples/s of stage two's loader over one epoch (RankBatches in train-student's
+  default epoch order, SampleDataset with its embeddings, make_loader with the stage's default workers) vs a
+  sequential read of the bytes it needs (every shard and the embedding store), the faster of a buffered read
+  (1 MiB requests, the kernel reading ahead) and an O_DIRECT read (8 MiB requests); each of the three passes
+  comes first in one of the reps;
 - loader_vs_h100_student: the loader's samples/s per rank vs 16 samples/s, what a Wan2.1-1.3B-shaped
   student (30 blocks) trains at on one H100 at 480x832 (13-16 samples/s at batch 4-8, bf16, AdamW);
 - stage_two_overhead: a train-student optimizer step from this cache vs the same student's forward +
@@ -47,6 +49,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from bench.common import drop_tree, pick_device, result, results_path, save, sync, table, tree_bytes
+from cache import direct_io
 from cache import format as F
 from cache.atomic import atomic_write_bytes
 from cache.manifest import settings_fingerprint, try_write_manifest
@@ -275,16 +278,22 @@ def loader_files(cache: Path) -> list[Path]:
     return files
 
 
-def raw_read(cache: Path, chunk: int = 1 << 20) -> tuple[float, int]:
-    """Seconds to read `loader_files` sequentially, one after the other (page cache dropped first), and the bytes."""
+def raw_read(cache: Path, direct: bool = False) -> tuple[float, int]:
+    """Seconds to read `loader_files` sequentially, one after the other (page cache dropped first), and the bytes:
+    1 MiB reads through the page cache (the kernel reading ahead), or (`direct`) 8 MiB reads with O_DIRECT."""
     drop_tree(cache)
     n = 0
-    buf = bytearray(chunk)
+    chunk = (8 << 20) if direct else (1 << 20)
+    raw = np.empty(chunk + direct_io.ALIGN, dtype=np.uint8)
+    buf = raw[-raw.ctypes.data % direct_io.ALIGN:][:chunk]
     t = time.perf_counter()
     for f in loader_files(cache):
-        with open(f, "rb", buffering=0) as fh:
-            while k := fh.readinto(buf):
+        fd = direct_io.open_file(f) if direct else os.open(f, os.O_RDONLY)
+        try:
+            while k := os.readv(fd, [buf]):
                 n += k
+        finally:
+            os.close(fd)
     return time.perf_counter() - t, n
 
 
@@ -294,13 +303,10 @@ def loader_read(cache: Path, batch_size: int, num_workers: int, limit: int | Non
     makes it: the index checked by size, RankBatches of the epoch's order, SampleDataset (sample + padded
     embedding) and make_loader with `num_workers` (`pin`: pinned batches, as on CUDA); page cache dropped
     first, worker start-up included."""
-    from cache.reader import EpochPlan, open_caches
-    from pipeline.runtime import dist_env
     from stages.train_student import data as D
 
-    data = D.prepare(open_caches([cache]), dist_env(), torch.device("cpu"), "size", None, 0)
-    plan = EpochPlan(len(data.train_rows), 1, batch_size)
-    ds = D.SampleDataset(data.index, TrainStudentConfig.__dataclass_fields__["embedding_cache_size"].default)
+    data, plan = default_plan(cache, batch_size)
+    ds = D.SampleDataset(data.index, _DEFAULTS["embedding_cache_size"].default)
     drop_tree(cache)
     n = 0
     t = time.perf_counter()
@@ -309,6 +315,29 @@ def loader_read(cache: Path, batch_size: int, num_workers: int, limit: int | Non
         if limit is not None and n >= limit:
             break
     return time.perf_counter() - t, n
+
+
+_DEFAULTS = TrainStudentConfig.__dataclass_fields__
+
+
+def default_plan(cache: Path, batch_size: int):
+    """(the cache's DataSplit, checked by size; train-student's default EpochPlan of it on one rank)."""
+    from cache.reader import open_caches
+    from pipeline.runtime import dist_env
+    from stages.train_student import data as D
+
+    data = D.prepare(open_caches([cache]), dist_env(), torch.device("cpu"), "size", None, 0)
+    return data, D.epoch_plan(data, 1, batch_size, 1, _DEFAULTS["order"].default,
+                              _DEFAULTS["embedding_cache_size"].default)
+
+
+def loader_direct(cache: Path) -> dict:
+    """How train-student reads this cache by default: the epoch order, and whether with O_DIRECT."""
+    from stages.train_student import data as D
+
+    data, plan = default_plan(cache, 8)
+    return {"order": f"grouped by {plan.window} prompts" if plan.window else "shuffled",
+            "direct": D.direct_reads(data.index)}
 
 
 def default_workers() -> int:
@@ -404,23 +433,29 @@ def main(argv=None) -> list[dict]:
         results.append(writer_row())
         # 2. the loader vs a raw sequential read of the bytes it reads
         t = time.perf_counter()
-        times = {"raw": [], "loader": []}
+        times = {"buffered": [], "direct": [], "loader": []}
         nbytes = samples = 0
+        passes = ["buffered", "direct", "loader"]
         for r in range(args.reps):
-            for name in (["raw", "loader"] if r % 2 == 0 else ["loader", "raw"]):
-                if name == "raw":
-                    dt, nbytes = raw_read(cache)
-                else:
+            for name in passes[r % 3:] + passes[:r % 3]:  # each pass first in turn: the disk's rate drifts
+                if name == "loader":
                     dt, samples = loader_read(cache, args.batch_size, workers, pin=device.type == "cuda")
+                else:
+                    dt, nbytes = raw_read(cache, direct=name == "direct")
                 times[name].append(dt)
         print(f"  loader and raw reads in {time.perf_counter() - t:.0f} s", flush=True)
-        raw_sps, loader_sps = samples / min(times["raw"]), samples / min(times["loader"])
+        print("  " + ", ".join(f"{k} " + " ".join(f"{x:.1f}" for x in v) + " s" for k, v in times.items()), flush=True)
+        raw_s = min(times["buffered"] + times["direct"])
+        loader_sps = samples / min(times["loader"])
+        ds = loader_direct(cache)
         results.append(result(
-            "loader_vs_raw_read_a14b", loader_sps, raw_sps, "samples/s", 0.8, ">=",
-            note=f"one epoch of {samples} samples in the epoch's order, batch {args.batch_size}, {workers} loader "
-                 f"workers (train-student's default here), embeddings included; raw read of {nbytes / 2**30:.2f} "
-                 f"GiB (shards + embeddings) at {nbytes / min(times['raw']) / 2**20:.0f} MiB/s; page cache dropped "
-                 f"before each pass (os.sync + posix_fadvise DONTNEED); best of {args.reps}"))
+            "loader_vs_raw_read_a14b", loader_sps, samples / raw_s, "samples/s", 0.8, ">=",
+            note=f"one epoch of {samples} samples in the epoch's order ({ds['order']}), batch {args.batch_size}, "
+                 f"{workers} loader workers (train-student's default here), embeddings included, "
+                 f"{'O_DIRECT' if ds['direct'] else 'buffered'} reads; raw read of {nbytes / 2**30:.2f} GiB (shards + "
+                 f"embeddings), the faster of buffered ({nbytes / min(times['buffered']) / 2**20:.0f} MiB/s) and "
+                 f"O_DIRECT ({nbytes / min(times['direct']) / 2**20:.0f} MiB/s); page cache dropped before each pass "
+                 f"(os.sync + posix_fadvise DONTNEED); best of {args.reps}"))
         # 3. stage-two step vs the bare step, on this cache; on a GPU the bare step is also the consumption rate
         t = time.perf_counter()
         step = overhead(cache, work, device, student, args.reps, args.num_workers, quick=args.quick)

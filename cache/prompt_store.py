@@ -38,6 +38,7 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from . import direct_io
 from .atomic import run_each, write_behind
 from .errors import CacheError
 from .format import (
@@ -160,6 +161,9 @@ class ChunkFiles:
         self._dirs: set[Path] = set()  # chunk folders known to exist
         self.touched: list[Path] = []  # files written or removed: what a caller fsyncs (atomic.fsync_paths)
         self._indexes: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (file, inode, size, mtime) -> index
+        # Read uncompressed chunks with O_DIRECT (`direct_io`; set by a reader of a cache larger than the page
+        # cache keeps); cleared where the file system or the disk refuses it.
+        self.direct = False
         self._lock = threading.Lock()  # over `_indexes`: rows are read and written on threads
 
     @classmethod
@@ -226,7 +230,7 @@ class ChunkFiles:
         n = self._index_nbytes
         if st.st_size < n:
             raise ChunkError(file, f"is shorter ({st.st_size} bytes) than its shard index ({n} bytes)")
-        raw = os.pread(fd, n, st.st_size - n if self.index_at_end else 0)
+        raw = self._pread(fd, st.st_size - n if self.index_at_end else 0, n).tobytes()
         if len(raw) != n or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise ChunkError(file, "has a shard index that fails its crc32c (changed after it was written)")
         index = np.frombuffer(raw[:-4], dtype="<u8").reshape(*self.per_file, 2)
@@ -245,7 +249,7 @@ class ChunkFiles:
         caller closes fd."""
         file = self._file(idx)
         try:
-            fd = os.open(file, os.O_RDONLY)
+            fd = self._open(file)
         except FileNotFoundError:
             return None
         try:
@@ -259,6 +263,25 @@ class ChunkFiles:
             os.close(fd)
             return None
         return fd, off, n, file
+
+    def _open(self, file: Path) -> int:
+        if self.direct and self.zstd is None:
+            try:
+                return direct_io.open_file(file)
+            except direct_io.Refused:
+                self.direct = False
+        return os.open(file, os.O_RDONLY)
+
+    def _pread(self, fd: int, off: int, n: int) -> np.ndarray:
+        """Up to `n` bytes of the open file at `off` (fewer where it ends sooner), read directly where `fd` was
+        opened with O_DIRECT."""
+        if direct_io.is_direct(fd):
+            try:
+                return direct_io.read(fd, off, n)
+            except direct_io.Refused:
+                self.direct = False  # (`read` made `fd` buffered)
+        buf = np.empty(n, dtype=np.uint8)
+        return buf[:os.preadv(fd, [buf], off)]
 
     def location(self, idx: tuple[int, ...]) -> tuple[Path, int, int] | None:
         """(file, offset, length) of chunk `idx`'s stored bytes (its crc32c included), or None where it was never
@@ -304,10 +327,20 @@ class ChunkFiles:
             if self.zstd is None:
                 out = np.empty(self.chunks, dtype=self.dtype) if out is None else out
                 view = memoryview(out.reshape(-1)).cast("B")
-                if len(view) > size or os.preadv(fd, [view], off) != len(view):
+                rest = None
+                if len(view) > size:
+                    raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}", inner)
+                if direct_io.is_direct(fd):  # one aligned read, into place by a copy (and with `verify`, all of it)
+                    got = self._pread(fd, off, size if self.crc and verify else len(view))
+                    if len(got) < len(view):
+                        raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}", inner)
+                    view[:] = got[:len(view)]
+                    rest = got[len(view):].tobytes()
+                elif os.preadv(fd, [view], off) != len(view):
                     raise ChunkError(file, f"is shorter than a chunk of {self.chunks} {self.dtype}", inner)
                 if self.crc and verify:
-                    rest = os.pread(fd, size - len(view), off + len(view))  # the chunk past `out`, then its crc32c
+                    if rest is None:  # the chunk past `out`, then its crc32c
+                        rest = os.pread(fd, size - len(view), off + len(view))
                     if len(view) + len(rest) != self.nbytes + 4:
                         raise ChunkError(file, f"holds {len(view) + len(rest)} bytes, a chunk is {self.nbytes} + 4",
                                          inner)
@@ -755,8 +788,9 @@ class PartRows:
     against their chunk's crc32c; a chunk holding real tokens that does not exist is an error, never zeros. Each
     array opens on first use. Stores written before the checksums are read with the presence checks alone."""
 
-    def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int):
+    def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, direct: bool = False):
         self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
+        self.direct = direct  # read the chunk files with O_DIRECT (`ChunkFiles.direct`)
         self.g = open_prompt_store(prompt_store_path(cache_dir, part))
         self._latents: dict[str, ChunkFiles | zarr.Array] = {}
 
@@ -776,7 +810,10 @@ class PartRows:
     @cached_property
     def embeds(self) -> ChunkFiles | zarr.Array:
         files = _chunk_files(self.g, Z_EMBEDS)
-        return files if files is not None and files.rows_whole() else self.g[Z_EMBEDS]
+        if files is None or not files.rows_whole():
+            return self.g[Z_EMBEDS]
+        files.direct = self.direct
+        return files
 
     @cached_property
     def dtype_name(self) -> str:
@@ -855,6 +892,8 @@ class PartRows:
         if name not in self._latents:
             files = _chunk_files(self.g, name)
             whole = files is not None and files.chunks[0] == 1 and tuple(files.chunks[1:]) == tuple(files.shape[1:])
+            if whole:
+                files.direct = self.direct
             self._latents[name] = files if whole else self.g[name]
         return self._latents[name]
 
@@ -1071,8 +1110,9 @@ class EmbeddingCache:
     the pool's threads only run `_load` (a read of a `PartRows` already opened and warmed, returning its result).
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096):
+    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096, direct: bool = False):
         self.cache_dir = Path(cache_dir)
+        self.direct = direct  # read with O_DIRECT (`ChunkFiles.direct`)
         self.num_parts = num_parts
         self.capacity = capacity
         self._parts: dict[int, PartRows] = {}  # per part: its arrays, opened once
@@ -1081,7 +1121,7 @@ class EmbeddingCache:
 
     def _part(self, part: int) -> PartRows:
         if part not in self._parts:
-            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
+            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts, self.direct)
         return self._parts[part]
 
     def get(self, prompt_idx: int) -> torch.Tensor:
@@ -1159,8 +1199,9 @@ class FinalLatentCache:
     trajectory whose final latent was never written (all zeros, the fill value) is refused with CacheError.
     One thread owns it, as an `EmbeddingCache`: `submit` starts a read in a pool's thread, `get` takes it."""
 
-    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 1024):
+    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 1024, direct: bool = False):
         self.cache_dir = Path(cache_dir)
+        self.direct = direct  # read with O_DIRECT (`ChunkFiles.direct`)
         self.num_parts = num_parts
         self.capacity = capacity
         self._parts: dict[int, PartRows] = {}
@@ -1169,7 +1210,7 @@ class FinalLatentCache:
 
     def _part(self, part: int) -> PartRows:
         if part not in self._parts:
-            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts)
+            self._parts[part] = PartRows(self.cache_dir, part, self.num_parts, self.direct)
         return self._parts[part]
 
     def submit(self, pool, prompt_idx: int) -> None:

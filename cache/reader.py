@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import tarfile
 from collections import OrderedDict
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,13 @@ from safetensors.torch import load as st_load
 
 import webdataset as wds
 
+from . import direct_io
 from . import format as F
 from .errors import CacheError
 from .manifest import check_settings, load_manifest
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_problems
+
+log = logging.getLogger(__name__)
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -349,7 +353,7 @@ _ST_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": to
               "F64": torch.float64}
 
 
-def _tensors_in(buf: bytearray) -> dict[str, torch.Tensor]:
+def _tensors_in(buf: np.ndarray) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in `buf`, as views of its memory (`safetensors.torch.load`
     copies each one out of a `bytes`; at A14B sizes a sample's copy costs as much as reading it). ValueError
     for anything that is not a well-formed safetensors file: corruption."""
@@ -373,17 +377,17 @@ def _tensors_in(buf: bytearray) -> dict[str, torch.Tensor]:
 # The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with
 # them to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
 _GAP = 64 << 10
-
-
 class SampleReader:
     """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files.
 
     One thread owns a reader (its LRU of descriptors is not locked); `submit` runs a read in another thread
-    safely."""
+    safely. `direct`: read with O_DIRECT (`direct_io`); where the file system or the disk refuses it, the reader
+    goes on with buffered reads."""
 
-    def __init__(self, index: CacheIndex, max_open: int = 64):
+    def __init__(self, index: CacheIndex, max_open: int = 64, direct: bool = False):
         self.index = index
         self.max_open = max_open
+        self.direct = direct
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
 
@@ -394,7 +398,7 @@ class SampleReader:
         if fd is None:
             _, cache_dir, rec, _ = self.index.shards[shard]
             try:
-                fd = os.open(cache_dir / rec[F.S_PATH], os.O_RDONLY)
+                fd = self._open(cache_dir / rec[F.S_PATH])
             except OSError as e:
                 raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
                                  "it was moved or deleted after training started") from e
@@ -410,11 +414,34 @@ class SampleReader:
             self._fds.move_to_end(shard)
         return fd
 
-    def _pread(self, fd: int, off: int, n: int, row: int) -> bytes:
-        data = os.pread(fd, n, off)
-        if len(data) != n:
+    def _open(self, path: Path) -> int:
+        if self.direct:
+            try:
+                return direct_io.open_file(path)
+            except direct_io.Refused as e:
+                self._buffered(str(e))
+        return os.open(path, os.O_RDONLY)
+
+    def _buffered(self, why: str) -> None:
+        if self.direct:
+            log.info(f"{why}: reading the cache's shards through the page cache")
+        self.direct = False
+
+    def _span(self, fd: int, off: int, n: int, row: int) -> np.ndarray:
+        """`n` bytes of the shard at `off`: one read into a new buffer (not zeroed: the read fills it), or from a
+        descriptor opened with O_DIRECT one read of the aligned blocks that hold them (`direct_io.read`)."""
+        if direct_io.is_direct(fd):
+            try:
+                buf = direct_io.read(fd, off, n)
+            except direct_io.Refused as e:
+                self._buffered(f"{self.index.shard_path(row)}: {e}")
+                return self._span(fd, off, n, row)
+        else:
+            buf = np.empty(n, dtype=np.uint8)
+            buf = buf[:os.preadv(fd, [buf], off)]
+        if len(buf) != n:
             raise self._truncated(row)
-        return data
+        return buf
 
     def _truncated(self, row: int) -> CacheError:
         return CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
@@ -430,9 +457,10 @@ class SampleReader:
         of a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
         return self._read_tensors(self._fd(int(self.index.table[row, C_SHARD])), row, names)
 
-    def submit(self, pool: Executor, row: int, names: tuple[str, ...] | None = None) -> Future:
-        """Start `read(row)` (with `names`: `read_tensors(row, names)`) in a thread of `pool`; the future holds
-        what it returns or raises. Call from the thread that owns this reader.
+    def submit(self, pool, row: int, names: tuple[str, ...] | None = None) -> Future:
+        """Start `read(row)` (with `names`: `read_tensors(row, names)`) in another thread, through `pool`'s
+        `submit` (a concurrent.futures.Executor's); the future holds what it returns or raises. Call from the
+        thread that owns this reader.
 
         The thread reads from its own `os.dup` of the shard's descriptor, made here: this thread alone uses the
         LRU of descriptors, which may close the original while the read is pending, and the kernel then reuses
@@ -459,16 +487,13 @@ class SampleReader:
     def _read(self, fd: int, row: int) -> tuple[dict[str, torch.Tensor], dict]:
         r = self.index.table[row]
         meta_off, meta_len, tens_off = int(r[C_META_OFF]), int(r[C_META_LEN]), int(r[C_TENS_OFF])
-        tens_b = np.empty(int(r[C_TENS_LEN]), dtype=np.uint8)  # not zeroed (a bytearray is): the read fills it
+        tens_len = int(r[C_TENS_LEN])
         if meta_off + meta_len <= tens_off <= meta_off + _GAP:  # the writer's order: one read of both members
-            head = bytearray(tens_off - meta_off)  # the metadata, its padding and the tensor member's tar header
-            if os.preadv(fd, [head, tens_b], meta_off) != len(head) + len(tens_b):
-                raise self._truncated(row)
-            meta_b = bytes(head[:meta_len])
+            both = self._span(fd, meta_off, tens_off + tens_len - meta_off, row)
+            meta_b, tens_b = both[:meta_len].tobytes(), both[tens_off - meta_off:]
         else:
-            meta_b = self._pread(fd, meta_off, meta_len, row)
-            if os.preadv(fd, [tens_b], tens_off) != len(tens_b):
-                raise self._truncated(row)
+            meta_b = self._span(fd, meta_off, meta_len, row).tobytes()
+            tens_b = self._span(fd, tens_off, tens_len, row)
         key = self.index.key(row)
         try:
             tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
@@ -482,17 +507,17 @@ class SampleReader:
 
     def _read_tensors(self, fd: int, row: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         r = self.index.table[row]
-        data = self._pread(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
+        data = self._span(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
         key, manifest = self.index.key(row), self.index.caches[int(r[C_CACHE])].manifest
         try:
-            tensors = st_load(data)
+            tensors = _tensors_in(data)
         except Exception as e:  # any parse failure is corruption of that member
             raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
                              f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
         out = {}
         for name in names:
-            t, field = tensors.get(name), SAMPLE_FIELDS[name]
-            shape, dtype = list(field.shape(manifest)), field.dtype_name(manifest)
+            t, spec = tensors.get(name), SAMPLE_FIELDS[name]
+            shape, dtype = list(spec.shape(manifest)), spec.dtype_name(manifest)
             if t is None or list(t.shape) != shape or F.DTYPE_NAMES.get(t.dtype) != dtype:
                 raise CacheError(f"sample {key} {name} is missing or not {dtype} {shape} (in "
                                  f"{self.index.shard_path(row)}); run `wandistiller cache verify`")
@@ -525,10 +550,15 @@ class EpochPlan:
     world: int
     batch: int  # per rank per micro-step
     accum: int = 1
+    # A grouped order (`window` > 0; `order`): each position's group (its prompt), and the groups per window.
+    groups: np.ndarray | None = field(default=None, repr=False, compare=False)
+    window: int = 0
 
     def __post_init__(self):
-        if self.n < 1 or self.world < 1 or self.batch < 1 or self.accum < 1:
+        if self.n < 1 or self.world < 1 or self.batch < 1 or self.accum < 1 or self.window < 0:
             raise ValueError(f"EpochPlan needs positive sizes, got {self}")
+        if self.window and (self.groups is None or len(self.groups) != self.n):
+            raise ValueError(f"a grouped EpochPlan needs a group for each of its {self.n} positions")
 
     @property
     def global_batch(self) -> int:
@@ -544,8 +574,18 @@ class EpochPlan:
         return math.ceil(self.micro_steps / self.accum)
 
     def order(self, seed: int, epoch: int) -> np.ndarray:
-        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only."""
-        return np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch))).permutation(self.n)
+        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only (and of the groups, if grouped).
+
+        Shuffled (`window` 0): a uniform permutation. Grouped: the groups in a seeded random order, cut into windows
+        of `window` groups; the epoch takes the windows one after the other, each one's positions in a seeded random
+        order. A group's positions (a prompt's samples) then come within one window of each other, so a reader whose
+        LRU holds a window's prompt embeddings reads each of them once per epoch, not once per sample."""
+        rng = np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch)))
+        if not self.window:
+            return rng.permutation(self.n)
+        _, group = np.unique(self.groups, return_inverse=True)
+        place = rng.permutation(int(group.max()) + 1)  # where each group comes in the epoch
+        return np.lexsort((rng.random(self.n), place[group.reshape(-1)] // self.window))
 
     def micro_range(self, step: int) -> range:
         """Micro-steps of optimizer step `step` (0-based within the epoch)."""

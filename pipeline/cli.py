@@ -329,6 +329,12 @@ def _objective_help() -> str:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), help="Training device.  [default: auto]")
 @click.option("--verify", type=click.Choice(["sha256", "size"]),
               help="Shard check before training.  [default: sha256]")
+@click.option("--embedding-cache-size", type=int,
+              help="Prompt embeddings each reader process keeps in memory (LRU).  [default: 1024]")
+@click.option("--order", type=click.Choice(["auto", "shuffle", "grouped"]),
+              help="Epoch order: shuffle (uniform), grouped (prompts a window of --embedding-cache-size / 2 at a "
+              "time, samples shuffled within the window: each embedding read once per epoch) or auto (grouped when "
+              "the prompts outnumber --embedding-cache-size).  [default: auto]")
 @click.option("--collective-timeout-s", type=float, help="Seconds a rank may wait in a collective.  [default: 600]")
 @click.option("--strategy", type=click.Choice(["ddp", "fsdp"]),
               help="ddp: a full student per rank; fsdp: weights, gradients, AdamW state and EMA sharded over the "

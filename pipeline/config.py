@@ -217,6 +217,7 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 REPORT_TO = ("tensorboard", "wandb", "none")  # stages/train_student/tracking.py
 SHARD_CHECKS = ("sha256", "size")
 STRATEGIES = ("ddp", "fsdp")  # stages/train_student/strategy.py
+ORDERS = ("auto", "shuffle", "grouped")  # stages/train_student/data.py (order_window)
 
 
 def _int_list(name: str, value) -> tuple[int, ...] | None:
@@ -271,6 +272,10 @@ class TrainStudentConfig:
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
     verify: str = "sha256"  # shard check before training: sha256 (size + hash + member index) | size
     embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
+    # The epoch's order: shuffle = a uniform permutation of the samples; grouped = prompts in a random order, a window
+    # of embedding_cache_size / 2 prompts at a time, each window's samples shuffled (each embedding read once per
+    # epoch and rank, not once per sample); auto = grouped when the training prompts outnumber embedding_cache_size
+    order: str = "auto"
     collective_timeout_s: float = 600.0  # a rank waiting longer than this in a collective fails
     # How the student is laid over the ranks: ddp = a full replica per rank (weights, gradients, AdamW moments,
     # EMA); fsdp = PyTorch FSDP2, each rank holds 1/world of all of them (for students whose training state does
@@ -350,6 +355,8 @@ class TrainStudentConfig:
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if self.verify not in SHARD_CHECKS:
             raise ValueError(f"verify must be one of {', '.join(SHARD_CHECKS)}, got {self.verify!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.strategy == "fsdp" and self.mixed_precision == "fp16":

@@ -24,10 +24,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from cache import direct_io
 from cache import format as F
 from cache.errors import CacheError
 from cache.manifest import negative_problem
-from cache.prompt_store import EmbeddingCache, FinalLatentCache, check_prompt_rows, row_check_flags, row_flags_problem
+from cache.prompt_store import (
+    EmbeddingCache, FinalLatentCache, check_prompt_rows, prompt_store_path, row_check_flags, row_flags_problem,
+)
 from cache.reader import (
     C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError,
     check_complete, empty_table, fill_table, later_state_rows, sample_code, scan_shard, shard_list, shard_problem,
@@ -43,16 +46,14 @@ log = logging.getLogger(__name__)
 # Threads per process that read samples and embeddings ahead of the loader (`SampleDataset.prefetch`; preadv and
 # file reads release the GIL). Random 400 KB preads of A14B-sized shards on the 2-core dev VM's disk: 572 MiB/s
 # with 1 read in flight, 750 with 2, 896 with 4, 1082 with 8, 1330 with 16, 1253 with 32 (one thread issuing
-# reads in turn, or posix_fadvise hints, keeps ~1 in flight). But past a few threads the loader is bound by the
-# CPU (the kernel's page-cache work, the GIL changing hands): one epoch of the A14B-sized bench cache at batch 8,
-# depth 3, no workers, 2 threads: 770 samples/s, 3: 800-915, 4: 820-1010, 6: 730-880, 8: 750-775, 16: 600-740.
+# reads in turn, or posix_fadvise hints, keeps ~1 in flight). But past a few threads that loader is bound by the
+# CPU (the kernel's page-cache work, the GIL changing hands): one epoch of the A14B-sized bench cache (batch 8,
+# depth 3, no workers, a task per read) with 2 threads: 770 samples/s, 3: 800-915, 4: 820-1010, 6: 730-880,
+# 8: 750-775, 16: 600-740. With O_DIRECT reads (`direct_reads`) and a grouped order the same epoch takes 16.8 s
+# with 4 threads and 16.3-18.4 with 8: the disk's rate for random ~400 KB reads.
 READ_THREADS = 4
-# Items whose reads one task of the pool makes in turn (`_Run`; a batch's own reads, `__getitems__`, are spread over
-# every thread).
-READ_RUN = 2
-# Batches an in-process loader reads ahead beyond the one it delivers (`Lookahead`): (depth + 1) x batch samples
-# and their embeddings are in memory or in flight at most. Same bench, 4 threads: depth 2: 750-960 samples/s,
-# 3: 820-1010, 5: 680-885.
+# Batches an in-process loader reads ahead beyond the one it delivers (`Lookahead`): (depth + 1) x batch items are
+# in memory or in flight at most. Same bench, 4 threads: depth 2: 750-960 samples/s, 3: 820-1010, 5: 680-885.
 LOOKAHEAD_BATCHES = 3
 _SCAN_THREADS = 4  # hashing releases the GIL: a few shards at once per rank keep the disk busy
 
@@ -155,6 +156,19 @@ def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompt
     return DataSplit(index, np.flatnonzero(keep & ~is_held), np.flatnonzero(keep & is_held), held, use_steps)
 
 
+def direct_reads(index: CacheIndex) -> bool:
+    """Whether the loader reads `index`'s caches with O_DIRECT (`cache.direct_io`): where an epoch's bytes, the
+    shards and the stored prompt embeddings, exceed half of the machine's memory, so would not stay in the page
+    cache from one epoch to the next."""
+    nbytes = sum(int(rec[F.S_BYTES]) for _, _, rec, _ in index.shards)
+    if not direct_io.wanted(nbytes):  # (the shards alone may decide it: no need to list the stores' files)
+        for c in index.caches:
+            for part in range(int(c.manifest[F.F_NUM_PARTS])):
+                for folder, _, files in os.walk(prompt_store_path(c.path, part) / F.Z_EMBEDS):
+                    nbytes += sum(os.stat(os.path.join(folder, f)).st_size for f in files)
+    return direct_io.wanted(nbytes)
+
+
 class SampleDataset(Dataset):
     """Items are (row, weight) pairs; reads the sample's `fields` (cache/schema.py names, checked against the
     schema by the reader) and its prompt embedding, padded as the teacher saw it.
@@ -174,6 +188,7 @@ class SampleDataset(Dataset):
         self.embedding_cache_size = embedding_cache_size
         self.fields = tuple(dict.fromkeys((F.T_X_T, *fields)))
         self.max_len = int(index.manifest[F.F_MAX_SEQUENCE_LENGTH])
+        self.direct = direct_reads(index)  # read past the page cache (decided once, in the process that makes it)
         self._reader: SampleReader | None = None
         self._embeds: list[EmbeddingCache] | None = None
         self.hint_own_batch = True  # read a batch's items concurrently; off where a `Lookahead` reads ahead
@@ -183,9 +198,9 @@ class SampleDataset(Dataset):
         self._samples = _Reads()  # row -> reads of the sample started by `prefetch`
 
     def _open(self) -> None:
-        self._reader = SampleReader(self.index)
-        self._embeds = [EmbeddingCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size)
-                        for c in self.index.caches]
+        self._reader = SampleReader(self.index, direct=self.direct)
+        self._embeds = [EmbeddingCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size,
+                                       self._reader.direct) for c in self.index.caches]
 
     def __getstate__(self) -> dict:
         """Pickled (a worker process spawned, not forked): readers, stores and read-ahead are the process's own."""
@@ -222,10 +237,10 @@ class SampleDataset(Dataset):
                 "timestep": float(meta[F.M_TIMESTEP]), "sigma": float(meta[F.M_SIGMA]), "step": int(meta[F.M_STEP]),
                 "weight": float(weight), "key": self.index.key(row), "max_len": self.max_len}
 
-    def prefetch(self, items: list[tuple[int, float]], run: int | None = None) -> None:
+    def prefetch(self, items: list[tuple[int, float]]) -> None:
         """Start reading these items (their samples, and their embeddings not in memory nor on their way) in this
-        process's read threads, in order, `run` items (READ_RUN) per task; each item's `__getitem__` takes what was
-        read for it. What is read ahead stays in memory until its item is read or `end_reads` drops it."""
+        process's read threads, in order, one task per item; each item's `__getitem__` takes what was read for it.
+        What is read ahead stays in memory until its item is read or `end_reads` drops it."""
         if self._pid != os.getpid():
             self._forked()
         if self._reader is None:
@@ -233,23 +248,22 @@ class SampleDataset(Dataset):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="wandistiller-read")
             self._pool_end = weakref.finalize(self, _end_pool, self._pool, self._pid)
-        step = run or READ_RUN
-        for lo in range(0, len(items), step):
+        for row, _ in items:
             reads = _Run()
-            for row, _ in items[lo:lo + step]:
-                self._submit(reads, int(row))
-            self._pool.submit(reads)
+            self._submit(reads, int(row))
+            if reads.calls:
+                self._pool.submit(reads)
 
-    def _submit(self, pool: _Run, row: int) -> None:
-        """Start the reads of one item. One that cannot even start (a shard gone, no descriptor left) is left to
-        the item's own read, which then raises its error at that item, as without read-ahead."""
+    def _submit(self, reads: _Run, row: int) -> None:
+        """Add the reads of one item to `reads`. One that cannot even start (a shard gone, no descriptor left) is
+        left to the item's own read, which then raises its error at that item, as without read-ahead."""
         r = self.index.table[row]
         try:
-            self._samples.put(row, self._reader.submit(pool, row))
+            self._samples.put(row, self._reader.submit(reads, row))
         except Exception:
             pass
         try:
-            self._embeds[int(r[C_CACHE])].submit(pool, int(r[C_PROMPT]))
+            self._embeds[int(r[C_CACHE])].submit(reads, int(r[C_PROMPT]))
         except Exception:
             pass
 
@@ -281,7 +295,7 @@ class SampleDataset(Dataset):
     def __getitems__(self, items: list[tuple[int, float]]) -> list[dict]:
         own = self.hint_own_batch  # the batch's reads run concurrently (`Lookahead` started them already)
         if own:
-            self.prefetch(items, run=-(-len(items) // READ_THREADS))  # over every thread
+            self.prefetch(items)
         try:
             return [self[i] for i in items]
         finally:
@@ -327,10 +341,11 @@ class _Reads:
 
 
 class _Run:
-    """Reads made one after the other in one thread of the pool: `submit` (an Executor's, for `SampleReader.submit`
-    and `EmbeddingCache.submit`) only records a call and returns its future; the pool then runs the whole run as
-    one task. One task per few items, not one per read: each task costs the waking of a thread and the GIL
-    changing hands, which on 2 busy cores cost more CPU than the reads' own Python work."""
+    """One item's reads (its sample, embedding, segment partner), made one after the other in one thread of the
+    pool: `submit` (an Executor's, for `SampleReader.submit` and `EmbeddingCache.submit`) only records a call and
+    returns its future; the pool then runs them as one task. One task per item: each task costs the waking of a
+    thread and the GIL changing hands (one epoch of the A14B-sized bench on a busy 2-core VM, 3 runs each, side by
+    side: a task per read 443-596 samples/s, per item 528-719, per 2 items 479-671)."""
 
     def __init__(self):
         self.calls: list = []
@@ -389,17 +404,17 @@ class SegmentDataset(SampleDataset):
 
     def _open(self) -> None:
         super()._open()
-        self._finals = [FinalLatentCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size)
-                        for c in self.index.caches]
+        self._finals = [FinalLatentCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size,
+                                         self._reader.direct) for c in self.index.caches]
 
-    def _submit(self, pool: _Run, row: int) -> None:
-        super()._submit(pool, row)
+    def _submit(self, reads: _Run, row: int) -> None:
+        super()._submit(reads, row)
         r, end_row = self.index.table[row], int(self.end_rows[row])
         try:  # (as the sample's: a read that cannot start is left to the item's own)
             if end_row >= 0:
-                self._ends.put(row, self._reader.submit(pool, end_row, (F.T_X_T,)))
+                self._ends.put(row, self._reader.submit(reads, end_row, (F.T_X_T,)))
             else:
-                self._finals[int(r[C_CACHE])].submit(pool, int(r[C_PROMPT]))
+                self._finals[int(r[C_CACHE])].submit(reads, int(r[C_PROMPT]))
         except Exception:
             pass
 
@@ -471,6 +486,34 @@ def collate(items: list[dict]) -> dict:
         "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
         "keys": [i["key"] for i in items if i["weight"] > 0],
     }
+
+
+def prompt_groups(index: CacheIndex, rows: np.ndarray) -> np.ndarray:
+    """The group of each of `rows` for a grouped epoch order: its prompt in its cache (one embedding store)."""
+    t = index.table[rows]
+    return t[:, C_CACHE].astype(np.int64) * (int(index.table[:, C_PROMPT].max(initial=0)) + 1) + t[:, C_PROMPT]
+
+
+def order_window(order: str, groups: np.ndarray, embedding_cache_size: int) -> int:
+    """The EpochPlan window of `order` (pipeline/config.py ORDERS) for rows of these `groups`: 0, a shuffled epoch,
+    or the prompts per window of a grouped one. A window of half the embedding LRU: every prompt of a window stays
+    in memory from its first sample to its last, with room for the read-ahead's and the next window's.
+
+    auto groups when the prompts outnumber the LRU: a shuffled epoch then reads a prompt's embedding again for
+    nearly every sample (10,000 prompts x 3 steps, LRU of 1,024: 2.8 reads a prompt, 1.0 grouped; the real-size
+    bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped), while an LRU that holds every prompt reads
+    each once in any order, and the order stays the uniform shuffle."""
+    if order == "shuffle" or (order == "auto" and len(np.unique(groups)) <= embedding_cache_size):
+        return 0
+    return max(1, embedding_cache_size // 2)
+
+
+def epoch_plan(data: DataSplit, world: int, batch: int, accum: int, order: str,
+               embedding_cache_size: int) -> EpochPlan:
+    """train-student's plan of an epoch over `data`'s training rows, in `order` (`order_window`)."""
+    groups = prompt_groups(data.index, data.train_rows)
+    window = order_window(order, groups, embedding_cache_size)
+    return EpochPlan(len(data.train_rows), world, batch, accum, groups if window else None, window)
 
 
 class RankBatches(Sampler):

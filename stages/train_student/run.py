@@ -31,7 +31,7 @@ from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print
 
 from . import checkpoint
 from .comm import all_gather_bytes
-from .data import DataSplit, prepare
+from .data import DataSplit, epoch_plan, prepare
 from .loop import TrainState, Trainer, make_ema, plot_losses, truncate_metrics
 from .objectives import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy
@@ -119,7 +119,7 @@ def _plan(cfg: TrainStudentConfig, data: DataSplit, env: DistEnv) -> tuple[Epoch
         raise UserError(f"--batch-size {cfg.batch_size} is larger than a rank's share of the data: {n} training "
                         f"samples over {env.world_size} rank(s) is {share} per rank per epoch; lower --batch-size "
                         f"to at most {max(share, 1)}" + (" or use fewer ranks" if env.world_size > 1 else ""))
-    plan = EpochPlan(n, env.world_size, cfg.batch_size, cfg.grad_accum)
+    plan = epoch_plan(data, env.world_size, cfg.batch_size, cfg.grad_accum, cfg.order, cfg.embedding_cache_size)
     if cfg.max_steps is not None:
         total = cfg.max_steps if cfg.epochs is None else min(cfg.max_steps, cfg.epochs * plan.steps)
     else:
@@ -220,6 +220,8 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
     if objective.name != "velocity" or objective.record():  # runs from before objectives resume unchanged
         identity["objective"] = {"name": objective.name, **objective.record()}
+    if plan.window:  # (a shuffled epoch's identity is what it was before grouped orders)
+        identity["order"] = {"grouped": plan.window}
     strategy = get_strategy(cfg.strategy, env, device, mixed)
     return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity, strategy)
 
@@ -284,8 +286,8 @@ def _resume(ckpt: Path, env: DistEnv, s: _Setup, optimizer, scaler) -> tuple[Tra
         if saved["extra"].get(k) != v:
             raise UserError(f"checkpoint {ckpt} was made with another {k.replace('_', ' ')} "
                             f"({saved['extra'].get(k)!r:.80} vs {v!r:.80}); resume with the same caches, seed, "
-                            "--batch-size x ranks, --grad-accum, data selection, student config and --objective, "
-                            "or use a new --out")
+                            "--batch-size x ranks, --grad-accum, data selection, student config, --objective and "
+                            "--order (with --embedding-cache-size), or use a new --out")
     saved, ema_state = s.strategy.load_checkpoint(ckpt, optimizer)
     state = TrainState(**{k: saved[k] for k in ("step", "epoch", "epoch_step", "samples", "wall_s")})
     rngs = saved.get("rng") or []
@@ -338,7 +340,8 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     print0(f"train-student: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter student on "
          f"{env.world_size} x {s.device.type} ({cfg.strategy}), objective {s.objective.name}, "
          f"{len(s.data.train_rows)} training samples ({len(s.data.heldout_rows)} held out), global batch "
-         f"{s.plan.global_batch} x {cfg.grad_accum} accum, {s.plan.steps} steps/epoch, {s.total} steps, mixed "
+         f"{s.plan.global_batch} x {cfg.grad_accum} accum, {s.plan.steps} steps/epoch ("
+         f"{f'grouped by {s.plan.window} prompts' if s.plan.window else 'shuffled'}), {s.total} steps, mixed "
          f"precision {s.mixed or 'no'}")
 
     # The run's hyperparameters for the tracker: the resolved config and what it resolved to.
