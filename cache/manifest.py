@@ -212,6 +212,9 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         raise CacheError(f"cache directory {cache_dir} does not exist; create it with `wandistiller teacher-cache`")
     path = manifest_path(cache_dir)
     if not path.exists():
+        if not (cache_dir / PARTS_DIR).is_dir():
+            raise CacheError(f"{cache_dir} has no {MANIFEST} and no {PARTS_DIR}/: it is not a cache; pass the "
+                             "CACHE_DIR that `wandistiller teacher-cache --out` wrote")
         raise CacheError(f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
                          "(rerun the same `wandistiller teacher-cache` command to complete it)")
     try:

@@ -450,17 +450,21 @@ def cache_info_cmd(cache_dir, prompts, as_json):
 @user_errors("cache")
 def cache_verify_cmd(cache_dir):
     """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
-    folder).
+    cache, or one whose stage one has not finished).
 
     Example: wandistiller cache verify runs/cache
     """
+    from cache import format as F
     from cache.errors import CacheError
+    from cache.manifest import load_manifest
     from cache.verify import verify_cache
 
     if not os.path.isdir(cache_dir):  # nothing to verify: the user's to fix, like `cache info`
         what = "is a file, not a cache folder" if os.path.exists(cache_dir) else "does not exist"
         raise CacheError(f"cache directory {cache_dir} {what}; pass the CACHE_DIR that `wandistiller teacher-cache "
                          "--out` wrote")
+    if not os.path.exists(os.path.join(cache_dir, F.MANIFEST)):  # not a cache, or an unfinished one: nothing to check
+        load_manifest(cache_dir)  # (raises the CacheError that says which, and what to do)
     notes: list[str] = []
     problems = verify_cache(cache_dir, progress=sys.stderr.isatty(), notes=notes)
     for n in notes:  # what a cache of an earlier WanDistiller records no checksum for: not a problem

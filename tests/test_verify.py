@@ -83,4 +83,10 @@ def test_unwritten_zarr_row(cache_copy):
 
 def test_not_a_cache(tmp_path):
     r = _verify(tmp_path)
-    assert r.exit_code == 1 and "has no manifest.json" in r.output
+    assert r.exit_code == 2 and "has no manifest.json and no parts/: it is not a cache" in r.output
+
+
+def test_an_unfinished_cache_is_named_not_verified(cache_copy):
+    (cache_copy / F.MANIFEST).unlink()
+    r = _verify(cache_copy)
+    assert r.exit_code == 2 and "stage one has not finished there" in r.output and "BAD" not in r.output
