@@ -407,10 +407,17 @@ def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_s
     """
     _quiet_libraries()
     from stages.teacher_cache import plan_from_flags
+    from stages.teacher_cache.plan import NoPlacement
 
-    plan = plan_from_flags(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
-                           max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node,
-                           prompts, seeds_per_prompt, steps, record_steps)
+    try:
+        plan = plan_from_flags(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
+                               max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk,
+                               ranks_per_node, prompts, seeds_per_prompt, steps, record_steps)
+    except NoPlacement as e:
+        if not as_json:
+            raise
+        click.echo(e.to_json())  # {"fits": false, "error": the line, the figures}: still JSON, still exit 2
+        sys.exit(2)
     click.echo(plan.to_json() if as_json else plan.render())
 
 

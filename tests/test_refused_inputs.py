@@ -178,6 +178,17 @@ def test_plan_where_nothing_fits_shows_the_figures():
     assert any(ln.strip().startswith("- cpu (no GPU): ") for ln in lines)
 
 
+def test_plan_json_where_nothing_fits_is_json():
+    r = _cli("plan", "--teacher", A14B, "--assume-gpus", "8GiB", "--assume-ram", "16GiB", "--assume-disk", "20GiB",
+             "--json")
+    assert r.exit_code == 2
+    out = json.loads(r.stdout)
+    assert out["fits"] is False and out["error"].startswith("the teacher fits nowhere on this machine")
+    t2 = next(c for c in out["components"] if c["name"] == "transformer_2")
+    assert 1.9 < t2["bytes"]["float32"] / t2["bytes"]["bfloat16"] <= 2  # each dtype (norms may stay float32)
+    assert any(m.startswith("offload: a GPU of") for m in out["would_fit"]["bfloat16"])
+
+
 # --- stage one resumes a damaged part; eval checks the manifest; verify's notes ---------------------------------
 
 def _unfinished(cache: Path) -> None:

@@ -92,8 +92,8 @@ def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, b
         try:
             d = decide(needs, inv)
         except FitsNowhere as e:  # the figures, so the user sees how far off each machine is
-            report = _nowhere_report(teacher, dtype, batch_size, height, width, frames, cfg, text_len, inv)
-            raise UserError(f"{e.line}\n{report}") from e
+            raise NoPlacement(e.line, _nowhere(teacher, dtype, batch_size, height, width, frames, cfg, text_len,
+                                               inv)) from e
         entry, order, why = placements.get(d.placement), d.expert_order, d.reasons
     else:
         entry = placements.get(placement)
@@ -120,25 +120,47 @@ def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, b
                 order, comps, act, layout.resident, layout.streamed, why, notes)
 
 
-def _nowhere_report(teacher: str, dtype: str, batch_size: int, height: int, width: int, frames: int, cfg: bool,
-                    text_len: int, inv: Inventory) -> str:
-    """What `plan` adds to "the teacher fits nowhere": each component's parameters and bytes at each dtype, and per
-    dtype the least machine of each placement that would hold it (indented lines under the error line)."""
+class NoPlacement(UserError):
+    """`plan` where the teacher fits nowhere: the error line, then the figures (`report`, from `_nowhere`) as
+    indented lines, or, for `plan --json`, all of it as one JSON object (`to_json`)."""
+
+    def __init__(self, line: str, report: dict):
+        self.line, self.report = line, report
+        super().__init__(f"{line}\n{_render_nowhere(report)}")
+
+    def to_json(self) -> str:
+        return json.dumps({"fits": False, "error": self.line, **self.report}, indent=2)
+
+
+def _nowhere(teacher: str, dtype: str, batch_size: int, height: int, width: int, frames: int, cfg: bool,
+             text_len: int, inv: Inventory) -> dict:
+    """Each component's parameters and bytes at each dtype, the activations, and per dtype the least machine of
+    each placement that would hold it."""
     dtypes = list(dict.fromkeys([dtype, *(d for d in DTYPE_BYTES if d != "float16")]))  # float16 weighs as bfloat16
     sizes = {d: teacher_sizes(teacher, d) for d in dtypes}
     acts = {d: activation_bytes(sizes[d], batch_size, height, width, frames, cfg, text_len) for d in dtypes}
     first = sizes[dtype]
+    return {"dtype": dtype, "batch_size": batch_size, "height": height, "width": width, "frames": frames,
+            "components": [{"name": name, "class": first.components[name].cls,
+                            "params": first.components[name].params,
+                            "bytes": {d: sizes[d].components[name].bytes for d in dtypes}}
+                           for name in ("text_encoder", *first.experts) if first.components.get(name) is not None],
+            "activations_bytes": acts,
+            "would_fit": {d: machines_that_fit(Needs.of(sizes[d], acts[d]), inv.ranks_per_node) for d in dtypes}}
+
+
+def _render_nowhere(r: dict) -> str:
+    """`_nowhere`'s figures as the lines `plan` prints under the error line."""
+    dtypes = list(r["activations_bytes"])
     lines = [f"  {'component':<14}{'class':<24}{'params':>16}" + "".join(f"{d:>12}" for d in dtypes)]
-    for name in ("text_encoder", *first.experts):
-        c = first.components.get(name)
-        if c is not None:
-            lines.append(f"  {name:<14}{c.cls:<24}{c.params:>16,}"
-                         + "".join(f"{gib(sizes[d].components[name].bytes):>12}" for d in dtypes))
-    lines.append(f"  {f'activations (batch {batch_size}, {height}x{width}x{frames})':<54}"
-                 + "".join(f"{gib(acts[d]):>12}" for d in dtypes))
+    for c in r["components"]:
+        lines.append(f"  {c['name']:<14}{c['class']:<24}{c['params']:>16,}"
+                     + "".join(f"{gib(c['bytes'][d]):>12}" for d in dtypes))
+    act = f"activations (batch {r['batch_size']}, {r['height']}x{r['width']}x{r['frames']})"
+    lines.append(f"  {act:<54}" + "".join(f"{gib(r['activations_bytes'][d]):>12}" for d in dtypes))
     for d in dtypes:
-        lines.append(f"  would fit at {d}{' (this run)' if d == dtype else ''}, any one of:")
-        lines += [f"    - {m}" for m in machines_that_fit(Needs.of(sizes[d], acts[d]), inv.ranks_per_node)]
+        lines.append(f"  would fit at {d}{' (this run)' if d == r['dtype'] else ''}, any one of:")
+        lines += [f"    - {m}" for m in r["would_fit"][d]]
     return "\n".join(lines)
 
 
