@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,22 @@ def test_resume_after_sigkill_continues_one_tensorboard_curve(tiny_cache, tmp_pa
     assert [s for s, _ in got["train/loss"]] == list(range(1, 9))  # nothing twice, nothing missing
     assert [s for s, _ in got["eval/heldout_loss"]] == [0, 3, 6, 8]
     assert [v for _, v in got["train/loss"]] == pytest.approx([r["loss"] for r in metrics(out)], rel=1e-6)
+
+
+def test_a_resumed_event_file_sorts_after_the_killed_runs(tmp_path):
+    """TensorBoard reads event files in name order, and a name starts with the second it was opened: a writer
+    opened in the same second as the killed run's file must still sort after it (its purge applies to that file)."""
+    from stages.train_student.tracking import TensorBoardTracker
+
+    log_dir = tmp_path / "tb"
+    log_dir.mkdir()
+    now = int(time.time())
+    killed = log_dir / f"events.out.tfevents.{now}.host.zzzz.0"  # sorts after any pid of this second
+    killed.write_bytes(b"")
+    tracker = TensorBoardTracker(log_dir, {"lr": 1.0}, resume_step=4)
+    tracker.close()
+    newest = sorted(p.name for p in log_dir.iterdir())[-1]
+    assert newest != killed.name and int(newest.split(".")[3]) > now
 
 
 def test_a_failing_validation_warns_and_training_goes_on(tiny_cache, tmp_path, monkeypatch, capsys):

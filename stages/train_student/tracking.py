@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,20 @@ class Tracker:
 NullTracker = Tracker
 
 
+def _wait_past_event_files(log_dir: Path, most_s: float = 2.0) -> None:
+    """Return once this second is past the newest event file's in `log_dir`. TensorBoard reads a run's event files
+    in name order, and a name starts with the whole second its writer opened it
+    (`events.out.tfevents.<seconds>.<host>.<pid>.<n>`): a file opened in the same second as an earlier one may sort
+    before it (by host, then pid), and the earlier file's events are then read after the purge meant to hide
+    them (a resume within a second of the killed run's start lost its own steps instead). At most `most_s`
+    (a clock set back: the wait would never end)."""
+    stamps = [int(p.name.split(".")[3]) for p in log_dir.glob("events.out.tfevents.*")
+              if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
+    deadline = time.monotonic() + most_s
+    while stamps and int(time.time()) <= max(stamps) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class TensorBoardTracker(Tracker):
     """Event files under OUT/tensorboard, written by torch's SummaryWriter."""
 
@@ -106,6 +121,7 @@ class TensorBoardTracker(Tracker):
         # hides a killed run's events that --resume could not continue; a resumed one (checkpoint + 1) hides
         # what was logged after its checkpoint, exactly as metrics.jsonl is truncated.
         purge = 0 if resume_step is None else resume_step + 1
+        _wait_past_event_files(log_dir)
         self.writer = SummaryWriter(str(log_dir), purge_step=purge, flush_secs=30)
         flat = hparams(config)
         # The hparams plugin's summaries go into this run's own event file (add_hparams would open a second run).
