@@ -288,7 +288,7 @@ def raw_read(cache: Path, direct: bool = False) -> tuple[float, int]:
     buf = raw[-raw.ctypes.data % direct_io.ALIGN:][:chunk]
     t = time.perf_counter()
     for f in loader_files(cache):
-        fd = direct_io.open_file(f) if direct else os.open(f, os.O_RDONLY)
+        fd, _ = direct_io.open_read(f, direct)
         try:
             while k := os.readv(fd, [buf]):
                 n += k
@@ -298,15 +298,22 @@ def raw_read(cache: Path, direct: bool = False) -> tuple[float, int]:
 
 
 def loader_read(cache: Path, batch_size: int, num_workers: int, limit: int | None = None,
-                pin: bool = False) -> tuple[float, int]:
+                pin: bool = False) -> tuple[float, int, str]:
     """Seconds for stage two's loader to deliver one epoch (or its first `limit` samples) as train-student
-    makes it: the index checked by size, RankBatches of the epoch's order, SampleDataset (sample + padded
-    embedding) and make_loader with `num_workers` (`pin`: pinned batches, as on CUDA); page cache dropped
-    first, worker start-up included."""
+    makes it: the index checked by size, RankBatches of train-student's default epoch order, SampleDataset
+    (sample + padded embedding) and make_loader with `num_workers` (`pin`: pinned batches, as on CUDA); page
+    cache dropped first, worker start-up included. Then the samples, and how they were read (order, O_DIRECT)."""
+    from cache.reader import open_caches
+    from pipeline.runtime import dist_env
     from stages.train_student import data as D
 
-    data, plan = default_plan(cache, batch_size)
-    ds = D.SampleDataset(data.index, _DEFAULTS["embedding_cache_size"].default)
+    defaults = TrainStudentConfig.__dataclass_fields__
+    lru = defaults["embedding_cache_size"].default
+    data = D.prepare(open_caches([cache]), dist_env(), torch.device("cpu"), "size", None, 0)
+    plan = D.epoch_plan(data, 1, batch_size, 1, defaults["order"].default, lru)
+    ds = D.SampleDataset(data.index, lru)
+    how = (f"grouped by {plan.window} prompts" if plan.window else "shuffled") + ", " + \
+        ("O_DIRECT" if ds.direct else "buffered") + " reads"
     drop_tree(cache)
     n = 0
     t = time.perf_counter()
@@ -314,30 +321,7 @@ def loader_read(cache: Path, batch_size: int, num_workers: int, limit: int | Non
         n += len(batch["keys"])
         if limit is not None and n >= limit:
             break
-    return time.perf_counter() - t, n
-
-
-_DEFAULTS = TrainStudentConfig.__dataclass_fields__
-
-
-def default_plan(cache: Path, batch_size: int):
-    """(the cache's DataSplit, checked by size; train-student's default EpochPlan of it on one rank)."""
-    from cache.reader import open_caches
-    from pipeline.runtime import dist_env
-    from stages.train_student import data as D
-
-    data = D.prepare(open_caches([cache]), dist_env(), torch.device("cpu"), "size", None, 0)
-    return data, D.epoch_plan(data, 1, batch_size, 1, _DEFAULTS["order"].default,
-                              _DEFAULTS["embedding_cache_size"].default)
-
-
-def loader_direct(cache: Path) -> dict:
-    """How train-student reads this cache by default: the epoch order, and whether with O_DIRECT."""
-    from stages.train_student import data as D
-
-    data, plan = default_plan(cache, 8)
-    return {"order": f"grouped by {plan.window} prompts" if plan.window else "shuffled",
-            "direct": D.direct_reads(data.index)}
+    return time.perf_counter() - t, n, how
 
 
 def default_workers() -> int:
@@ -439,7 +423,7 @@ def main(argv=None) -> list[dict]:
         for r in range(args.reps):
             for name in passes[r % 3:] + passes[:r % 3]:  # each pass first in turn: the disk's rate drifts
                 if name == "loader":
-                    dt, samples = loader_read(cache, args.batch_size, workers, pin=device.type == "cuda")
+                    dt, samples, read_how = loader_read(cache, args.batch_size, workers, pin=device.type == "cuda")
                 else:
                     dt, nbytes = raw_read(cache, direct=name == "direct")
                 times[name].append(dt)
@@ -447,12 +431,10 @@ def main(argv=None) -> list[dict]:
         print("  " + ", ".join(f"{k} " + " ".join(f"{x:.1f}" for x in v) + " s" for k, v in times.items()), flush=True)
         raw_s = min(times["buffered"] + times["direct"])
         loader_sps = samples / min(times["loader"])
-        ds = loader_direct(cache)
         results.append(result(
             "loader_vs_raw_read_a14b", loader_sps, samples / raw_s, "samples/s", 0.8, ">=",
-            note=f"one epoch of {samples} samples in the epoch's order ({ds['order']}), batch {args.batch_size}, "
-                 f"{workers} loader workers (train-student's default here), embeddings included, "
-                 f"{'O_DIRECT' if ds['direct'] else 'buffered'} reads; raw read of {nbytes / 2**30:.2f} GiB (shards + "
+            note=f"one epoch of {samples} samples in the epoch's order ({read_how}), batch {args.batch_size}, "
+                 f"{workers} loader workers (train-student's default here), embeddings included; raw read of {nbytes / 2**30:.2f} GiB (shards + "
                  f"embeddings), the faster of buffered ({nbytes / min(times['buffered']) / 2**20:.0f} MiB/s) and "
                  f"O_DIRECT ({nbytes / min(times['direct']) / 2**20:.0f} MiB/s); page cache dropped before each pass "
                  f"(os.sync + posix_fadvise DONTNEED); best of {args.reps}"))

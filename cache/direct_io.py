@@ -10,13 +10,14 @@ then serves its next epochs from memory.
 O_DIRECT wants offsets, lengths and buffer addresses aligned to the disk's logical block size: `read` reads
 the aligned blocks that hold a span, into an aligned buffer, and returns the span as a view. A file system
 without O_DIRECT refuses the open (EINVAL), a disk with a larger block the read (EINVAL): callers then go on
-with buffered reads (`Refused`).
+with buffered reads (`open_read`, `pread`).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 
 import numpy as np
@@ -26,9 +27,7 @@ import numpy as np
 ALIGN = 4096
 FLAG = getattr(os, "O_DIRECT", 0)
 
-
-class Refused(Exception):
-    """The file system or the disk refused a direct open or read (EINVAL): read buffered."""
+log = logging.getLogger(__name__)
 
 
 def wanted(nbytes: int) -> bool:
@@ -43,32 +42,41 @@ def wanted(nbytes: int) -> bool:
     return nbytes > memory // 2
 
 
-def open_file(path: os.PathLike | str) -> int:
-    """`path` opened read-only with O_DIRECT; Refused where its file system has none."""
-    try:
-        return os.open(path, os.O_RDONLY | FLAG)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            raise Refused(f"{path} cannot be opened with O_DIRECT") from e
-        raise
+def open_read(path: os.PathLike | str, direct: bool) -> tuple[int, bool]:
+    """(`path` opened read-only, whether with O_DIRECT): with it if `direct` and the file system has it (EINVAL
+    otherwise: opened buffered, and said once in the log by a caller that then stops asking)."""
+    if direct:
+        try:
+            return os.open(path, os.O_RDONLY | FLAG), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            log.info(f"{path} cannot be opened with O_DIRECT: reading through the page cache")
+    return os.open(path, os.O_RDONLY), False
 
 
 def is_direct(fd: int) -> bool:
     return bool(FLAG) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & FLAG)
 
 
-def read(fd: int, off: int, n: int) -> np.ndarray:
-    """Bytes [off, off + n) of the file open with O_DIRECT on `fd`, as a uint8 view of an aligned buffer (shorter
-    where the file ends sooner). Refused if the disk refuses the alignment; the descriptor is then made buffered
-    (`fcntl`), for the caller to read again."""
-    lo, hi = off - off % ALIGN, -(-(off + n) // ALIGN) * ALIGN
-    raw = np.empty(hi - lo + ALIGN, dtype=np.uint8)  # not zeroed: the read fills it
-    buf = raw[-raw.ctypes.data % ALIGN:][:hi - lo]
-    try:
-        got = os.preadv(fd, [buf], lo)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
+def pread(fd: int, off: int, n: int) -> tuple[np.ndarray, bool]:
+    """(up to `n` bytes of the file on `fd` at `off`, fewer where it ends sooner; whether a direct read was
+    refused). From a descriptor opened with O_DIRECT: one read of the aligned blocks that hold the bytes, into an
+    aligned buffer, the bytes a view of it. Otherwise, or where the disk refuses that alignment (EINVAL: the
+    descriptor is then made buffered, for good), one read into a new buffer (not zeroed: the read fills it)."""
+    refused = False
+    if is_direct(fd):
+        lo, hi = off - off % ALIGN, -(-(off + n) // ALIGN) * ALIGN
+        raw = np.empty(hi - lo + ALIGN, dtype=np.uint8)
+        buf = raw[-raw.ctypes.data % ALIGN:][:hi - lo]
+        try:
+            got = os.preadv(fd, [buf], lo)
+            return buf[off - lo:max(off - lo, min(got, off - lo + n))], False
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~FLAG)
-        raise Refused("a direct read was refused (the disk wants another alignment)") from e
-    return buf[off - lo:max(off - lo, min(got, off - lo + n))]
+        log.info("a direct read was refused (the disk wants another alignment): reading through the page cache")
+        refused = True
+    buf = np.empty(n, dtype=np.uint8)
+    return buf[:os.preadv(fd, [buf], off)], refused

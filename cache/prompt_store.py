@@ -265,23 +265,17 @@ class ChunkFiles:
         return fd, off, n, file
 
     def _open(self, file: Path) -> int:
-        if self.direct and self.zstd is None:
-            try:
-                return direct_io.open_file(file)
-            except direct_io.Refused:
-                self.direct = False
-        return os.open(file, os.O_RDONLY)
+        if self.zstd is not None:  # (compressed chunks are read whole by offset, never directly)
+            return os.open(file, os.O_RDONLY)
+        fd, self.direct = direct_io.open_read(file, self.direct)
+        return fd
 
     def _pread(self, fd: int, off: int, n: int) -> np.ndarray:
-        """Up to `n` bytes of the open file at `off` (fewer where it ends sooner), read directly where `fd` was
-        opened with O_DIRECT."""
-        if direct_io.is_direct(fd):
-            try:
-                return direct_io.read(fd, off, n)
-            except direct_io.Refused:
-                self.direct = False  # (`read` made `fd` buffered)
-        buf = np.empty(n, dtype=np.uint8)
-        return buf[:os.preadv(fd, [buf], off)]
+        """Up to `n` bytes of the open file at `off` (`direct_io.pread`)."""
+        buf, refused = direct_io.pread(fd, off, n)
+        if refused:
+            self.direct = False
+        return buf
 
     def location(self, idx: tuple[int, ...]) -> tuple[Path, int, int] | None:
         """(file, offset, length) of chunk `idx`'s stored bytes (its crc32c included), or None where it was never

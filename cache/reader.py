@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import tarfile
@@ -33,8 +32,6 @@ from . import format as F
 from .errors import CacheError
 from .manifest import check_settings, load_manifest
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_problems
-
-log = logging.getLogger(__name__)
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -377,6 +374,8 @@ def _tensors_in(buf: np.ndarray) -> dict[str, torch.Tensor]:
 # The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with
 # them to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
 _GAP = 64 << 10
+
+
 class SampleReader:
     """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files.
 
@@ -415,30 +414,14 @@ class SampleReader:
         return fd
 
     def _open(self, path: Path) -> int:
-        if self.direct:
-            try:
-                return direct_io.open_file(path)
-            except direct_io.Refused as e:
-                self._buffered(str(e))
-        return os.open(path, os.O_RDONLY)
-
-    def _buffered(self, why: str) -> None:
-        if self.direct:
-            log.info(f"{why}: reading the cache's shards through the page cache")
-        self.direct = False
+        fd, self.direct = direct_io.open_read(path, self.direct)
+        return fd
 
     def _span(self, fd: int, off: int, n: int, row: int) -> np.ndarray:
-        """`n` bytes of the shard at `off`: one read into a new buffer (not zeroed: the read fills it), or from a
-        descriptor opened with O_DIRECT one read of the aligned blocks that hold them (`direct_io.read`)."""
-        if direct_io.is_direct(fd):
-            try:
-                buf = direct_io.read(fd, off, n)
-            except direct_io.Refused as e:
-                self._buffered(f"{self.index.shard_path(row)}: {e}")
-                return self._span(fd, off, n, row)
-        else:
-            buf = np.empty(n, dtype=np.uint8)
-            buf = buf[:os.preadv(fd, [buf], off)]
+        """`n` bytes of the shard at `off`, in one read (`direct_io.pread`: direct from a descriptor opened so)."""
+        buf, refused = direct_io.pread(fd, off, n)
+        if refused:
+            self.direct = False
         if len(buf) != n:
             raise self._truncated(row)
         return buf

@@ -86,5 +86,5 @@ def test_real_size_pieces(tmp_path):
     assert real_size.raw_write(tmp_path, 3 << 20, file_bytes=1 << 20) > 0 and not list(tmp_path.glob("raw-*"))
     dt, nbytes = real_size.raw_read(cache)
     assert dt > 0 and nbytes >= w["shard_bytes"]
-    dt, n = real_size.loader_read(cache, batch_size=3, num_workers=0)
+    dt, n, _ = real_size.loader_read(cache, batch_size=3, num_workers=0)
     assert dt > 0 and n == 10

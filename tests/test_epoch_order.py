@@ -5,6 +5,8 @@ uniform shuffle; O_DIRECT reads deliver the bytes buffered reads deliver, and fa
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import numpy as np
@@ -117,16 +119,34 @@ def test_direct_reads_deliver_what_buffered_reads_deliver(tiny_cache):
 
 
 def test_a_refused_direct_read_goes_on_buffered(tiny_cache, monkeypatch):
-    def refuse(path):
-        raise direct_io.Refused(f"{path} cannot be opened with O_DIRECT")
+    real_open = os.open
 
-    monkeypatch.setattr(direct_io, "open_file", refuse)
-    index = open_index([tiny_cache])
+    def refuse(path, flags, *args):  # a file system without O_DIRECT: EINVAL at the open
+        if flags & direct_io.FLAG:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(direct_io.os, "open", refuse)
+        index = open_index([tiny_cache])
+        reader = SampleReader(index, direct=True)
+        tensors, _ = reader.read(0)
+        assert not reader.direct and torch.equal(tensors["x_t"], SampleReader(index).read(0)[0]["x_t"])
+        cache = EmbeddingCache(tiny_cache, 1, 4, direct=True)
+        assert torch.equal(cache.get(0), EmbeddingCache(tiny_cache, 1, 4).get(0))
+    if not direct_io.FLAG:
+        return
+    real_preadv = os.preadv
+
+    def misaligned(fd, bufs, off):  # a disk whose blocks are larger than direct_io.ALIGN: EINVAL at the read
+        if direct_io.is_direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(direct_io.os, "preadv", misaligned)
     reader = SampleReader(index, direct=True)
-    tensors, _ = reader.read(0)
-    assert not reader.direct and torch.equal(tensors["x_t"], SampleReader(index).read(0)[0]["x_t"])
-    cache = EmbeddingCache(tiny_cache, 1, 4, direct=True)
-    assert torch.equal(cache.get(0), EmbeddingCache(tiny_cache, 1, 4).get(0))
+    tensors, _ = reader.read(1)
+    assert not reader.direct and torch.equal(tensors["x_t"], SampleReader(index).read(1)[0]["x_t"])
 
 
 def test_the_loader_reads_directly_only_what_the_page_cache_cannot_keep(tiny_cache, monkeypatch):
