@@ -41,6 +41,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from . import direct_io
 from .atomic import run_each, write_behind
 from .errors import CacheError
+from .fanout import Share
 from .format import (
     NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE,
     Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts, prompt_location, storage_numpy_dtype,
@@ -380,6 +381,92 @@ class ChunkFiles:
                 out[lo:hi] = self.fill
                 if missing is not None:
                     missing.append(idx)
+        return out
+
+    def row_runs(self, rows: list[int], stops: list[int], limit: int) -> list[list[int]] | None:
+        """Indices into `rows` in runs that one read serves (`read_rows`): rows of one file whose chunks up to
+        their `stops` lie one after the other, `limit` bytes a run at most; None where this array is not one
+        `read_rows` reads (not sharded one row to a chunk, or compressed). A row whose file or chunks cannot be
+        found is a run of its own (its own read says what is wrong)."""
+        if self.per_file is None or self.zstd is not None or self.chunks[0] != 1 or not self.rows_whole():
+            return None
+        by_file: dict[tuple[int, ...], list[int]] = {}
+        for k, row in enumerate(rows):
+            by_file.setdefault(self._key(self._row_chunk(row)), []).append(k)
+        runs: list[list[int]] = []
+        for key, ks in by_file.items():
+            extents = self._row_extents(key, [rows[k] for k in ks], [stops[k] for k in ks])
+            cur = None
+            for k, (lo, hi) in sorted(zip(ks, extents), key=lambda e: e[1][0]):
+                if lo >= 0 and cur is not None and 0 <= lo - cur[1] <= 4096 and hi - cur[0] <= limit:
+                    runs[-1].append(k)
+                    cur = (cur[0], hi)
+                else:
+                    runs.append([k])
+                    cur = (lo, hi) if lo >= 0 else None
+        return runs
+
+    def _row_chunk(self, row: int) -> tuple[int, ...]:
+        """The grid index of row `row`'s first chunk (of an array chunked one row at a time)."""
+        return (row, *(0,) * (len(self.shape) - 1))
+
+    def _row_extents(self, key: tuple[int, ...], rows: list[int], stops: list[int]) -> list[tuple[int, int]]:
+        """For each of `rows` (of the file `key`): (first byte, end) in the file of the chunks holding its first
+        `stop` entries, or (-1, -1) where one is not held, or the file is not there (or not readable)."""
+        file = self._key_file(key)
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            return [(-1, -1)] * len(rows)
+        try:
+            index = self._index(fd, file).astype(np.int64)
+        except (OSError, ChunkError):
+            return [(-1, -1)] * len(rows)
+        finally:
+            os.close(fd)
+        out = []
+        for row, stop in zip(rows, stops):
+            n = -(-stop // self.chunks[1])
+            spans = index[row % self.per_file[0], :n].reshape(n, 2)
+            if n == 0 or (spans[:, 0] < 0).any() or (np.diff(spans[:, 0]) < 0).any():
+                out.append((-1, -1))
+            else:
+                out.append((int(spans[0, 0]), int(spans[-1, 0] + spans[-1, 1])))
+        return out
+
+    def read_rows(self, rows: list[int], stops: list[int]) -> list[np.ndarray | None]:
+        """`array[row, :stop]` for each of `rows` (one run of `row_runs`), from one read of the file: like
+        `read_row(row, stop, verify=False)`, the chunks' own crc32c not checked (the caller checks what it
+        reads); None for a row whose chunks are not all held (the caller reads it by `read_row`)."""
+        file = self._file(self._row_chunk(rows[0]))
+        fd = self._open(file)
+        try:
+            index = self._index(fd, file)
+            held = []
+            for row, stop in zip(rows, stops):
+                n = -(-stop // self.chunks[1])
+                spans = index[row % self.per_file[0], :n].reshape(n, 2).astype(np.int64)
+                held.append(None if n == 0 or (spans[:, 0] == np.int64(-1)).any() else spans)
+            offs = [s[:, 0] for s in held if s is not None]
+            if not offs:
+                return [None] * len(rows)
+            lo = int(min(o.min() for o in offs))
+            hi = int(max((s[:, 0] + s[:, 1]).max() for s in held if s is not None))
+            buf = self._pread(fd, lo, hi - lo)
+        finally:
+            os.close(fd)
+        row_bytes = int(np.prod(self.chunks[2:])) * self.dtype.itemsize
+        out: list[np.ndarray | None] = []
+        for row, stop, spans in zip(rows, stops, held):
+            if spans is None or int((spans[:, 0] + spans[:, 1]).max()) - lo > len(buf):
+                out.append(None)
+                continue
+            data = np.empty((stop, *self.shape[2:]), dtype=self.dtype)
+            flat = data.reshape(-1).view(np.uint8)
+            for j, (off, _) in enumerate(spans.tolist()):
+                a, b = j * self.chunks[1], min((j + 1) * self.chunks[1], stop)
+                flat[a * row_bytes:b * row_bytes] = buf[off - lo:off - lo + (b - a) * row_bytes]
+            out.append(data)
         return out
 
     def read_all(self) -> np.ndarray:
@@ -866,6 +953,39 @@ class PartRows:
         raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} fail their crc32c (changed after stage "
                                               "one wrote them)")
 
+    def trimmed_runs(self, rows: list[int], limit: int) -> list[list[int]]:
+        """`rows` in runs that one `trimmed_many` call reads with one request (consecutive rows of one file of the
+        store, `limit` bytes at most); each row a run of its own where the store is not laid out so."""
+        arr = self.embeds
+        stops = [max(int(self.seq_lens[r]), 0) if r < len(self.seq_lens) else 0 for r in rows]
+        runs = arr.row_runs(rows, stops, limit) if isinstance(arr, ChunkFiles) else None
+        return [[r] for r in rows] if runs is None else [[rows[k] for k in run] for run in runs]
+
+    def trimmed_many(self, rows: list[int]) -> list:
+        """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`): one read of the run's chunks, each row's
+        real tokens checked against their crc32c; a row that does not check, or whose chunks are not all there, is
+        read again alone by `trimmed`, which returns it or says what is wrong (the error is then its entry)."""
+        arr = self.embeds
+        if len(rows) > 1 and isinstance(arr, ChunkFiles) and self.crcs is not None:
+            stops = [int(self.seq_lens[r]) if r < len(self.seq_lens) else -1 for r in rows]
+            try:
+                got = arr.read_rows(rows, [max(s, 0) for s in stops])
+            except (OSError, ChunkError):
+                got = [None] * len(rows)
+        else:
+            got, stops = [None] * len(rows), [-1] * len(rows)
+        out = []
+        for row, stop, data in zip(rows, stops, got):
+            digest = int(self.crcs[row]) if data is not None else -1
+            if data is not None and stop > 0 and digest >= 0 and crc32c(data) == digest:
+                out.append(data)
+                continue
+            try:
+                out.append(self.trimmed(row))
+            except CacheError as e:  # (without this frame: its list holds the other rows' results)
+                out.append(e.with_traceback(None))
+        return out
+
     def missing_chunk(self, row: int) -> str | None:
         """The first chunk holding real tokens of a written row that does not exist (a stat per chunk, nothing
         read), or None."""
@@ -1136,6 +1256,41 @@ class EmbeddingCache:
         rows = self._part(part)
         rows.seq_lens, rows.embeds, rows.crcs, rows.dtype_name  # (each computed once, here)
         self._pending[prompt_idx] = pool.submit(self._load, prompt_idx, rows, row)
+
+    def submit_many(self, pool, prompts: list[int], limit: int = 16 << 20) -> None:
+        """`submit` for each of `prompts`, in reads of consecutive rows of the store (`PartRows.trimmed_runs`,
+        `limit` bytes at most a read): a window's prompts, which a grouped epoch takes in runs of consecutive rows,
+        read in a few large requests instead of one each. One task per read, through `pool`'s `submit`."""
+        want: dict[int, list[int]] = {}
+        for p in dict.fromkeys(prompts):
+            if p not in self._lru and p not in self._pending:
+                part, row = prompt_location(p, self.num_parts)
+                want.setdefault(part, []).append(row)
+        for part, rows in want.items():
+            store = self._part(part)
+            store.seq_lens, store.embeds, store.crcs, store.dtype_name, store.max_len  # (each computed once, here)
+            for run in store.trimmed_runs(sorted(rows), limit):
+                if len(run) == 1:
+                    prompt = run[0] * self.num_parts + part
+                    self._pending[prompt] = pool.submit(self._load, prompt, store, run[0])
+                    continue
+                fut = pool.submit(self._load_run, store, run, part)
+                for k, row in enumerate(run):
+                    self._pending[row * self.num_parts + part] = Share(fut, k)
+
+    def _load_run(self, store: PartRows, run: list[int], part: int) -> list:
+        """What `_load` returns or raises for each row of `run`, from one read of the run (`trimmed_many`); a row
+        that fails there is read by `_load` itself, whose error is then its entry."""
+        out = []
+        for row, value in zip(run, store.trimmed_many(run)):
+            if not isinstance(value, BaseException):
+                out.append((storage_to_torch(value, store.dtype_name), store.max_len))
+                continue
+            try:
+                out.append(self._load(row * self.num_parts + part, store, row))
+            except BaseException as e:  # (without this frame: its list holds the other rows' results)
+                out.append(e.with_traceback(None))
+        return out
 
     def forget(self, cancel: bool = True) -> None:
         """Drop the reads `submit` started, those not begun cancelled unless not `cancel` (in a forked child: the

@@ -30,8 +30,9 @@ import webdataset as wds
 from . import direct_io
 from . import format as F
 from .errors import CacheError
+from .fanout import Share
 from .manifest import check_settings, load_manifest
-from .schema import SAMPLE_FIELDS, recorded_steps, sample_problems
+from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -374,6 +375,9 @@ def _tensors_in(buf: np.ndarray) -> dict[str, torch.Tensor]:
 # The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with
 # them to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
 _GAP = 64 << 10
+# Bytes one read of adjacent samples covers at most (`SampleReader.runs`): past ~4 MB the dev VM's disk reads at
+# its sequential rate, where ~400 KB reads (one A14B sample) reach half of it.
+REQUEST_BYTES = 8 << 20
 
 
 class SampleReader:
@@ -389,6 +393,9 @@ class SampleReader:
         self.direct = direct
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
+        # (cache, a tensor member's safetensors header) -> its tensors (name, dtype, count, offset, shape), for
+        # layouts decoded and checked against the schema once (`_decode_members`): every sample of a cache has one
+        self._layouts: dict[tuple[int, bytes], list] = {}
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # inherited through fork: the parent's descriptors are not ours to close
@@ -472,21 +479,109 @@ class SampleReader:
         meta_off, meta_len, tens_off = int(r[C_META_OFF]), int(r[C_META_LEN]), int(r[C_TENS_OFF])
         tens_len = int(r[C_TENS_LEN])
         if meta_off + meta_len <= tens_off <= meta_off + _GAP:  # the writer's order: one read of both members
-            both = self._span(fd, meta_off, tens_off + tens_len - meta_off, row)
-            meta_b, tens_b = both[:meta_len].tobytes(), both[tens_off - meta_off:]
-        else:
-            meta_b = self._span(fd, meta_off, meta_len, row).tobytes()
-            tens_b = self._span(fd, tens_off, tens_len, row)
+            return self._decode(row, self._span(fd, meta_off, tens_off + tens_len - meta_off, row), meta_off)
+        meta_b = self._span(fd, meta_off, meta_len, row).tobytes()
+        return self._decode_members(row, meta_b, self._span(fd, tens_off, tens_len, row))
+
+    def _decode(self, row: int, buf: np.ndarray, at: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """The sample of `row` from `buf`, bytes of its shard from offset `at` that hold both of its members."""
+        r = self.index.table[row]
+        meta_off, tens_off = int(r[C_META_OFF]) - at, int(r[C_TENS_OFF]) - at
+        return self._decode_members(row, buf[meta_off:meta_off + int(r[C_META_LEN])].tobytes(),
+                                    buf[tens_off:tens_off + int(r[C_TENS_LEN])])
+
+    def _decode_members(self, row: int, meta_b: bytes, tens_b: np.ndarray) -> tuple[dict[str, torch.Tensor], dict]:
+        r = self.index.table[row]
+        n = int.from_bytes(tens_b[:8], "little") if len(tens_b) >= 8 else 0
+        layout = self._layouts.get((int(r[C_CACHE]), tens_b[8:8 + n].tobytes())) if 0 < n <= len(tens_b) - 8 else None
+        if layout is not None:  # a tensor layout already decoded and checked: its views, and the metadata's checks
+            try:
+                meta = json.loads(meta_b)
+                ids = (int(r[C_PROMPT]), int(r[C_SEED]), int(r[C_STEP]))
+                if isinstance(meta, dict) and not meta_problems("", meta, self.index.caches[int(r[C_CACHE])].manifest,
+                                                                ids=ids):
+                    return {name: torch.frombuffer(tens_b, dtype=dtype, count=count, offset=offset).view(shape)
+                            for name, dtype, count, offset, shape in layout}, meta
+            except Exception:
+                pass  # (the full decode below says what is wrong, naming the sample)
         key = self.index.key(row)
+        manifest = self.index.caches[int(r[C_CACHE])].manifest
         try:
             tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
         except Exception as e:  # any parse failure is corruption of that member
             raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
                              f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
-        problems = sample_problems(key, tensors, meta, self.index.caches[int(r[C_CACHE])].manifest)
+        problems = sample_problems(key, tensors, meta, manifest)
         if problems:
             raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
+        if n and all(t.numel() for t in tensors.values()) and len(self._layouts) < 64:
+            base = tens_b.ctypes.data
+            self._layouts[(int(r[C_CACHE]), tens_b[8:8 + n].tobytes())] = [
+                (name, t.dtype, t.numel(), t.data_ptr() - base, tuple(t.shape)) for name, t in tensors.items()]
         return tensors, meta
+
+    def runs(self, rows: list[int]) -> list[list[int]]:
+        """`rows` (each once) in runs that one read serves: samples adjacent in one shard (the writer's layout:
+        both members of each, at most _GAP between one and the next), REQUEST_BYTES of shard at most a run; each
+        run in its shard's order, the runs in the order of their first row in `rows`."""
+        uniq = np.asarray(list(dict.fromkeys(int(r) for r in rows)), dtype=np.int64)
+        if len(uniq) == 0:
+            return []
+        t = self.index.table[uniq]
+        lo, hi = t[:, C_META_OFF], t[:, C_TENS_OFF] + t[:, C_TENS_LEN]
+        whole = (t[:, C_META_OFF] + t[:, C_META_LEN] <= t[:, C_TENS_OFF]) & (t[:, C_TENS_OFF] <= lo + _GAP)
+        by_disk = np.lexsort((lo, t[:, C_SHARD]))
+        runs: list[list[int]] = []
+        first: list[int] = []
+        start = end = shard = None
+        for k in by_disk.tolist():
+            near = (runs and whole[k] and t[k, C_SHARD] == shard and 0 <= lo[k] - end <= _GAP
+                    and hi[k] - start <= REQUEST_BYTES)
+            if near:
+                runs[-1].append(int(uniq[k]))
+                first[-1] = min(first[-1], k)
+                end = int(hi[k])
+            else:
+                runs.append([int(uniq[k])])
+                first.append(k)
+                start, end, shard = int(lo[k]), int(hi[k]), int(t[k, C_SHARD])
+                if not whole[k]:
+                    end = -_GAP - 1  # (a sample laid out otherwise is a run of its own)
+        return [runs[i] for i in np.argsort(first, kind="stable")]
+
+    def submit_run(self, pool, run: list[int]) -> list:
+        """Start reading the samples of `run` (one of `runs`) in one read, through `pool`'s `submit`: a future per
+        sample (a `fanout.Share` of the read's), each holding what `read` returns for it or raises (an error of the
+        read itself goes to all).
+        Call from the thread that owns this reader; the read uses its own `os.dup` of the descriptor (`submit`)."""
+        t = self.index.table[run]
+        lo, hi = int(t[:, C_META_OFF].min()), int((t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).max())
+        if len(run) == 1:
+            return [self.submit(pool, run[0])]
+        fd = os.dup(self._fd(int(t[0, C_SHARD])))
+
+        def decode_all() -> list:
+            try:
+                buf, refused = direct_io.pread(fd, lo, hi - lo)
+            finally:
+                os.close(fd)
+            if refused:
+                self.direct = False
+            out = []
+            for row, end in zip(run, (t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).tolist()):
+                try:  # (a shard cut short fails the samples past its end, each as its own read would)
+                    out.append(self._decode(row, buf, lo) if end - lo <= len(buf) else self._truncated(row))
+                except CacheError as e:  # (without this frame: its list holds the other items' results)
+                    out.append(e.with_traceback(None))
+            return out
+
+        try:
+            fut = pool.submit(decode_all)
+        except BaseException:
+            os.close(fd)
+            raise
+        fut.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)  # never ran: did not close it
+        return [Share(fut, k) for k in range(len(run))]
 
     def _read_tensors(self, fd: int, row: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         r = self.index.table[row]
@@ -514,6 +609,11 @@ class SampleReader:
         self._fds.clear()
 
 
+# Lanes of a grouped epoch's window (`EpochPlan.windows`): a multiple of every world size up to 64 that is a power
+# of two, so that each rank of such a run reads only its own lanes, whole.
+LANES = 64
+
+
 def epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([int(seed), int(epoch), 0x57414E])  # "WAN": keeps it apart from other uses
 
@@ -533,7 +633,8 @@ class EpochPlan:
     world: int
     batch: int  # per rank per micro-step
     accum: int = 1
-    # A grouped order (`window` > 0; `order`): each position's group (its prompt), and the groups per window.
+    # A grouped order (`window` > 0; `order`): each position's group (a run of samples that lie together on disk:
+    # stage two's read groups), and the groups per window.
     groups: np.ndarray | None = field(default=None, repr=False, compare=False)
     window: int = 0
 
@@ -559,16 +660,48 @@ class EpochPlan:
     def order(self, seed: int, epoch: int) -> np.ndarray:
         """The epoch's permutation of 0..n-1: a function of (seed, epoch) only (and of the groups, if grouped).
 
-        Shuffled (`window` 0): a uniform permutation. Grouped: the groups in a seeded random order, cut into windows
-        of `window` groups; the epoch takes the windows one after the other, each one's positions in a seeded random
-        order. A group's positions (a prompt's samples) then come within one window of each other, so a reader whose
-        LRU holds a window's prompt embeddings reads each of them once per epoch, not once per sample."""
+        Shuffled (`window` 0): a uniform permutation. Grouped: `windows` (the permutation, and where each window
+        starts)."""
+        return self.windows(seed, epoch)[0]
+
+    def windows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the epoch's permutation, the first position of each window; [0] for a shuffled epoch).
+
+        Grouped: the groups in a seeded random order, cut into windows of `window` groups; the epoch takes the
+        windows one after the other. A group's positions (samples adjacent on disk) then come within one window,
+        so a reader that keeps a window's prompt embeddings reads each of them once per epoch, and one that reads
+        a window ahead reads it in large requests (`LANES`).
+
+        Inside a window, position p is served by lane p mod LANES: the window's samples, group after group (each
+        group's in index order, which is their order on disk), are cut into LANES consecutive pieces given to the
+        lanes in a seeded random order, and each lane serves its piece in a seeded random order. Rank r of W takes
+        the positions congruent to r modulo W, so where W divides LANES it reads only the lanes congruent to r:
+        a few long runs of adjacent samples, whatever the world size, while a batch's consecutive positions come
+        from different lanes, i.e. from pieces scattered over the window. Nothing here depends on W or the batch:
+        the order is the same for every world size (two ranks' union is what one process takes)."""
         rng = np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch)))
         if not self.window:
-            return rng.permutation(self.n)
+            return rng.permutation(self.n), np.zeros(1, dtype=np.int64)
         _, group = np.unique(self.groups, return_inverse=True)
-        place = rng.permutation(int(group.max()) + 1)  # where each group comes in the epoch
-        return np.lexsort((rng.random(self.n), place[group.reshape(-1)] // self.window))
+        group = group.reshape(-1)
+        place = rng.permutation(int(group.max()) + 1)[group]  # where each position's group comes in the epoch
+        win = place // self.window
+        pieces = np.lexsort((np.arange(self.n), place))  # window after window, group after group, on-disk order
+        win_of = win[pieces]  # non-decreasing: positions [starts[w], starts[w+1]) of the epoch are window w
+        starts = np.flatnonzero(np.diff(win_of, prepend=-1))
+        nw, lanes = len(starts), LANES
+        pos = np.arange(self.n)
+        w_out = np.repeat(np.arange(nw), np.diff(np.append(starts, self.n)))  # the window of each epoch position
+        lane_out = pos % lanes
+        count = np.bincount(w_out * lanes + lane_out, minlength=nw * lanes).reshape(nw, lanes)
+        lane_at = np.argsort(rng.random((nw, lanes)), axis=1)  # [w, k]: the lane that gets piece k of window w
+        sizes = np.take_along_axis(count, lane_at, axis=1)
+        lane_in = np.repeat(lane_at.reshape(-1), sizes.reshape(-1))  # the lane of each entry of `pieces`
+        src = np.lexsort((rng.random(self.n), lane_in, win_of))  # each window's lanes, each lane's piece shuffled
+        dst = np.lexsort((pos, lane_out, w_out))  # each window's lanes, each lane's positions in order
+        out = np.empty(self.n, dtype=np.int64)
+        out[dst] = pieces[src]
+        return out, starts.astype(np.int64)
 
     def micro_range(self, step: int) -> range:
         """Micro-steps of optimizer step `step` (0-based within the epoch)."""

@@ -130,6 +130,13 @@ def check_undeclared(names) -> None:
 
 def sample_problems(key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping, manifest: Mapping) -> list[str]:
     """Everything wrong with one decoded sample against the schema and its manifest (empty = sound)."""
+    problems = tensor_problems(key, tensors, manifest)
+    return problems + meta_problems(key, meta, manifest, identity=not problems)
+
+
+def tensor_problems(key: str, tensors: Mapping[str, torch.Tensor], manifest: Mapping) -> list[str]:
+    """What is wrong with a sample's tensors (names, shapes, dtypes) against the schema and its manifest: a
+    function of their layout alone, which a reader may check once per layout (`reader.SampleReader`)."""
     problems = []
     for name in sample_fields(manifest):
         field = SAMPLE_FIELDS.get(name)
@@ -143,14 +150,26 @@ def sample_problems(key: str, tensors: Mapping[str, torch.Tensor], meta: Mapping
         if list(t.shape) != shape or F.DTYPE_NAMES.get(t.dtype) != dtype:
             problems.append(f"sample {key} {name} is {F.DTYPE_NAMES.get(t.dtype, t.dtype)} {list(t.shape)}, "
                             f"expected {dtype} {shape}")
+    return problems
+
+
+def meta_problems(key: str, meta: Mapping, manifest: Mapping, identity: bool = True,
+                  ids: tuple[int, int, int] | None = None) -> list[str]:
+    """What is wrong with a sample's metadata: the types of META_FIELDS, then (with `identity`) whether it names
+    the sample `key` (whose (prompt, seed, step) are `ids` where the caller has them: no key to parse) and is of a
+    step the cache records."""
+    problems = []
     for name, field in META_FIELDS.items():
         v = meta.get(name)
         if field.type is float and isinstance(v, int) and not isinstance(v, bool):
             continue
         if not isinstance(v, field.type) or isinstance(v, bool):
             problems.append(f"sample {key} metadata {name} is {v!r}, expected {field.type.__name__}")
+    if not identity:
+        return problems
     try:
-        if not problems and F.parse_key(key) != (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX], meta[F.M_STEP]):
+        if not problems and (F.parse_key(key) if ids is None else ids) != (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX],
+                                                                           meta[F.M_STEP]):
             problems.append(f"sample {key} metadata names another sample")
     except ValueError as e:
         problems.append(str(e))

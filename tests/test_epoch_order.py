@@ -52,13 +52,132 @@ def test_a_grouped_plan_needs_a_group_per_position():
         EpochPlan(10, 1, 2, 1, np.zeros(9, dtype=np.int64), 4)
 
 
+def fake_index(prompts: int, steps: int, parts: int = 1, sample_bytes: int = 1000):
+    """An index of `prompts` x `steps` samples laid out as stage one writes them (each part's prompts in row order,
+    a prompt's steps one after the other), `sample_bytes` a sample."""
+    from types import SimpleNamespace
+
+    from cache.reader import C_META_LEN, C_META_OFF, C_PROMPT, C_SHARD, C_STEP, C_TENS_LEN, C_TENS_OFF, N_COLS
+
+    rows = [(p, k) for part in range(parts) for p in range(part, prompts, parts) for k in range(steps)]
+    t = np.zeros((len(rows), N_COLS), dtype=np.int64)
+    t[:, C_PROMPT], t[:, C_STEP] = [p for p, _ in rows], [k for _, k in rows]
+    t[:, C_SHARD] = t[:, C_PROMPT] % parts
+    t[:, C_META_OFF] = np.concatenate([np.arange(np.sum(t[:, C_SHARD] == s)) for s in range(parts)]) * sample_bytes
+    t[:, C_META_LEN], t[:, C_TENS_OFF] = 100, t[:, C_META_OFF] + 1024
+    t[:, C_TENS_LEN] = sample_bytes - 1024
+    return SimpleNamespace(table=t, caches=[SimpleNamespace(manifest={"num_parts": parts})])
+
+
 def test_auto_keeps_the_shuffle_while_the_lru_holds_every_prompt():
-    groups = np.repeat(np.arange(100), 3)
-    assert D.order_window("auto", groups, 100) == 0
-    assert D.order_window("auto", groups, 99) == 49
-    assert D.order_window("shuffle", groups, 10) == 0
-    assert D.order_window("grouped", groups, 1024) == 512
-    assert D.order_window("grouped", groups, 1) == 1
+    index = fake_index(100, 3)
+    rows = np.arange(len(index.table))
+    assert D.order_window("auto", index, rows, 100) == 0
+    assert D.order_window("auto", index, rows, 99) == 49 // 16  # groups of 16 prompts, a window of <= 49 prompts
+    assert D.order_window("shuffle", index, rows, 10) == 0
+    assert D.order_window("grouped", index, rows, 1024) == 512 // 16
+    assert D.order_window("grouped", index, rows, 1) == 1  # at least a group (of one prompt)
+    assert D.group_prompts(1024) == 16 and D.group_prompts(6) == 3 and D.group_prompts(1) == 1
+
+
+def test_a_window_holds_at_most_read_window_bytes_of_samples():
+    per_group = 16 * 40 * (400 << 10)  # 16 prompts x 40 steps of A14B samples: 250 MiB
+    index = fake_index(64, 40, sample_bytes=400 << 10)
+    rows = np.arange(len(index.table))
+    assert D.order_window("grouped", index, rows, 1024) == max(1, D.READ_WINDOW_BYTES // per_group) == 1
+    index = fake_index(640, 3, sample_bytes=400 << 10)  # 19 MB a group: a window of 13 groups, 208 prompts
+    rows = np.arange(len(index.table))
+    assert D.order_window("grouped", index, rows, 1024) == D.READ_WINDOW_BYTES // (16 * 3 * (400 << 10)) == 13
+
+
+def test_read_groups_are_runs_of_consecutive_rows_of_one_store():
+    index = fake_index(70, 2, parts=2)  # prompt p: part p % 2, row p // 2
+    rows = np.arange(len(index.table))
+    groups = D.read_groups(index, rows, 4)
+    t = index.table
+    for g in np.unique(groups):
+        prompts = np.unique(t[groups == g, 2])
+        assert len(set((prompts % 2).tolist())) == 1  # one part
+        store_rows = prompts // 2
+        assert store_rows.max() - store_rows.min() < 4 and len(set((store_rows // 4).tolist())) == 1
+    assert len(np.unique(groups)) == 2 * 9  # 35 rows a part: 9 groups of <= 4
+
+
+def runs_of(rows: np.ndarray) -> int:
+    """Runs of consecutive integers in `rows` (sorted)."""
+    rows = np.sort(rows)
+    return 1 + int(np.count_nonzero(np.diff(rows) != 1)) if len(rows) else 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_each_rank_reads_its_own_lanes_in_long_runs(world):
+    """A window of 40 groups of 48 adjacent samples (1,920: pieces of 30 samples to each of the 64 lanes): rank r
+    of W takes the lanes congruent to r, pieces of adjacent samples, so its share of a window is at most one run
+    per lane and per group boundary crossed, and no other rank reads them."""
+    from cache.reader import LANES
+
+    groups = np.repeat(np.arange(200), 48)
+    plan = EpochPlan(len(groups), world, 8, 1, groups, 40)
+    order, starts = plan.windows(seed=3, epoch=1)
+    assert np.array_equal(order, EpochPlan(len(groups), 1, 8 * world, 1, groups, 40).order(3, 1))
+    bounds = np.append(starts, plan.n)
+    for w in range(len(starts)):
+        seen = set()
+        for rank in range(world):
+            mine = order[bounds[w]:bounds[w + 1]][(np.arange(bounds[w], bounds[w + 1]) % world) == rank]
+            assert runs_of(mine) <= 2 * LANES // world  # a piece crosses at most one group boundary
+            assert not seen & set(mine.tolist())
+            seen |= set(mine.tolist())
+        assert len(seen) == bounds[w + 1] - bounds[w]
+
+
+def test_a_batch_mixes_samples_from_across_its_window():
+    groups = np.repeat(np.arange(200), 48)
+    order = EpochPlan(len(groups), 1, 8, 1, groups, 40).order(seed=0, epoch=0)
+    distinct = [len(set(groups[order[i:i + 8]].tolist())) for i in range(0, len(order), 8)]
+    assert np.mean(distinct) >= 6  # 8 samples of a batch from ~7 of a window's 40 groups (not one or two)
+
+
+def test_a_grouped_epoch_is_read_in_a_few_large_requests(tiny_cache, monkeypatch):
+    """Through the loader, a grouped epoch delivers what reads in order deliver, from one read per run of adjacent
+    samples (a shard of the tiny cache) and one read of the embeddings of consecutive prompts."""
+    from cache import prompt_store, reader
+
+    index = open_index([tiny_cache])  # 7 prompts x 4 steps in 3 shards; one read group of 16 prompts
+    split = D.split(index, None, 0)
+    plan = D.epoch_plan(split, 1, 4, 1, "grouped", 32)
+    assert plan.window == 1 and len(np.unique(plan.groups)) == 1
+    want = {}
+    plain = D.SampleDataset(index, 32)
+    for row in range(len(index)):
+        item = plain[(row, 1.0)]
+        want[item["key"]] = (item["fields"]["x_t"], item["context"])
+    calls = {"preads": 0, "embeds": 0}
+    real_pread = reader.direct_io.pread
+
+    def counted(fd, off, n):
+        calls["preads"] += 1
+        return real_pread(fd, off, n)
+
+    real_rows = prompt_store.ChunkFiles.read_rows
+
+    def counted_rows(self, rows, stops):
+        calls["embeds"] += 1
+        return real_rows(self, rows, stops)
+
+    monkeypatch.setattr(reader.direct_io, "pread", counted)
+    monkeypatch.setattr(prompt_store.ChunkFiles, "read_rows", counted_rows)
+    ds = D.SampleDataset(index, 32)
+    seen = 0
+    for batch in D.make_loader(ds, D.RankBatches(plan, split.train_rows, 0, 0, 0), 0, False):
+        for j, key in enumerate(batch["keys"]):
+            x_t, context = want[key]
+            assert torch.equal(batch["fields"]["x_t"][j], x_t)
+            assert torch.equal(batch["context"][j, :len(context)], context)
+            seen += 1
+    assert seen == len(index) == 28
+    # a read per shard (its samples are adjacent), the store file's index, its 7 rows' chunks
+    assert calls["embeds"] == 1 and calls["preads"] == len(index.shards) + 2 == 5
 
 
 def test_order_is_checked_and_on_the_command_line():
@@ -154,3 +273,23 @@ def test_the_loader_reads_directly_only_what_the_page_cache_cannot_keep(tiny_cac
     assert not D.direct_reads(index)  # a few KB
     monkeypatch.setattr(direct_io.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 1000)
     assert D.direct_reads(index) == bool(direct_io.FLAG)  # 1000 bytes of "memory"
+
+
+def test_runs_of_adjacent_samples_stop_at_request_bytes_and_shard_ends(tiny_cache, monkeypatch):
+    from cache import reader
+    from cache.reader import C_SHARD
+
+    index = open_index([tiny_cache])  # 3 shards of 12, 12 and 4 samples, ~10 KiB a sample
+    r = SampleReader(index)
+    rows = list(range(len(index)))[::-1]
+    runs = r.runs(rows + rows[:3])  # (a row asked twice is read once)
+    assert sorted(x for run in runs for x in run) == list(range(len(index)))
+    assert [len(run) for run in runs] == [4, 12, 12]  # one per shard, in the order their rows were first asked
+    monkeypatch.setattr(reader, "REQUEST_BYTES", 40 << 10)
+    runs = r.runs(rows)
+    t = index.table
+    for run in runs:
+        assert len(set(t[run, C_SHARD].tolist())) == 1 and run == sorted(run)
+        span = int((t[run, 7] + t[run, 8]).max() - t[run, 5].min())
+        assert span <= 40 << 10
+    assert len(runs) > 3 and all(np.all(np.diff(run) == 1) for run in runs)

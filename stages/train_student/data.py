@@ -32,8 +32,9 @@ from cache.prompt_store import (
     EmbeddingCache, FinalLatentCache, check_prompt_rows, prompt_store_path, row_check_flags, row_flags_problem,
 )
 from cache.reader import (
-    C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, EpochPlan, SampleReader, ShardError,
-    check_complete, empty_table, fill_table, later_state_rows, sample_code, scan_shard, shard_list, shard_problem,
+    C_CACHE, C_META_OFF, C_PROMPT, C_SEED, C_STEP, C_TENS_LEN, C_TENS_OFF, LANES, SHARD_OK, CacheIndex, CacheInfo,
+    EpochPlan, SampleReader, ShardError, check_complete, empty_table, fill_table, later_state_rows, sample_code,
+    scan_shard, shard_list, shard_problem,
 )
 from pipeline import signals
 from pipeline.errors import UserError
@@ -239,8 +240,11 @@ class SampleDataset(Dataset):
 
     def prefetch(self, items: list[tuple[int, float]]) -> None:
         """Start reading these items (their samples, and their embeddings not in memory nor on their way) in this
-        process's read threads, in order, one task per item; each item's `__getitem__` takes what was read for it.
-        What is read ahead stays in memory until its item is read or `end_reads` drops it."""
+        process's read threads; each item's `__getitem__` takes what was read for it. One task per run of samples
+        adjacent on disk (`SampleReader.runs`), in the order of the items, then one per run of consecutive rows of
+        a prompt store (`EmbeddingCache.submit_many`): a batch of scattered samples is a task per item and per
+        prompt, a grouped epoch's window a task per few MB. What is read ahead stays in memory until its item is
+        read or `end_reads` drops it."""
         if self._pid != os.getpid():
             self._forked()
         if self._reader is None:
@@ -248,22 +252,26 @@ class SampleDataset(Dataset):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="wandistiller-read")
             self._pool_end = weakref.finalize(self, _end_pool, self._pool, self._pid)
-        for row, _ in items:
+        rows = [int(row) for row, _ in items]
+        for run in self._reader.runs(rows):
             reads = _Run()
-            self._submit(reads, int(row))
+            self._submit(reads, run)
             if reads.calls:
                 self._pool.submit(reads)
+        t = self.index.table[rows]
+        for ci in np.unique(t[:, C_CACHE]).tolist():
+            try:  # (a read that cannot even start is left to the item's own, as the samples')
+                self._embeds[ci].submit_many(self._pool, t[t[:, C_CACHE] == ci, C_PROMPT].tolist())
+            except Exception:
+                pass
 
-    def _submit(self, reads: _Run, row: int) -> None:
-        """Add the reads of one item to `reads`. One that cannot even start (a shard gone, no descriptor left) is
-        left to the item's own read, which then raises its error at that item, as without read-ahead."""
-        r = self.index.table[row]
+    def _submit(self, reads: _Run, run: list[int]) -> None:
+        """Add the reads of a run of samples (`SampleReader.runs`) to `reads`: the samples, in one read. One that
+        cannot even start (a shard gone, no descriptor left) is left to the item's own read, which then raises
+        its error at that item, as without read-ahead."""
         try:
-            self._samples.put(row, self._reader.submit(reads, row))
-        except Exception:
-            pass
-        try:
-            self._embeds[int(r[C_CACHE])].submit(reads, int(r[C_PROMPT]))
+            for row, fut in zip(run, self._reader.submit_run(reads, run)):
+                self._samples.put(row, fut)
         except Exception:
             pass
 
@@ -341,11 +349,11 @@ class _Reads:
 
 
 class _Run:
-    """One item's reads (its sample, embedding, segment partner), made one after the other in one thread of the
-    pool: `submit` (an Executor's, for `SampleReader.submit` and `EmbeddingCache.submit`) only records a call and
-    returns its future; the pool then runs them as one task. One task per item: each task costs the waking of a
-    thread and the GIL changing hands (one epoch of the A14B-sized bench on a busy 2-core VM, 3 runs each, side by
-    side: a task per read 443-596 samples/s, per item 528-719, per 2 items 479-671)."""
+    """One run of samples' reads (the run's one read, and the segment partners of its samples), made one after
+    the other in one thread of the pool: `submit` (an Executor's, for `SampleReader.submit_run`, `submit` and
+    `FinalLatentCache.submit`) only records a call and returns its future; the pool then runs them as one task.
+    Few tasks: each costs the waking of a thread and the GIL changing hands (one epoch of the A14B-sized bench on
+    a busy 2-core VM, 3 runs each, side by side: a task per read 443-596 samples/s, per item 528-719)."""
 
     def __init__(self):
         self.calls: list = []
@@ -357,7 +365,8 @@ class _Run:
 
     def __call__(self) -> None:
         calls, self.calls = self.calls, []
-        for fut, fn, args in calls:
+        while calls:
+            fut, fn, args = calls.pop(0)
             if not fut.set_running_or_notify_cancel():
                 continue  # dropped (`end_reads`): its owner has cleaned up after it (SampleReader.submit)
             try:
@@ -366,6 +375,10 @@ class _Run:
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+            # An error's traceback keeps this frame: it must not hold the run's other futures (an item's error
+            # raised in the loader holds the loader, which would then live as long as another item's future).
+            del fut, fn, args
+            result = None
 
 
 def _end_pool(pool: ThreadPoolExecutor, pid: int) -> None:
@@ -407,16 +420,17 @@ class SegmentDataset(SampleDataset):
         self._finals = [FinalLatentCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size,
                                          self._reader.direct) for c in self.index.caches]
 
-    def _submit(self, reads: _Run, row: int) -> None:
-        super()._submit(reads, row)
-        r, end_row = self.index.table[row], int(self.end_rows[row])
-        try:  # (as the sample's: a read that cannot start is left to the item's own)
-            if end_row >= 0:
-                self._ends.put(row, self._reader.submit(reads, end_row, (F.T_X_T,)))
-            else:
-                self._finals[int(r[C_CACHE])].submit(reads, int(r[C_PROMPT]))
-        except Exception:
-            pass
+    def _submit(self, reads: _Run, run: list[int]) -> None:
+        super()._submit(reads, run)
+        for row in run:
+            r, end_row = self.index.table[row], int(self.end_rows[row])
+            try:  # (as the sample's: a read that cannot start is left to the item's own)
+                if end_row >= 0:
+                    self._ends.put(row, self._reader.submit(reads, end_row, (F.T_X_T,)))
+                else:
+                    self._finals[int(r[C_CACHE])].submit(reads, int(r[C_PROMPT]))
+            except Exception:
+                pass
 
     def _drop_reads(self, cancel: bool) -> None:
         super()._drop_reads(cancel)
@@ -488,32 +502,68 @@ def collate(items: list[dict]) -> dict:
     }
 
 
-def prompt_groups(index: CacheIndex, rows: np.ndarray) -> np.ndarray:
-    """The group of each of `rows` for a grouped epoch order: its prompt in its cache (one embedding store)."""
+# Prompts per read group of a grouped epoch (`read_groups`): consecutive rows of one prompt store, whose
+# trajectories stage one writes one after the other into a shard and whose embeddings lie one after the other in
+# one file of the store (ROWS_PER_FILE is a multiple); at A14B sizes and 3 steps, ~19 MB of samples and ~13 MB of
+# embeddings a group.
+GROUP_PROMPTS = 16
+# Bytes of samples a grouped epoch's window holds at most (`order_window`): an in-process loader keeps the window
+# it delivers and the next in memory (`Lookahead`), so one rank holds at most twice this / world size. A window
+# of A14B samples at 3 steps: ~660 samples, ~210 prompts, 64 lanes of ~10 samples (~4 MB requests).
+READ_WINDOW_BYTES = 256 << 20
+
+
+def group_prompts(embedding_cache_size: int) -> int:
+    """Prompts per read group: GROUP_PROMPTS, fewer where half the embedding LRU holds fewer (a window holds
+    whole groups, and at most half the LRU's prompts)."""
+    return max(1, min(GROUP_PROMPTS, embedding_cache_size // 2))
+
+
+def read_groups(index: CacheIndex, rows: np.ndarray, prompts: int = GROUP_PROMPTS) -> np.ndarray:
+    """The read group of each of `rows` for a grouped epoch order: `prompts` consecutive rows of one prompt store
+    (a part of a cache), whose samples lie together in a shard and whose embeddings lie together in a file."""
     t = index.table[rows]
-    return t[:, C_CACHE].astype(np.int64) * (int(index.table[:, C_PROMPT].max(initial=0)) + 1) + t[:, C_PROMPT]
+    parts = np.asarray([int(c.manifest[F.F_NUM_PARTS]) for c in index.caches], dtype=np.int64)[t[:, C_CACHE]]
+    store_row = t[:, C_PROMPT] // parts  # format.prompt_location: prompt i is row i // num_parts of part i % num_parts
+    width = int(store_row.max(initial=0)) // prompts + 1
+    return (t[:, C_CACHE] * int(parts.max(initial=1)) + t[:, C_PROMPT] % parts) * width + store_row // prompts
 
 
-def order_window(order: str, groups: np.ndarray, embedding_cache_size: int) -> int:
-    """The EpochPlan window of `order` (pipeline/config.py ORDERS) for rows of these `groups`: 0, a shuffled epoch,
-    or the prompts per window of a grouped one. A window of half the embedding LRU: every prompt of a window stays
-    in memory from its first sample to its last, with room for the read-ahead's and the next window's.
+def order_window(order: str, index: CacheIndex, rows: np.ndarray, embedding_cache_size: int) -> int:
+    """The EpochPlan window of `order` (pipeline/config.py ORDERS) over `rows`: 0, a shuffled epoch, or the read
+    groups (`read_groups` of `group_prompts`) per window of a grouped one. A window holds at most half the
+    embedding LRU's prompts (every prompt of a window stays in memory from its first sample to its last, with room
+    for the next window's) and READ_WINDOW_BYTES of samples, but at least one group.
 
     auto groups when the prompts outnumber the LRU: a shuffled epoch then reads a prompt's embedding again for
     nearly every sample (10,000 prompts x 3 steps, LRU of 1,024: 2.8 reads a prompt, 1.0 grouped; the real-size
-    bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped), while an LRU that holds every prompt reads
-    each once in any order, and the order stays the uniform shuffle."""
-    if order == "shuffle" or (order == "auto" and len(np.unique(groups)) <= embedding_cache_size):
+    bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped by prompt), and reads one sample at a time, while
+    an LRU that holds every prompt reads each once in any order, and the order stays the uniform shuffle."""
+    t = index.table[rows]
+    n_prompts = len(np.unique(t[:, [C_CACHE, C_PROMPT]], axis=0)) if len(rows) else 0
+    if order == "shuffle" or (order == "auto" and n_prompts <= embedding_cache_size):
         return 0
-    return max(1, embedding_cache_size // 2)
+    per = group_prompts(embedding_cache_size)
+    n_groups = len(np.unique(read_groups(index, rows, per)))
+    group_bytes = float(np.sum(t[:, C_TENS_OFF] + t[:, C_TENS_LEN] - t[:, C_META_OFF])) / max(n_groups, 1)
+    by_prompts = (embedding_cache_size // 2) // per  # (groups of `per` prompts; a store's last group may hold fewer)
+    return max(1, min(by_prompts, int(READ_WINDOW_BYTES // max(group_bytes, 1.0))))
 
 
 def epoch_plan(data: DataSplit, world: int, batch: int, accum: int, order: str,
                embedding_cache_size: int) -> EpochPlan:
     """train-student's plan of an epoch over `data`'s training rows, in `order` (`order_window`)."""
-    groups = prompt_groups(data.index, data.train_rows)
-    window = order_window(order, groups, embedding_cache_size)
-    return EpochPlan(len(data.train_rows), world, batch, accum, groups if window else None, window)
+    window = order_window(order, data.index, data.train_rows, embedding_cache_size)
+    groups = read_groups(data.index, data.train_rows, group_prompts(embedding_cache_size)) if window else None
+    return EpochPlan(len(data.train_rows), world, batch, accum, groups, window)
+
+
+def order_identity(plan: EpochPlan, embedding_cache_size: int) -> dict | None:
+    """What a grouped epoch's order depends on beyond (seed, epoch, data), for the run's identity (a resume with
+    another order is refused); None for a shuffled one."""
+    if not plan.window:
+        return None
+    return {"grouped": plan.window, "group_prompts": group_prompts(embedding_cache_size), "lanes": LANES}
 
 
 class RankBatches(Sampler):
@@ -528,25 +578,39 @@ class RankBatches(Sampler):
         self.start_step = start_step
 
     def __iter__(self):
-        perm = self.plan.order(self.seed, self.epoch)
+        for _, batch in self.windowed():
+            yield batch
+
+    def windowed(self):
+        """(window, batch) for each batch of `__iter__`: the window (`EpochPlan.windows`) of the batch's first
+        position, for a reader that reads a window ahead (`Lookahead`)."""
+        perm, starts = self.plan.windows(self.seed, self.epoch)
         for step in range(self.start_step, self.plan.steps):
             for micro in self.plan.micro_range(step):
                 pos = self.plan.positions(micro, self.rank)
                 if len(pos):
-                    yield [(int(self.rows[perm[p]]), 1.0) for p in pos]
+                    yield int(np.searchsorted(starts, pos[0], "right")) - 1, [(int(self.rows[perm[p]]), 1.0)
+                                                                               for p in pos]
                 else:
-                    yield [(int(self.rows[perm[0]]), 0.0)]
+                    yield len(starts) - 1, [(int(self.rows[perm[0]]), 0.0)]
 
     def __len__(self) -> int:
         return sum(len(self.plan.micro_range(s)) for s in range(self.start_step, self.plan.steps))
 
 
 class Lookahead(Sampler):
-    """The batches of `batches`, each one's reads started `depth` batches before it is delivered
-    (`SampleDataset.prefetch`): the read threads work on the next batches while this process collates the
-    current one (and trains on it). For a loader without workers; workers read ahead by `prefetch_factor`
-    batches themselves. When the iteration ends, or is abandoned (the generator closed), the reads still in
-    flight are dropped and the read threads end (`SampleDataset.end_reads`)."""
+    """The batches of `batches`, each one's reads started before it is delivered (`SampleDataset.prefetch`): the
+    read threads work on the next batches while this process collates the current one (and trains on it).
+
+    By batches: each batch's reads start `depth` batches before it. By windows, for a grouped epoch (`batches` a
+    `RankBatches` whose plan has windows): all of a window's reads start at once, in one `prefetch`, before the
+    first batch of the window before it is delivered; its samples, which lie together on disk, are then read in
+    large requests (`SampleReader.submit_many`) while the window before is trained on. At most two windows' items
+    are in memory or in flight (READ_WINDOW_BYTES each, over the world size).
+
+    For a loader without workers; workers read ahead by `prefetch_factor` batches themselves. When the iteration
+    ends, or is abandoned (the generator closed), the reads still in flight are dropped and the read threads end
+    (`SampleDataset.end_reads`)."""
 
     def __init__(self, batches, dataset: SampleDataset, depth: int = LOOKAHEAD_BATCHES):
         self.batches, self.dataset, self.depth = batches, dataset, depth
@@ -555,18 +619,45 @@ class Lookahead(Sampler):
         return len(self.batches)
 
     def __iter__(self):
-        ahead: deque = deque()  # started, not yet delivered: when a batch is yielded, it and the next `depth`
         try:
-            for b in self.batches:
-                self.dataset.prefetch(b)
-                ahead.append(b)
-                if len(ahead) > self.depth:
-                    yield ahead.popleft()
-            yield from ahead
+            plan = getattr(self.batches, "plan", None)
+            if plan is not None and plan.window:
+                yield from self._by_window()
+            else:
+                yield from self._by_batch()
         finally:
             end = getattr(self.dataset, "end_reads", None)  # (a dataset without read-ahead has none)
             if end is not None:
                 end()
+
+    def _by_batch(self):
+        ahead: deque = deque()  # started, not yet delivered: when a batch is yielded, it and the next `depth`
+        for b in self.batches:
+            self.dataset.prefetch(b)
+            ahead.append(b)
+            if len(ahead) > self.depth:
+                yield ahead.popleft()
+        yield from ahead
+
+    def _by_window(self):
+        src = self.batches.windowed()
+        nxt = next(src, None)
+        ahead: deque = deque()  # (window, batch) started, not yet delivered
+
+        def start():  # every batch of the next window, in one prefetch
+            nonlocal nxt
+            w, group = nxt[0], []
+            while nxt is not None and nxt[0] == w:
+                group.append(nxt[1])
+                nxt = next(src, None)
+            self.dataset.prefetch([item for b in group for item in b])
+            ahead.extend((w, b) for b in group)
+
+        while nxt is not None or ahead:
+            if not ahead or (nxt is not None and nxt[0] <= ahead[0][0] + 1):
+                start()
+                continue
+            yield ahead.popleft()[1]
 
 
 def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:

@@ -31,7 +31,7 @@ from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print
 
 from . import checkpoint
 from .comm import all_gather_bytes
-from .data import DataSplit, epoch_plan, prepare
+from .data import DataSplit, epoch_plan, order_identity, prepare
 from .loop import TrainState, Trainer, make_ema, plot_losses, truncate_metrics
 from .objectives import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy
@@ -220,8 +220,9 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
     if objective.name != "velocity" or objective.record():  # runs from before objectives resume unchanged
         identity["objective"] = {"name": objective.name, **objective.record()}
-    if plan.window:  # (a shuffled epoch's identity is what it was before grouped orders)
-        identity["order"] = {"grouped": plan.window}
+    order = order_identity(plan, cfg.embedding_cache_size)
+    if order is not None:  # (a shuffled epoch's identity is what it was before grouped orders)
+        identity["order"] = order
     strategy = get_strategy(cfg.strategy, env, device, mixed)
     return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity, strategy)
 
@@ -341,8 +342,8 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
          f"{env.world_size} x {s.device.type} ({cfg.strategy}), objective {s.objective.name}, "
          f"{len(s.data.train_rows)} training samples ({len(s.data.heldout_rows)} held out), global batch "
          f"{s.plan.global_batch} x {cfg.grad_accum} accum, {s.plan.steps} steps/epoch ("
-         f"{f'grouped by {s.plan.window} prompts' if s.plan.window else 'shuffled'}), {s.total} steps, mixed "
-         f"precision {s.mixed or 'no'}")
+         f"{f'grouped, windows of {s.plan.window} read groups' if s.plan.window else 'shuffled'}), {s.total} steps, "
+         f"mixed precision {s.mixed or 'no'}")
 
     # The run's hyperparameters for the tracker: the resolved config and what it resolved to.
     tracked = dataclasses.asdict(cfg) | {"cache_fingerprint": ",".join(s.identity["fingerprints"]),
