@@ -37,6 +37,7 @@ Run: python -m bench.real_size [--prompts 10000] [--steps 3] [--work DIR] [--dev
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -240,8 +241,7 @@ def raw_write(folder: Path, nbytes: int, file_bytes: int = 2 << 30, direct: bool
     the page cache, or (`direct`) 8 MiB writes with O_DIRECT from an aligned buffer (where the file system has it;
     buffered otherwise)."""
     chunk = (8 << 20) if direct else (1 << 20)
-    raw = np.empty(chunk + direct_io.ALIGN, dtype=np.uint8)
-    buf = memoryview(raw[-raw.ctypes.data % direct_io.ALIGN:][:chunk])
+    buf = memoryview(direct_io.aligned_empty(chunk))
     buf[:] = os.urandom(chunk)
     total, left, i = 0.0, nbytes, 0
     while left > 0:
@@ -251,8 +251,10 @@ def raw_write(folder: Path, nbytes: int, file_bytes: int = 2 << 30, direct: bool
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             fd = os.open(path, flags | (direct_io.FLAG if direct else 0), 0o644)
-        except OSError:  # no O_DIRECT on this file system
-            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, flags, 0o644)  # no O_DIRECT on this file system
         try:
             rest = -(-size // direct_io.ALIGN) * direct_io.ALIGN if direct else size  # (whole blocks: O_DIRECT)
             while rest > 0:
@@ -294,8 +296,7 @@ def raw_read(cache: Path, direct: bool = False) -> tuple[float, int]:
     drop_tree(cache)
     n = 0
     chunk = (8 << 20) if direct else (1 << 20)
-    raw = np.empty(chunk + direct_io.ALIGN, dtype=np.uint8)
-    buf = raw[-raw.ctypes.data % direct_io.ALIGN:][:chunk]
+    buf = direct_io.aligned_empty(chunk)
     t = time.perf_counter()
     for f in loader_files(cache):
         fd, _ = direct_io.open_read(f, direct)

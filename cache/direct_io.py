@@ -59,6 +59,13 @@ def is_direct(fd: int) -> bool:
     return bool(FLAG) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & FLAG)
 
 
+def aligned_empty(n: int) -> np.ndarray:
+    """An uninitialised uint8 buffer of `n` bytes whose address is a multiple of ALIGN (what O_DIRECT reads into
+    and writes from)."""
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    return raw[-raw.ctypes.data % ALIGN:][:n]
+
+
 def pread(fd: int, off: int, n: int) -> tuple[np.ndarray, bool]:
     """(up to `n` bytes of the file on `fd` at `off`, fewer where it ends sooner; whether a direct read was
     refused). From a descriptor opened with O_DIRECT: one read of the aligned blocks that hold the bytes, into an
@@ -67,8 +74,7 @@ def pread(fd: int, off: int, n: int) -> tuple[np.ndarray, bool]:
     refused = False
     if is_direct(fd):
         lo, hi = off - off % ALIGN, -(-(off + n) // ALIGN) * ALIGN
-        raw = np.empty(hi - lo + ALIGN, dtype=np.uint8)
-        buf = raw[-raw.ctypes.data % ALIGN:][:hi - lo]
+        buf = aligned_empty(hi - lo)
         try:
             got = os.preadv(fd, [buf], lo)
             return buf[off - lo:max(off - lo, min(got, off - lo + n))], False

@@ -419,20 +419,26 @@ class ChunkFiles:
         except OSError:
             return [(-1, -1)] * len(rows)
         try:
-            index = self._index(fd, file).astype(np.int64)
+            index = self._index(fd, file)
         except (OSError, ChunkError):
             return [(-1, -1)] * len(rows)
         finally:
             os.close(fd)
         out = []
         for row, stop in zip(rows, stops):
-            n = -(-stop // self.chunks[1])
-            spans = index[row % self.per_file[0], :n].reshape(n, 2)
-            if n == 0 or (spans[:, 0] < 0).any() or (np.diff(spans[:, 0]) < 0).any():
+            spans = self._row_spans(index, row, stop)
+            if spans is None or (np.diff(spans[:, 0]) < 0).any():
                 out.append((-1, -1))
             else:
                 out.append((int(spans[0, 0]), int(spans[-1, 0] + spans[-1, 1])))
         return out
+
+    def _row_spans(self, index: np.ndarray, row: int, stop: int) -> np.ndarray | None:
+        """[(offset, length)] int64 in its file (whose shard index is `index`) of each chunk holding `row`'s
+        first `stop` entries, or None where there is none or one is not held."""
+        n = -(-stop // self.chunks[1])
+        spans = index[row % self.per_file[0], :n].reshape(n, 2).astype(np.int64)
+        return None if n == 0 or (spans[:, 0] < 0).any() else spans  # (NOT_HELD reads as -1 in int64)
 
     def read_rows(self, rows: list[int], stops: list[int]) -> list[np.ndarray | None]:
         """`array[row, :stop]` for each of `rows` (one run of `row_runs`), from one read of the file: like
@@ -442,11 +448,7 @@ class ChunkFiles:
         fd = self._open(file)
         try:
             index = self._index(fd, file)
-            held = []
-            for row, stop in zip(rows, stops):
-                n = -(-stop // self.chunks[1])
-                spans = index[row % self.per_file[0], :n].reshape(n, 2).astype(np.int64)
-                held.append(None if n == 0 or (spans[:, 0] == np.int64(-1)).any() else spans)
+            held = [self._row_spans(index, row, stop) for row, stop in zip(rows, stops)]
             offs = [s[:, 0] for s in held if s is not None]
             if not offs:
                 return [None] * len(rows)
@@ -961,30 +963,20 @@ class PartRows:
         runs = arr.row_runs(rows, stops, limit) if isinstance(arr, ChunkFiles) else None
         return [[r] for r in rows] if runs is None else [[rows[k] for k in run] for run in runs]
 
-    def trimmed_many(self, rows: list[int]) -> list:
-        """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`): one read of the run's chunks, each row's
-        real tokens checked against their crc32c; a row that does not check, or whose chunks are not all there, is
-        read again alone by `trimmed`, which returns it or says what is wrong (the error is then its entry)."""
+    def trimmed_many(self, rows: list[int]) -> list[np.ndarray | None]:
+        """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`) from one read of the run's chunks, each
+        row's real tokens checked against their crc32c; None for a row that does not check or whose chunks are not
+        all there (its caller reads it by `trimmed`, which returns it or says what is wrong)."""
         arr = self.embeds
-        if len(rows) > 1 and isinstance(arr, ChunkFiles) and self.crcs is not None:
-            stops = [int(self.seq_lens[r]) if r < len(self.seq_lens) else -1 for r in rows]
-            try:
-                got = arr.read_rows(rows, [max(s, 0) for s in stops])
-            except (OSError, ChunkError):
-                got = [None] * len(rows)
-        else:
-            got, stops = [None] * len(rows), [-1] * len(rows)
-        out = []
-        for row, stop, data in zip(rows, stops, got):
-            digest = int(self.crcs[row]) if data is not None else -1
-            if data is not None and stop > 0 and digest >= 0 and crc32c(data) == digest:
-                out.append(data)
-                continue
-            try:
-                out.append(self.trimmed(row))
-            except CacheError as e:  # (without this frame: its list holds the other rows' results)
-                out.append(e.with_traceback(None))
-        return out
+        if len(rows) < 2 or not isinstance(arr, ChunkFiles) or self.crcs is None:
+            return [None] * len(rows)
+        stops = [int(self.seq_lens[r]) if r < len(self.seq_lens) else -1 for r in rows]
+        try:
+            got = arr.read_rows(rows, [max(s, 0) for s in stops])
+        except (OSError, ChunkError):
+            return [None] * len(rows)
+        return [data if data is not None and stop > 0 and 0 <= int(self.crcs[row]) == crc32c(data) else None
+                for row, stop, data in zip(rows, stops, got)]
 
     def missing_chunk(self, row: int) -> str | None:
         """The first chunk holding real tokens of a written row that does not exist (a stat per chunk, nothing
@@ -1280,10 +1272,10 @@ class EmbeddingCache:
 
     def _load_run(self, store: PartRows, run: list[int], part: int) -> list:
         """What `_load` returns or raises for each row of `run`, from one read of the run (`trimmed_many`); a row
-        that fails there is read by `_load` itself, whose error is then its entry."""
+        that does not check there is read by `_load` itself, whose error is then its entry."""
         out = []
         for row, value in zip(run, store.trimmed_many(run)):
-            if not isinstance(value, BaseException):
+            if value is not None:
                 out.append((storage_to_torch(value, store.dtype_name), store.max_len))
                 continue
             try:

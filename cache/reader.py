@@ -493,7 +493,8 @@ class SampleReader:
     def _decode_members(self, row: int, meta_b: bytes, tens_b: np.ndarray) -> tuple[dict[str, torch.Tensor], dict]:
         r = self.index.table[row]
         n = int.from_bytes(tens_b[:8], "little") if len(tens_b) >= 8 else 0
-        layout = self._layouts.get((int(r[C_CACHE]), tens_b[8:8 + n].tobytes())) if 0 < n <= len(tens_b) - 8 else None
+        head = (int(r[C_CACHE]), tens_b[8:8 + n].tobytes()) if 0 < n <= len(tens_b) - 8 else None
+        layout = self._layouts.get(head) if head is not None else None
         if layout is not None:  # a tensor layout already decoded and checked: its views, and the metadata's checks
             try:
                 meta = json.loads(meta_b)
@@ -514,9 +515,9 @@ class SampleReader:
         problems = sample_problems(key, tensors, meta, manifest)
         if problems:
             raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
-        if n and all(t.numel() for t in tensors.values()) and len(self._layouts) < 64:
+        if head is not None and all(t.numel() for t in tensors.values()) and len(self._layouts) < 64:
             base = tens_b.ctypes.data
-            self._layouts[(int(r[C_CACHE]), tens_b[8:8 + n].tobytes())] = [
+            self._layouts[head] = [
                 (name, t.dtype, t.numel(), t.data_ptr() - base, tuple(t.shape)) for name, t in tensors.items()]
         return tensors, meta
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cache import direct_io
+from cache.errors import CacheError
 from cache.prompt_store import EmbeddingCache, PartRows
 from cache.reader import EpochPlan, SampleReader, open_index
 from pipeline.config import TrainStudentConfig
@@ -293,3 +294,32 @@ def test_runs_of_adjacent_samples_stop_at_request_bytes_and_shard_ends(tiny_cach
         span = int((t[run, 7] + t[run, 8]).max() - t[run, 5].min())
         assert span <= 40 << 10
     assert len(runs) > 3 and all(np.all(np.diff(run) == 1) for run in runs)
+
+
+def test_a_run_of_embeddings_fails_only_the_row_that_does_not_check(tiny_cache, tmp_path):
+    """One read of consecutive rows (`EmbeddingCache.submit_many`): the rows that check are delivered as read one
+    by one; the row whose tokens no longer match their crc32c raises the error a read of it alone raises."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zarr
+
+    from cache.prompt_store import EMBEDS_CRC32C, prompt_store_path
+
+    cache = Path(shutil.copytree(tiny_cache, tmp_path / "cache"))
+    g = zarr.open_group(str(prompt_store_path(cache, 0)), mode="r+")
+    g[EMBEDS_CRC32C][3] = (int(g[EMBEDS_CRC32C][3]) + 1) % (1 << 31)
+    alone = EmbeddingCache(cache, 1, 8)
+    with pytest.raises(CacheError) as want:
+        alone.get_trimmed(3)
+    many = EmbeddingCache(cache, 1, 8)
+    with ThreadPoolExecutor(2) as pool:
+        many.submit_many(pool, list(range(7)))
+        assert len({id(f.fut) for f in many._pending.values()}) == 1  # the 7 rows in one read
+        for p in range(7):
+            if p == 3:
+                with pytest.raises(CacheError) as got:
+                    many.get_trimmed(p)
+                assert str(got.value) == str(want.value)
+            else:
+                assert torch.equal(many.get_trimmed(p)[0], alone.get_trimmed(p)[0])

@@ -605,7 +605,7 @@ class Lookahead(Sampler):
     By batches: each batch's reads start `depth` batches before it. By windows, for a grouped epoch (`batches` a
     `RankBatches` whose plan has windows): all of a window's reads start at once, in one `prefetch`, before the
     first batch of the window before it is delivered; its samples, which lie together on disk, are then read in
-    large requests (`SampleReader.submit_many`) while the window before is trained on. At most two windows' items
+    large requests (`SampleReader.runs`, `EmbeddingCache.submit_many`) while the window before is trained on. At most two windows' items
     are in memory or in flight (READ_WINDOW_BYTES each, over the world size).
 
     For a loader without workers; workers read ahead by `prefetch_factor` batches themselves. When the iteration
