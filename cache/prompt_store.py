@@ -41,7 +41,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from . import direct_io
 from .atomic import run_each, write_behind
 from .errors import CacheError
-from .fanout import Share
+from .fanout import Decoded, Share
 from .format import (
     NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE,
     Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts, prompt_location, storage_numpy_dtype,
@@ -444,6 +444,11 @@ class ChunkFiles:
         """`array[row, :stop]` for each of `rows` (one run of `row_runs`), from one read of the file: like
         `read_row(row, stop, verify=False)`, the chunks' own crc32c not checked (the caller checks what it
         reads); None for a row whose chunks are not all held (the caller reads it by `read_row`)."""
+        return self.rows_from(self.read_run(rows, stops), stops)
+
+    def read_run(self, rows: list[int], stops: list[int]) -> tuple[int, np.ndarray, list] | None:
+        """The read behind `read_rows`, alone (a read thread's part): (offset in the file, the bytes read from
+        it, each row's chunk spans or None), or None where no row has all of its chunks held."""
         file = self._file(self._row_chunk(rows[0]))
         fd = self._open(file)
         try:
@@ -451,20 +456,27 @@ class ChunkFiles:
             held = [self._row_spans(index, row, stop) for row, stop in zip(rows, stops)]
             offs = [s[:, 0] for s in held if s is not None]
             if not offs:
-                return [None] * len(rows)
+                return None
             lo = int(min(o.min() for o in offs))
             hi = int(max((s[:, 0] + s[:, 1]).max() for s in held if s is not None))
-            buf = self._pread(fd, lo, hi - lo)
+            return lo, self._pread(fd, lo, hi - lo), held
         finally:
             os.close(fd)
+
+    def rows_from(self, got: tuple[int, np.ndarray, list] | None, stops: list[int]) -> list[np.ndarray | None]:
+        """The rows of `read_rows` from what `read_run` read (copied out of it: the chunks of a row are not
+        adjacent in the file, each ends in its crc32c)."""
+        if got is None:
+            return [None] * len(stops)
+        lo, buf, held = got
         row_bytes = int(np.prod(self.chunks[2:])) * self.dtype.itemsize
         out: list[np.ndarray | None] = []
-        for row, stop, spans in zip(rows, stops, held):
+        for stop, spans in zip(stops, held):
             if spans is None or int((spans[:, 0] + spans[:, 1]).max()) - lo > len(buf):
                 out.append(None)
                 continue
-            data = np.empty((stop, *self.shape[2:]), dtype=self.dtype)
-            flat = data.reshape(-1).view(np.uint8)
+            flat = direct_io.BUFFERS.take(stop * row_bytes)  # (a reused buffer: fresh ones cost page faults)
+            data = flat.view(self.dtype).reshape(stop, *self.shape[2:])
             for j, (off, _) in enumerate(spans.tolist()):
                 a, b = j * self.chunks[1], min((j + 1) * self.chunks[1], stop)
                 flat[a * row_bytes:b * row_bytes] = buf[off - lo:off - lo + (b - a) * row_bytes]
@@ -967,16 +979,29 @@ class PartRows:
         """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`) from one read of the run's chunks, each
         row's real tokens checked against their crc32c; None for a row that does not check or whose chunks are not
         all there (its caller reads it by `trimmed`, which returns it or says what is wrong)."""
+        return self.trimmed_from(rows, self.read_many(rows))
+
+    def read_many(self, rows: list[int]):
+        """The read behind `trimmed_many`, alone (a read thread's part); what `trimmed_from` takes."""
         arr = self.embeds
         if len(rows) < 2 or not isinstance(arr, ChunkFiles) or self.crcs is None:
-            return [None] * len(rows)
-        stops = [int(self.seq_lens[r]) if r < len(self.seq_lens) else -1 for r in rows]
+            return None
         try:
-            got = arr.read_rows(rows, [max(s, 0) for s in stops])
+            return arr.read_run(rows, [max(self._stop(r), 0) for r in rows])
         except (OSError, ChunkError):
+            return None
+
+    def trimmed_from(self, rows: list[int], got) -> list[np.ndarray | None]:
+        """`trimmed_many` from what `read_many` read: the rows copied out and checked."""
+        if got is None:
             return [None] * len(rows)
+        stops = [self._stop(r) for r in rows]
+        datas = self.embeds.rows_from(got, [max(s, 0) for s in stops])
         return [data if data is not None and stop > 0 and 0 <= int(self.crcs[row]) == crc32c(data) else None
-                for row, stop, data in zip(rows, stops, got)]
+                for row, stop, data in zip(rows, stops, datas)]
+
+    def _stop(self, row: int) -> int:
+        return int(self.seq_lens[row]) if row < len(self.seq_lens) else -1
 
     def missing_chunk(self, row: int) -> str | None:
         """The first chunk holding real tokens of a written row that does not exist (a stat per chunk, nothing
@@ -1266,15 +1291,18 @@ class EmbeddingCache:
                     prompt = run[0] * self.num_parts + part
                     self._pending[prompt] = pool.submit(self._load, prompt, store, run[0])
                     continue
-                fut = pool.submit(self._load_run, store, run, part)
+                fut = pool.submit(store.read_many, run)  # (the read alone; the taker checks and copies the rows)
+                decoded = Decoded(fut, lambda got, store=store, run=run, part=part: self._load_run(store, run, part,
+                                                                                                    got))
                 for k, row in enumerate(run):
-                    self._pending[row * self.num_parts + part] = Share(fut, k)
+                    self._pending[row * self.num_parts + part] = Share(decoded, k)
 
-    def _load_run(self, store: PartRows, run: list[int], part: int) -> list:
-        """What `_load` returns or raises for each row of `run`, from one read of the run (`trimmed_many`); a row
-        that does not check there is read by `_load` itself, whose error is then its entry."""
+    def _load_run(self, store: PartRows, run: list[int], part: int, got) -> list:
+        """What `_load` returns or raises for each row of `run`, from what one read of the run read
+        (`PartRows.read_many`); a row that does not check there is read by `_load` itself, whose error is then
+        its entry."""
         out = []
-        for row, value in zip(run, store.trimmed_many(run)):
+        for row, value in zip(run, store.trimmed_from(run, got)):
             if value is not None:
                 out.append((storage_to_torch(value, store.dtype_name), store.max_len))
                 continue

@@ -41,7 +41,8 @@ def snapshot(item: dict) -> tuple:
 
 
 def batch_snapshot(b: dict) -> tuple:
-    return (tuple((k, _bytes(v)) for k, v in sorted(b["fields"].items())), _bytes(b["context"]), b["max_len"],
+    return (tuple((k, tuple(map(_bytes, v))) for k, v in sorted(b["fields"].items())), tuple(map(_bytes, b["context"])),
+            b["max_len"],
             *(_bytes(b[k]) for k in ("timestep", "sigma", "step", "weight")), tuple(b["keys"]))
 
 

@@ -11,9 +11,9 @@ would, byte for byte, errors included.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
-import math
 import os
 import weakref
 from collections import deque
@@ -453,46 +453,53 @@ class SegmentDataset(SampleDataset):
         return out
 
 
-def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor for a collated batch; in a loader worker it lives in shared memory already, so
-    sending the batch to the training process does not copy it again (as torch's default_collate does)."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    storage = torch.empty(0, dtype=dtype).untyped_storage()._new_shared(math.prod(shape) * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in shared memory: what a loader worker collates into, so that sending the batch
+    to the training process does not copy it again (as torch's default_collate does)."""
+    storage = torch.empty(0, dtype=torch.uint8).untyped_storage()._new_shared(max(nbytes, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's memory as a numpy uint8 array (any dtype, bfloat16 included), for copies.
+    """A contiguous tensor's memory as a flat numpy uint8 array (any dtype, bfloat16 included), for copies.
 
     collate copies with numpy, never torch: torch spreads a copy over its intra-op threads, which on a busy
     machine (loader in the training process, other jobs on the cores) wait on each other ~100x longer than the
     copy takes (bench/real_size.py, `--num-workers 0` on 2 loaded cores: 10.7 ms vs 0.07 ms a batch field)."""
-    return t.contiguous().view(torch.uint8).numpy()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.cumsum([0] + [-(-n // 64) * 64 for n in sizes])  # (each at a multiple of 64 bytes: any dtype's)
+    buf = _shared_bytes(int(starts[-1]))
+    out, flat = [], buf.numpy()
+    for t, n, at in zip(tensors, sizes, starts.tolist()):
+        np.copyto(flat[at:at + n], _bytes(t))
+        out.append(buf[at:at + n].view(t.dtype).view(t.shape))
+    return out
 
 
 def collate(items: list[dict]) -> dict:
-    """Stack a micro-batch: every field the dataset read, the embeddings and the per-sample metadata.
+    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors,
+    and the per-sample metadata as tensors.
 
-    The embeddings are padded with zeros to the batch's longest prompt only ("context"); `max_len` is the
-    length the teacher padded them to, which `loop.to_batch` restores on the device.
+    Nothing is stacked here: in the training process the lists hold the tensors the reads made (views of the
+    read buffers), and `to_device` / `padded_context` lay them out once, where the batch is used (on the device,
+    where the embeddings are also padded with zeros to `max_len`, as WanPipeline pads them). An A14B batch of 8
+    is ~3 MB of latents and ~4 MB of real tokens, which stacking (and padding to the batch's longest prompt: ~9 MB)
+    copied once more on the loader's core, the CPU it is bound by (bench/real_size.py). A loader worker copies
+    them into one buffer in shared memory, which the training process then maps without a copy.
     """
-    fields = {}
-    for name in items[0]["fields"]:
-        ts = [i["fields"][name] for i in items]
-        fields[name] = _batch_tensor((len(ts), *ts[0].shape), ts[0].dtype)
-        out = _bytes(fields[name])
-        for j, t in enumerate(ts):
-            np.copyto(out[j], _bytes(t))
-    ctx = [i["context"] for i in items]
-    context = _batch_tensor((len(ctx), max(c.shape[0] for c in ctx), ctx[0].shape[1]), ctx[0].dtype)
-    out = _bytes(context)
-    for j, c in enumerate(ctx):
-        np.copyto(out[j, :c.shape[0]], _bytes(c))
-        out[j, c.shape[0]:] = 0
+    names = list(items[0]["fields"])
+    tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
+    if get_worker_info() is not None:
+        tensors = _in_shared_memory(tensors)
+    b = len(items)
     return {
-        "fields": fields,
-        "context": context,
+        "fields": {n: tensors[k * b:(k + 1) * b] for k, n in enumerate(names)},
+        "context": tensors[len(names) * b:],
         "max_len": items[0]["max_len"],
         "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
         "sigma": torch.tensor([i["sigma"] for i in items], dtype=torch.float32),
@@ -500,6 +507,24 @@ def collate(items: list[dict]) -> dict:
         "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
         "keys": [i["key"] for i in items if i["weight"] > 0],
     }
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's field (a list of the samples' tensors, one shape) stacked on `device` as `dtype`: [B, ...]."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=device)
+    for j, t in enumerate(tensors):
+        out[j].copy_(t, non_blocking=True)
+    return out
+
+
+def padded_context(batch: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's prompt embeddings on `device` as the teacher saw them: [B, max_len, D], each sample's
+    real tokens, then zeros (as WanPipeline pads them)."""
+    ctx = batch["context"]
+    out = torch.zeros((len(ctx), batch["max_len"], ctx[0].shape[-1]), dtype=dtype, device=device)
+    for j, c in enumerate(ctx):
+        out[j, :c.shape[0]].copy_(c, non_blocking=True)
+    return out
 
 
 # Prompts per read group of a grouped epoch (`read_groups`): consecutive rows of one prompt store, whose
@@ -661,6 +686,12 @@ class Lookahead(Sampler):
 
 
 def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:
+    """The loader of one epoch. What is alive when it is made (modules, the student, the index: millions of
+    objects once torch and diffusers are imported) lives through the epoch: it is moved out of the garbage
+    collector's passes (`gc.freeze`), which otherwise walk all of it every few thousand batches' worth of
+    allocations (perf, real-size bench: the collector was ~12% of the in-process loader's CPU), and which in
+    forked workers would write to every page of it (copy-on-write)."""
+    gc.freeze()
     dataset.hint_own_batch = num_workers > 0
     if num_workers == 0:
         sampler = Lookahead(sampler, dataset)

@@ -37,7 +37,7 @@ from pipeline.wan_inputs import model_timestep
 
 from . import checkpoint
 from .comm import all_gather_bytes, all_reduce
-from .data import DataSplit, RankBatches, collate, eval_batches, make_loader
+from .data import DataSplit, RankBatches, collate, eval_batches, make_loader, padded_context, to_device
 from .objectives import Batch, Objective
 from .strategy import DDP, Strategy
 from .tracking import NullTracker, Tracker
@@ -103,13 +103,12 @@ class TrainState:
 
 def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> Batch:
     """A collated micro-batch on the device, with the transformer's timestep input laid out as WanPipeline's."""
-    fields = {k: v.to(device, torch.float32, non_blocking=True) for k, v in batch["fields"].items()}
+    fields = {k: to_device(v, device) for k, v in batch["fields"].items()}
     t = model_timestep(batch["timestep"].to(device), fields[F.T_X_T].shape[2:], expand_timesteps, patch)
     meta = {k: batch[k].to(device) for k in ("timestep", "sigma", "step")}
-    # collate pads the prompt embeddings to the batch's longest prompt; the rest of the padding, zeros as
-    # WanPipeline pads, is added here on the device (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
-    context = batch["context"].to(device, torch.float32, non_blocking=True)
-    context = torch.nn.functional.pad(context, (0, 0, 0, batch["max_len"] - context.shape[1]))
+    # collate passes the real tokens alone; the padding, zeros as WanPipeline pads, is added here on the device
+    # (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
+    context = padded_context(batch, device)
     return Batch(fields, t, context, batch["weight"].to(device), meta)
 
 
