@@ -4,6 +4,7 @@ the rerun is bit-identical to an uninterrupted run. (tests/faults/sigterm.py cou
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -57,6 +58,32 @@ def test_sigterm_raises_at_once_outside_a_deferred_block_and_only_flags_inside()
 
 
 # -- stage one -----------------------------------------------------------------------------------------------
+
+def test_stage_one_waiting_for_the_other_parts_stops_as_terminated_when_a_sigterm_ended_them(monkeypatch):
+    """Under torchrun a rank whose part is complete waits at a barrier for the others. torchrun forwards a SIGTERM to
+    every rank: the others stop and leave, the barrier fails with a lost peer, and this rank reports the SIGTERM
+    (exit 143, rerun to finish), not the loss of a rank. Without a SIGTERM a lost peer is what it is."""
+    run = importlib.import_module("stages.teacher_cache.run")  # (the package's `run` is the stage's function)
+
+    def barrier_after_sigterm():
+        signal.raise_signal(signal.SIGTERM)  # arrives while the collective blocks; its handler runs after it
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    job = type("Job", (), {"part": 1})()
+    with signals.handle_sigterm():
+        monkeypatch.setattr(run, "barrier", barrier_after_sigterm)
+        with pytest.raises(signals.Terminated, match=r"terminated \(SIGTERM\) with every block of part 1 cached.*"
+                                                     "rerun the same command"):
+            run._wait_for_parts(job)
+
+    def barrier_peer_lost():
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    with signals.handle_sigterm():
+        monkeypatch.setattr(run, "barrier", barrier_peer_lost)
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            run._wait_for_parts(job)
+
 
 @pytest.mark.slow
 def test_stage_one_records_the_finished_blocks_exits_143_and_the_rerun_equals_the_uninterrupted_cache(

@@ -425,6 +425,22 @@ def _feature_recorder(job: _Part) -> FeatureRecorder | None:
     return FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
 
 
+def _wait_for_parts(job: _Part) -> None:
+    """The barrier before the manifest, under torchrun. A SIGTERM that reaches this rank while it waits there
+    (torchrun forwards one to every rank) reached the others too: a rank still denoising stops and leaves, which
+    ends the barrier with a lost peer, and this rank then stops as terminated, its part complete, not as the loss
+    of a rank (the SIGTERM's handler runs once the barrier returns: a blocked collective does not return to
+    Python before)."""
+    with signals.deferred():
+        try:
+            barrier()
+        except Exception as e:
+            if not signals.requested():
+                raise
+            raise signals.Terminated(f"terminated (SIGTERM) with every block of part {job.part} cached, while "
+                                     "waiting for the other parts; rerun the same command to finish the cache") from e
+
+
 def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
     """Write the manifest once every part is complete, and return (and print) the part's summary.
 
@@ -432,7 +448,7 @@ def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
     every rank waits at a barrier until all parts are complete, then rank 0 writes it."""
     out, part, num_parts, device = job.out, job.part, job.num_parts, job.device
     if job.torchrun:
-        barrier()
+        _wait_for_parts(job)
     manifest = None
     if not job.torchrun or part == 0:
         manifest = try_write_manifest(out, num_parts, before_replace=lambda: fault_point("in_manifest"))
