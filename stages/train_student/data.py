@@ -11,7 +11,6 @@ would, byte for byte, errors included.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import os
@@ -686,12 +685,6 @@ class Lookahead(Sampler):
 
 
 def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, pin: bool) -> DataLoader:
-    """The loader of one epoch. What is alive when it is made (modules, the student, the index: millions of
-    objects once torch and diffusers are imported) lives through the epoch: it is moved out of the garbage
-    collector's passes (`gc.freeze`), which otherwise walk all of it every few thousand batches' worth of
-    allocations (perf, real-size bench: the collector was ~12% of the in-process loader's CPU), and which in
-    forked workers would write to every page of it (copy-on-write)."""
-    gc.freeze()
     dataset.hint_own_batch = num_workers > 0
     if num_workers == 0:
         sampler = Lookahead(sampler, dataset)
