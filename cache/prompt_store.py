@@ -41,7 +41,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from . import direct_io
 from .atomic import run_each, write_behind
 from .errors import CacheError
-from .fanout import Decoded, Share
+from .fanout import Share
 from .format import (
     NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE,
     Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts, prompt_location, storage_numpy_dtype,
@@ -979,29 +979,16 @@ class PartRows:
         """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`) from one read of the run's chunks, each
         row's real tokens checked against their crc32c; None for a row that does not check or whose chunks are not
         all there (its caller reads it by `trimmed`, which returns it or says what is wrong)."""
-        return self.trimmed_from(rows, self.read_many(rows))
-
-    def read_many(self, rows: list[int]):
-        """The read behind `trimmed_many`, alone (a read thread's part); what `trimmed_from` takes."""
         arr = self.embeds
         if len(rows) < 2 or not isinstance(arr, ChunkFiles) or self.crcs is None:
-            return None
-        try:
-            return arr.read_run(rows, [max(self._stop(r), 0) for r in rows])
-        except (OSError, ChunkError):
-            return None
-
-    def trimmed_from(self, rows: list[int], got) -> list[np.ndarray | None]:
-        """`trimmed_many` from what `read_many` read: the rows copied out and checked."""
-        if got is None:
             return [None] * len(rows)
-        stops = [self._stop(r) for r in rows]
-        datas = self.embeds.rows_from(got, [max(s, 0) for s in stops])
+        stops = [int(self.seq_lens[r]) if r < len(self.seq_lens) else -1 for r in rows]
+        try:
+            got = arr.read_rows(rows, [max(s, 0) for s in stops])
+        except (OSError, ChunkError):
+            return [None] * len(rows)
         return [data if data is not None and stop > 0 and 0 <= int(self.crcs[row]) == crc32c(data) else None
-                for row, stop, data in zip(rows, stops, datas)]
-
-    def _stop(self, row: int) -> int:
-        return int(self.seq_lens[row]) if row < len(self.seq_lens) else -1
+                for row, stop, data in zip(rows, stops, got)]
 
     def missing_chunk(self, row: int) -> str | None:
         """The first chunk holding real tokens of a written row that does not exist (a stat per chunk, nothing
@@ -1291,18 +1278,15 @@ class EmbeddingCache:
                     prompt = run[0] * self.num_parts + part
                     self._pending[prompt] = pool.submit(self._load, prompt, store, run[0])
                     continue
-                fut = pool.submit(store.read_many, run)  # (the read alone; the taker checks and copies the rows)
-                decoded = Decoded(fut, lambda got, store=store, run=run, part=part: self._load_run(store, run, part,
-                                                                                                    got))
+                fut = pool.submit(self._load_run, store, run, part)
                 for k, row in enumerate(run):
-                    self._pending[row * self.num_parts + part] = Share(decoded, k)
+                    self._pending[row * self.num_parts + part] = Share(fut, k)
 
-    def _load_run(self, store: PartRows, run: list[int], part: int, got) -> list:
-        """What `_load` returns or raises for each row of `run`, from what one read of the run read
-        (`PartRows.read_many`); a row that does not check there is read by `_load` itself, whose error is then
-        its entry."""
+    def _load_run(self, store: PartRows, run: list[int], part: int) -> list:
+        """What `_load` returns or raises for each row of `run`, from one read of the run (`trimmed_many`); a row
+        that does not check there is read by `_load` itself, whose error is then its entry."""
         out = []
-        for row, value in zip(run, store.trimmed_from(run, got)):
+        for row, value in zip(run, store.trimmed_many(run)):
             if value is not None:
                 out.append((storage_to_torch(value, store.dtype_name), store.max_len))
                 continue

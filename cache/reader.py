@@ -30,7 +30,7 @@ import webdataset as wds
 from . import direct_io
 from . import format as F
 from .errors import CacheError
-from .fanout import Decoded, Share
+from .fanout import Share
 from .manifest import check_settings, load_manifest
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 
@@ -553,8 +553,7 @@ class SampleReader:
     def submit_run(self, pool, run: list[int]) -> list:
         """Start reading the samples of `run` (one of `runs`) in one read, through `pool`'s `submit`: a future per
         sample (a `fanout.Share` of the read's), each holding what `read` returns for it or raises (an error of the
-        read itself goes to all). The pool's thread only reads; the first item taken decodes them all, in the
-        taker's thread (`fanout.Decoded`).
+        read itself goes to all).
         Call from the thread that owns this reader; the read uses its own `os.dup` of the descriptor (`submit`)."""
         t = self.index.table[run]
         lo, hi = int(t[:, C_META_OFF].min()), int((t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).max())
@@ -562,16 +561,13 @@ class SampleReader:
             return [self.submit(pool, run[0])]
         fd = os.dup(self._fd(int(t[0, C_SHARD])))
 
-        def read() -> np.ndarray:  # (in a read thread: only the read)
+        def decode_all() -> list:
             try:
                 buf, refused = direct_io.pread(fd, lo, hi - lo)
             finally:
                 os.close(fd)
             if refused:
                 self.direct = False
-            return buf
-
-        def decode_all(buf: np.ndarray) -> list:  # (in the thread that takes the items)
             out = []
             for row, end in zip(run, (t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).tolist()):
                 try:  # (a shard cut short fails the samples past its end, each as its own read would)
@@ -581,13 +577,12 @@ class SampleReader:
             return out
 
         try:
-            fut = pool.submit(read)
+            fut = pool.submit(decode_all)
         except BaseException:
             os.close(fd)
             raise
         fut.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)  # never ran: did not close it
-        decoded = Decoded(fut, decode_all)
-        return [Share(decoded, k) for k in range(len(run))]
+        return [Share(fut, k) for k in range(len(run))]
 
     def _read_tensors(self, fd: int, row: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         r = self.index.table[row]

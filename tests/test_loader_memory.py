@@ -1,21 +1,16 @@
 """The in-process loader's memory: read buffers reused from a pool only once nothing uses their bytes
-(`direct_io.BufferPool`), a large read decoded once by the thread that takes its items (`fanout.Decoded`), and
-batches passed as the samples' own tensors, laid out (and the embeddings padded) where they are used
+(`direct_io.BufferPool`), and batches passed as the samples' own tensors, laid out (and the embeddings padded) where they are used
 (`data.collate`, `to_device`, `padded_context`)."""
 
 from __future__ import annotations
 
 import gc
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pytest
 import torch
 
 from cache import direct_io
-from cache.fanout import Decoded, Share
 from stages.train_student import data as D
 
 MB = 1 << 20
@@ -74,32 +69,6 @@ def test_pread_returns_the_file_bytes_from_pooled_buffers(tmp_path):
                 del got
         finally:
             os.close(fd)
-
-
-def test_a_read_is_decoded_once_by_the_thread_that_takes_its_items():
-    threads = []
-
-    def decode(raw):
-        threads.append(threading.current_thread())
-        return [raw * 10 + k if k != 1 else ValueError(f"item {k}") for k in range(3)]
-
-    with ThreadPoolExecutor(1) as pool:
-        decoded = Decoded(pool.submit(lambda: 4), decode)
-        shares = [Share(decoded, k) for k in range(3)]
-        assert shares[0].result() == 40
-        with pytest.raises(ValueError, match="item 1"):  # an item's own error, at that item
-            shares[1].result()
-        assert shares[2].result() == 42
-        assert threads == [threading.current_thread()]
-
-        def fail():
-            raise OSError("disk gone")
-
-        failed = Decoded(pool.submit(fail), decode)
-        for k in range(2):  # the read's own error goes to every item
-            with pytest.raises(OSError, match="disk gone"):
-                Share(failed, k).result()
-    assert len(threads) == 1
 
 
 def items(lens=(3, 7, 1)) -> list[dict]:
