@@ -8,6 +8,7 @@ import gc
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from cache import direct_io
@@ -102,3 +103,21 @@ def test_a_worker_collates_into_one_buffer_in_shared_memory(monkeypatch):
     for got, want in zip(tensors, [*(i["fields"]["x_t"] for i in its), *(i["fields"]["target"] for i in its),
                                    *(i["context"] for i in its)]):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_a_pinned_batch_reaches_the_gpu_as_it_does_the_cpu():
+    """On CUDA the loader pins each of a batch's tensors (DataLoader pin_memory over the lists) and `to_device` /
+    `padded_context` copy them sample by sample without blocking: the device batch equals the CPU one."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    batch = D.collate(items())
+    pinned = pin_memory(batch)
+    assert all(t.is_pinned() for t in pinned["fields"]["x_t"] + pinned["context"])
+    cuda = torch.device("cuda")
+    for name in ("x_t", "target"):
+        got = D.to_device(pinned["fields"][name], cuda)
+        assert torch.equal(got.cpu(), D.to_device(batch["fields"][name], torch.device("cpu")))
+    ctx = D.padded_context(pinned, cuda)
+    torch.cuda.synchronize()
+    assert torch.equal(ctx.cpu(), D.padded_context(batch, torch.device("cpu")))
