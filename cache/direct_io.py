@@ -83,7 +83,7 @@ class BufferPool:
     18 GiB (perf, fresh buffers: the kernel zeroing pages was 7% of the loader's CPU; from the pool ~80% of the
     reads reuse a slab).
 
-    `take(n)` gives an aligned uint8 array of `n` bytes, a view of a slab of the pool (sizes rounded up to an
+    `take(n)` gives an aligned uint8 array of `n` bytes, a view of a slab of the pool (sizes rounded up to a
     quarter of their power of two); the slab returns to the pool when that array and every view of it (numpy
     views, tensors made with torch.frombuffer, memoryviews) are gone, and stays out of it until then, so a
     slab is never handed out twice while its bytes are still used. At most `limit` bytes of free slabs are
@@ -143,7 +143,6 @@ class BufferPool:
 
 
 BUFFERS = BufferPool()
-
 
 
 def pread(fd: int, off: int, n: int) -> tuple[np.ndarray, bool]:

@@ -447,8 +447,8 @@ class ChunkFiles:
         return self.rows_from(self.read_run(rows, stops), stops)
 
     def read_run(self, rows: list[int], stops: list[int]) -> tuple[int, np.ndarray, list] | None:
-        """The read behind `read_rows`, alone (a read thread's part): (offset in the file, the bytes read from
-        it, each row's chunk spans or None), or None where no row has all of its chunks held."""
+        """The one read behind `read_rows`: (offset in the file, the bytes read from it, each row's chunk spans or
+        None), or None where no row has all of its chunks held."""
         file = self._file(self._row_chunk(rows[0]))
         fd = self._open(file)
         try:
