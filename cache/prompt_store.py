@@ -443,12 +443,8 @@ class ChunkFiles:
     def read_rows(self, rows: list[int], stops: list[int]) -> list[np.ndarray | None]:
         """`array[row, :stop]` for each of `rows` (one run of `row_runs`), from one read of the file: like
         `read_row(row, stop, verify=False)`, the chunks' own crc32c not checked (the caller checks what it
-        reads); None for a row whose chunks are not all held (the caller reads it by `read_row`)."""
-        return self.rows_from(self.read_run(rows, stops), stops)
-
-    def read_run(self, rows: list[int], stops: list[int]) -> tuple[int, np.ndarray, list] | None:
-        """The one read behind `read_rows`: (offset in the file, the bytes read from it, each row's chunk spans or
-        None), or None where no row has all of its chunks held."""
+        reads); None for a row whose chunks are not all held (the caller reads it by `read_row`). Each row is
+        copied out of the read (the chunks of a row are not adjacent in the file: each ends in its crc32c)."""
         file = self._file(self._row_chunk(rows[0]))
         fd = self._open(file)
         try:
@@ -456,19 +452,12 @@ class ChunkFiles:
             held = [self._row_spans(index, row, stop) for row, stop in zip(rows, stops)]
             offs = [s[:, 0] for s in held if s is not None]
             if not offs:
-                return None
+                return [None] * len(rows)
             lo = int(min(o.min() for o in offs))
             hi = int(max((s[:, 0] + s[:, 1]).max() for s in held if s is not None))
-            return lo, self._pread(fd, lo, hi - lo), held
+            buf = self._pread(fd, lo, hi - lo)
         finally:
             os.close(fd)
-
-    def rows_from(self, got: tuple[int, np.ndarray, list] | None, stops: list[int]) -> list[np.ndarray | None]:
-        """The rows of `read_rows` from what `read_run` read (copied out of it: the chunks of a row are not
-        adjacent in the file, each ends in its crc32c)."""
-        if got is None:
-            return [None] * len(stops)
-        lo, buf, held = got
         row_bytes = int(np.prod(self.chunks[2:])) * self.dtype.itemsize
         out: list[np.ndarray | None] = []
         for stop, spans in zip(stops, held):

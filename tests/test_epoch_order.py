@@ -160,14 +160,14 @@ def test_a_grouped_epoch_is_read_in_a_few_large_requests(tiny_cache, monkeypatch
         calls["preads"] += 1
         return real_pread(fd, off, n)
 
-    real_rows = prompt_store.ChunkFiles.read_run
+    real_rows = prompt_store.ChunkFiles.read_rows
 
     def counted_rows(self, rows, stops):
         calls["embeds"] += 1
         return real_rows(self, rows, stops)
 
     monkeypatch.setattr(reader.direct_io, "pread", counted)
-    monkeypatch.setattr(prompt_store.ChunkFiles, "read_run", counted_rows)
+    monkeypatch.setattr(prompt_store.ChunkFiles, "read_rows", counted_rows)
     ds = D.SampleDataset(index, 32)
     seen = 0
     for batch in D.make_loader(ds, D.RankBatches(plan, split.train_rows, 0, 0, 0), 0, False):
