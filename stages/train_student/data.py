@@ -563,22 +563,28 @@ def order_window(order: str, index: CacheIndex, rows: np.ndarray, embedding_cach
     nearly every sample (10,000 prompts x 3 steps, LRU of 1,024: 2.8 reads a prompt, 1.0 grouped; the real-size
     bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped by prompt), and reads one sample at a time, while
     an LRU that holds every prompt reads each once in any order, and the order stays the uniform shuffle."""
+    return _grouping(order, index, rows, embedding_cache_size)[0]
+
+
+def _grouping(order: str, index: CacheIndex, rows: np.ndarray,
+              embedding_cache_size: int) -> tuple[int, np.ndarray | None]:
+    """(`order_window`, the `read_groups` of `rows` it was counted from; None for a shuffled epoch)."""
     t = index.table[rows]
     n_prompts = len(np.unique(t[:, [C_CACHE, C_PROMPT]], axis=0)) if len(rows) else 0
     if order == "shuffle" or (order == "auto" and n_prompts <= embedding_cache_size):
-        return 0
+        return 0, None
     per = group_prompts(embedding_cache_size)
-    n_groups = len(np.unique(read_groups(index, rows, per)))
+    groups = read_groups(index, rows, per)
+    n_groups = len(np.unique(groups))
     group_bytes = float(np.sum(t[:, C_TENS_OFF] + t[:, C_TENS_LEN] - t[:, C_META_OFF])) / max(n_groups, 1)
     by_prompts = (embedding_cache_size // 2) // per  # (groups of `per` prompts; a store's last group may hold fewer)
-    return max(1, min(by_prompts, int(READ_WINDOW_BYTES // max(group_bytes, 1.0))))
+    return max(1, min(by_prompts, int(READ_WINDOW_BYTES // max(group_bytes, 1.0)))), groups
 
 
 def epoch_plan(data: DataSplit, world: int, batch: int, accum: int, order: str,
                embedding_cache_size: int) -> EpochPlan:
     """train-student's plan of an epoch over `data`'s training rows, in `order` (`order_window`)."""
-    window = order_window(order, data.index, data.train_rows, embedding_cache_size)
-    groups = read_groups(data.index, data.train_rows, group_prompts(embedding_cache_size)) if window else None
+    window, groups = _grouping(order, data.index, data.train_rows, embedding_cache_size)
     return EpochPlan(len(data.train_rows), world, batch, accum, groups, window)
 
 
