@@ -488,7 +488,7 @@ def collate(items: list[dict]) -> dict:
     read buffers), and `to_device` / `padded_context` lay them out once, where the batch is used (on the device,
     where the embeddings are also padded with zeros to `max_len`, as WanPipeline pads them). An A14B batch of 8
     is ~3 MB of latents and ~4 MB of real tokens, which stacking (and padding to the batch's longest prompt: ~9 MB)
-    copied once more on the loader's core, the CPU it is bound by (bench/real_size.py). A loader worker copies
+    copied once more on the loader's core, whose CPU bound it (bench/real_size.py). A loader worker copies
     them into one buffer in shared memory, which the training process then maps without a copy.
     """
     names = list(items[0]["fields"])
