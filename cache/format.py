@@ -121,7 +121,8 @@ S_PATH = "path"
 S_PART = "part"
 S_SAMPLES = "samples"
 S_BYTES = "bytes"
-S_SHA256 = "sha256"
+S_CRC32C = "crc32c"  # of the shard's bytes (cache/checksum.py)
+S_SHA256 = "sha256"  # of the shard's bytes, in caches written before S_CRC32C
 S_BLOCKS = "blocks"  # the part's trajectory blocks the shard holds (lets a lost shard be recomputed alone)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

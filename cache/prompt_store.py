@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import direct_io
-from .atomic import run_each, write_behind
+from .atomic import run_each, thread_pool, write_behind
+from .checksum import crc32c
 from .errors import CacheError
 from .fanout import Share
 from .format import (
@@ -48,25 +49,6 @@ from .format import (
     storage_to_torch, torch_to_storage,
 )
 from .manifest import load_manifest, manifest_path, negative_problem
-
-try:
-    from google_crc32c import extend as _crc32c_extend  # zarr's own crc32c codec uses it (zarr >= 3.1)
-except ImportError:  # pragma: no cover - zarr 3.0 depended on the crc32c package instead
-    from crc32c import crc32c as _crc32c_of
-
-    def _crc32c_extend(crc: int, data) -> int:
-        return _crc32c_of(data, crc)
-
-
-def crc32c(data, crc: int = 0) -> int:
-    """crc32c of `data`'s bytes (a C-contiguous numpy array or a bytes-like object), continuing `crc`: the
-    checksum zarr's "crc32c" codec appends to a chunk, ~25 GB/s."""
-    if not isinstance(data, (bytes, np.ndarray)):
-        data = np.frombuffer(data, dtype=np.uint8)
-    elif isinstance(data, np.ndarray) and not data.flags.c_contiguous:
-        data = np.ascontiguousarray(data)
-    return _crc32c_extend(crc, data)
-
 
 class ChunkError(CacheError):
     """A chunk that is not what its array says: `reason` is why ("fails its crc32c", "is shorter ..."). In a
@@ -100,7 +82,9 @@ ROWS_PER_FILE = 64
 NOT_HELD = 2**64 - 1
 # Shard indexes kept per array (a few KiB each, read once per file instead of once per row).
 INDEXES_KEPT = 256
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# Chunk files of at least this many bytes are written past the page cache (embeddings and latents of 64 rows:
+# tens of MiB); smaller ones (text, seq_lens) through it.
+DIRECT_WRITE_MIN = 1 << 20
 
 
 def _plain_codecs(codecs: list[dict]) -> bool:
@@ -488,8 +472,8 @@ class ChunkFiles:
     # -- writing ------------------------------------------------------------------------------------------
 
     def _stored(self, block: np.ndarray | None) -> list | None:
-        """A chunk's stored bytes as buffers (its data, then its crc32c), or None for a chunk of only the fill
-        value (which is not written)."""
+        """A chunk's stored bytes as parts of `direct_io.FileWriter.write` (its data, then its crc32c, computed
+        as the data is written), or None for a chunk of only the fill value (which is not written)."""
         if block is None:  # known to hold only the fill value
             return None
         if self.fill == 0:
@@ -503,12 +487,13 @@ class ChunkFiles:
             return None
         data = np.ascontiguousarray(block, dtype=self.dtype)
         data = self.zstd.encode(data) if self.zstd is not None else data.reshape(-1).view(np.uint8)
-        return [memoryview(data).cast("B")] + ([crc32c(data).to_bytes(4, "little")] if self.crc else [])
+        return [data] + ([direct_io.CRC32C_OF_PREVIOUS] if self.crc else [])
 
     def _replace(self, file: Path, parts: list | None) -> None:
         """Make `file` hold `parts` (buffers, written in order), or remove it for None. The file is complete
         under a temporary name before it replaces the old one (zarr's own ".partial" suffix, which stage one
-        deletes on resume); then handed to `write_behind`."""
+        deletes on resume). Files of DIRECT_WRITE_MIN bytes or more are written past the page cache
+        (`direct_io.FileWriter`); smaller ones through it, then handed to `write_behind`."""
         self.touched.append(file)
         if not parts:
             file.unlink(missing_ok=True)
@@ -516,25 +501,22 @@ class ChunkFiles:
         if file.parent not in self._dirs:
             file.parent.mkdir(parents=True, exist_ok=True)
             self._dirs.add(file.parent)
-        parts = [memoryview(p).cast("B") if not isinstance(p, memoryview) else p for p in parts]
-        nbytes = sum(len(p) for p in parts)
+        nbytes = direct_io.parts_nbytes(parts)
         tmp = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.partial")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            out = direct_io.FileWriter(tmp, direct=nbytes >= DIRECT_WRITE_MIN)
             try:
-                while parts:  # writev of the buffers as they are (a short write continues where it stopped)
-                    n = os.writev(fd, parts[:_IOV_MAX])
-                    while parts and n >= len(parts[0]):
-                        n -= len(parts.pop(0))
-                    if parts:
-                        parts[0] = parts[0][n:]
-            finally:
-                os.close(fd)
+                out.write(parts)
+            except BaseException:
+                out.abort()
+                raise
+            out.close(fsync=False)
             os.replace(tmp, file)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        write_behind.add(file, nbytes)  # synced and out of the page cache soon, in the background
+        if not out.direct:
+            write_behind.add(file, nbytes)  # synced and out of the page cache soon, in the background
 
     def write_chunk(self, idx: tuple[int, ...], block: np.ndarray | None) -> None:
         """Write chunk `idx` (a whole chunk, shape `chunks`; None: only the fill value, which leaves no chunk)."""
@@ -584,7 +566,7 @@ class ChunkFiles:
             stored = self._stored(given[idx]) if idx in given else ([kept[idx]] if idx in kept else None)
             if not stored:
                 continue
-            n = sum(len(p) for p in stored)
+            n = direct_io.parts_nbytes(stored)
             index[local] = (pos, n)
             parts += stored
             pos += n
@@ -699,6 +681,9 @@ def open_prompt_store(path: str | os.PathLike, mode: str = "r") -> zarr.Group:
     return zarr.open_group(str(path), mode=mode)
 
 
+PENDING_FILES = 2  # files of rows `PromptRowWriter` writes at once
+
+
 class PromptRowWriter:
     """Writes one part's encoded prompts as the text encoder makes them, a batch at a time (`add`), in memory
     that does not grow with the prompt count: a batch's real tokens are kept (never the padding past them, 4 MiB
@@ -715,6 +700,7 @@ class PromptRowWriter:
         self.per_file = emb.per_file[0] if self.emb is not None and emb.per_file else 1
         self._pending: dict[int, dict[int, np.ndarray]] = {}  # file -> row -> the row's real tokens
         self._small: dict[int, tuple[int, str, int, int]] = {}  # row -> (prompt_idx, text, seq_len, crc32c)
+        self._writing: list = []  # files being written in the background, oldest first
 
     def add(self, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
             seq_lens: torch.Tensor) -> None:
@@ -733,14 +719,24 @@ class PromptRowWriter:
                 self._write(self._pending.pop(f))
 
     def _write(self, tokens: dict[int, np.ndarray]) -> None:
-        # the chunks past a prompt's tokens hold only zeros: not written
-        rows = sorted(tokens)
-        self.emb.write_rows(rows, [tokens[r] for r in rows], [len(tokens[r]) for r in rows])
+        """Write a file's rows in the background while the next batches are encoded and added (the tokens are
+        this writer's copies): PENDING_FILES files at a time, on as many threads (one file's gaps, such as its
+        start and its last write, are the other's disk time); an error is raised here or by `close`."""
+        self._wait(PENDING_FILES - 1)
+        rows = sorted(tokens)  # the chunks past a prompt's tokens hold only zeros: not written
+        self._writing.append(thread_pool(PENDING_FILES, "prompt-rows").submit(
+            self.emb.write_rows, rows, [tokens[r] for r in rows], [len(tokens[r]) for r in rows]))
+
+    def _wait(self, left: int = 0) -> None:
+        """Until at most `left` files are being written."""
+        while len(self._writing) > left:
+            self._writing.pop(0).result()
 
     def close(self) -> None:
         for f in sorted(self._pending):
             self._write(self._pending[f])
         self._pending = {}
+        self._wait()
         if not self._small:
             return
         rows = sorted(self._small)

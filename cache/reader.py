@@ -11,7 +11,6 @@ the ranks is exactly the window a one-process run with the same global batch wou
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -29,6 +28,7 @@ import webdataset as wds
 
 from . import direct_io
 from . import format as F
+from .checksum import ShardDigest
 from .errors import CacheError
 from .fanout import Share
 from .manifest import check_settings, load_manifest
@@ -43,11 +43,11 @@ SCAN_COLS = (C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TEN
 _CHUNK = 1 << 20
 
 # Why a shard failed its check; small integers so ranks can exchange them in a tensor.
-SHARD_OK, SHARD_MISSING, SHARD_SIZE, SHARD_SHA256, SHARD_TAR, SHARD_MEMBERS = range(6)
+SHARD_OK, SHARD_MISSING, SHARD_SIZE, SHARD_CHECKSUM, SHARD_TAR, SHARD_MEMBERS = range(6)
 SHARD_PROBLEMS = {
     SHARD_MISSING: "is missing",
     SHARD_SIZE: "has another size than the manifest records (truncated or replaced)",
-    SHARD_SHA256: "fails its sha256 check (content changed after it was written)",
+    SHARD_CHECKSUM: "fails its checksum (content changed after it was written)",
     SHARD_TAR: "is not a readable tar",
     SHARD_MEMBERS: "holds other samples than the manifest records (count or members)",
 }
@@ -111,25 +111,26 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
 
 
 class _HashingReader:
-    """Sequential file reader that hashes and counts everything read through it."""
+    """Sequential file reader that checksums (the checksum shard record `rec` holds: `checksum.ShardDigest`) and
+    counts everything read through it."""
 
-    def __init__(self, f):
+    def __init__(self, f, rec: dict):
         self.f = f
-        self.sha = hashlib.sha256()
+        self.digest = ShardDigest(rec)
         self.bytes = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
-        self.sha.update(data)
+        self.digest.update(data)
         self.bytes += len(data)
         return data
 
 
-def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = True) -> np.ndarray:
+def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -> np.ndarray:
     """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded.
 
-    With `check_sha256`, the shard is read once, sequentially (tar stream mode), and the same pass both
-    hashes it and collects the member offsets; without it only the tar headers are read (seeks).
+    With `checksum`, the shard is read once, sequentially (tar stream mode), and the same pass both
+    checksums it and collects the member offsets; without it only the tar headers are read (seeks).
     """
     path = Path(cache_dir) / rec[F.S_PATH]
     if not path.is_file():
@@ -138,7 +139,7 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = Tru
         raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
     members: dict[str, dict[str, tuple[int, int]]] = {}
     with open(path, "rb") as f:
-        reader = _HashingReader(f) if check_sha256 else None
+        reader = _HashingReader(f, rec) if checksum else None
         try:
             with tarfile.open(fileobj=reader, mode="r|") if reader else tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:
@@ -151,8 +152,8 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = Tru
                     pass
         except (tarfile.TarError, OSError, EOFError) as e:
             raise ShardError(shard_problem(cache_dir, rec, SHARD_TAR) + f" ({e})", SHARD_TAR) from e
-    if reader is not None and (reader.bytes != rec[F.S_BYTES] or reader.sha.hexdigest() != rec[F.S_SHA256]):
-        raise ShardError(shard_problem(cache_dir, rec, SHARD_SHA256), SHARD_SHA256)
+    if reader is not None and (reader.bytes != rec[F.S_BYTES] or not reader.digest.matches(rec)):
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_CHECKSUM), SHARD_CHECKSUM)
     rows = []
     for key, mem in members.items():
         try:
@@ -172,22 +173,24 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, check_sha256: bool = Tru
 
 class ShardStream:
     """Iterate over every sample of one shard as webdataset groups its members ({"__key__", "json",
-    "safetensors", ...}), in one sequential pass that also hashes the file: once the iteration ends, `sha256`
-    and `bytes` are the whole file's. Iterating raises OSError / tarfile.TarError for an unreadable shard."""
+    "safetensors", ...}), in one sequential pass that also checksums the file: once the iteration ends, `digest`
+    (`checksum.ShardDigest`, the checksum `rec` holds) and `bytes` are the whole file's. Iterating raises
+    OSError / tarfile.TarError for an unreadable shard."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
         self.path = Path(cache_dir) / rec[F.S_PATH]
-        self.sha256: str | None = None
+        self.rec = rec
+        self.digest: ShardDigest | None = None
         self.bytes = 0
 
     def __iter__(self):
         with open(self.path, "rb") as f:
-            reader = _HashingReader(f)
+            reader = _HashingReader(f, self.rec)
             files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(reader))
             yield from wds.tariterators.group_by_keys(files)
             while reader.read(_CHUNK):  # the tar's end-of-archive padding
                 pass
-        self.sha256, self.bytes = reader.sha.hexdigest(), reader.bytes
+        self.digest, self.bytes = reader.digest, reader.bytes
 
 
 def decode_sample(members: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -298,13 +301,13 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
                          f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(first)}{why}; {fix}")
 
 
-def open_index(dirs: list[str | os.PathLike], check_sha256: bool = False) -> CacheIndex:
+def open_index(dirs: list[str | os.PathLike], checksum: bool = False) -> CacheIndex:
     """Index of finished caches in one process (no ranks; stage two splits this work over its ranks):
-    every shard scanned (tar headers only unless `check_sha256`), CacheError for any that is not as recorded."""
+    every shard scanned (tar headers only unless `checksum`), CacheError for any that is not as recorded."""
     caches = open_caches(dirs)
     table, shards = empty_table(caches), shard_list(caches)
     for sid, (ci, cache_dir, rec, first) in enumerate(shards):
-        fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, check_sha256=check_sha256))
+        fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, checksum=checksum))
     for ci, c in enumerate(caches):
         check_complete(c, ci, table, shards)
     return CacheIndex(caches, table)

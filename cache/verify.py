@@ -1,7 +1,8 @@
 """`cache verify`: check every byte a stage reads against what stage one recorded.
 
-safetensors is not a checksum: a flipped bit inside tensor data still parses. The sha256 of each shard
-(recorded while it was written) catches that; the member walk catches truncation and missing members,
+safetensors is not a checksum: a flipped bit inside tensor data still parses. The checksum of each shard
+(its crc32c, recorded while it was written; its sha256 in caches written before: `checksum.ShardDigest`)
+catches that; the member walk catches truncation and missing members,
 and each sample is checked against the declared schema (schema.py), as stage two's reader checks it. The
 manifest's settings must hash to its fingerprint and its shard paths stay inside the cache; negative.safetensors
 must match the sha256 the manifest records; every chunk of the prompt stores must match its crc32c, every row's
@@ -59,8 +60,8 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
             seen.add(key)
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         return problems + [f"{rel}: unreadable tar ({e})"]
-    if size == rec[F.S_BYTES] and stream.sha256 != rec[F.S_SHA256]:
-        problems.append(f"{rel}: sha256 mismatch (content changed after it was written)")
+    if size == rec[F.S_BYTES] and not stream.digest.matches(rec):
+        problems.append(f"{rel}: {stream.digest.name} mismatch (content changed after it was written)")
     if count != rec[F.S_SAMPLES]:
         problems.append(f"{rel}: {count} samples, manifest says {rec[F.S_SAMPLES]}")
     return problems

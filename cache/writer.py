@@ -7,19 +7,17 @@ whole; anything still ending in `.tmp` after a crash is an orphan that its own p
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
-import queue
 import tarfile
-import threading
 from pathlib import Path
 
 import torch
 from safetensors.torch import save as st_save
 
-from .atomic import WRITE_BEHIND_BYTES, drop_behind, fsync_dir, thread_pool
-from .format import EXT_META, EXT_TENSORS, S_BYTES, S_PART, S_PATH, S_SAMPLES, S_SHA256, TMP_SUFFIX, shard_relpath
+from .atomic import fsync_dir
+from .direct_io import FileWriter
+from .format import EXT_META, EXT_TENSORS, S_BYTES, S_CRC32C, S_PART, S_PATH, S_SAMPLES, TMP_SUFFIX, shard_relpath
 from .schema import check_undeclared
 
 
@@ -117,41 +115,13 @@ class _TensorMember:
         return data[:8 + n], [k for _, k in spans]
 
 
-class _Sha256:
-    """sha256 of the bytes written, computed on a thread of its own while the writes and the final fsync go on
-    (hashlib lets go of the GIL for buffers past 2 KiB; sha256 runs ~1.7 GB/s on one core, about what the disk
-    takes, so hashing in line would nearly halve the writer's throughput on a fast disk). Holds at most `depth`
-    samples' buffers (references: the memory stays alive, so it must not be changed until `hexdigest`)."""
-
-    def __init__(self, depth: int = 64):
-        self._sha = hashlib.sha256()
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, name="shard-sha256", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (views := self._q.get()) is not None:
-            for v in views:
-                self._sha.update(v)
-
-    def update(self, views: list[memoryview]) -> None:
-        self._q.put(views)
-
-    def hexdigest(self) -> str:
-        self.stop()
-        return self._sha.hexdigest()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-
 class ShardWriter:
     """Write one shard of `part` with number `index`; `close()` makes it visible and returns its record.
 
-    The tensors given to `write` are hashed on another thread until `close`: they must not be changed in place
-    before then (stage one hands over each step's record and never touches it again)."""
+    The bytes are copied, checksummed (crc32c) and written past the page cache on a thread of their own
+    (`direct_io.FileWriter`, background): `write` only lays out the tar members. The tensors given to `write`
+    are read on that thread until `close`: they must not be changed in place before then (stage one hands over
+    each step's record and never touches it again)."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, index: int):
         self.cache_dir = Path(cache_dir)
@@ -160,38 +130,14 @@ class ShardWriter:
         self.final = self.cache_dir / self.relpath
         self.tmp = self.final.with_name(self.final.name + TMP_SUFFIX)
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._sha = _Sha256()
-        self.bytes = 0
-        self._behind_at = 0  # bytes handed to the write-behind so far
-        self._behind = None  # its job in flight (one at a time)
+        self._file = FileWriter(self.tmp, checksum=True, background=True)
         self.samples = 0
         self.keys: list[str] = []
         self._tensors = _TensorMember()
 
-    def _put(self, parts: list[bytes]) -> None:
-        """Append `parts` to the shard, hashed as they go, in one writev: no copy into a buffer."""
-        views = [memoryview(b).cast("B") for b in parts]
-        self._sha.update(views)
-        self.bytes += sum(len(v) for v in views)
-        views = [v for v in views if len(v)]
-        while views:
-            n = os.writev(self._fd, views)
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if views:
-                views[0] = views[0][n:]
-        if self.bytes - self._behind_at >= WRITE_BEHIND_BYTES:
-            # flushed and out of the page cache in the background while the writes go on (atomic.drop_behind)
-            self._wait_behind()
-            self._behind_at = self.bytes
-            self._behind = thread_pool(1, "shard-behind").submit(drop_behind, self._fd, self._behind_at)
-
-    def _wait_behind(self) -> None:
-        """Wait for the write-behind in flight; its error (EIO, ENOSPC of the flush) is raised here."""
-        behind, self._behind = self._behind, None
-        if behind is not None:
-            behind.result()
+    @property
+    def bytes(self) -> int:
+        return self._file.bytes
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Append one sample: the members `encode_sample` makes, in webdataset's order (json, safetensors)."""
@@ -202,33 +148,23 @@ class ShardWriter:
         for ext in sorted(members):
             size = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in members[ext])
             parts += [_tar_header(f"{key}.{ext}", size), *members[ext], _padding(size)]
-        self._put(parts)
+        self._file.write(parts)
         self.samples += 1
         self.keys.append(key)
 
     def close(self) -> dict:
         """Finish the tar, fsync, rename into place; return the shard record for progress/manifest."""
         end = bytes(2 * tarfile.BLOCKSIZE)
-        self._put([end, _padding(self.bytes + len(end), tarfile.RECORDSIZE)])
-        self._wait_behind()
-        drop_behind(self._fd)  # fsync, then out of the page cache: nothing reads a shard back here (the hash
-        os.close(self._fd)     # catches up meanwhile)
-        sha256 = self._sha.hexdigest()
+        self._file.write([end, _padding(self.bytes + len(end), tarfile.RECORDSIZE)])
+        self._file.close()
         os.replace(self.tmp, self.final)
         fsync_dir(self.final.parent)
         return {S_PATH: self.relpath, S_PART: self.part, S_SAMPLES: self.samples,
-                S_BYTES: self.bytes, S_SHA256: sha256}
+                S_BYTES: self.bytes, S_CRC32C: self._file.crc}
 
     def abort(self) -> None:
         """Drop the unfinished shard (on error): nothing half-written stays behind."""
-        self._sha.stop()
         try:
-            self._wait_behind()  # (its fd must stay open until it is done)
-        except OSError:
-            pass  # the disk failed: the shard goes anyway
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass  # the disk that failed the write may fail the close too; the file goes either way
+            self._file.abort()
         finally:
             self.tmp.unlink(missing_ok=True)

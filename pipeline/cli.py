@@ -327,8 +327,10 @@ def _objective_help() -> str:
               help="Also decode the validation latents with the teacher's VAE (rank 0) and log a teacher|student "
               "image grid.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), help="Training device.  [default: auto]")
-@click.option("--verify", type=click.Choice(["sha256", "size"]),
-              help="Shard check before training.  [default: sha256]")
+@click.option("--verify", type=click.Choice(["checksum", "size", "sha256"]),
+              help="Shard check before training: checksum (every byte of every shard against its recorded "
+              "checksum, and the prompt rows against theirs) or size (sizes and member index); sha256 is checksum's "
+              "earlier name.  [default: checksum]")
 @click.option("--embedding-cache-size", type=int,
               help="Prompt embeddings each reader process keeps in memory (LRU).  [default: 1024]")
 @click.option("--order", type=click.Choice(["auto", "shuffle", "grouped"]),
@@ -482,7 +484,7 @@ def cache_verify_cmd(cache_dir):
         click.echo(f"{len(problems)} problem(s) in {cache_dir}; rebuild the named shards by deleting them "
                    "and rerunning teacher-cache, or rebuild the cache with --overwrite", err=True)
         sys.exit(1)
-    click.echo(f"OK {cache_dir}: every shard matches its sha256, counts, shapes and prompt rows")
+    click.echo(f"OK {cache_dir}: every shard matches its checksum, counts, shapes and prompt rows")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -215,7 +215,8 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
 FEATURE_POOLS = ("none", "mean")  # cache/features.py
 MIXED_PRECISION = ("no", "bf16", "fp16")
 REPORT_TO = ("tensorboard", "wandb", "none")  # stages/train_student/tracking.py
-SHARD_CHECKS = ("sha256", "size")
+SHARD_CHECKS = ("checksum", "size")
+SHARD_CHECK_ALIASES = {"sha256": "checksum"}  # its name before shards were checksummed with crc32c
 STRATEGIES = ("ddp", "fsdp")  # stages/train_student/strategy.py
 ORDERS = ("auto", "shuffle", "grouped")  # stages/train_student/data.py (order_window)
 
@@ -270,7 +271,7 @@ class TrainStudentConfig:
     eval_every: int = 100  # optimizer steps between held-out evaluations (also at start and end); 0 = ends only
     log_every: int = 10  # optimizer steps between metrics.jsonl lines
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
-    verify: str = "sha256"  # shard check before training: sha256 (size + hash + member index) | size
+    verify: str = "checksum"  # shard check before training: checksum (size + checksum + member index) | size
     embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
     # The epoch's order: shuffle = a uniform permutation of the samples; grouped = prompts in a random order, a window
     # of embedding_cache_size / 2 prompts at a time, each window's samples shuffled (each embedding read once per
@@ -353,6 +354,7 @@ class TrainStudentConfig:
                              f"got {self.mixed_precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        object.__setattr__(self, "verify", SHARD_CHECK_ALIASES.get(self.verify, self.verify))
         if self.verify not in SHARD_CHECKS:
             raise ValueError(f"verify must be one of {', '.join(SHARD_CHECKS)}, got {self.verify!r}")
         if self.order not in ORDERS:

@@ -14,17 +14,17 @@ import webdataset as wds
 from cache import format as F
 from cache.errors import CacheError
 from cache.reader import (
-    SHARD_MEMBERS, SHARD_SHA256, SHARD_SIZE, CacheIndex, EpochPlan, SampleReader, ShardError, empty_table,
+    SHARD_MEMBERS, SHARD_CHECKSUM, SHARD_SIZE, CacheIndex, EpochPlan, SampleReader, ShardError, empty_table,
     fill_table, open_caches, scan_shard, shard_list,
 )
 from cache.reader import decode_sample
 
 
-def build_index(dirs, check_sha256=True) -> CacheIndex:
+def build_index(dirs, checksum=True) -> CacheIndex:
     caches = open_caches(list(dirs))
     table = empty_table(caches)
     for sid, (ci, d, rec, first) in enumerate(shard_list(caches)):
-        fill_table(table, sid, ci, first, scan_shard(d, rec, check_sha256))
+        fill_table(table, sid, ci, first, scan_shard(d, rec, checksum))
     return CacheIndex(caches, table)
 
 
@@ -44,9 +44,9 @@ def _streamed(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
     return out
 
 
-@pytest.mark.parametrize("check_sha256", [True, False])
-def test_index_reads_every_sample_as_webdataset_does(tiny_cache, check_sha256):
-    index = build_index([tiny_cache], check_sha256)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_index_reads_every_sample_as_webdataset_does(tiny_cache, checksum):
+    index = build_index([tiny_cache], checksum)
     streamed = _streamed(tiny_cache)
     m = json.loads((tiny_cache / F.MANIFEST).read_text())
     assert len(index) == m[F.F_SAMPLES] == len(streamed) == 28
@@ -96,17 +96,17 @@ def test_order_is_a_function_of_seed_and_epoch():
     assert not np.array_equal(plan.order(0, 0), plan.order(1, 0))
 
 
-def test_flipped_byte_fails_sha256_but_not_the_size_check(cache_copy):
+def test_flipped_byte_fails_the_checksum_but_not_the_size_check(cache_copy):
     m = json.loads((cache_copy / F.MANIFEST).read_text())
     rec = m[F.F_SHARDS][1]
     path = cache_copy / rec[F.S_PATH]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    scan_shard(cache_copy, rec, check_sha256=False)  # same size, headers intact
+    scan_shard(cache_copy, rec, checksum=False)  # same size, headers intact
     with pytest.raises(ShardError) as e:
-        scan_shard(cache_copy, rec, check_sha256=True)
-    assert e.value.code == SHARD_SHA256 and rec[F.S_PATH] in str(e.value) and "sha256" in str(e.value)
+        scan_shard(cache_copy, rec, checksum=True)
+    assert e.value.code == SHARD_CHECKSUM and rec[F.S_PATH] in str(e.value) and "checksum" in str(e.value)
 
 
 def test_truncated_shard_and_wrong_count_are_refused(cache_copy):
@@ -116,12 +116,12 @@ def test_truncated_shard_and_wrong_count_are_refused(cache_copy):
     full = path.read_bytes()
     path.write_bytes(full[: len(full) // 2])
     with pytest.raises(ShardError) as e:
-        scan_shard(cache_copy, rec, check_sha256=False)
+        scan_shard(cache_copy, rec, checksum=False)
     assert e.value.code == SHARD_SIZE and rec[F.S_PATH] in str(e.value)
     path.write_bytes(full)
     lying = dict(rec, samples=rec[F.S_SAMPLES] + 1)
     with pytest.raises(ShardError) as e:
-        scan_shard(cache_copy, lying, check_sha256=True)
+        scan_shard(cache_copy, lying, checksum=True)
     assert e.value.code == SHARD_MEMBERS and "manifest says" in str(e.value)
 
 

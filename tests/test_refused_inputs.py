@@ -87,7 +87,7 @@ def test_lr_not_finite(tiny_cache, tmp_path, lr):
 
 def _nan_in_sample(cache: Path) -> str:
     """Rewrite the cache's first shard with NaN in x_t of its second sample, recorded as if stage one wrote it (the
-    shard's size and sha256 in the manifest): what a teacher that overflowed would leave. Returns the key."""
+    shard's size and checksum in the manifest): what a teacher that overflowed would leave. Returns the key."""
     m = json.loads((cache / F.MANIFEST).read_text())
     rec = m[F.F_SHARDS][0]
     samples: dict[str, dict[str, bytes]] = {}
@@ -105,7 +105,7 @@ def _nan_in_sample(cache: Path) -> str:
         writer.write(key, tensors, meta)
     new = writer.close()
     m[F.F_BYTES] += new[F.S_BYTES] - rec[F.S_BYTES]
-    rec.update({F.S_BYTES: new[F.S_BYTES], F.S_SHA256: new[F.S_SHA256]})
+    rec.update({F.S_BYTES: new[F.S_BYTES], F.S_CRC32C: new[F.S_CRC32C]})
     (cache / F.MANIFEST).write_text(json.dumps(m, indent=2))
     return bad
 
@@ -225,8 +225,8 @@ def test_resume_refuses_a_damaged_prompt_store_and_the_remedy_works(tiny_teacher
              "--overwrite")
     shutil.rmtree(part_dir)  # the remedy: that part is computed again, equal to the reference
     assert _resume(tiny_teacher, prompts_file, cache_copy).exit_code == 0
-    want = {s[F.S_PATH]: s[F.S_SHA256] for s in json.loads((tiny_cache / F.MANIFEST).read_text())[F.F_SHARDS]}
-    got = {s[F.S_PATH]: s[F.S_SHA256] for s in json.loads((cache_copy / F.MANIFEST).read_text())[F.F_SHARDS]}
+    want = {s[F.S_PATH]: s[F.S_CRC32C] for s in json.loads((tiny_cache / F.MANIFEST).read_text())[F.F_SHARDS]}
+    got = {s[F.S_PATH]: s[F.S_CRC32C] for s in json.loads((cache_copy / F.MANIFEST).read_text())[F.F_SHARDS]}
     assert got == want
 
 

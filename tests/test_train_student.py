@@ -101,7 +101,7 @@ def test_bad_inputs_end_in_one_line_and_exit_2(tiny_cache, corrupt_cache, tmp_pa
         (["--cache", str(tiny_cache), "--train-steps", "1,7"] + base, "has no step 7"),
         (["--cache", str(tiny_cache), "--holdout-prompts", "7"] + base, "leaves no prompt"),
         (["--cache", str(corrupt), "--cache", str(tiny_cache)] + base, "different settings"),
-        (["--cache", str(corrupt)] + base, f"{rel} fails its sha256 check"),
+        (["--cache", str(corrupt)] + base, f"{rel} fails its checksum"),
         (["--cache", str(tiny_cache), "--mixed-precision", "fp16", "--device", "cpu"] + base, "fp16 needs CUDA"),
     ]
     m_corrupt = json.loads((corrupt / F.MANIFEST).read_text())

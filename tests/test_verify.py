@@ -52,7 +52,7 @@ def test_flipped_byte_inside_tensor_data(cache_copy):
     path.write_bytes(bytes(data))
     r = _verify(cache_copy)
     assert r.exit_code == 1
-    assert f"BAD {rel}: sha256 mismatch" in r.output
+    assert f"BAD {rel}: crc32c mismatch" in r.output
 
 
 def test_deleted_shard_and_missing_negative(cache_copy):

@@ -69,7 +69,7 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
     def scan(sid: int):
         ci, cache_dir, rec, first = shards[sid]
         try:
-            fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, check_sha256=check == "sha256"))
+            fill_table(table, sid, ci, first, scan_shard(cache_dir, rec, checksum=check == "checksum"))
         except ShardError as e:
             codes[sid] = e.code
             details[sid] = str(e)
@@ -95,12 +95,12 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
             if problem:
                 raise CacheError(problem)
         # What training reads of the prompt stores, each rank a share of the rows: every chunk of a prompt's real
-        # tokens present, and with --verify sha256 the tokens matching their crc32c and the final latents theirs.
+        # tokens present, and with --verify checksum the tokens matching their crc32c and the final latents theirs.
         for c in caches:
             parts, prompts = int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS])
             flags = all_reduce_numpy(row_check_flags(c.path, parts, prompts, env.rank, env.world_size,
-                                                     checksums=check == "sha256"), device)
-            problem = row_flags_problem(c.path, parts, flags, checksums=check == "sha256")
+                                                     checksums=check == "checksum"), device)
+            problem = row_flags_problem(c.path, parts, flags, checksums=check == "checksum")
             if problem:
                 raise CacheError(problem)
     except CacheError as err:

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cache import format as F
+from cache.checksum import crc32c
 from cache.prompt_store import ChunkFiles
 
-from .check import compare_caches, manifest_problems, sha256_file, temp_files
+from .check import compare_caches, manifest_problems, temp_files
 from .proc import run_cli
 from .report import Row
 from .workspace import Workspace
@@ -47,7 +48,7 @@ def _rerecord(cache: Path, rel: str) -> None:
     def edit(m):
         for s in m[F.F_SHARDS]:
             if s[F.S_PATH] == rel:
-                s[F.S_BYTES], s[F.S_SHA256] = path.stat().st_size, sha256_file(path)
+                s[F.S_BYTES], s[F.S_CRC32C] = path.stat().st_size, crc32c(path.read_bytes())
 
     _edit_manifest(cache, edit)
 
@@ -77,7 +78,7 @@ def flipped_byte(cache: Path):
     header_len = struct.unpack("<Q", data[member.offset_data:member.offset_data + 8])[0]
     data[member.offset_data + 8 + header_len + 100] ^= 0x10  # inside x_t's float data: safetensors still parses
     path.write_bytes(bytes(data))
-    return [f"BAD {rel}: sha256 mismatch"], [rel, "sha256"], DELETE
+    return [f"BAD {rel}: crc32c mismatch"], [rel, "checksum"], DELETE
 
 
 def _drop_member(path: Path) -> str:
@@ -162,10 +163,10 @@ def sample_count_edited(cache: Path):
     return [f"BAD {rel}:", "manifest says"], [rel], DELETE
 
 
-def sha_edited(cache: Path):
+def checksum_edited(cache: Path):
     _, rel = _shard(cache, 11)
-    _edit_manifest(cache, lambda m: m[F.F_SHARDS][11].update({F.S_SHA256: "0" * 64}))
-    return [f"BAD {rel}: sha256 mismatch"], [rel, "sha256"], DELETE
+    _edit_manifest(cache, lambda m: m[F.F_SHARDS][11].update({F.S_CRC32C: m[F.F_SHARDS][11][F.S_CRC32C] ^ 1}))
+    return [f"BAD {rel}: crc32c mismatch"], [rel, "checksum"], DELETE
 
 
 def manifest_torn(cache: Path):
@@ -225,7 +226,7 @@ def guidance_edited(cache: Path):
 
 
 def shard_path_escapes(cache: Path):
-    """A shard record pointing outside the cache, at a copy of the very shard: its size and sha256 agree."""
+    """A shard record pointing outside the cache, at a copy of the very shard: its size and checksum agree."""
     _, rel = _shard(cache, 1)
     outside = f"../{cache.name}-escaped.tar"
     shutil.copy(cache / rel, cache.parent / outside[3:])
@@ -245,7 +246,7 @@ CORRUPTIONS = {
     "manifest edited: shard record dropped": shard_record_dropped,
     "manifest edited: shard listed twice": shard_listed_twice,
     "manifest edited: sample count": sample_count_edited,
-    "manifest edited: sha256": sha_edited,
+    "manifest edited: checksum": checksum_edited,
     "manifest torn (half written by hand)": manifest_torn,
     "zarr embeds: byte flipped": embeds_flipped,
     "zarr final_latents: byte flipped": final_latents_flipped,

@@ -27,8 +27,8 @@ NAMED = ["after_encode_rows:1", "mid_shard:1", "after_rename:1", "before_progres
 
 
 def _finished(cache: Path) -> dict[str, str]:
-    """Shards the progress records call done: path -> sha256."""
-    return {s["path"]: s["sha256"] for p in read_progress(cache).values() for s in p["shards"]}
+    """Shards the progress records call done: path -> checksum."""
+    return {s["path"]: s["crc32c"] for p in read_progress(cache).values() for s in p["shards"]}
 
 
 def _final_checks(ws: Workspace, out: Path) -> tuple[int, int, list[str]]:
