@@ -118,10 +118,8 @@ class _TensorMember:
 class ShardWriter:
     """Write one shard of `part` with number `index`; `close()` makes it visible and returns its record.
 
-    The bytes are copied, checksummed (crc32c) and written past the page cache on a thread of their own
-    (`direct_io.FileWriter`, background): `write` only lays out the tar members. The tensors given to `write`
-    are read on that thread until `close`: they must not be changed in place before then (stage one hands over
-    each step's record and never touches it again)."""
+    The bytes are checksummed (crc32c) and written past the page cache (`direct_io.FileWriter`); the tensors
+    given to `write` are copied by the time it returns."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, index: int):
         self.cache_dir = Path(cache_dir)
@@ -130,7 +128,7 @@ class ShardWriter:
         self.final = self.cache_dir / self.relpath
         self.tmp = self.final.with_name(self.final.name + TMP_SUFFIX)
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self._file = FileWriter(self.tmp, checksum=True, background=True)
+        self._file = FileWriter(self.tmp, checksum=True)
         self.samples = 0
         self.keys: list[str] = []
         self._tensors = _TensorMember()

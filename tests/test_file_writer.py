@@ -1,6 +1,6 @@
 """direct_io.FileWriter: the bytes and checksum written past the page cache are the bytes given, whichever way
-they go (O_DIRECT, through the page cache, a disk refusing the alignment midway, on a background thread); a
-disk error reaches the caller; shard records hold the crc32c of their file, and caches whose records hold a
+they go (O_DIRECT, through the page cache, a disk refusing the alignment midway); a disk error reaches the
+caller; shard records hold the crc32c of their file, and caches whose records hold a
 sha256 (written before) are checked as before."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import errno
 import hashlib
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 
 import cache.direct_io as D
 from cache import format as F
-from cache.checksum import ShardDigest, crc32c
+from cache.checksum import ShardDigest, crc32c, crc32c_combine
 from cache.reader import SHARD_CHECKSUM, ShardError, scan_shard
 from cache.verify import verify_cache
 from cache.writer import ShardWriter
@@ -45,13 +44,12 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(D, "WRITE_BEHIND_BYTES", 96 << 10)
 
 
-@pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("total", [0, 1, 4095, 4096, 64 << 10, (64 << 10) + 7, 1_000_003])
-def test_bytes_and_crc_are_what_was_given(tmp_path, small_pieces, background, direct, total):
+def test_bytes_and_crc_are_what_was_given(tmp_path, small_pieces, direct, total):
     rng = np.random.default_rng(total)
     expected, parts = _parts(rng, total)
-    w = D.FileWriter(tmp_path / "f", direct=direct, checksum=True, background=background)
+    w = D.FileWriter(tmp_path / "f", direct=direct, checksum=True)
     for i in range(0, len(parts), 3):  # several calls
         w.write(parts[i:i + 3])
     w.close()
@@ -99,29 +97,28 @@ def test_no_direct_io_on_the_file_system_writes_buffered(tmp_path, monkeypatch):
     assert not w.direct and (tmp_path / "f").read_bytes() == expected and w.crc == crc32c(expected)
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_a_disk_error_reaches_the_caller_and_nothing_is_left_running(tmp_path, small_pieces, monkeypatch,
-                                                                     background):
+def test_a_disk_error_reaches_the_caller(tmp_path, small_pieces, monkeypatch):
     def full(fd, parts, offset=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(D, "_write_all", full)
-    before = threading.active_count()
-    w = D.FileWriter(tmp_path / "f", background=background)
+    w = D.FileWriter(tmp_path / "f")
     with pytest.raises(OSError) as e:
         for _ in range(50):
             w.write([bytes(100 << 10)])
         w.close()
     assert e.value.errno == errno.ENOSPC
     w.abort()
-    assert w.fd is None and threading.active_count() <= before + 4  # (the shared write pool's threads at most)
+    assert w.fd is None
 
 
-def test_abort_stops_a_background_writer(tmp_path, small_pieces):
-    w = D.FileWriter(tmp_path / "f", background=True)
-    w.write([bytes(1 << 20)] * 4)
-    w.abort()
-    assert w.fd is None and not w._thread.is_alive()
+def test_crc32c_combine():
+    """The crc32c of A + B from those of A and B and B's length (how a file's pieces, checksummed apart on the
+    write threads, give the file's)."""
+    rng = np.random.default_rng(5)
+    for la, lb in [(0, 0), (1, 0), (0, 1), (7, 4097), (100, 1 << 20), (3, 999_999)]:
+        a, b = rng.bytes(la), rng.bytes(lb)
+        assert crc32c_combine(crc32c(a), crc32c(b), lb) == crc32c(a + b)
 
 
 def _samples(n: int = 40):
@@ -132,7 +129,7 @@ def _samples(n: int = 40):
 
 
 def test_shard_record_holds_the_files_crc32c(tmp_path, small_pieces):
-    """Over many pieces (the background thread and the write pool both busy), and after an abort."""
+    """Over many pieces (several writes in flight), and after an abort."""
     w = ShardWriter(tmp_path, part=0, index=9)
     w.write(*_samples(1)[0])
     w.abort()
