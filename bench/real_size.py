@@ -15,8 +15,9 @@ teacher. The result passes `cache verify`.
 - loader_vs_raw_read_a14b: samples/s of stage two's loader over one epoch (RankBatches in train-student's
   default epoch order, SampleDataset with its embeddings, make_loader with the stage's default workers) vs a
   sequential read of the bytes it needs (every shard and the embedding store), the faster of a buffered read
-  (1 MiB requests, the kernel reading ahead) and an O_DIRECT read (8 MiB requests); each of the three passes
-  comes first in one of the reps;
+  (1 MiB requests, the kernel reading ahead) and an O_DIRECT read (8 MiB requests), each into one buffer; the
+  note adds the O_DIRECT read into a ring of buffers as large as the loader's reads in flight (bytes kept, as
+  a loader keeps them), which the dev VM serves more slowly than one reused buffer; each pass comes first in turn;
 - loader_vs_h100_student: the loader's samples/s per rank vs 16 samples/s, what a Wan2.1-1.3B-shaped
   student (30 blocks) trains at on one H100 at 480x832 (13-16 samples/s at batch 4-8, bf16, AdamW);
 - stage_two_overhead: a train-student optimizer step from this cache vs the same student's forward +
@@ -290,19 +291,24 @@ def loader_files(cache: Path) -> list[Path]:
     return files
 
 
-def raw_read(cache: Path, direct: bool = False) -> tuple[float, int]:
+def raw_read(cache: Path, direct: bool = False, kept: int = 0) -> tuple[float, int]:
     """Seconds to read `loader_files` sequentially, one after the other (page cache dropped first), and the bytes:
-    1 MiB reads through the page cache (the kernel reading ahead), or (`direct`) 8 MiB reads with O_DIRECT."""
-    drop_tree(cache)
-    n = 0
+    1 MiB reads through the page cache (the kernel reading ahead), or (`direct`) 8 MiB reads with O_DIRECT, into
+    one buffer; with `kept` (bytes), into a ring of buffers that large (touched first), each read landing in
+    memory that is held, as a loader holds a window's reads until they are used."""
     chunk = (8 << 20) if direct else (1 << 20)
-    buf = direct_io.aligned_empty(chunk)
+    bufs = [direct_io.aligned_empty(chunk) for _ in range(max(1, kept // chunk))]
+    for b in bufs:
+        b[:] = 0
+    drop_tree(cache)
+    n = i = 0
     t = time.perf_counter()
     for f in loader_files(cache):
         fd, _ = direct_io.open_read(f, direct)
         try:
-            while k := os.readv(fd, [buf]):
+            while k := os.readv(fd, [bufs[i % len(bufs)]]):
                 n += k
+                i += 1
         finally:
             os.close(fd)
     return time.perf_counter() - t, n
@@ -433,15 +439,20 @@ def main(argv=None) -> list[dict]:
         results.append(writer_row())
         # 2. the loader vs a raw sequential read of the bytes it reads
         t = time.perf_counter()
-        times = {"buffered": [], "direct": [], "loader": []}
+        # "kept": the O_DIRECT read again, into as much memory as the loader holds in flight (two windows of
+        # reads), for the note: what a sequential reader that keeps the bytes gets from this disk
+        from stages.train_student.data import READ_WINDOW_BYTES
+
+        kept_bytes = 2 * READ_WINDOW_BYTES
+        times = {"buffered": [], "direct": [], "kept": [], "loader": []}
         nbytes = samples = 0
-        passes = ["buffered", "direct", "loader"]
+        passes = list(times)
         for r in range(args.reps):
-            for name in passes[r % 3:] + passes[:r % 3]:  # each pass first in turn: the disk's rate drifts
+            for name in passes[r % len(passes):] + passes[:r % len(passes)]:  # each first in turn: the disk drifts
                 if name == "loader":
                     dt, samples, read_how = loader_read(cache, args.batch_size, workers, pin=device.type == "cuda")
                 else:
-                    dt, nbytes = raw_read(cache, direct=name == "direct")
+                    dt, nbytes = raw_read(cache, direct=name != "buffered", kept=kept_bytes if name == "kept" else 0)
                 times[name].append(dt)
         print(f"  loader and raw reads in {time.perf_counter() - t:.0f} s", flush=True)
         print("  " + ", ".join(f"{k} " + " ".join(f"{x:.1f}" for x in v) + " s" for k, v in times.items()), flush=True)
@@ -452,8 +463,11 @@ def main(argv=None) -> list[dict]:
             note=f"one epoch of {samples} samples in the epoch's order ({read_how}), batch {args.batch_size}, "
                  f"{workers} loader workers (train-student's default here), embeddings included; raw read of {nbytes / 2**30:.2f} GiB (shards + "
                  f"embeddings), the faster of buffered ({nbytes / min(times['buffered']) / 2**20:.0f} MiB/s) and "
-                 f"O_DIRECT ({nbytes / min(times['direct']) / 2**20:.0f} MiB/s); page cache dropped before each pass "
-                 f"(os.sync + posix_fadvise DONTNEED); best of {args.reps}"))
+                 f"O_DIRECT ({nbytes / min(times['direct']) / 2**20:.0f} MiB/s) into one buffer; the O_DIRECT read "
+                 f"into a ring of {kept_bytes >> 20} MiB (the loader's reads in flight), bytes kept as a loader keeps "
+                 f"them: {nbytes / min(times['kept']) / 2**20:.0f} MiB/s, {samples / min(times['kept']):.0f} "
+                 f"samples/s (loader {min(times['kept']) / min(times['loader']):.3f}x of it); page cache dropped "
+                 f"before each pass (os.sync + posix_fadvise DONTNEED); best of {args.reps}"))
         # 3. stage-two step vs the bare step, on this cache; on a GPU the bare step is also the consumption rate
         t = time.perf_counter()
         step = overhead(cache, work, device, student, args.reps, args.num_workers, quick=args.quick)

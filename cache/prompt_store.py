@@ -390,6 +390,17 @@ class ChunkFiles:
                     cur = (lo, hi) if lo >= 0 else None
         return runs
 
+    def index_kept(self, row: int) -> bool:
+        """Whether the shard index of the file holding row `row` is kept here, so that `row_runs` over that file's
+        rows reads nothing (a missing file: nothing to read either)."""
+        file = self._key_file(self._key(self._row_chunk(row)))
+        try:
+            st = os.stat(file)
+        except OSError:
+            return True
+        with self._lock:
+            return (file, st.st_ino, st.st_size, st.st_mtime_ns) in self._indexes
+
     def _row_chunk(self, row: int) -> tuple[int, ...]:
         """The grid index of row `row`'s first chunk (of an array chunked one row at a time)."""
         return (row, *(0,) * (len(self.shape) - 1))
@@ -960,6 +971,17 @@ class PartRows:
         runs = arr.row_runs(rows, stops, limit) if isinstance(arr, ChunkFiles) else None
         return [[r] for r in rows] if runs is None else [[rows[k] for k in run] for run in runs]
 
+    def file_groups(self, rows: list[int]) -> list[tuple[list[int], bool]]:
+        """`rows` by the file of the store that holds them, each group with whether `trimmed_runs` over it reads
+        nothing (the file's shard index is kept, or the store is not laid out in such files)."""
+        arr = self.embeds
+        if not isinstance(arr, ChunkFiles) or arr.per_file is None:
+            return [(rows, True)]
+        groups: dict[int, list[int]] = {}
+        for r in rows:
+            groups.setdefault(r // arr.per_file[0], []).append(r)
+        return [(g, arr.index_kept(g[0])) for g in groups.values()]
+
     def trimmed_many(self, rows: list[int]) -> list[np.ndarray | None]:
         """`trimmed(row)` for each of `rows` (a run of `trimmed_runs`) from one read of the run's chunks, each
         row's real tokens checked against their crc32c; None for a row that does not check or whose chunks are not
@@ -1258,14 +1280,30 @@ class EmbeddingCache:
         for part, rows in want.items():
             store = self._part(part)
             store.seq_lens, store.embeds, store.crcs, store.dtype_name, store.max_len  # (each computed once, here)
-            for run in store.trimmed_runs(sorted(rows), limit):
-                if len(run) == 1:
-                    prompt = run[0] * self.num_parts + part
-                    self._pending[prompt] = pool.submit(self._load, prompt, store, run[0])
+            for group, known in store.file_groups(sorted(rows)):
+                if not known:
+                    # the runs need the file's shard index, which is read in the pool, not here: a small read
+                    # waits behind the large ones in flight (3 s of a 10 s A14B epoch spent so, bench.real_size)
+                    fut = pool.submit(self._load_group, store, group, part, limit)
+                    for k, row in enumerate(group):
+                        self._pending[row * self.num_parts + part] = Share(fut, k)
                     continue
-                fut = pool.submit(self._load_run, store, run, part)
-                for k, row in enumerate(run):
-                    self._pending[row * self.num_parts + part] = Share(fut, k)
+                for run in store.trimmed_runs(group, limit):
+                    if len(run) == 1:
+                        prompt = run[0] * self.num_parts + part
+                        self._pending[prompt] = pool.submit(self._load, prompt, store, run[0])
+                        continue
+                    fut = pool.submit(self._load_run, store, run, part)
+                    for k, row in enumerate(run):
+                        self._pending[row * self.num_parts + part] = Share(fut, k)
+
+    def _load_group(self, store: PartRows, rows: list[int], part: int, limit: int) -> list:
+        """`_load_run` over each run of `rows` (`trimmed_runs`, its file's shard index read here), in the order
+        of `rows`."""
+        got = {}
+        for run in store.trimmed_runs(rows, limit):
+            got.update(zip(run, self._load_run(store, run, part)))
+        return [got[r] for r in rows]
 
     def _load_run(self, store: PartRows, run: list[int], part: int) -> list:
         """What `_load` returns or raises for each row of `run`, from one read of the run (`trimmed_many`); a row

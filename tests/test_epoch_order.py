@@ -312,14 +312,21 @@ def test_a_run_of_embeddings_fails_only_the_row_that_does_not_check(tiny_cache, 
     alone = EmbeddingCache(cache, 1, 8)
     with pytest.raises(CacheError) as want:
         alone.get_trimmed(3)
-    many = EmbeddingCache(cache, 1, 8)
-    with ThreadPoolExecutor(2) as pool:
-        many.submit_many(pool, list(range(7)))
-        assert len({id(f.fut) for f in many._pending.values()}) == 1  # the 7 rows in one read
-        for p in range(7):
-            if p == 3:
-                with pytest.raises(CacheError) as got:
-                    many.get_trimmed(p)
-                assert str(got.value) == str(want.value)
-            else:
-                assert torch.equal(many.get_trimmed(p)[0], alone.get_trimmed(p)[0])
+    for kept in (False, True):  # the file's shard index read in the pool (first), or already kept (the runs known)
+        many = EmbeddingCache(cache, 1, 8)
+        rows = many._part(0)
+        rows.seq_lens, rows.embeds
+        if kept:
+            rows.trimmed_runs([0], 1 << 20)
+        assert rows.embeds.index_kept(0) == kept
+        with ThreadPoolExecutor(2) as pool:
+            many.submit_many(pool, list(range(7)))
+            assert len({id(f.fut) for f in many._pending.values()}) == 1  # the 7 rows in one read
+            for p in range(7):
+                if p == 3:
+                    with pytest.raises(CacheError) as got:
+                        many.get_trimmed(p)
+                    assert str(got.value) == str(want.value)
+                else:
+                    assert torch.equal(many.get_trimmed(p)[0], alone.get_trimmed(p)[0])
+        assert rows.embeds.index_kept(0)
