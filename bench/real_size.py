@@ -9,9 +9,10 @@ and final latents float32, the negative prompt; every part of it written exactly
 teacher. The result passes `cache verify`.
 
 - writer_vs_raw_write_a14b: bytes/s of the cache writer (prompt store, shards, final latents, progress,
-  manifest, and the flush to disk of whatever it leaves unsynced) vs one sequential write + fsync of as
-  many bytes, the fastest of four passes: 1 MiB writes through the page cache and 8 MiB O_DIRECT writes, each
-  right after the writer and at the end of the run;
+  manifest, and the flush to disk of whatever it leaves unsynced), the faster of two passes (at the start of
+  the run, and at its end into a fresh folder), vs one sequential write + fsync of as many bytes, the fastest
+  of four passes: 1 MiB writes through the page cache and 8 MiB O_DIRECT writes, each right after a writer
+  pass;
 - loader_vs_raw_read_a14b: samples/s of stage two's loader over one epoch (RankBatches in train-student's
   default epoch order, SampleDataset with its embeddings, make_loader with the stage's default workers) vs a
   sequential read of the bytes it needs (every shard and the embedding store), the faster of a buffered read
@@ -414,27 +415,31 @@ def main(argv=None) -> list[dict]:
     cache = work / "cache"
     results = []
     try:
-        # 1. the writer vs a raw sequential write of as many bytes
+        # 1. the writer vs a raw sequential write of as many bytes: each side twice, at the start and at the end of
+        # the run (the disk's rate drifts), the faster of each
         t = time.perf_counter()
-        w = write_cache(cache, args.prompts, args.steps)
-        writer_s = w["write_s"] + w["sync_s"]
-        # buffered and O_DIRECT, each again at the end of the run: the disk's rate drifts
-        raw_ws = {"buffered": [raw_write(work, w["bytes"])], "direct": [raw_write(work, w["bytes"], direct=True)]}
+        writes = [write_cache(cache, args.prompts, args.steps)]
+        cache_bytes = writes[0]["bytes"]
+        raw_ws = {"buffered": [raw_write(work, cache_bytes)], "direct": [raw_write(work, cache_bytes, direct=True)]}
         print(f"  cache written and raw write in {time.perf_counter() - t:.0f} s", flush=True)
 
         def writer_row() -> dict:
             raw_s = min(raw_ws["buffered"] + raw_ws["direct"])
+            took = [x["write_s"] + x["sync_s"] for x in writes]
+            w = writes[took.index(min(took))]
             return result(
-                "writer_vs_raw_write_a14b", w["bytes"] / writer_s / 2**20, w["bytes"] / raw_s / 2**20, "MiB/s",
+                "writer_vs_raw_write_a14b", cache_bytes / min(took) / 2**20, cache_bytes / raw_s / 2**20, "MiB/s",
                 0.8, ">=",
-                note=f"{args.prompts} prompts x {args.steps} steps, {w['bytes'] / 2**30:.2f} GiB cache (shards "
-                     f"{w['shard_bytes'] / 2**30:.2f} GiB); writer {w['write_s']:.1f} s (encode phase "
-                     f"{w['encode_s']:.1f} s, ShardWriter {w['shards_s']:.1f} s = "
+                note=f"{args.prompts} prompts x {args.steps} steps, {cache_bytes / 2**30:.2f} GiB cache (shards "
+                     f"{w['shard_bytes'] / 2**30:.2f} GiB); writer "
+                     f"{' and '.join(f'{x:.1f}' for x in took)} s, the faster: "
+                     f"{w['write_s']:.1f} s (encode phase {w['encode_s']:.1f} s, ShardWriter {w['shards_s']:.1f} s = "
                      f"{w['shard_bytes'] / w['shards_s'] / 2**20:.0f} MiB/s) + {w['sync_s']:.1f} s flushing what it "
                      f"left unsynced; raw sequential write + fsync of as many bytes, buffered 1 MiB writes "
                      f"{' and '.join(f'{x:.1f}' for x in raw_ws['buffered'])} s, O_DIRECT 8 MiB writes "
-                     f"{' and '.join(f'{x:.1f}' for x in raw_ws['direct'])} s (right after the writer and at the end "
-                     f"of the run); the baseline is the fastest")
+                     f"{' and '.join(f'{x:.1f}' for x in raw_ws['direct'])} s; each side at the start and at the "
+                     f"end of the run (the cache written again, into a fresh folder, once the reads are done), each "
+                     f"raw pass right after the writer; the faster of each side")
 
         results.append(writer_row())
         # 2. the loader vs a raw sequential read of the bytes it reads
@@ -483,8 +488,13 @@ def main(argv=None) -> list[dict]:
         problems = verify_cache(cache, progress=False)
         if problems:
             raise RuntimeError(f"the synthetic cache does not verify: {problems[:3]}")
-        raw_ws["direct"].append(raw_write(work, w["bytes"], direct=True))
-        raw_ws["buffered"].append(raw_write(work, w["bytes"]))
+        if not args.keep:  # (kept: the cache stays, and there is no room assumed for a second one)
+            shutil.rmtree(cache)
+            again = work / "cache-again"
+            writes.append(write_cache(again, args.prompts, args.steps))
+            shutil.rmtree(again)
+        raw_ws["direct"].append(raw_write(work, cache_bytes, direct=True))
+        raw_ws["buffered"].append(raw_write(work, cache_bytes))
         results[0] = writer_row()
         return results
     finally:
