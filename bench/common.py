@@ -16,9 +16,19 @@ RESULTS = ROOT / "bench" / "results.json"
 RESULTS_CUDA = ROOT / "bench" / "results-cuda.json"  # the same rows measured with --device cuda
 
 
-def results_path(device: torch.device) -> Path:
-    """Where a run on `device` records its figures: CPU and GPU runs keep separate files."""
-    return RESULTS_CUDA if device.type == "cuda" else RESULTS
+def results_path(device: torch.device, quick: bool = False) -> Path:
+    """Where a run on `device` records its figures: CPU and GPU runs keep separate files, and a `--quick` smoke
+    run writes beside them (`results-quick.json`, not kept in git), never over the measured figures."""
+    path = RESULTS_CUDA if device.type == "cuda" else RESULTS
+    return path.with_name(f"{path.stem}-quick.json") if quick else path
+
+
+def cli_results_path(argv: list[str]) -> Path:
+    """`results_path` of a benchmark run as `python -m bench.NAME ARGV` (its --device, its --quick)."""
+    device = next((a.split("=", 1)[1] for a in argv if a.startswith("--device=")), None)
+    if device is None and "--device" in argv[:-1]:
+        device = argv[argv.index("--device") + 1]
+    return results_path(pick_device(device or "auto"), quick="--quick" in argv)
 
 
 def result(name: str, value: float, baseline: float, unit: str, target: float, better: str,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (
-    in_child, interleaved, n_params, peak_rss, pick_device, prompt_file, result, save, stage_one_placement,
+    cli_results_path, in_child, interleaved, n_params, peak_rss, pick_device, prompt_file, result, save, stage_one_placement,
     student_config, table, wide_teacher,
 )
 from pipeline.config import TeacherCacheConfig, TrainStudentConfig
@@ -257,6 +257,8 @@ def _asdict(cfg) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
+
     res = main()
-    save(res)
+    save(res, cli_results_path(sys.argv[1:]))
     print(table(res))

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from bench.common import drop_tree, pick_device, result, results_path, save, sync, table, tree_bytes
+from bench.common import cli_results_path, drop_tree, pick_device, result, save, sync, table, tree_bytes
 from cache import direct_io
 from cache import format as F
 from cache.atomic import atomic_write_bytes
@@ -680,7 +680,5 @@ if __name__ == "__main__":
         for r in res:
             print(f"  {r['name']}: {r['note']}")
         sys.exit(0)
-    save(res, results_path(pick_device(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")),
-                                            sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv
-                                            else "auto"))))
+    save(res, cli_results_path(sys.argv[1:]))
     print(table(res))

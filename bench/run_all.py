@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         ap.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHES)}")
     torch.set_num_threads(args.threads)
     if args.out is None:
-        args.out = results_path(pick_device(args.device))
+        args.out = results_path(pick_device(args.device), quick=args.quick)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     command = shlex.join(["python", "-m", "bench.run_all", *(sys.argv[1:] if argv is None else argv)])
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (
-    exponent, pick_device, prompt_file, result, save, stage_one_placement, sync, table, wide_teacher,
+    cli_results_path, exponent, pick_device, prompt_file, result, save, stage_one_placement, sync, table, wide_teacher,
 )
 from cache import format as F
 from cache.manifest import load_manifest
@@ -172,6 +172,8 @@ def _naive(cache: Path, work: Path, k: int = 64) -> float:
 
 
 if __name__ == "__main__":
+    import sys
+
     res = main()
-    save(res)
+    save(res, cli_results_path(sys.argv[1:]))
     print(table(res))

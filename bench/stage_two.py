@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (
-    drop_page_cache, exponent, interleaved, pick_device, prompt_file, result, save, stage_one_placement,
+    cli_results_path, drop_page_cache, exponent, interleaved, pick_device, prompt_file, result, save, stage_one_placement,
     student_config, table, timed,
 )
 from cache import format as F
@@ -265,6 +265,8 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    import sys
+
     res = main()
-    save(res)
+    save(res, cli_results_path(sys.argv[1:]))
     print(table(res))

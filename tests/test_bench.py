@@ -104,3 +104,12 @@ def test_real_size_quick_run(tmp_path):
     assert note.count(" and ") >= 3 and "the faster of each side" in note
     assert "into a ring of 512 MiB" in rows["loader_vs_raw_read_a14b"]["note"]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_quick_run_never_writes_over_the_measured_figures():
+    from bench.common import RESULTS, RESULTS_CUDA, cli_results_path, results_path
+
+    assert cli_results_path([]) == cli_results_path(["--device=cpu"]) == RESULTS
+    assert cli_results_path(["--quick"]) == cli_results_path(["--device", "cpu", "--quick"]) == \
+        RESULTS.with_name("results-quick.json")
+    assert results_path(torch.device("cuda"), quick=True) == RESULTS_CUDA.with_name("results-cuda-quick.json")
