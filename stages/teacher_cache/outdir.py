@@ -73,7 +73,7 @@ def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
 def forget_lost_shards(out: Path, prog: PartProgress) -> None:
     """Shards this part lists that are gone or have another size (deleted to be rebuilt, as `cache verify` and
     stage two advise for a corrupt shard): forget them and their blocks, so this run computes them again.
-    Only existence and size are checked here (a stat per shard); `cache verify` re-hashes."""
+    Only existence and size are checked here (a stat per shard); `cache verify` re-checksums."""
     lost = [s for s in prog.shards
             if not (out / s[F.S_PATH]).is_file() or (out / s[F.S_PATH]).stat().st_size != s[F.S_BYTES]]
     if not lost:
