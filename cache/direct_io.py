@@ -15,8 +15,8 @@ with buffered reads (`open_read`, `pread`).
 
 Writes (`FileWriter`): a file written once, front to back, and not read again by its writer gains nothing from
 the page cache and pays for it: the kernel copies every byte into it, then writes it back and evicts it. On the
-2-core dev VM 25.8 GiB written through the page cache (1 MiB writes, then fsync) took 22-34 s, and with O_DIRECT
-(8 MiB writes from one aligned buffer) 11-13 s (bench/real_size.py, the raw baselines).
+2-core dev VM 25.8 GiB written through the page cache (1 MiB writes, then fsync) took 21-36 s, and with O_DIRECT
+(8 MiB writes from one aligned buffer) 9-16 s (bench/real_size.py, the raw baselines, over a day).
 """
 
 from __future__ import annotations
