@@ -39,7 +39,6 @@ Run: python -m bench.real_size [--prompts 10000] [--steps 3] [--work DIR] [--dev
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -250,13 +249,7 @@ def raw_write(folder: Path, nbytes: int, file_bytes: int = 2 << 30, direct: bool
         path = folder / f"raw-{i}.bin"
         size = min(file_bytes, left)
         t = time.perf_counter()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            fd = os.open(path, flags | (direct_io.FLAG if direct else 0), 0o644)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, flags, 0o644)  # no O_DIRECT on this file system
+        fd, _ = direct_io.open_write(path, direct)  # (buffered where the file system has no O_DIRECT)
         try:
             rest = -(-size // direct_io.ALIGN) * direct_io.ALIGN if direct else size  # (whole blocks: O_DIRECT)
             while rest > 0:

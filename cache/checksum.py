@@ -83,11 +83,11 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 class ShardDigest:
-    """The checksum a shard record holds, computed over bytes given in order (`update`): crc32c where the record
-    has `S_CRC32C` (and for a record being written: `ShardDigest()`), sha256 where it has only `S_SHA256`."""
+    """The checksum shard record `rec` holds, computed over bytes given in order (`update`): crc32c where the
+    record has `S_CRC32C`, sha256 where it has only `S_SHA256` (a cache written before)."""
 
-    def __init__(self, rec: dict | None = None):
-        self.field = F.S_SHA256 if rec is not None and F.S_CRC32C not in rec and F.S_SHA256 in rec else F.S_CRC32C
+    def __init__(self, rec: dict):
+        self.field = F.S_SHA256 if F.S_CRC32C not in rec and F.S_SHA256 in rec else F.S_CRC32C
         self._sha = hashlib.sha256() if self.field == F.S_SHA256 else None
         self._crc = 0
 

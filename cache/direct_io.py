@@ -214,15 +214,12 @@ def _as_bytes(part) -> np.ndarray:
     return np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
 
 
-def _write_all(fd: int, parts: list, offset: int | None = None) -> None:
-    """All of `parts` written at `offset` (pwritev) or at the file position (writev): a short write goes on
-    where it stopped."""
+def _write_all(fd: int, parts: list, offset: int) -> None:
+    """All of `parts` written at `offset` (pwritev): a short write goes on where it stopped."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        batch = views[:_IOV_MAX]
-        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset)
-        if offset is not None:
-            offset += n
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
         while views and n >= len(views[0]):
             n -= len(views.pop(0))
         if views and n:

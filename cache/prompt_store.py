@@ -50,6 +50,12 @@ from .format import (
 )
 from .manifest import load_manifest, manifest_path, negative_problem
 
+def _index_key(file: Path, st: os.stat_result) -> tuple:
+    """What a kept shard index is kept under: the file and its inode, size and mtime (a file replaced since is
+    read again)."""
+    return file, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class ChunkError(CacheError):
     """A chunk that is not what its array says: `reason` is why ("fails its crc32c", "is shorter ..."). In a
     sharded array `inner` is the chunk's grid index inside the file `path`."""
@@ -206,7 +212,7 @@ class ChunkFiles:
         """The shard index of the open file `file`, [*per_file, 2] uint64, checked against its crc32c and the
         file's size (ChunkError); kept per (file, inode, size, mtime), so a file replaced is read again."""
         st = os.fstat(fd)
-        key = (file, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = _index_key(file, st)
         with self._lock:
             hit = self._indexes.get(key)
             if hit is not None:
@@ -376,7 +382,7 @@ class ChunkFiles:
             return None
         by_file: dict[tuple[int, ...], list[int]] = {}
         for k, row in enumerate(rows):
-            by_file.setdefault(self._key(self._row_chunk(row)), []).append(k)
+            by_file.setdefault(self.row_file(row), []).append(k)
         runs: list[list[int]] = []
         for key, ks in by_file.items():
             extents = self._row_extents(key, [rows[k] for k in ks], [stops[k] for k in ks])
@@ -393,13 +399,17 @@ class ChunkFiles:
     def index_kept(self, row: int) -> bool:
         """Whether the shard index of the file holding row `row` is kept here, so that `row_runs` over that file's
         rows reads nothing (a missing file: nothing to read either)."""
-        file = self._key_file(self._key(self._row_chunk(row)))
+        file = self._key_file(self.row_file(row))
         try:
-            st = os.stat(file)
+            key = _index_key(file, os.stat(file))
         except OSError:
             return True
         with self._lock:
-            return (file, st.st_ino, st.st_size, st.st_mtime_ns) in self._indexes
+            return key in self._indexes
+
+    def row_file(self, row: int) -> tuple[int, ...]:
+        """The key of the file holding row `row` (of an array chunked one row at a time, sharded)."""
+        return self._key(self._row_chunk(row))
 
     def _row_chunk(self, row: int) -> tuple[int, ...]:
         """The grid index of row `row`'s first chunk (of an array chunked one row at a time)."""
@@ -977,9 +987,9 @@ class PartRows:
         arr = self.embeds
         if not isinstance(arr, ChunkFiles) or arr.per_file is None:
             return [(rows, True)]
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, ...], list[int]] = {}
         for r in rows:
-            groups.setdefault(r // arr.per_file[0], []).append(r)
+            groups.setdefault(arr.row_file(r), []).append(r)
         return [(g, arr.index_kept(g[0])) for g in groups.values()]
 
     def trimmed_many(self, rows: list[int]) -> list[np.ndarray | None]:
