@@ -31,14 +31,18 @@ def cli_results_path(argv: list[str]) -> Path:
     return results_path(pick_device(device or "auto"), quick="--quick" in argv)
 
 
-def result(name: str, value: float, baseline: float, unit: str, target: float, better: str,
+def result(name: str, value: float, baseline: float, unit: str, target: float | None, better: str,
            ratio: float | None = None, note: str = "") -> dict:
-    """One figure: `ratio` = value / baseline unless given; `better` is '<=' or '>=' (how ratio meets target)."""
+    """One figure: `ratio` = value / baseline unless given; `better` is '<=' or '>=' (how ratio meets target), or
+    'info': a figure shown beside the targets, with none of its own (always met)."""
     if ratio is None:
         ratio = value / baseline if baseline else float("nan")
-    met = (ratio <= target) if better == "<=" else (ratio >= target)
+    if better == "info":
+        met, shown = True, "info"
+    else:
+        met, shown = ((ratio <= target) if better == "<=" else (ratio >= target)), f"{better} {target}"
     return {"name": name, "value": round(value, 6), "baseline": round(baseline, 6), "ratio": round(ratio, 4),
-            "target": f"{better} {target}", "met": bool(met and not math.isnan(ratio)), "unit": unit, "note": note}
+            "target": shown, "met": bool(met and not math.isnan(ratio)), "unit": unit, "note": note}
 
 
 def machine() -> dict:

@@ -52,10 +52,13 @@ class StepBench:
 
     def __init__(self, cache: Path, student_json: Path, out: Path, device: torch.device, batch_size: int,
                  num_workers: int):
-        from cache.reader import EpochPlan, open_caches
+        from cache.reader import open_caches
         from pipeline.runtime import dist_env
         from stages.train_student import data as D
         from stages.train_student import loop as L
+        from stages.train_student.collate import collate
+        from stages.train_student.epoch import EpochPlan, RankBatches
+        from stages.train_student.index import prepare
         from stages.train_student.objectives import Velocity
         from stages.train_student.student import build_student, load_student_config
 
@@ -68,7 +71,7 @@ class StepBench:
                                       checkpoint_every=0, verify="size", device=device.type)
         self.num_workers = self.cfg.num_workers  # None resolves to the stage's default for this machine
         env = dist_env()
-        data = D.prepare(open_caches([cache]), env, device, "size", None, 0)
+        data = prepare(open_caches([cache]), env, device, "size", None, 0)
         self.plan = EpochPlan(len(data.train_rows), 1, batch_size)
         self.model = build_student(load_student_config(student_json), str(student_json), 0).to(device).train()
         self.optimizer = TR._optimizer(self.model, self.cfg, device)
@@ -85,9 +88,9 @@ class StepBench:
         self._stream = self._batches()
         self._k = 0
         # The bare step's inputs: the first batches of epoch 0, collated once and moved to the device.
-        sampler = D.RankBatches(self.plan, data.train_rows, 0, 0, 0)
+        sampler = RankBatches(self.plan, data.train_rows, 0, 0, 0)
         ds = D.SampleDataset(data.index, self.cfg.embedding_cache_size)
-        self.memory = [L.to_batch(D.collate(ds.__getitems__(items)), device, self.trainer.expand_timesteps,
+        self.memory = [L.to_batch(collate([ds[i] for i in items]), device, self.trainer.expand_timesteps,
                                    self.trainer.patch) for items in itertools.islice(iter(sampler), 4)]
         self._m = 0
 
@@ -97,7 +100,8 @@ class StepBench:
 
     def _batches(self):
         """The stage's loader, epoch after epoch (a new DataLoader per epoch, as `Trainer.fit` makes)."""
-        from stages.train_student.data import RankBatches, make_loader
+        from stages.train_student.data import make_loader
+        from stages.train_student.epoch import RankBatches
 
         for epoch in itertools.count():
             sampler = RankBatches(self.plan, self.data.train_rows, 0, epoch, 0)
@@ -157,7 +161,9 @@ def raw_read(cache: Path, chunk: int = 1 << 20) -> tuple[float, int]:
 def reader_read(bench: StepBench) -> tuple[float, int]:
     """Seconds for the stage-two reader to deliver one epoch as collated batches, in the epoch's order, from
     a cold start: new reader and embedding LRU, page cache of every cache file (shards, zarr) dropped."""
-    from stages.train_student.data import RankBatches, SampleDataset, collate
+    from stages.train_student.collate import collate
+    from stages.train_student.data import SampleDataset
+    from stages.train_student.epoch import RankBatches
 
     for f in _cache_files(bench.data.index.caches[0].path):
         drop_page_cache(f)
@@ -165,7 +171,7 @@ def reader_read(bench: StepBench) -> tuple[float, int]:
     n = 0
     t = time.perf_counter()
     for items in RankBatches(bench.plan, bench.data.train_rows, 0, 0, 0):
-        n += len(collate(ds.__getitems__(items))["keys"])
+        n += len(collate([ds[i] for i in items])["keys"])
     return time.perf_counter() - t, n
 
 

@@ -10,9 +10,8 @@ import errno
 import json
 import os
 import shutil
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .format import TMP_SUFFIX
@@ -52,7 +51,7 @@ def atomic_write_json(path: str | os.PathLike, obj, before_replace: Callable[[],
 
 # fsync forces a journal commit per call on ext4 (~1.4 ms each, one at a time); concurrent calls are committed
 # together: 3,000 chunk files of 16 KiB took 4.3 s one at a time and 0.19 s from 16 threads (fsync releases
-# the GIL). The prompt store is a file per chunk, so its fsyncs go through this pool.
+# the GIL).
 FSYNC_THREADS = 16
 
 
@@ -81,7 +80,7 @@ def drop_behind(fd: int, upto: int | None = None) -> None:
     """Flush a file written through `fd` and drop its pages from the page cache (posix_fadvise DONTNEED, which
     frees clean pages only: hence the flush first): the whole file, fsynced (it is complete), or with `upto` its
     first `upto` bytes, fdatasynced (it is still being written: `ShardWriter` every WRITE_BEHIND_BYTES). For what
-    the writer never reads again (shards, final latents, prompt rows until stage one reads a few back): the page
+    the writer never reads again (shards): the page
     cache then keeps what is read (the teacher's weight files under the `disk` and `offload` placements), and the
     writes reuse the pages just freed rather than claim new ones. On a VM whose memory is backed lazily that is
     the difference between ~350 MiB/s and ~1.5 GiB/s of writes kept on disk (a first write to guest memory
@@ -91,82 +90,22 @@ def drop_behind(fd: int, upto: int | None = None) -> None:
         os.posix_fadvise(fd, 0, upto or 0, os.POSIX_FADV_DONTNEED)
 
 
-def _sync_and_drop_one(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except FileNotFoundError:
-        return  # removed or replaced since: nothing of it to drop
-    try:
-        drop_behind(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_and_drop(paths) -> None:
-    """`drop_behind` for each file of `paths` (on `FSYNC_THREADS` threads: ext4 commits concurrent fsyncs
-    together); missing files are skipped (a chunk removed since)."""
-    run_each(_sync_and_drop_one, dict.fromkeys(map(Path, paths)))
-
-
-_POOLS: dict[tuple[int, str, int], ThreadPoolExecutor] = {}
-
-
-def thread_pool(workers: int = FSYNC_THREADS, name: str = "fsync") -> ThreadPoolExecutor:
-    """The thread pool `name` of this process with `workers` threads (made on first use; a forked child makes
-    its own)."""
-    key = (os.getpid(), name, workers)
-    if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix=f"{name}{workers}")
-    return _POOLS[key]
-
-
 def run_each(fn: Callable, items, workers: int = FSYNC_THREADS) -> None:
-    """`fn(item)` for each item, on `workers` threads of this process's pool (inline where there is a single
-    item); the first error is raised once all have run. For calls that wait in the kernel without the GIL
-    (fsync, creating and writing files)."""
+    """`fn(item)` for each item, on `workers` threads (inline where there is a single item); the first error is
+    raised once all have run. For calls that wait in the kernel without the GIL (fsync)."""
     items = list(items)
     if len(items) <= 1:
         for it in items:
             fn(it)
         return
-    pool = thread_pool(workers)
-    futures = [pool.submit(fn, it) for it in items]
-    wait(futures)
-    for f in futures:
-        f.result()
+    with ThreadPoolExecutor(workers, thread_name_prefix="fsync") as pool:
+        for f in [pool.submit(fn, it) for it in items]:
+            f.result()
 
 
-# Files written between two write-behinds: large enough that the fsyncs cost nothing next to the bytes, small
+# Bytes a writer writes between two `drop_behind`s: large enough that the syncs cost nothing next to the bytes, small
 # enough that the pages freed are reused at once.
 WRITE_BEHIND_BYTES = 64 << 20
-
-
-class _WriteBehind:
-    """Files this process wrote and will not read soon (prompt-store chunks): `sync_and_drop` in the background,
-    WRITE_BEHIND_BYTES at a time, at most one batch in flight (the writer waits for the previous one before it
-    hands over the next, so no more than two batches sit in the page cache). Durability is still each caller's
-    own fsync (`fsync_paths`), cheap by then; an error of a background fsync is raised to the next `add`."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._pid = None
-
-    def add(self, path: Path, nbytes: int) -> None:
-        with self._lock:
-            if self._pid != os.getpid():  # first use, or a forked child: its parent's state is not its own
-                self._pid, self._files, self._bytes, self._future = os.getpid(), [], 0, None
-            self._files.append(path)
-            self._bytes += nbytes
-            if self._bytes < WRITE_BEHIND_BYTES:
-                return
-            batch, self._files, self._bytes = self._files, [], 0
-            future, self._future = self._future, None
-            if future is not None:
-                future.result()
-            self._future = thread_pool(1, "write-behind").submit(sync_and_drop, batch)
-
-
-write_behind = _WriteBehind()
 
 
 # renameat2(2)'s RENAME_EXCHANGE swaps two names in one step (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, not NFS).

@@ -3,3 +3,7 @@
 
 class CacheError(ValueError):
     """A cache on disk is missing, inconsistent, corrupt or does not match what is asked of it."""
+
+
+class FormatVersionError(CacheError):
+    """A cache written in another `format.FORMAT_VERSION`: refused whole, never read in part."""

@@ -10,7 +10,8 @@ import re
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+# The version of the bytes below; a cache of another version is refused (`manifest.check_version`), never read.
+FORMAT_VERSION = 2
 
 # Files and folders below CACHE_DIR.
 MANIFEST = "manifest.json"
@@ -33,10 +34,14 @@ Z_SEQ_LENS = "seq_lens"
 Z_INIT_NOISE = "init_noise"
 Z_FINAL_LATENTS = "final_latents"
 # Group of per-row checksums: `row_crc32c/embeds` holds the crc32c of each row's real tokens, the bytes of
-# embeds[row, :seq_len] (int64; -1: none recorded), so that a reader of the real tokens alone checks them without
-# reading the padding past them. Every chunk of every array also ends in its own crc32c (zarr's "crc32c" codec).
-# Stores written before either read the same, unchecked.
+# embeds[row, :seq_len] (int64; -1: none recorded), so that a chunk or file of them that is gone (zarr reads it as
+# zeros) is an error. Every chunk of every array also ends in its own crc32c (zarr's "crc32c" codec).
 Z_ROW_CRC32C = "row_crc32c"
+# Tokens per chunk of `embeds`: a typical prompt's real tokens fit one or two chunks, the padding none.
+EMBED_CHUNK_TOKENS = 64
+# Rows per file (zarr shard) of `embeds`, `init_noise` and `final_latents`: at A14B sizes ~45 MB of embeddings and
+# ~25 MB of latents a file, ~16 files per 1,000 prompts instead of ~3,400.
+ROWS_PER_FILE = 64
 # Attribute holding the torch dtype of an array stored as raw bits (bfloat16 has no numpy dtype).
 Z_ATTR_TORCH_DTYPE = "torch_dtype"
 
@@ -107,7 +112,7 @@ F_FEATURE_POOL = "feature_pool"  # "none" (one row per latent token) or "mean" (
 F_FEATURE_SEED = "feature_seed"  # seed of the projection matrix
 F_FEATURE_TOKENS = "feature_tokens"  # rows per recorded block: the teacher's latent tokens, or 1 when pooled
 F_FEATURE_PROJECTION_SHA256 = "feature_projection_sha256"
-F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py); derived from the settings when absent
+F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py)
 F_TEACHER_IDENTITY = "teacher_identity"  # hashes of the teacher's configs and weight files (fingerprinted)
 F_NEGATIVE_SHA256 = "negative_sha256"  # sha256 of negative.safetensors
 # teacher-cache --record-steps N: the steps every trajectory records (sorted; absent: every step), and the settings
@@ -122,7 +127,6 @@ S_PART = "part"
 S_SAMPLES = "samples"
 S_BYTES = "bytes"
 S_CRC32C = "crc32c"  # of the shard's bytes (cache/checksum.py)
-S_SHA256 = "sha256"  # of the shard's bytes, in caches written before S_CRC32C
 S_BLOCKS = "blocks"  # the part's trajectory blocks the shard holds (lets a lost shard be recomputed alone)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,15 +16,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+import torch
+from safetensors.torch import load as st_load
+
 from .atomic import atomic_write_bytes, atomic_write_json
 from .errors import CacheError
 from .format import (
-    F_BYTES, F_CREATED, F_FINGERPRINT, F_FORMAT_VERSION, F_NEGATIVE_SHA256, F_NUM_PARTS, F_PARTS, F_REVISION,
-    F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_TEACHER, F_TEACHER_IDENTITY, F_TEACHER_PATH, FORMAT_VERSION, MANIFEST,
-    NEGATIVE, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES, part_dirname,
+    F_BYTES, F_CREATED, F_DTYPE, F_FINGERPRINT, F_FORMAT_VERSION, F_LATENT_SHAPE, F_NEGATIVE_SHA256, F_NUM_PARTS,
+    F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
+    FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES, T_FEATURES, part_dirname,
 )
-from .progress import PartProgress
-from .schema import declared_fields, sample_bytes, sample_fields
+from .progress import PartProgress, check_version
+from .schema import declared_fields, recorded_steps, sample_bytes, sample_fields
+from .size import measured_inputs, project
 
 # Header fields that say where the teacher was found, not what it is: left out of the fingerprint (its content
 # enters as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
@@ -57,23 +61,13 @@ def _settings(m: dict) -> dict:
     return {k: v for k, v in m.items() if k not in MANIFEST_FIELDS}
 
 
-def settings_checkable(m: dict) -> bool:
-    """Whether the manifest holds everything its fingerprint was computed from: manifests written before
-    `teacher_identity` was recorded (the teacher's content, hashed in) cannot be checked."""
-    return F_TEACHER_IDENTITY in m
-
-
 def settings_problem(cache_dir: str | os.PathLike, m: dict) -> str | None:
     """Why the manifest's settings do not hash to its fingerprint (a field edited by hand: an edited `guidance`
     would otherwise reach the student's distill.json), naming the fields that differ from the parts' progress
-    records and the fix; None when they do, or when the manifest cannot be checked (`settings_checkable`)."""
-    if not settings_checkable(m):
-        return None
+    records and the fix; None when they do."""
     settings, fp = _settings(m), m.get(F_FINGERPRINT)
     if settings_fingerprint(settings) == fp:
         return None
-    if F_SAMPLE_FIELDS in m and settings_fingerprint(settings | {F_SAMPLE_FIELDS: m[F_SAMPLE_FIELDS]}) == fp:
-        return None  # a header that carried sample_fields itself
     path = manifest_path(cache_dir)
     try:
         prog = PartProgress.load(cache_dir, 0)
@@ -121,17 +115,17 @@ def shard_path_problem(rel, cache_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def _negative_sha256(cache_dir: Path, written: str | None = None) -> str | None:
+def _negative_sha256(cache_dir: Path, written: str) -> str | None:
     """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
     (written together): a missing root copy, or one that no longer matches what the previous manifest recorded
     while part 0's still does, is restored from part 0's first, so that rerunning stage one repairs it. Part 0's
-    copy must still be what part 0's progress record says it wrote (`written`, when it says)."""
+    copy must still be what part 0's progress record says it wrote (`written`)."""
     root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
     if not own.is_file():
         return sha256_file(root) if root.is_file() else None
     data = own.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    if written is not None and sha != written:
+    if sha != written:
         raise CacheError(f"{own} changed after stage one wrote it (its progress record says sha256 {written[:12]}); "
                          f"delete {own.parent} and rerun the same `wandistiller teacher-cache` command (that part is "
                          "computed again), or rerun it with --overwrite (the whole cache)")
@@ -155,12 +149,11 @@ def manifest_path(cache_dir: str | os.PathLike) -> Path:
 
 def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = False) -> str | None:
     """Why the cache's negative.safetensors is not the file the manifest recorded (missing, or another sha256),
-    with the fix (the file named relative to the cache with `relative`); None when it is, or when the manifest
-    records no sha256 (written before it did) and the file exists."""
+    with the fix (the file named relative to the cache with `relative`); None when it is."""
     cache_dir = Path(cache_dir)
     root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
     recorded = m.get(F_NEGATIVE_SHA256)
-    if root.is_file() and (recorded is None or sha256_file(root) == recorded):
+    if root.is_file() and sha256_file(root) == recorded:
         return None
     what = "is missing" if not root.is_file() else "fails its sha256 check (changed after stage one wrote it)"
     name = f"{NEGATIVE}:" if relative else str(root)
@@ -169,6 +162,19 @@ def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = Fal
     else:
         fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
     return f"{name} {what}; {fix}"
+
+
+def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
+    """The negative prompt's embedding [L, D], padded like the prompts'; CacheError if the file is not the one the
+    manifest recorded."""
+    path = Path(cache_dir) / NEGATIVE
+    if not path.is_file():
+        raise CacheError(f"{path} is missing; rerun the same `wandistiller teacher-cache` command")
+    if manifest_path(cache_dir).exists():
+        problem = negative_problem(cache_dir, load_manifest(cache_dir))
+        if problem:
+            raise CacheError(problem)
+    return st_load(path.read_bytes())[NEG_EMBEDS]
 
 
 def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
@@ -190,7 +196,7 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
         F_FORMAT_VERSION: FORMAT_VERSION,
         F_FINGERPRINT: parts[0].fingerprint,
         **parts[0].header,
-        F_SAMPLE_FIELDS: parts[0].header.get(F_SAMPLE_FIELDS) or declared_fields(parts[0].header),
+        F_SAMPLE_FIELDS: declared_fields(parts[0].header),
         F_NUM_PARTS: num_parts,
         F_SAMPLES: sum(s[S_SAMPLES] for s in shards),
         F_BYTES: sum(s[S_BYTES] for s in shards),
@@ -221,9 +227,9 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         m = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CacheError(f"{path} is not valid JSON ({e}); rerun `wandistiller teacher-cache` to rewrite it") from e
-    if not isinstance(m, dict) or m.get(F_FORMAT_VERSION) != FORMAT_VERSION:
-        raise CacheError(f"{path} has format_version {m.get(F_FORMAT_VERSION) if isinstance(m, dict) else None}, "
-                         f"this WanDistiller reads {FORMAT_VERSION}; rebuild the cache with this version")
+    if not isinstance(m, dict):
+        raise CacheError(f"{path} is not a manifest (a JSON object); rerun `wandistiller teacher-cache` to rewrite it")
+    check_version(path, m)
     for key in (F_FINGERPRINT, F_SHARDS, F_SAMPLES, F_NUM_PARTS):
         if key not in m:
             raise CacheError(f"{path} lacks the field {key!r}; rebuild the cache with `wandistiller teacher-cache`")
@@ -239,10 +245,6 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
 def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
     """What `cache info` prints: sizes and settings of a finished cache, and its bytes projected for `prompts`
     prompts (default: its own) of the same kind (`cache.size`)."""
-    from .format import F_DTYPE, F_LATENT_SHAPE, F_PROMPTS, F_STEPS, F_TEACHER, T_FEATURES
-    from .schema import recorded_steps
-    from .size import measured_inputs, project
-
     m = load_manifest(cache_dir)
     inputs = measured_inputs(cache_dir, m)
     own = project(m, int(m[F_PROMPTS]), int(m[F_NUM_PARTS]), **inputs)

@@ -13,8 +13,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .atomic import atomic_write_json
-from .errors import CacheError
-from .format import FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
+from .errors import CacheError, FormatVersionError
+from .format import F_FORMAT_VERSION, FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
+
+
+def check_version(path: Path, record: dict) -> None:
+    """CacheError unless `record` (a manifest or a part's progress record, read from `path`) was written in this
+    FORMAT_VERSION: a cache of another version is refused whole, never read in part."""
+    version = record.get(F_FORMAT_VERSION)
+    if version == FORMAT_VERSION:
+        return
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise FormatVersionError(f"{path}: written by an older wandistiller (format {version}); rebuild it with teacher-cache")
+    raise FormatVersionError(f"{path}: format {version!r}, this wandistiller reads format {FORMAT_VERSION}; rebuild it with "
+                     "teacher-cache, or use the wandistiller that wrote it")
 
 
 @dataclass
@@ -27,9 +39,9 @@ class PartProgress:
     prompts: int  # prompts in this part
     blocks: int  # trajectory blocks in this part
     batch_size: int  # trajectories per block: block ids mean nothing under another batch size
-    samples_per_shard: int | None = None  # where shards close (None: a record from before it was checked)
+    samples_per_shard: int  # where shards close
     encoded: bool = False  # every prompt row of prompts.zarr written (and fsynced)
-    negative_sha256: str | None = None  # of the part's negative.safetensors, written with it (None: an older record)
+    negative_sha256: str | None = None  # of the part's negative.safetensors, written with it (None: not encoded yet)
     done_blocks: list[int] = field(default_factory=list)
     shards: list[dict] = field(default_factory=list)
     complete: bool = False
@@ -51,7 +63,10 @@ class PartProgress:
         if not p.exists():
             return None
         try:
-            return cls(**json.loads(p.read_text()))
+            record = json.loads(p.read_text())
+            if isinstance(record, dict):
+                check_version(p, record)
+            return cls(**record)
         except (json.JSONDecodeError, TypeError) as e:
             raise CacheError(f"{p} is unreadable ({e}); delete the part folder or rerun with --overwrite") from e
 

@@ -1,12 +1,10 @@
-"""Random-access reader of finished caches: shard index, exact epoch partition, resumable positions.
+"""Random-access reader of finished caches: the shard index and reads of a sample by row.
 
-webdataset's streaming reader visits shards in whatever order its workers pull them, so it cannot
-promise "every sample exactly once per epoch across all ranks and workers", nor equal step counts per
-rank, nor a resumable position. Here the manifest already says how many samples every shard holds, so
-each sample gets a fixed row number before any byte is read; the tar headers give the byte offset of
-each member, and a sample is read with two `pread`s. The epoch order is a permutation of rows seeded
-from (seed, epoch); rank r of W takes positions r, r+W, r+2W, ... of it, so a micro-step's union over
-the ranks is exactly the window a one-process run with the same global batch would take.
+webdataset's streaming reader visits shards in whatever order its workers pull them, so it cannot promise "every
+sample exactly once per epoch across all ranks and workers", nor equal step counts per rank, nor a resumable
+position. Here the manifest already says how many samples every shard holds, so each sample gets a fixed row number
+before any byte is read; the tar headers give the byte offset of each member, and a sample is read with one `pread`
+(`SampleReader`). The order in which a stage reads the rows is its own (stage two: `stages/train_student/epoch.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ import math
 import os
 import tarfile
 from collections import OrderedDict
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +23,9 @@ from safetensors.torch import load as st_load
 
 import webdataset as wds
 
-from . import direct_io
 from . import format as F
-from .checksum import ShardDigest
+from .checksum import crc32c
 from .errors import CacheError
-from .fanout import Share
 from .manifest import check_settings, load_manifest
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 
@@ -111,19 +106,21 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
 
 
 class _HashingReader:
-    """Sequential file reader that checksums (the checksum shard record `rec` holds: `checksum.ShardDigest`) and
-    counts everything read through it."""
+    """Sequential file reader that checksums (crc32c) and counts everything read through it."""
 
-    def __init__(self, f, rec: dict):
+    def __init__(self, f):
         self.f = f
-        self.digest = ShardDigest(rec)
-        self.bytes = 0
+        self.crc = self.bytes = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
-        self.digest.update(data)
+        self.crc = crc32c(data, self.crc)
         self.bytes += len(data)
         return data
+
+    def matches(self, rec: dict) -> bool:
+        """Whether what was read is the shard `rec` records: its size and crc32c."""
+        return self.bytes == rec[F.S_BYTES] and self.crc == rec.get(F.S_CRC32C)
 
 
 def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -> np.ndarray:
@@ -139,7 +136,7 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
         raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
     members: dict[str, dict[str, tuple[int, int]]] = {}
     with open(path, "rb") as f:
-        reader = _HashingReader(f, rec) if checksum else None
+        reader = _HashingReader(f) if checksum else None
         try:
             with tarfile.open(fileobj=reader, mode="r|") if reader else tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:
@@ -152,7 +149,7 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
                     pass
         except (tarfile.TarError, OSError, EOFError) as e:
             raise ShardError(shard_problem(cache_dir, rec, SHARD_TAR) + f" ({e})", SHARD_TAR) from e
-    if reader is not None and (reader.bytes != rec[F.S_BYTES] or not reader.digest.matches(rec)):
+    if reader is not None and not reader.matches(rec):
         raise ShardError(shard_problem(cache_dir, rec, SHARD_CHECKSUM), SHARD_CHECKSUM)
     rows = []
     for key, mem in members.items():
@@ -173,24 +170,25 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
 
 class ShardStream:
     """Iterate over every sample of one shard as webdataset groups its members ({"__key__", "json",
-    "safetensors", ...}), in one sequential pass that also checksums the file: once the iteration ends, `digest`
-    (`checksum.ShardDigest`, the checksum `rec` holds) and `bytes` are the whole file's. Iterating raises
-    OSError / tarfile.TarError for an unreadable shard."""
+    "safetensors", ...}), in one sequential pass that also checksums the file: once the iteration ends, `matches`
+    says whether the whole file is the one `rec` records (size and crc32c). Iterating raises OSError /
+    tarfile.TarError for an unreadable shard."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
         self.path = Path(cache_dir) / rec[F.S_PATH]
         self.rec = rec
-        self.digest: ShardDigest | None = None
-        self.bytes = 0
+        self._read: _HashingReader | None = None
 
     def __iter__(self):
         with open(self.path, "rb") as f:
-            reader = _HashingReader(f, self.rec)
-            files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(reader))
+            self._read = _HashingReader(f)
+            files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(self._read))
             yield from wds.tariterators.group_by_keys(files)
-            while reader.read(_CHUNK):  # the tar's end-of-archive padding
+            while self._read.read(_CHUNK):  # the tar's end-of-archive padding
                 pass
-        self.digest, self.bytes = reader.digest, reader.bytes
+
+    def matches(self) -> bool:
+        return self._read is not None and self._read.matches(self.rec)
 
 
 def decode_sample(members: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -318,31 +316,6 @@ def prompt_rows(index: CacheIndex, prompts) -> np.ndarray:
     return np.flatnonzero(np.isin(index.table[:, C_PROMPT], np.fromiter(prompts, dtype=np.int64)))
 
 
-def later_state_rows(index: CacheIndex, rows: np.ndarray, end_step: np.ndarray) -> np.ndarray:
-    """For each of `rows`, the index row of the same trajectory (prompt, seed) at step `end_step[step]`, or -1
-    where that is the cache's step count (the trajectory's final latent, in the prompt store, not a shard).
-    Rows of one trajectory are written in one block, so a pair usually lies in one shard. KeyError if a
-    needed state is not indexed (`check_complete` guarantees every recorded step is, for a complete cache)."""
-    table = index.table
-    steps = table[rows, C_STEP]
-    ends = np.asarray(end_step, dtype=np.int64)[steps]
-    out = np.full(len(rows), -1, dtype=np.int64)
-    inner = ends < index.steps
-    if inner.any():
-        codes = sample_code(table)
-        order = np.argsort(codes, kind="stable")
-        want = sample_code(table[rows[inner]]) - steps[inner] + ends[inner]
-        pos = np.searchsorted(codes, want, sorter=order).clip(0, len(codes) - 1)
-        found = order[pos]
-        bad = codes[found] != want
-        if bad.any():
-            r = table[rows[inner][np.argmax(bad)]]
-            raise KeyError(f"sample {F.sample_key(int(r[C_PROMPT]), int(r[C_SEED]), int(ends[inner][np.argmax(bad)]))} "
-                           "is not in the cache's index")
-        out[inner] = found
-    return out
-
-
 def sample_code(table: np.ndarray) -> np.ndarray:
     """One int64 per sample identifying (prompt, seed, step) (seed < 100, step < 1000 by the key format)."""
     return (table[:, C_PROMPT] * 100 + table[:, C_SEED]) * 1000 + table[:, C_STEP]
@@ -375,25 +348,18 @@ def _tensors_in(buf: np.ndarray) -> dict[str, torch.Tensor]:
     return out
 
 
-# The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with
-# them to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
+# The most bytes between a sample's metadata member and its tensor member that `SampleReader` reads along with them
+# to read both in one request (the writer puts them 1 KiB apart: a tar header and padding).
 _GAP = 64 << 10
-# Bytes one read of adjacent samples covers at most (`SampleReader.runs`): past ~4 MB the dev VM's disk reads at
-# its sequential rate, where ~400 KB reads (one A14B sample) reach half of it.
-REQUEST_BYTES = 8 << 20
 
 
 class SampleReader:
-    """Reads samples by row with `os.pread` (no shared file offset, safe after fork); bounded open files.
+    """Reads samples by row, each with one `os.pread` of both of its members (no shared file offset: safe after fork);
+    a bounded LRU of open shards. One reader per process and thread: a DataLoader's workers each make their own."""
 
-    One thread owns a reader (its LRU of descriptors is not locked); `submit` runs a read in another thread
-    safely. `direct`: read with O_DIRECT (`direct_io`); where the file system or the disk refuses it, the reader
-    goes on with buffered reads."""
-
-    def __init__(self, index: CacheIndex, max_open: int = 64, direct: bool = False):
+    def __init__(self, index: CacheIndex, max_open: int = 64):
         self.index = index
         self.max_open = max_open
-        self.direct = direct
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         # (cache, a tensor member's safetensors header) -> its tensors (name, dtype, count, offset, shape), for
@@ -407,15 +373,13 @@ class SampleReader:
         if fd is None:
             _, cache_dir, rec, _ = self.index.shards[shard]
             try:
-                fd = self._open(cache_dir / rec[F.S_PATH])
+                fd = os.open(cache_dir / rec[F.S_PATH], os.O_RDONLY)
             except OSError as e:
                 raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
                                  "it was moved or deleted after training started") from e
-            if hasattr(os, "posix_fadvise"):
-                # Rows are read in random order: no kernel read-ahead past each read. With it, every ~400 KB read
-                # of a real-size sample pulled ~1 MB from the disk (read_ahead_kb 8192 on the dev VM: 1.8x the
-                # bytes of an epoch, most of them evicted before their own read).
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            # Rows are read in random order: no kernel read-ahead past each read (with it, each ~400 KB read of an
+            # A14B sample pulled ~1 MB from the disk).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._fds[shard] = fd
             if len(self._fds) > self.max_open:
                 os.close(self._fds.popitem(last=False)[1])
@@ -423,75 +387,28 @@ class SampleReader:
             self._fds.move_to_end(shard)
         return fd
 
-    def _open(self, path: Path) -> int:
-        fd, self.direct = direct_io.open_read(path, self.direct)
-        return fd
-
     def _span(self, fd: int, off: int, n: int, row: int) -> np.ndarray:
-        """`n` bytes of the shard at `off`, in one read (`direct_io.pread`: direct from a descriptor opened so)."""
-        buf, refused = direct_io.pread(fd, off, n)
-        if refused:
-            self.direct = False
-        if len(buf) != n:
-            raise self._truncated(row)
+        """`n` bytes of the shard at `off`, in one read."""
+        buf = np.empty(n, dtype=np.uint8)
+        if os.preadv(fd, [buf], off) != n:
+            raise CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
+                             "training?); run `wandistiller cache verify`")
         return buf
 
-    def _truncated(self, row: int) -> CacheError:
-        return CacheError(f"shard {self.index.shard_path(row)} is shorter than its index (truncated while "
-                          "training?); run `wandistiller cache verify`")
-
     def read(self, row: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode. The tensors
-        are views of one buffer read straight from the shard (no copy after the read)."""
-        return self._read(self._fd(int(self.index.table[row, C_SHARD])), row)
-
-    def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
-        """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state
-        of a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
-        return self._read_tensors(self._fd(int(self.index.table[row, C_SHARD])), row, names)
-
-    def submit(self, pool, row: int, names: tuple[str, ...] | None = None) -> Future:
-        """Start `read(row)` (with `names`: `read_tensors(row, names)`) in another thread, through `pool`'s
-        `submit` (a concurrent.futures.Executor's); the future holds what it returns or raises. Call from the
-        thread that owns this reader.
-
-        The thread reads from its own `os.dup` of the shard's descriptor, made here: this thread alone uses the
-        LRU of descriptors, which may close the original while the read is pending, and the kernel then reuses
-        its number for the next file opened (another shard: the read would silently return another sample's
-        bytes). A duplicate stays open on the same file until the read closes it (or, for a read cancelled
-        before it ran, its done-callback). Cheaper and simpler than a lock with reference counts: two syscalls
-        per read, no lock on the LRU."""
-        fd = os.dup(self._fd(int(self.index.table[row, C_SHARD])))
-
-        def run():
-            try:
-                return self._read(fd, row) if names is None else self._read_tensors(fd, row, names)
-            finally:
-                os.close(fd)
-
-        try:
-            fut = pool.submit(run)
-        except BaseException:
-            os.close(fd)
-            raise
-        fut.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)  # never ran: `run` did not close it
-        return fut
-
-    def _read(self, fd: int, row: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode. The tensors are views
+        of one buffer read from the shard (the writer puts the metadata member first, a header away from the
+        tensors: both are read at once)."""
         r = self.index.table[row]
-        meta_off, meta_len, tens_off = int(r[C_META_OFF]), int(r[C_META_LEN]), int(r[C_TENS_OFF])
-        tens_len = int(r[C_TENS_LEN])
-        if meta_off + meta_len <= tens_off <= meta_off + _GAP:  # the writer's order: one read of both members
-            return self._decode(row, self._span(fd, meta_off, tens_off + tens_len - meta_off, row), meta_off)
-        meta_b = self._span(fd, meta_off, meta_len, row).tobytes()
-        return self._decode_members(row, meta_b, self._span(fd, tens_off, tens_len, row))
+        fd = self._fd(int(r[C_SHARD]))
+        meta_off, meta_len, tens_off, tens_len = (int(r[c]) for c in (C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN))
+        if meta_off + meta_len <= tens_off <= meta_off + _GAP:
+            buf = self._span(fd, meta_off, tens_off + tens_len - meta_off, row)
+            meta_b, tens_b = buf[:meta_len].tobytes(), buf[tens_off - meta_off:]
+        else:
+            meta_b, tens_b = self._span(fd, meta_off, meta_len, row).tobytes(), self._span(fd, tens_off, tens_len, row)
+        return self._decode_members(row, meta_b, tens_b)
 
-    def _decode(self, row: int, buf: np.ndarray, at: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """The sample of `row` from `buf`, bytes of its shard from offset `at` that hold both of its members."""
-        r = self.index.table[row]
-        meta_off, tens_off = int(r[C_META_OFF]) - at, int(r[C_TENS_OFF]) - at
-        return self._decode_members(row, buf[meta_off:meta_off + int(r[C_META_LEN])].tobytes(),
-                                    buf[tens_off:tens_off + int(r[C_TENS_LEN])])
 
     def _decode_members(self, row: int, meta_b: bytes, tens_b: np.ndarray) -> tuple[dict[str, torch.Tensor], dict]:
         r = self.index.table[row]
@@ -524,72 +441,11 @@ class SampleReader:
                 (name, t.dtype, t.numel(), t.data_ptr() - base, tuple(t.shape)) for name, t in tensors.items()]
         return tensors, meta
 
-    def runs(self, rows: list[int]) -> list[list[int]]:
-        """`rows` (each once) in runs that one read serves: samples adjacent in one shard (the writer's layout:
-        both members of each, at most _GAP between one and the next), REQUEST_BYTES of shard at most a run; each
-        run in its shard's order, the runs in the order of their first row in `rows`."""
-        uniq = np.asarray(list(dict.fromkeys(int(r) for r in rows)), dtype=np.int64)
-        if len(uniq) == 0:
-            return []
-        t = self.index.table[uniq]
-        lo, hi = t[:, C_META_OFF], t[:, C_TENS_OFF] + t[:, C_TENS_LEN]
-        whole = (t[:, C_META_OFF] + t[:, C_META_LEN] <= t[:, C_TENS_OFF]) & (t[:, C_TENS_OFF] <= lo + _GAP)
-        by_disk = np.lexsort((lo, t[:, C_SHARD]))
-        runs: list[list[int]] = []
-        first: list[int] = []
-        start = end = shard = None
-        for k in by_disk.tolist():
-            near = (runs and whole[k] and t[k, C_SHARD] == shard and 0 <= lo[k] - end <= _GAP
-                    and hi[k] - start <= REQUEST_BYTES)
-            if near:
-                runs[-1].append(int(uniq[k]))
-                first[-1] = min(first[-1], k)
-                end = int(hi[k])
-            else:
-                runs.append([int(uniq[k])])
-                first.append(k)
-                start, end, shard = int(lo[k]), int(hi[k]), int(t[k, C_SHARD])
-                if not whole[k]:
-                    end = -_GAP - 1  # (a sample laid out otherwise is a run of its own)
-        return [runs[i] for i in np.argsort(first, kind="stable")]
-
-    def submit_run(self, pool, run: list[int]) -> list:
-        """Start reading the samples of `run` (one of `runs`) in one read, through `pool`'s `submit`: a future per
-        sample (a `fanout.Share` of the read's), each holding what `read` returns for it or raises (an error of the
-        read itself goes to all).
-        Call from the thread that owns this reader; the read uses its own `os.dup` of the descriptor (`submit`)."""
-        t = self.index.table[run]
-        lo, hi = int(t[:, C_META_OFF].min()), int((t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).max())
-        if len(run) == 1:
-            return [self.submit(pool, run[0])]
-        fd = os.dup(self._fd(int(t[0, C_SHARD])))
-
-        def decode_all() -> list:
-            try:
-                buf, refused = direct_io.pread(fd, lo, hi - lo)
-            finally:
-                os.close(fd)
-            if refused:
-                self.direct = False
-            out = []
-            for row, end in zip(run, (t[:, C_TENS_OFF] + t[:, C_TENS_LEN]).tolist()):
-                try:  # (a shard cut short fails the samples past its end, each as its own read would)
-                    out.append(self._decode(row, buf, lo) if end - lo <= len(buf) else self._truncated(row))
-                except CacheError as e:  # (without this frame: its list holds the other items' results)
-                    out.append(e.with_traceback(None))
-            return out
-
-        try:
-            fut = pool.submit(decode_all)
-        except BaseException:
-            os.close(fd)
-            raise
-        fut.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)  # never ran: did not close it
-        return [Share(fut, k) for k in range(len(run))]
-
-    def _read_tensors(self, fd: int, row: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
+        """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state of
+        a pair. Each is checked against its schema entry; CacheError naming the shard otherwise."""
         r = self.index.table[row]
-        data = self._span(fd, int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
+        data = self._span(self._fd(int(r[C_SHARD])), int(r[C_TENS_OFF]), int(r[C_TENS_LEN]), row)
         key, manifest = self.index.key(row), self.index.caches[int(r[C_CACHE])].manifest
         try:
             tensors = _tensors_in(data)
@@ -611,116 +467,3 @@ class SampleReader:
             for fd in self._fds.values():
                 os.close(fd)
         self._fds.clear()
-
-
-# Lanes of a grouped epoch's window (`EpochPlan.windows`): a multiple of every world size up to 64 that is a power
-# of two, so that each rank of such a run reads only its own lanes, whole.
-LANES = 64
-
-
-def epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([int(seed), int(epoch), 0x57414E])  # "WAN": keeps it apart from other uses
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """The exact partition of an epoch of `n` samples over `world` ranks.
-
-    Micro-step i covers positions [i*G, (i+1)*G) of the epoch's permutation, G = batch x world; rank r
-    takes the positions congruent to r modulo world. An optimizer step is `accum` micro-steps (the last
-    one of an epoch may have fewer). Every rank runs the same number of micro-steps: in the last window
-    a rank may get fewer samples, or none (the caller then runs a zero-weight dummy so the collective
-    still happens).
-    """
-
-    n: int
-    world: int
-    batch: int  # per rank per micro-step
-    accum: int = 1
-    # A grouped order (`window` > 0; `order`): each position's group (a run of samples that lie together on disk:
-    # stage two's read groups), and the groups per window.
-    groups: np.ndarray | None = field(default=None, repr=False, compare=False)
-    window: int = 0
-
-    def __post_init__(self):
-        if self.n < 1 or self.world < 1 or self.batch < 1 or self.accum < 1 or self.window < 0:
-            raise ValueError(f"EpochPlan needs positive sizes, got {self}")
-        if self.window and (self.groups is None or len(self.groups) != self.n):
-            raise ValueError(f"a grouped EpochPlan needs a group for each of its {self.n} positions")
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch * self.world
-
-    @property
-    def micro_steps(self) -> int:
-        return math.ceil(self.n / self.global_batch)
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps per epoch (equal on every rank)."""
-        return math.ceil(self.micro_steps / self.accum)
-
-    def order(self, seed: int, epoch: int) -> np.ndarray:
-        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only (and of the groups, if grouped).
-
-        Shuffled (`window` 0): a uniform permutation. Grouped: `windows` (the permutation, and where each window
-        starts)."""
-        return self.windows(seed, epoch)[0]
-
-    def windows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the epoch's permutation, the first position of each window; [0] for a shuffled epoch).
-
-        Grouped: the groups in a seeded random order, cut into windows of `window` groups; the epoch takes the
-        windows one after the other. A group's positions (samples adjacent on disk) then come within one window,
-        so a reader that keeps a window's prompt embeddings reads each of them once per epoch, and one that reads
-        a window ahead reads it in large requests (`LANES`).
-
-        Inside a window, position p is served by lane p mod LANES: the window's samples, group after group (each
-        group's in index order, which is their order on disk), are cut into LANES consecutive pieces given to the
-        lanes in a seeded random order, and each lane serves its piece in a seeded random order. Rank r of W takes
-        the positions congruent to r modulo W, so where W divides LANES it reads only the lanes congruent to r:
-        a few long runs of adjacent samples, whatever the world size, while a batch's consecutive positions come
-        from different lanes, i.e. from pieces scattered over the window. Nothing here depends on W or the batch:
-        the order is the same for every world size (two ranks' union is what one process takes)."""
-        rng = np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch)))
-        if not self.window:
-            return rng.permutation(self.n), np.zeros(1, dtype=np.int64)
-        _, group = np.unique(self.groups, return_inverse=True)
-        group = group.reshape(-1)
-        place = rng.permutation(int(group.max()) + 1)[group]  # where each position's group comes in the epoch
-        win = place // self.window
-        pieces = np.lexsort((np.arange(self.n), place))  # window after window, group after group, on-disk order
-        win_of = win[pieces]  # non-decreasing: positions [starts[w], starts[w+1]) of the epoch are window w
-        starts = np.flatnonzero(np.diff(win_of, prepend=-1))
-        nw, lanes = len(starts), LANES
-        pos = np.arange(self.n)
-        w_out = np.repeat(np.arange(nw), np.diff(np.append(starts, self.n)))  # the window of each epoch position
-        lane_out = pos % lanes
-        count = np.bincount(w_out * lanes + lane_out, minlength=nw * lanes).reshape(nw, lanes)
-        lane_at = np.argsort(rng.random((nw, lanes)), axis=1)  # [w, k]: the lane that gets piece k of window w
-        sizes = np.take_along_axis(count, lane_at, axis=1)
-        lane_in = np.repeat(lane_at.reshape(-1), sizes.reshape(-1))  # the lane of each entry of `pieces`
-        src = np.lexsort((rng.random(self.n), lane_in, win_of))  # each window's lanes, each lane's piece shuffled
-        dst = np.lexsort((pos, lane_out, w_out))  # each window's lanes, each lane's positions in order
-        out = np.empty(self.n, dtype=np.int64)
-        out[dst] = pieces[src]
-        return out, starts.astype(np.int64)
-
-    def micro_range(self, step: int) -> range:
-        """Micro-steps of optimizer step `step` (0-based within the epoch)."""
-        return range(step * self.accum, min((step + 1) * self.accum, self.micro_steps))
-
-    def positions(self, micro: int, rank: int) -> np.ndarray:
-        """Positions of the permutation that `rank` takes at micro-step `micro` (may be empty)."""
-        lo, hi = micro * self.global_batch, min((micro + 1) * self.global_batch, self.n)
-        return np.arange(lo + rank, hi, self.world)
-
-    def step_samples(self, step: int) -> int:
-        """Samples of optimizer step `step` over all ranks: the loss denominator of that step."""
-        r = self.micro_range(step)
-        return min(r.stop * self.global_batch, self.n) - r.start * self.global_batch
-
-    def rank_share(self, rank: int) -> int:
-        """Samples `rank` sees per epoch."""
-        return len(range(rank, self.n, self.world))

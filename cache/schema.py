@@ -84,7 +84,7 @@ def sample_fields(manifest: Mapping) -> tuple[str, ...]:
     """Names of the tensors every sample of the cache described by `manifest` carries."""
     if isinstance(manifest.get(F.F_SAMPLE_FIELDS), list):
         return tuple(manifest[F.F_SAMPLE_FIELDS])
-    return tuple(f.name for f in SAMPLE_FIELDS.values() if f.present(manifest))  # caches written before the list
+    return tuple(f.name for f in SAMPLE_FIELDS.values() if f.present(manifest))  # a stage-one header: derived from its settings
 
 
 def recorded_steps(manifest: Mapping) -> tuple[int, ...]:

@@ -34,6 +34,8 @@ from safetensors.torch import save as st_save
 
 from . import format as F
 from .errors import CacheError
+from .progress import PartProgress
+from .prompt_store import open_prompt_store, prompt_store_path
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
 
 _CRC = 4  # bytes of the crc32c that ends every prompt-store chunk
@@ -76,10 +78,8 @@ def _shard(members: int) -> int:
 
 
 def embed_chunk_tokens(settings: Mapping) -> int:
-    """Tokens per chunk of the prompt store's embeddings (prompt_store.EMBED_CHUNK_TOKENS, at most the padding)."""
-    from .prompt_store import EMBED_CHUNK_TOKENS
-
-    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), EMBED_CHUNK_TOKENS)
+    """Tokens per chunk of the prompt store's embeddings (format.EMBED_CHUNK_TOKENS, at most the padding)."""
+    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), F.EMBED_CHUNK_TOKENS)
 
 
 def embed_chunks_bound(text: str, settings: Mapping) -> int:
@@ -107,13 +107,11 @@ def prompt_bytes(settings: Mapping, embed_chunks: float | None = None) -> float:
 
 def index_bytes(settings: Mapping, rows: int) -> int:
     """Bytes of the shard indexes of a part of `rows` prompts: each of its files of embeddings, initial noise and
-    final latents (`prompt_store.ROWS_PER_FILE` rows each) ends in an index of 16 bytes per chunk the file can
-    hold, then its crc32c."""
-    from .prompt_store import ROWS_PER_FILE
-
+    final latents (`format.ROWS_PER_FILE` rows each: zarr shards) ends in an index of 16 bytes per chunk the file
+    can hold, then its crc32c."""
     if rows <= 0:
         return 0
-    per_file = min(rows, ROWS_PER_FILE)
+    per_file = min(rows, F.ROWS_PER_FILE)
     files = math.ceil(rows / per_file)
     embed_chunks = math.ceil(int(settings[F.F_MAX_SEQUENCE_LENGTH]) / embed_chunk_tokens(settings))
     return files * ((16 * per_file * embed_chunks + _CRC) + 2 * (16 * per_file + _CRC))
@@ -166,9 +164,6 @@ def project(settings: Mapping, prompts: int, num_parts: int = 1, batch_size: int
 def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
     """What a projection from a finished cache takes from the cache itself: its prompts' mean embedding chunks
     (from their token counts), its fixed bytes, and the batch size and shard size its parts were written with."""
-    from .progress import PartProgress
-    from .prompt_store import open_prompt_store, prompt_store_path
-
     cache_dir = Path(cache_dir)
     chunk, chunks, rows = embed_chunk_tokens(manifest), 0, 0
     for part in range(int(manifest[F.F_NUM_PARTS])):
@@ -183,7 +178,7 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
         rows += len(lens)
     prog = PartProgress.load(cache_dir, 0)
     shards = manifest[F.F_SHARDS]
-    per_shard = prog.samples_per_shard if prog and prog.samples_per_shard else max(s[F.S_SAMPLES] for s in shards)
+    per_shard = prog.samples_per_shard if prog else max(s[F.S_SAMPLES] for s in shards)
     return {"embed_chunks": chunks / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
             "batch_size": prog.batch_size if prog else 1, "samples_per_shard": int(per_shard)}
 

@@ -58,7 +58,7 @@ def test_shard_writer_round_trip_and_record(tmp_path):
     assert path.exists() and not w.tmp.exists()
     data = path.read_bytes()
     assert rec[F.S_BYTES] == len(data)
-    assert rec[F.S_CRC32C] == crc32c(data) and F.S_SHA256 not in rec
+    assert rec[F.S_CRC32C] == crc32c(data)
     assert rec[F.S_SAMPLES] == 3
     with tarfile.open(path) as tar:
         names = tar.getnames()
@@ -103,11 +103,11 @@ def test_fingerprint_is_canonical_and_sensitive():
 
 def _progress(part, num_parts, fp="f" * 64, complete=True, shards=()):
     return PartProgress(part=part, num_parts=num_parts, fingerprint=fp, prompts=1, blocks=1, batch_size=1,
-                        complete=complete, shards=list(shards), header={F.F_STEPS: 4, F.F_PROMPTS: 2})
+                        samples_per_shard=4, complete=complete, shards=list(shards), header={F.F_STEPS: 4, F.F_PROMPTS: 2})
 
 
 def test_manifest_waits_for_every_part_and_aggregates(tmp_path):
-    rec = {F.S_PATH: "shards/part-00000-000000.tar", F.S_PART: 0, F.S_SAMPLES: 4, F.S_BYTES: 100, F.S_SHA256: "0"}
+    rec = {F.S_PATH: "shards/part-00000-000000.tar", F.S_PART: 0, F.S_SAMPLES: 4, F.S_BYTES: 100, F.S_CRC32C: 0}
     _progress(0, 2, shards=[rec]).save(tmp_path)
     assert try_write_manifest(tmp_path, 2) is None  # part 1 missing
     _progress(1, 2, complete=False).save(tmp_path)
@@ -126,8 +126,10 @@ def test_manifest_refuses_parts_with_different_fingerprints(tmp_path):
         try_write_manifest(tmp_path, 2)
 
 
-@pytest.mark.parametrize("content,match", [(None, "has no manifest.json"), ("{not json", "not valid JSON"),
-                                           ('{"format_version": 99}', "format_version 99")])
+@pytest.mark.parametrize("content,match", [
+    (None, "has no manifest.json"), ("{not json", "not valid JSON"), ('{"format_version": 99}', "format 99"),
+    ('{"format_version": 1}', r"written by an older wandistiller \(format 1\); rebuild it with teacher-cache"),
+    ("{}", r"written by an older wandistiller \(format None\)|format None")])
 def test_load_manifest_errors_name_the_fix(tmp_path, content, match):
     if content is not None:
         (tmp_path / F.MANIFEST).write_text(content)
@@ -151,8 +153,8 @@ def test_prompt_store_round_trip_bf16_and_unwritten_rows(tmp_path):
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7])
 def test_shard_bytes_are_webdatasets(tmp_path, n):
-    """ShardWriter writes its tars itself (tarfile's stream mode costs more than the disk at A14B sizes): the
-    bytes are webdataset's TarWriter's for the same samples, so caches written before and after are equal."""
+    """ShardWriter writes its tars with tarfile, not through tarfile's stream mode: the bytes are webdataset's
+    TarWriter's for the same samples."""
     import io
 
     import webdataset as wds
@@ -173,29 +175,14 @@ def test_shard_bytes_are_webdatasets(tmp_path, n):
     assert (tmp_path / rec[F.S_PATH]).read_bytes() == buf.getvalue()
 
 
-@pytest.mark.parametrize("name", ["p00000001_s00_k000.json", "a", "x" * 99, "x" * 100, "x" * 180, "café.json",
-                                  "p00000012_s03_k039.safetensors"])
-@pytest.mark.parametrize("size", [0, 1, 511, 512, 797_184, 8**11 - 1, 8**11])
-def test_tar_header_template_is_tarfiles(name, size):
-    """The header of a member made from a template (name and checksum put in) is tarfile's own, byte for byte;
-    long and non-ASCII names, and sizes past the octal field, take tarfile's path (PAX headers)."""
-    from cache.writer import _tar_header, _tarinfo_header
-
-    assert _tar_header(name, size) == _tarinfo_header(name, size)
-
-
-def test_prompt_store_chunk_files_are_zarrs(tmp_path, monkeypatch):
-    """The prompt store's own chunk reads and writes (ChunkFiles) give what zarr gives: the same array content,
-    the same files, the same chunks held in them (the same bytes where unsharded; a shard's chunks may lie in
-    another order), each reading the other's; and a store of the earlier layout (one zstd chunk per padded
-    row) reads the same through EmbeddingCache."""
-    import zarr
-
+def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
+    """The prompt store is zarr's own arrays: what stage one's writers put in reads back through zarr alone, rows in
+    files of ROWS_PER_FILE (zarr shards), the padding past each prompt's tokens not stored, latents given seed by
+    seed merged into their row."""
     import cache.prompt_store as PS
-    from cache.prompt_store import ChunkFiles, write_latent_rows
+    from cache.prompt_store import open_prompt_store, write_latent_rows
 
     monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)  # 6 rows: two files per array, the second one partly filled
-
     n, L, D = 6, 150, 8
     g0 = torch.Generator().manual_seed(2)
     lens = torch.tensor([1, 64, 65, 150, 0, 70], dtype=torch.int32)
@@ -204,50 +191,27 @@ def test_prompt_store_chunk_files_are_zarrs(tmp_path, monkeypatch):
         emb[i, :lens[i]] = torch.randn(int(lens[i]), D, generator=g0).bfloat16()
     lat = torch.randn(n, 2, 4, 1, 2, 3, generator=g0)
     order = [3, 0, 1, 2, 5, 4]
-    ours = create_prompt_store(tmp_path / "ours", n, L, D, "bfloat16", 2, (4, 1, 2, 3))
-    write_prompt_rows(ours, order, [10 + r for r in order], [f"t{r}" for r in order], emb[order], lens[order])
-    write_latent_rows(ours, F.Z_FINAL_LATENTS, [0, 0, 2, 5], [0, 1, 1, 0], lat[[0, 0, 2, 5], [0, 1, 1, 0]])
-    write_latent_rows(ours, F.Z_FINAL_LATENTS, [2], [0], lat[2, 0][None])
-    ref = zarr.open_group(str(tmp_path / "ref"), mode="w")
-    for name in ours.array_keys():
-        a = ours[name]
-        ref.create_array(name, shape=a.shape, dtype=a.dtype, chunks=a.chunks, shards=a.shards,
-                         fill_value=a.fill_value, compressors=a.compressors,
-                         chunk_key_encoding=a.metadata.chunk_key_encoding)
-    for r in range(n):
-        ref[F.Z_EMBEDS][r] = F.torch_to_storage(emb[r])
-        ref[F.Z_SEQ_LENS][r], ref[F.Z_TEXT][r], ref[F.Z_PROMPT_IDX][r] = int(lens[r]), f"t{r}", 10 + r
+    path = prompt_store_path(tmp_path, 0)
+    g = create_prompt_store(path, n, L, D, "bfloat16", 2, (4, 1, 2, 3))
+    write_prompt_rows(g, order, [10 + r for r in order], [f"t{r}" for r in order], emb[order], lens[order])
+    write_latent_rows(g, F.Z_FINAL_LATENTS, [0, 0, 2, 5], [0, 1, 1, 0], lat[[0, 0, 2, 5], [0, 1, 1, 0]])
+    written = write_latent_rows(g, F.Z_FINAL_LATENTS, [2], [0], lat[2, 0][None])  # row 2's other seed: merged
+    assert [p.name for p in written] == ["c.0.0.0.0.0.0"] and all(p.is_file() for p in written)
+    z = open_prompt_store(path)
+    assert np.array_equal(z[F.Z_EMBEDS][:], F.torch_to_storage(emb))
+    assert z[F.Z_SEQ_LENS][:].tolist() == lens.tolist() and z[F.Z_PROMPT_IDX][:].tolist() == [10 + r for r in range(n)]
+    assert z[F.Z_TEXT][:].tolist() == [f"t{r}" for r in range(n)]
+    final = z[F.Z_FINAL_LATENTS][:]
     for r, s in [(0, 0), (0, 1), (2, 1), (5, 0), (2, 0)]:
-        row = ref[F.Z_FINAL_LATENTS][r]
-        row[s] = lat[r, s].numpy()
-        ref[F.Z_FINAL_LATENTS][r] = row
-    for name in ours.array_keys():
-        assert np.array_equal(zarr.open_group(str(tmp_path / "ours"))[name][:], ref[name][:]), name
-        chunks = [{p.relative_to(root): p.read_bytes() for p in (root / name).rglob("*")
-                   if p.is_file() and p.name != "zarr.json"} for root in (tmp_path / "ours", tmp_path / "ref")]
-        assert chunks[0].keys() == chunks[1].keys() and (chunks[0] or name == F.Z_INIT_NOISE), name  # noise: unwritten
-        mine, theirs = ChunkFiles.open(tmp_path / "ours" / name), ChunkFiles.open(tmp_path / "ref" / name)
-        if mine is None or mine.per_file is None:
-            assert chunks[0] == chunks[1], name
-            continue
-        assert mine.per_file == theirs.per_file and len(chunks[0]) == (2 if chunks[0] else 0), name
-        for idx in np.ndindex(*(-(-s // c) for s, c in zip(mine.shape, mine.chunks))):
-            held = mine.has_chunk(idx)
-            assert held == theirs.has_chunk(idx), (name, idx)
-            if held:
-                assert np.array_equal(mine.read_chunk(idx), theirs.read_chunk(idx)), (name, idx)
-    assert ChunkFiles.open(tmp_path / "ours" / F.Z_TEXT) is None  # strings: zarr's path
-
-    # the earlier layout: one zstd-compressed chunk per padded row, seq_lens one chunk per row
-    old = zarr.open_group(str(prompt_store_path(tmp_path / "old", 0)), mode="w")
-    old.create_array(F.Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=(1,), fill_value=-1)[:] = lens.numpy()
-    arr = old.create_array(F.Z_EMBEDS, shape=(n, L, D), dtype="uint16", chunks=(1, L, D), fill_value=0)
-    arr.attrs[F.Z_ATTR_TORCH_DTYPE] = "bfloat16"
-    arr[:] = F.torch_to_storage(emb)
-    cache = EmbeddingCache(tmp_path / "old", num_parts=1)
-    for r in range(n):
-        if lens[r] > 0:
-            assert torch.equal(cache.get(r).view(torch.int16), emb[r].view(torch.int16)), r
+        assert np.array_equal(final[r, s], lat[r, s].numpy()), (r, s)
+    assert not final[1].any() and not final[5, 1].any()  # never given: zeros, as zarr's fill value
+    assert z[F.Z_EMBEDS].shards == (4, 192, D) and z[F.Z_EMBEDS].chunks == (1, 64, D)
+    assert sorted(p.name for p in (path / F.Z_EMBEDS).iterdir()) == ["c.0.0.0", "c.1.0.0", "zarr.json"]
+    assert PS.chunk_location(path, F.Z_EMBEDS, 4) is None  # an empty prompt: nothing stored
+    held = {j: PS.chunk_location(path, F.Z_EMBEDS, r) for j, r in enumerate([0, 1, 2, 3])}
+    assert all(v is not None for v in held.values())
+    cache = EmbeddingCache(tmp_path, num_parts=1)
+    assert all(torch.equal(cache.get(r), emb[r]) for r in range(n) if lens[r] > 0)
 
 
 def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_path, monkeypatch):
@@ -267,31 +231,25 @@ def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_p
     once = create_prompt_store(prompt_store_path(tmp_path / "once", 0), n, L, D, "bfloat16", 1, (4, 1, 2, 2))
     write_prompt_rows(once, list(range(n)), list(range(n)), texts, emb, lens)
     fed = create_prompt_store(prompt_store_path(tmp_path / "fed", 0), n, L, D, "bfloat16", 1, (4, 1, 2, 2))
-    writes = []
-    real_replace = PS.ChunkFiles._replace
-    monkeypatch.setattr(PS.ChunkFiles, "_replace", lambda self, file, parts: (
-        writes.append(file.name) if file.parent.name == F.Z_EMBEDS else None, real_replace(self, file, parts)))
+    folder = prompt_store_path(tmp_path / "fed", 0) / F.Z_EMBEDS
     writer = PS.PromptRowWriter(fed)
     for batch in ([4, 5, 6], [0, 1], [7, 2, 3], [8]):  # out of order, which no encoder does
         writer.add(batch, batch, [texts[i] for i in batch], emb[batch], lens[batch])
-    writer._wait()  # (files are written in the background, two at a time, once all their rows have come)
-    assert sorted(writes) == ["c.0.0.0", "c.1.0.0"] and int(fed[F.Z_SEQ_LENS][0]) == -1  # files 0-3, 4-7; no other
+    files = sorted(p.name for p in folder.iterdir() if p.name.startswith("c."))
+    assert files == ["c.0.0.0", "c.1.0.0"] and int(fed[F.Z_SEQ_LENS][0]) == -1  # rows 0-3, 4-7; no other
     writer.add([9], [9], [texts[9]], emb[[9]], lens[[9]])
     writer.close()
-    assert writes == ["c.1.0.0", "c.0.0.0", "c.2.0.0"]  # rows 8-9, when 9 came
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("c.")) == ["c.0.0.0", "c.1.0.0", "c.2.0.0"]
     for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, F.Z_TEXT, F.Z_PROMPT_IDX, PS.EMBEDS_CRC32C):
         assert np.array_equal(fed[name][:], once[name][:]), name
-    files = PS.ChunkFiles.open(prompt_store_path(tmp_path / "fed", 0) / F.Z_EMBEDS)
-    assert files.per_file == (4, 1, 1)  # 4 rows a file, a chunk per row (20 tokens < EMBED_CHUNK_TOKENS)
-    assert all(files.has_chunk((r, 0, 0)) for r in range(n))
     cache = EmbeddingCache(tmp_path / "fed", num_parts=1)
     assert all(torch.equal(cache.get(i), emb[i]) for i in range(n))
 
 
 def test_a_damaged_shard_index_is_named_not_read_as_zeros(tmp_path):
-    """A file's index that fails its crc32c (or points past the file's end) is an error naming the file, for
-    a reader and for a writer that would copy the file's other rows."""
-    from cache.prompt_store import ChunkError, ChunkFiles, PartRows, crc32c, write_latent_rows
+    """A file's index that fails its crc32c is an error naming the row, for a reader and for a writer that would
+    merge the file's other rows (zarr reads the index, checks its crc32c)."""
+    from cache.prompt_store import PartRows, write_latent_rows
 
     g = create_prompt_store(prompt_store_path(tmp_path, 0), n=3, max_len=6, dim=4, dtype_name="bfloat16", seeds=1,
                             latent_shape=(4, 1, 2, 2))
@@ -300,14 +258,7 @@ def test_a_damaged_shard_index_is_named_not_read_as_zeros(tmp_path):
     data = bytearray(path.read_bytes())
     data[-10] ^= 1  # inside the index
     path.write_bytes(bytes(data))
-    with pytest.raises(CacheError, match=r"final_latents of row 1 \(prompt 1\): final_latents/c.0.0.0.0.0.0 has a "
-                                         r"shard index that fails its crc32c"):
+    with pytest.raises(CacheError, match=r"final_latents of row 1 \(prompt 1\) fail their crc32c"):
         PartRows(tmp_path, 0, 1).latents(F.Z_FINAL_LATENTS, 1)
-    with pytest.raises(ChunkError, match="shard index"):
-        write_latent_rows(g, F.Z_FINAL_LATENTS, [2], [0], torch.randn(1, 4, 1, 2, 2))  # would copy rows 0-1
-    path.write_bytes(bytes(data[:40]) + bytes(data[-(16 * 3 + 4):]))  # truncated, the index kept
-    data = bytearray(path.read_bytes())
-    data[-4:] = crc32c(bytes(data[-(16 * 3 + 4):-4])).to_bytes(4, "little")
-    path.write_bytes(bytes(data))
-    with pytest.raises(ChunkError, match="past the file's end"):
-        ChunkFiles.open(path.parent).read_chunk((0, 0, 0, 0, 0, 0))
+    with pytest.raises(ValueError, match="checksum"):
+        write_latent_rows(g, F.Z_FINAL_LATENTS, [2], [0], torch.randn(1, 4, 1, 2, 2))  # would merge rows 0-1

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cache import lock
+from cache.errors import CacheError
 from cache.verify import verify_cache
 from conftest import ROOT, TINY_CACHE_ARGS
-from pipeline.errors import UserError
 from test_resume import _assert_same_cache
 
 HOLD = "import sys, time; from cache import lock; lock.acquire(sys.argv[1], 'x'); print('held', flush=True); time.sleep(60)"
@@ -34,7 +34,7 @@ def test_lock_names_its_holder_and_dies_with_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(UserError, match=f"pid {holder.pid} on .*wait for it to finish, or use another --out"):
+        with pytest.raises(CacheError, match=f"pid {holder.pid} on .*wait for it to finish, or use another --out"):
             lock.acquire(path, "run folder out")
     finally:
         holder.kill()  # SIGKILL: no cleanup, the lock file stays behind with the dead holder's record

@@ -1,25 +1,24 @@
-"""The epoch's order (`EpochPlan.order`, `--order`) and where the loader reads past the page cache (`direct_io`):
-a grouped epoch is still an exact permutation, a function of (seed, epoch) alone, each prompt's samples within one
-window; it reads each embedding once where a shuffled epoch reads it again and again; small caches keep the
-uniform shuffle; O_DIRECT reads deliver the bytes buffered reads deliver, and fall back where refused."""
+"""The epoch's order (`stages/train_student/epoch.py`, `--order`): a grouped epoch is still an exact permutation, a
+function of (seed, epoch) alone, each prompt's samples within one window; it reads each embedding once where a
+shuffled epoch reads it again and again; small caches keep the uniform shuffle; the loader delivers, with workers
+or without, what reads in order deliver."""
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from cache import direct_io
-from cache.errors import CacheError
-from cache.prompt_store import EmbeddingCache, PartRows
-from cache.reader import EpochPlan, SampleReader, open_index
+from cache.prompt_store import PartRows
+from cache.reader import open_index
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from stages.train_student import data as D
+from stages.train_student import epoch as E
+from stages.train_student.epoch import EpochPlan
+from stages.train_student.index import split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,28 +72,28 @@ def fake_index(prompts: int, steps: int, parts: int = 1, sample_bytes: int = 100
 def test_auto_keeps_the_shuffle_while_the_lru_holds_every_prompt():
     index = fake_index(100, 3)
     rows = np.arange(len(index.table))
-    assert D.order_window("auto", index, rows, 100) == 0
-    assert D.order_window("auto", index, rows, 99) == 49 // 16  # groups of 16 prompts, a window of <= 49 prompts
-    assert D.order_window("shuffle", index, rows, 10) == 0
-    assert D.order_window("grouped", index, rows, 1024) == 512 // 16
-    assert D.order_window("grouped", index, rows, 1) == 1  # at least a group (of one prompt)
-    assert D.group_prompts(1024) == 16 and D.group_prompts(6) == 3 and D.group_prompts(1) == 1
+    assert E.order_window("auto", index, rows, 100) == 0
+    assert E.order_window("auto", index, rows, 99) == 49 // 16  # groups of 16 prompts, a window of <= 49 prompts
+    assert E.order_window("shuffle", index, rows, 10) == 0
+    assert E.order_window("grouped", index, rows, 1024) == 512 // 16
+    assert E.order_window("grouped", index, rows, 1) == 1  # at least a group (of one prompt)
+    assert E.group_prompts(1024) == 16 and E.group_prompts(6) == 3 and E.group_prompts(1) == 1
 
 
 def test_a_window_holds_at_most_read_window_bytes_of_samples():
     per_group = 16 * 40 * (400 << 10)  # 16 prompts x 40 steps of A14B samples: 250 MiB
     index = fake_index(64, 40, sample_bytes=400 << 10)
     rows = np.arange(len(index.table))
-    assert D.order_window("grouped", index, rows, 1024) == max(1, D.READ_WINDOW_BYTES // per_group) == 1
+    assert E.order_window("grouped", index, rows, 1024) == max(1, E.READ_WINDOW_BYTES // per_group) == 1
     index = fake_index(640, 3, sample_bytes=400 << 10)  # 19 MB a group: a window of 13 groups, 208 prompts
     rows = np.arange(len(index.table))
-    assert D.order_window("grouped", index, rows, 1024) == D.READ_WINDOW_BYTES // (16 * 3 * (400 << 10)) == 13
+    assert E.order_window("grouped", index, rows, 1024) == E.READ_WINDOW_BYTES // (16 * 3 * (400 << 10)) == 13
 
 
 def test_read_groups_are_runs_of_consecutive_rows_of_one_store():
     index = fake_index(70, 2, parts=2)  # prompt p: part p % 2, row p // 2
     rows = np.arange(len(index.table))
-    groups = D.read_groups(index, rows, 4)
+    groups = E.read_groups(index, rows, 4)
     t = index.table
     for g in np.unique(groups):
         prompts = np.unique(t[groups == g, 2])
@@ -115,8 +114,6 @@ def test_each_rank_reads_its_own_lanes_in_long_runs(world):
     """A window of 40 groups of 48 adjacent samples (1,920: pieces of 30 samples to each of the 64 lanes): rank r
     of W takes the lanes congruent to r, pieces of adjacent samples, so its share of a window is at most one run
     per lane and per group boundary crossed, and no other rank reads them."""
-    from cache.reader import LANES
-
     groups = np.repeat(np.arange(200), 48)
     plan = EpochPlan(len(groups), world, 8, 1, groups, 40)
     order, starts = plan.windows(seed=3, epoch=1)
@@ -126,7 +123,7 @@ def test_each_rank_reads_its_own_lanes_in_long_runs(world):
         seen = set()
         for rank in range(world):
             mine = order[bounds[w]:bounds[w + 1]][(np.arange(bounds[w], bounds[w + 1]) % world) == rank]
-            assert runs_of(mine) <= 2 * LANES // world  # a piece crosses at most one group boundary
+            assert runs_of(mine) <= 2 * E.LANES // world  # a piece crosses at most one group boundary
             assert not seen & set(mine.tolist())
             seen |= set(mine.tolist())
         assert len(seen) == bounds[w + 1] - bounds[w]
@@ -139,46 +136,28 @@ def test_a_batch_mixes_samples_from_across_its_window():
     assert np.mean(distinct) >= 6  # 8 samples of a batch from ~7 of a window's 40 groups (not one or two)
 
 
-def test_a_grouped_epoch_is_read_in_a_few_large_requests(tiny_cache, monkeypatch):
-    """Through the loader, a grouped epoch delivers what reads in order deliver, from one read per run of adjacent
-    samples (a shard of the tiny cache) and one read of the embeddings of consecutive prompts."""
-    from cache import prompt_store, reader
-
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_delivers_what_reads_in_order_deliver(tiny_cache, workers):
+    """Through the loader (workers or none), a grouped epoch delivers every sample once, each with what a read of it
+    alone delivers: its tensors and its prompt's real tokens."""
     index = open_index([tiny_cache])  # 7 prompts x 4 steps in 3 shards; one read group of 16 prompts
-    split = D.split(index, None, 0)
-    plan = D.epoch_plan(split, 1, 4, 1, "grouped", 32)
+    data = split(index, None, 0)
+    plan = E.epoch_plan(data, 1, 4, 1, "grouped", 32)
     assert plan.window == 1 and len(np.unique(plan.groups)) == 1
     want = {}
     plain = D.SampleDataset(index, 32)
     for row in range(len(index)):
         item = plain[(row, 1.0)]
         want[item["key"]] = (item["fields"]["x_t"], item["context"])
-    calls = {"preads": 0, "embeds": 0}
-    real_pread = reader.direct_io.pread
-
-    def counted(fd, off, n):
-        calls["preads"] += 1
-        return real_pread(fd, off, n)
-
-    real_rows = prompt_store.ChunkFiles.read_rows
-
-    def counted_rows(self, rows, stops):
-        calls["embeds"] += 1
-        return real_rows(self, rows, stops)
-
-    monkeypatch.setattr(reader.direct_io, "pread", counted)
-    monkeypatch.setattr(prompt_store.ChunkFiles, "read_rows", counted_rows)
-    ds = D.SampleDataset(index, 32)
-    seen = 0
-    for batch in D.make_loader(ds, D.RankBatches(plan, split.train_rows, 0, 0, 0), 0, False):
+    seen = []
+    for batch in D.make_loader(D.SampleDataset(index, 32), E.RankBatches(plan, data.train_rows, 0, 0, 0), workers,
+                               False):
         for j, key in enumerate(batch["keys"]):
             x_t, context = want[key]
             assert torch.equal(batch["fields"]["x_t"][j], x_t)
             assert torch.equal(batch["context"][j], context)
-            seen += 1
-    assert seen == len(index) == 28
-    # a read per shard (its samples are adjacent), the store file's index, its 7 rows' chunks
-    assert calls["embeds"] == 1 and calls["preads"] == len(index.shards) + 2 == 5
+            seen.append(key)
+    assert sorted(seen) == sorted(want) and len(seen) == len(index) == 28
 
 
 def test_order_is_checked_and_on_the_command_line():
@@ -189,17 +168,17 @@ def test_order_is_checked_and_on_the_command_line():
 def embedding_reads(index, order: str, lru: int, monkeypatch) -> int:
     """Prompt embeddings read from disk over one epoch of train-student's plan in `order` with an LRU of `lru`."""
     count = {"n": 0}
-    load = EmbeddingCache._load
+    load = PartRows.trimmed
 
     def counted(self, *args):
         count["n"] += 1
         return load(self, *args)
 
-    monkeypatch.setattr(EmbeddingCache, "_load", counted)
-    split = D.split(index, None, 0)
-    plan = D.epoch_plan(split, 1, 4, 1, order, lru)
+    monkeypatch.setattr(PartRows, "trimmed", counted)
+    data = split(index, None, 0)
+    plan = E.epoch_plan(data, 1, 4, 1, order, lru)
     ds = D.SampleDataset(index, lru)
-    for batch in D.make_loader(ds, D.RankBatches(plan, split.train_rows, 0, 0, 0), 0, False):
+    for batch in D.make_loader(ds, E.RankBatches(plan, data.train_rows, 0, 0, 0), 0, False):
         assert batch["fields"]
     return count["n"]
 
@@ -220,113 +199,3 @@ def test_a_changed_order_is_refused_on_resume(tiny_cache, tmp_path):
     with pytest.raises(UserError, match="another order"):
         train_student.run(TrainStudentConfig(**(common | {"max_steps": 3}), order="shuffle", resume=True))
     train_student.run(TrainStudentConfig(**(common | {"max_steps": 3}), order="grouped", resume=True))
-
-
-def test_direct_reads_deliver_what_buffered_reads_deliver(tiny_cache):
-    index = open_index([tiny_cache])
-    buffered, direct = SampleReader(index), SampleReader(index, direct=True)
-    for row in range(len(index)):
-        (a, ma), (b, mb) = buffered.read(row), direct.read(row)
-        assert ma == mb and a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a)
-    fd = direct._fd(0)
-    assert direct_io.is_direct(fd) == direct.direct  # direct where this file system has it
-    plain, through = EmbeddingCache(tiny_cache, 1, 4), EmbeddingCache(tiny_cache, 1, 4, direct=True)
-    for p in range(7):
-        assert torch.equal(plain.get(p), through.get(p))
-    rows = PartRows(tiny_cache, 0, 1, direct=True)
-    assert np.array_equal(rows.latents("final_latents", 3), PartRows(tiny_cache, 0, 1).latents("final_latents", 3))
-
-
-def test_a_refused_direct_read_goes_on_buffered(tiny_cache, monkeypatch):
-    real_open = os.open
-
-    def refuse(path, flags, *args):  # a file system without O_DIRECT: EINVAL at the open
-        if flags & direct_io.FLAG:
-            raise OSError(errno.EINVAL, "Invalid argument", str(path))
-        return real_open(path, flags, *args)
-
-    with monkeypatch.context() as m:
-        m.setattr(direct_io.os, "open", refuse)
-        index = open_index([tiny_cache])
-        reader = SampleReader(index, direct=True)
-        tensors, _ = reader.read(0)
-        assert not reader.direct and torch.equal(tensors["x_t"], SampleReader(index).read(0)[0]["x_t"])
-        cache = EmbeddingCache(tiny_cache, 1, 4, direct=True)
-        assert torch.equal(cache.get(0), EmbeddingCache(tiny_cache, 1, 4).get(0))
-    if not direct_io.FLAG:
-        return
-    real_preadv = os.preadv
-
-    def misaligned(fd, bufs, off):  # a disk whose blocks are larger than direct_io.ALIGN: EINVAL at the read
-        if direct_io.is_direct(fd):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, bufs, off)
-
-    monkeypatch.setattr(direct_io.os, "preadv", misaligned)
-    reader = SampleReader(index, direct=True)
-    tensors, _ = reader.read(1)
-    assert not reader.direct and torch.equal(tensors["x_t"], SampleReader(index).read(1)[0]["x_t"])
-
-
-def test_the_loader_reads_directly_only_what_the_page_cache_cannot_keep(tiny_cache, monkeypatch):
-    index = open_index([tiny_cache])
-    assert not D.direct_reads(index)  # a few KB
-    monkeypatch.setattr(direct_io.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 1000)
-    assert D.direct_reads(index) == bool(direct_io.FLAG)  # 1000 bytes of "memory"
-
-
-def test_runs_of_adjacent_samples_stop_at_request_bytes_and_shard_ends(tiny_cache, monkeypatch):
-    from cache import reader
-    from cache.reader import C_SHARD
-
-    index = open_index([tiny_cache])  # 3 shards of 12, 12 and 4 samples, ~10 KiB a sample
-    r = SampleReader(index)
-    rows = list(range(len(index)))[::-1]
-    runs = r.runs(rows + rows[:3])  # (a row asked twice is read once)
-    assert sorted(x for run in runs for x in run) == list(range(len(index)))
-    assert [len(run) for run in runs] == [4, 12, 12]  # one per shard, in the order their rows were first asked
-    monkeypatch.setattr(reader, "REQUEST_BYTES", 40 << 10)
-    runs = r.runs(rows)
-    t = index.table
-    for run in runs:
-        assert len(set(t[run, C_SHARD].tolist())) == 1 and run == sorted(run)
-        span = int((t[run, 7] + t[run, 8]).max() - t[run, 5].min())
-        assert span <= 40 << 10
-    assert len(runs) > 3 and all(np.all(np.diff(run) == 1) for run in runs)
-
-
-def test_a_run_of_embeddings_fails_only_the_row_that_does_not_check(tiny_cache, tmp_path):
-    """One read of consecutive rows (`EmbeddingCache.submit_many`): the rows that check are delivered as read one
-    by one; the row whose tokens no longer match their crc32c raises the error a read of it alone raises."""
-    import shutil
-    from concurrent.futures import ThreadPoolExecutor
-
-    import zarr
-
-    from cache.prompt_store import EMBEDS_CRC32C, prompt_store_path
-
-    cache = Path(shutil.copytree(tiny_cache, tmp_path / "cache"))
-    g = zarr.open_group(str(prompt_store_path(cache, 0)), mode="r+")
-    g[EMBEDS_CRC32C][3] = (int(g[EMBEDS_CRC32C][3]) + 1) % (1 << 31)
-    alone = EmbeddingCache(cache, 1, 8)
-    with pytest.raises(CacheError) as want:
-        alone.get_trimmed(3)
-    for kept in (False, True):  # the file's shard index read in the pool (first), or already kept (the runs known)
-        many = EmbeddingCache(cache, 1, 8)
-        rows = many._part(0)
-        rows.seq_lens, rows.embeds
-        if kept:
-            rows.trimmed_runs([0], 1 << 20)
-        assert rows.embeds.index_kept(0) == kept
-        with ThreadPoolExecutor(2) as pool:
-            many.submit_many(pool, list(range(7)))
-            assert len({id(f.fut) for f in many._pending.values()}) == 1  # the 7 rows in one read
-            for p in range(7):
-                if p == 3:
-                    with pytest.raises(CacheError) as got:
-                        many.get_trimmed(p)
-                    assert str(got.value) == str(want.value)
-                else:
-                    assert torch.equal(many.get_trimmed(p)[0], alone.get_trimmed(p)[0])
-        assert rows.embeds.index_kept(0)

@@ -1,4 +1,5 @@
-"""cache/reader.py: the shard index, random-access reads, the exact epoch partition, refusal of bad caches."""
+"""cache/reader.py: the shard index, random-access reads, refusal of bad caches; and stage two's exact epoch
+partition over them (stages/train_student/epoch.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import webdataset as wds
 from cache import format as F
 from cache.errors import CacheError
 from cache.reader import (
-    SHARD_MEMBERS, SHARD_CHECKSUM, SHARD_SIZE, CacheIndex, EpochPlan, SampleReader, ShardError, empty_table,
+    SHARD_MEMBERS, SHARD_CHECKSUM, SHARD_SIZE, CacheIndex, SampleReader, ShardError, empty_table,
     fill_table, open_caches, scan_shard, shard_list,
 )
 from cache.reader import decode_sample
+from stages.train_student.epoch import EpochPlan
 
 
 def build_index(dirs, checksum=True) -> CacheIndex:
@@ -170,26 +172,3 @@ def test_reader_decodes_safetensors_as_safetensors_does():
     for member in (bad, bytearray(data[:-4]), bytearray(b"\xff" * 8)):
         with pytest.raises(ValueError):
             _tensors_in(member)
-
-
-def test_lookahead_hints_each_batch_before_it_is_read():
-    """An in-process loader's batch sampler (`Lookahead`): the same batches in the same order, each hinted to the
-    kernel (`SampleDataset.prefetch`) `depth` batches before it is yielded, every batch exactly once."""
-    from stages.train_student.data import Lookahead
-
-    class Recorder:
-        def __init__(self):
-            self.hinted, self.yielded = [], []
-
-        def prefetch(self, items):
-            self.hinted.append(items)
-
-    batches = [[(i, 1.0), (i + 100, 1.0)] for i in range(7)]
-    for depth in (0, 2, 3, 10):
-        ds = Recorder()
-        out = []
-        for b in Lookahead(batches, ds, depth=depth):
-            assert ds.hinted == batches[:len(out) + 1 + depth]  # this batch and the next `depth`: hinted already
-            out.append(b)
-        assert out == batches and ds.hinted == batches
-    assert len(Lookahead(batches, ds)) == 7 and list(Lookahead([], ds)) == []

@@ -215,10 +215,10 @@ def _flip(path: Path, offset: int) -> None:
 def test_resume_refuses_a_damaged_prompt_store_and_the_remedy_works(tiny_teacher, prompts_file, cache_copy,
                                                                       tiny_cache):
     _unfinished(cache_copy)
-    from cache.prompt_store import ChunkFiles
+    from cache.prompt_store import chunk_location
 
     part_dir = cache_copy / F.PARTS_DIR / F.part_dirname(0)
-    path, start, _ = ChunkFiles.open(part_dir / F.PROMPTS_ZARR / F.Z_EMBEDS).location((6, 0, 0))  # in its file of 64
+    path, start, _ = chunk_location(part_dir / F.PROMPTS_ZARR, F.Z_EMBEDS, 6)  # in its file of 64
     _flip(path, start + 8)
     one_line(_resume(tiny_teacher, prompts_file, cache_copy), "part 0 of", "is damaged",
              "embeds of rows 6-6 of parts/part-00000/prompts.zarr fail their chunk's crc32c", f"delete {part_dir}",
@@ -241,14 +241,19 @@ def test_resume_refuses_a_changed_part_negative(tiny_teacher, prompts_file, cach
     assert sorted(p.name for p in (cache_copy / F.SHARDS_DIR).iterdir()) == shards  # nothing computed with it
 
 
-def test_part_negative_of_an_older_record_is_checked_to_decode(cache_copy):
+def test_part_negative_is_checked_against_its_sha256(cache_copy):
+    import hashlib
+
     from cache.errors import CacheError
     from cache.prompt_store import part_negative
 
-    assert part_negative(cache_copy, 0, None).ndim == 2  # a record from before the sha256: decoding is the check
-    (cache_copy / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE).write_bytes(b"not safetensors")
+    path = cache_copy / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE
+    assert part_negative(cache_copy, 0, hashlib.sha256(path.read_bytes()).hexdigest()).ndim == 2
+    path.write_bytes(b"not safetensors")
+    with pytest.raises(CacheError, match="negative.safetensors fails its sha256 check"):
+        part_negative(cache_copy, 0, "0" * 64)
     with pytest.raises(CacheError, match="negative.safetensors does not decode"):
-        part_negative(cache_copy, 0, None)
+        part_negative(cache_copy, 0, hashlib.sha256(b"not safetensors").hexdigest())
 
 
 def test_eval_refuses_a_manifest_edited_after_stage_one(cache_copy, tmp_path):
@@ -263,15 +268,11 @@ def test_eval_refuses_a_manifest_edited_after_stage_one(cache_copy, tmp_path):
     assert not (tmp_path / "student" / "eval.json").exists()
 
 
-def test_verify_prints_notes_like_bad_lines(cache_copy):
-    """A cache of an earlier WanDistiller (here: a manifest without negative_sha256) verifies with a NOTE line on
-    stdout, printed as the BAD lines are (not through the logging module)."""
+def test_verify_refuses_a_manifest_without_negative_sha256(cache_copy):
+    """This format records the negative prompt's sha256: a manifest without it (edited) is named, not noted."""
     m = json.loads((cache_copy / F.MANIFEST).read_text())
     del m[F.F_NEGATIVE_SHA256]
     (cache_copy / F.MANIFEST).write_text(json.dumps(m, indent=2))
     r = _cli("cache", "verify", cache_copy)
-    assert r.exit_code == 0 and r.stderr == ""
-    assert [ln for ln in r.stdout.splitlines() if ln.startswith("NOTE ")] == [
-        f"NOTE {F.MANIFEST} records no {F.F_NEGATIVE_SHA256} (written by an earlier WanDistiller): {F.NEGATIVE} was "
-        "checked to decode only"]
-    assert r.stdout.splitlines()[-1].startswith("OK ")
+    assert r.exit_code == 1 and not [ln for ln in r.stdout.splitlines() if ln.startswith("NOTE ")]
+    assert any(ln.startswith("BAD ") for ln in r.stdout.splitlines())

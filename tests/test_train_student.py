@@ -18,7 +18,9 @@ from pipeline.config import TeacherCacheConfig, TrainStudentConfig, load_config
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv
 from stages import train_student
-from stages.train_student.data import RankBatches, SampleDataset, make_loader, prepare
+from stages.train_student.data import SampleDataset, make_loader
+from stages.train_student.epoch import RankBatches
+from stages.train_student.index import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "student-tiny.json")
@@ -138,7 +140,8 @@ def test_init_from_teacher_copies_the_chosen_blocks(tiny_teacher):
 # -- the loader: exact, resumable, independent of workers --------------------------------------------
 
 def test_rank_batches_resume_mid_epoch_and_workers_keep_the_order(tiny_cache):
-    from cache.reader import EpochPlan, open_caches
+    from cache.reader import open_caches
+    from stages.train_student.epoch import EpochPlan
 
     data = prepare(open_caches([tiny_cache]), DistEnv(0, 1, 0), torch.device("cpu"), "size", None, 1)
 

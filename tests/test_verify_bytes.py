@@ -1,28 +1,24 @@
 """`cache verify` covers every byte a stage reads: the prompt stores' chunks and rows (crc32c), the negative
 prompt (sha256 in the manifest), the manifest's own settings (against its fingerprint) and its shard paths
 (inside the cache). Each corruption is named by `cache verify` (exit 1) and refused by `train-student` with one
-line (exit 2); stores and manifests written before the checksums still verify, with notes."""
+line (exit 2); a cache of an older format version is refused whole, in one line."""
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import zarr
 from click.testing import CliRunner
 
 from cache import format as F
 from cache.errors import CacheError
 from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load_manifest
-from cache.prompt_store import (
-    EMBED_CHUNK_TOKENS, TEXT_CHUNK, ChunkFiles, EmbeddingCache, FinalLatentCache, PartRows, negative_embeds,
-    prompt_store_path, read_latents,
-)
+from cache.manifest import negative_embeds
+from cache.prompt_store import EmbeddingCache, PartRows, RowCache, chunk_location, prompt_store_path, read_latents
 from cache.reader import open_caches
 from cache.verify import verify_cache
 from pipeline.cli import main
@@ -59,29 +55,18 @@ def _edit_manifest(cache: Path, edit) -> None:
     (cache / F.MANIFEST).write_text(json.dumps(m, indent=2))
 
 
-def _chunk(cache: Path, name: str, row: int) -> Path:
-    """The chunk file of row `row` of array `name` in the earlier layout (one file per row)."""
-    g = zarr.open_group(str(prompt_store_path(cache, 0)), mode="r")
-    return cache / STORE / name / ".".join(["c", str(row), *"0" * (g[name].ndim - 1)])
-
-
-def _flip_row(cache: Path, name: str, row: int, offset: int) -> str:
-    """Flip a byte `offset` bytes into row `row`'s first chunk of array `name` (inside its shard file); returns
-    how messages name that chunk."""
-    files = ChunkFiles.open(prompt_store_path(cache, 0) / name)
-    idx = (row, *(0,) * (len(files.shape) - 1))
-    path, start, _ = files.location(idx)
+def _flip_row(cache: Path, name: str, row: int, offset: int) -> None:
+    """Flip a byte `offset` bytes into row `row`'s first chunk of array `name` (inside its file of 64 rows)."""
+    path, start, _ = chunk_location(prompt_store_path(cache, 0), name, row)
     _flip(path, start + offset)
-    return files.chunk_name(idx)
 
 
 # -- the prompt stores ---------------------------------------------------------------------------------
 
 def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
-    name = _flip_row(cache_copy, F.Z_EMBEDS, 3, 4)  # inside the first real token
-    assert name == "embeds/c.0.0.0[3,0,0]"  # the file of rows 0-63, the chunk inside it
+    _flip_row(cache_copy, F.Z_EMBEDS, 3, 4)  # inside the first real token
     r = _verify(cache_copy)
-    assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 3 (prompt 3): {name} fails its crc32c" in r.output
+    assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 3 (prompt 3) fail their crc32c" in r.output
     _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 3", "crc32c", "--overwrite")
     assert not (tmp_path / "out" / "student").exists()
     with pytest.raises(CacheError, match=r"embeds of row 3 \(prompt 3\) fail their crc32c"):
@@ -90,7 +75,7 @@ def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
 
 
 def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_copy, tmp_path):
-    """--verify size checks only that every chunk is there; the flipped token is refused when it is read."""
+    """--verify size checks only that every file is there; the flipped token is refused when it is read."""
     _flip_row(cache_copy, F.Z_EMBEDS, 0, 4)
     r = _train(cache_copy, tmp_path / "out", "--verify", "size", "--max-steps", "8")
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]  # after the progress bar's lines
@@ -99,15 +84,15 @@ def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_c
 
 
 def test_flipped_byte_in_a_final_latents_chunk(cache_copy, tmp_path):
-    name = _flip_row(cache_copy, F.Z_FINAL_LATENTS, 2, 100)
+    _flip_row(cache_copy, F.Z_FINAL_LATENTS, 2, 100)
     r = _verify(cache_copy)
     assert r.exit_code == 1
-    assert f"BAD {STORE}: final_latents of row 2 (prompt 2): {name} fails its crc32c" in r.output
+    assert f"BAD {STORE}: final_latents of row 2 (prompt 2) fail their crc32c" in r.output
     _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 2", "final_latents", "--overwrite")
     with pytest.raises(CacheError, match=r"final_latents of row 2 \(prompt 2\)"):
         read_latents(cache_copy, 1, [(2, 0)])  # sample/eval's reader
-    with pytest.raises(CacheError, match="crc32c"):
-        FinalLatentCache(cache_copy, 1).get(2, 0)  # the segment objective's
+    with pytest.raises(CacheError, match="crc32c"):  # the segment objective's reader
+        RowCache(cache_copy, 1, 4, lambda rows, row: rows.latents(F.Z_FINAL_LATENTS, row))[2]
     assert read_latents(cache_copy, 1, [(1, 0)])[1].abs().sum() > 0
 
 
@@ -123,62 +108,51 @@ def test_deleted_embeds_file_is_named_never_zeros(cache_copy, tmp_path):
     (cache_copy / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63: every row of this cache
     r = _verify(cache_copy)
     assert r.exit_code == 1
-    assert f"BAD {STORE}: embeds of row 4 (prompt 4): chunk embeds/c.0.0.0[4,0,0] is missing" in r.output
-    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 0", "c.0.0.0[0,0,0] is missing",
+    assert f"BAD {STORE}: embeds of row 4 (prompt 4): file embeds/c.0.0.0 is missing" in r.output
+    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0.0 is missing",
                     "--overwrite")
     assert line == _refused(_train(cache_copy, tmp_path / "out2", "--verify", "size"))  # found without reading
-    with pytest.raises(CacheError, match=re.escape("c.0.0.0[4,0,0] is missing")):
+    with pytest.raises(CacheError, match="embeds/c.0.0.0 is missing"):
         EmbeddingCache(cache_copy, 1).get(4)
 
 
-def test_a_store_without_checksums_verifies_with_a_note_and_still_refuses_a_missing_chunk(cache_copy, tmp_path):
-    """A store and manifest as the previous version wrote them: no crc32c codec, no row checksums, no
-    teacher_identity or negative_sha256 in the manifest. It verifies (notes, not problems) and reads the same."""
-    before = {p: EmbeddingCache(cache_copy, 1).get(p) for p in range(7)}
-    _as_previous_version(cache_copy)
-    notes: list[str] = []
-    assert verify_cache(cache_copy, progress=False, notes=notes) == []
-    assert len(notes) == 3 and all("earlier WanDistiller" in n for n in notes), notes
-    assert any(F.F_TEACHER_IDENTITY in n for n in notes) and any(F.F_NEGATIVE_SHA256 in n for n in notes)
-    assert any(n.startswith(f"{STORE} records no checksums for seq_lens, prompt_idx, text, embeds") for n in notes)
-    r = _verify(cache_copy)
-    assert r.exit_code == 0 and r.stdout.splitlines() == [f"NOTE {n}" for n in notes] + r.stdout.splitlines()[-1:]
-    assert r.stdout.splitlines()[-1].startswith("OK")
-    cache = EmbeddingCache(cache_copy, 1)
-    assert all(torch.equal(cache.get(p), before[p]) for p in range(7))
-    _chunk(cache_copy, F.Z_EMBEDS, 6).unlink()
-    assert "embeds of row 6 (prompt 6): chunk embeds/c.6.0.0 is missing" in _verify(cache_copy).output
-    with pytest.raises(CacheError, match="c.6.0.0 is missing"):
-        EmbeddingCache(cache_copy, 1).get(6)
+def test_a_lost_chunk_inside_a_file_is_never_read_as_zeros(cache_copy):
+    """An inner chunk the file's index no longer holds reads as zeros through zarr: the row's crc32c refuses it."""
+    from cache.checksum import crc32c
+    from cache.prompt_store import open_prompt_store
+
+    arr = open_prompt_store(prompt_store_path(cache_copy, 0))[F.Z_EMBEDS]
+    per_file = [s // c for s, c in zip(arr.shards, arr.chunks)]
+    n = int(np.prod(per_file))
+    path = cache_copy / STORE / F.Z_EMBEDS / "c.0.0.0"
+    data = bytearray(path.read_bytes())
+    index = np.frombuffer(bytes(data[-(16 * n + 4):-4]), "<u8").reshape(n, 2).copy()
+    index[2 * (n // per_file[0])] = 2**64 - 1  # row 2's first chunk: not held
+    data[-(16 * n + 4):] = index.tobytes() + crc32c(index.tobytes()).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"embeds of row 2 \(prompt 2\) fail their crc32c"):
+        EmbeddingCache(cache_copy, 1).get(2)
+    assert "embeds of row 2 (prompt 2) fail their crc32c" in _verify(cache_copy).output
 
 
-def _as_previous_version(cache: Path) -> None:
-    """Rewrite part 0's store in the layout of the version before the checksums (zarr's default zstd for the
-    small arrays, bare chunks for the rest, no row_crc32c group) and drop the manifest fields it did not write."""
-    path = prompt_store_path(cache, 0)
-    g = zarr.open_group(str(path), mode="r")
-    values = {name: g[name][:] for name in g.array_keys()}
-    dtype_name = g[F.Z_EMBEDS].attrs[F.Z_ATTR_TORCH_DTYPE]
-    shapes = {name: g[name].shape for name in values}
-    shutil.rmtree(path)
-    old = zarr.open_group(str(path), mode="w")
-    n = shapes[F.Z_SEQ_LENS][0]
-    old.create_array(F.Z_PROMPT_IDX, shape=(n,), dtype="int64", chunks=(n,), fill_value=-1)
-    old.create_array(F.Z_TEXT, shape=(n,), dtype=str, chunks=(min(n, TEXT_CHUNK),))
-    old.create_array(F.Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=(n,), fill_value=-1)
-    flat = {"name": "default", "separator": "."}
-    _, max_len, dim = shapes[F.Z_EMBEDS]
-    emb = old.create_array(F.Z_EMBEDS, shape=shapes[F.Z_EMBEDS], dtype=values[F.Z_EMBEDS].dtype,
-                           chunks=(1, min(max_len, EMBED_CHUNK_TOKENS), dim), fill_value=0, compressors=None,
-                           chunk_key_encoding=flat)
-    emb.attrs[F.Z_ATTR_TORCH_DTYPE] = dtype_name
-    for name in (F.Z_INIT_NOISE, F.Z_FINAL_LATENTS):
-        old.create_array(name, shape=shapes[name], dtype="float32", chunks=(1, *shapes[name][1:]), fill_value=0.0,
-                         compressors=None, chunk_key_encoding=flat)
-    for name, v in values.items():
-        old[name][:] = v
-    assert not any("crc32c" in p.read_text() for p in path.rglob("zarr.json"))
-    _edit_manifest(cache, lambda m: [m.pop(k) for k in (F.F_TEACHER_IDENTITY, F.F_NEGATIVE_SHA256)])
+@pytest.mark.parametrize("record", ["manifest", "progress"])
+def test_a_cache_of_an_older_format_is_refused_in_one_line(cache_copy, tmp_path, record):
+    """Format 1 (before this version's bytes): refused whole, by every reader and by a resume, never read in part."""
+    path = cache_copy / (F.MANIFEST if record == "manifest" else f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROGRESS}")
+    rec = json.loads(path.read_text())
+    rec[F.F_FORMAT_VERSION] = 1
+    path.write_text(json.dumps(rec))
+    said = "written by an older wandistiller (format 1); rebuild it with teacher-cache"
+    if record == "manifest":
+        with pytest.raises(CacheError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            open_caches([cache_copy])
+        _refused(_train(cache_copy, tmp_path / "out"), said)
+        r = _verify(cache_copy)
+        assert r.exit_code == 2 and said in r.stderr and "Traceback" not in r.stderr
+    else:
+        from cache.progress import PartProgress
+        with pytest.raises(CacheError, match="format 1"):
+            PartProgress.load(cache_copy, 0)
 
 
 # -- negative.safetensors ------------------------------------------------------------------------------
@@ -245,7 +219,7 @@ def test_shard_paths_outside_the_cache_are_refused(cache_copy, tmp_path, bad):
 # -- the checks themselves -----------------------------------------------------------------------------
 
 def test_a_row_whose_chunk_of_zeros_was_never_written_passes_by_its_crc32c(tmp_path):
-    """A chunk holding only zeros is not written (zarr's rule): the row's crc32c tells it from a deleted one."""
+    """A chunk holding only zeros is not written (zarr's rule): the row's crc32c tells it from a lost one."""
     from cache.prompt_store import create_prompt_store, write_prompt_rows
 
     g = create_prompt_store(prompt_store_path(tmp_path, 0), n=2, max_len=8, dim=4, dtype_name="bfloat16", seeds=1,
@@ -254,17 +228,7 @@ def test_a_row_whose_chunk_of_zeros_was_never_written_passes_by_its_crc32c(tmp_p
     emb[1, :3] = torch.randn(3, 4).bfloat16()
     write_prompt_rows(g, [0, 1], [0, 1], ["zeros", "x"], emb, torch.tensor([5, 3]))
     rows = PartRows(tmp_path, 0, 1)
-    assert rows.missing_chunk(0) == "embeds/c.0.0.0[0,0,0]"
-    assert np.array_equal(rows.trimmed(0), np.zeros((5, 4), np.uint16)) and rows.check(0, False, False) is None
-    assert not list(tmp_path.rglob("*.partial"))  # chunks are renamed into place
-
-
-def test_the_integrity_measurement_runs(tmp_path):
-    """bench/real_size.py --integrity, at a few A14B rows: every design it compares reads back what it wrote."""
-    from bench.real_size import integrity_costs
-
-    rows = integrity_costs(tmp_path, rows=3, reps=1)
-    names = {r["name"] for r in rows}
-    assert {"integrity_read_embeds_chosen", "integrity_read_embeds_chunk_crc32c", "integrity_read_embeds_sha256",
-            "integrity_read_embeds_zstd_checksum", "integrity_write_embeds_chosen"} <= names
-    assert all(r["value"] > 0 and r["baseline"] > 0 for r in rows) and not list(tmp_path.iterdir())
+    assert chunk_location(prompt_store_path(tmp_path, 0), F.Z_EMBEDS, 0) is None  # not stored
+    assert np.array_equal(rows.trimmed(0), np.zeros((5, 4), np.uint16))
+    assert rows.check(0, checksums=False) is None and rows.problems(0, "store", 0)[0].endswith("were never written")
+    assert not list(tmp_path.rglob("*.partial"))  # files are renamed into place

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cache import format as F
-from cache.prompt_store import negative_embeds, prompt_texts, read_latents
+from cache.manifest import negative_embeds
+from cache.prompt_store import prompt_texts, read_latents
 from cache.reader import SampleReader, open_index, prompt_rows
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file

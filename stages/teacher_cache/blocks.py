@@ -10,7 +10,7 @@ import torch
 from cache import format as F
 from cache.atomic import fsync_paths
 from cache.progress import PartProgress
-from cache.prompt_store import ChunkError, damaged_part, write_latent_rows
+from cache.prompt_store import damaged_part, write_latent_rows
 from cache.writer import ShardWriter
 from pipeline import signals
 from pipeline.faults import fault_point
@@ -83,8 +83,8 @@ class BlockSink:
             # block, or a file holding earlier rows, is read back first: its chunks are checked then)
             written = write_latent_rows(self.store, F.Z_FINAL_LATENTS, [p // self.num_parts for p, _ in traj],
                                         [s for _, s in traj], torch.cat([final for _, _, final in self.pending]))
-        except ChunkError as e:
-            raise damaged_part(self.out, self.prog.part, f"its prompt store's {e.named()}") from e
+        except ValueError as e:  # zarr's check of a chunk's crc32c, in a file of rows written before
+            raise damaged_part(self.out, self.prog.part, f"its prompt store's {F.Z_FINAL_LATENTS} do not read ({e})") from e
         fsync_paths(written)  # durable before the progress record calls their blocks done
         fault_point("before_progress")
         self.prog.shards.append(record)

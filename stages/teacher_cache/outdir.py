@@ -78,9 +78,6 @@ def forget_lost_shards(out: Path, prog: PartProgress) -> None:
             if not (out / s[F.S_PATH]).is_file() or (out / s[F.S_PATH]).stat().st_size != s[F.S_BYTES]]
     if not lost:
         return
-    if any(F.S_BLOCKS not in s for s in lost):
-        raise UserError(f"shard {out / lost[0][F.S_PATH]} is missing or damaged and this cache does not record "
-                        "which blocks it held (made by an older WanDistiller); rebuild the cache with --overwrite")
     blocks = {b for s in lost for b in s[F.S_BLOCKS]}
     more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
     print0(f"part {prog.part}: shard {lost[0][F.S_PATH]}{more} missing or damaged; recomputing {len(blocks)} block(s)")

@@ -24,7 +24,7 @@ from cache.features import matrix_sha256, projection_matrix, write_projection
 from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress, list_parts
 from cache.prompt_store import (
-    ROWS_PER_FILE, PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
+    PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
     prompt_store_path, store_relpath, write_latent_rows,
 )
 from cache.schema import recorded_steps
@@ -45,7 +45,7 @@ from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_
 from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
 
 # Initial-noise rows written per call in the encode phase: a whole file of the store's (64 A14B rows: 26 MB).
-NOISE_ROWS = ROWS_PER_FILE
+NOISE_ROWS = F.ROWS_PER_FILE
 
 
 def _resolve_parts(cfg: TeacherCacheConfig) -> tuple[int, int, bool]:
@@ -245,7 +245,7 @@ def _open_part(job: _Part) -> PartProgress:
     if prog is not None and prog.batch_size != cfg.batch_size:
         raise UserError(f"part {part} of {out} was started with --batch-size {prog.batch_size}; resume with that "
                         "value or add --overwrite to start again")
-    if prog is not None and prog.samples_per_shard not in (None, cfg.samples_per_shard):
+    if prog is not None and prog.samples_per_shard != cfg.samples_per_shard:
         # Shard boundaries are part of the cache's bytes: another value would not equal an uninterrupted run.
         raise UserError(f"part {part} of {out} was started with --samples-per-shard {prog.samples_per_shard}; "
                         "resume with that value or add --overwrite to start again")

@@ -27,7 +27,6 @@ from diffusers.training_utils import EMAModel
 
 from cache import format as F
 from cache.atomic import atomic_write_bytes
-from cache.reader import EpochPlan
 from pipeline import signals
 from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
@@ -36,8 +35,11 @@ from pipeline.runtime import DistEnv, barrier
 from pipeline.wan_inputs import model_timestep
 
 from . import checkpoint
+from .collate import collate, padded_context, to_device
 from .comm import all_gather_bytes, all_reduce
-from .data import DataSplit, RankBatches, collate, eval_batches, make_loader, padded_context, to_device
+from .data import make_loader
+from .epoch import EpochPlan, RankBatches, eval_batches
+from .index import DataSplit
 from .objectives import Batch, Objective
 from .strategy import DDP, Strategy
 from .tracking import NullTracker, Tracker
@@ -188,7 +190,7 @@ class Trainer:
             most = len(eval_batches(rows, 0, self.env.world_size, self.cfg.batch_size))
             batches += [None] * (most - len(batches))
         for items in batches:
-            b = to_batch(collate(self.dataset.__getitems__(items or [(int(rows[0]), 0.0)])), self.device,
+            b = to_batch(collate([self.dataset[i] for i in items or [(int(rows[0]), 0.0)]]), self.device,
                          self.expand_timesteps, self.patch)
             per, _ = self.objective.loss(self.model, b, self.autocast, self.heads)
             if items is not None:

@@ -21,7 +21,7 @@ import torch
 from cache import format as F
 from cache import lock
 from cache.atomic import atomic_write_json, publish_dir
-from cache.reader import EpochPlan, open_caches
+from cache.reader import open_caches
 from pipeline import signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord, RunLayout
 from pipeline.config import TrainStudentConfig, save_resolved
@@ -31,7 +31,8 @@ from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print
 
 from . import checkpoint
 from .comm import all_gather_bytes
-from .data import DataSplit, epoch_plan, order_identity, prepare
+from .epoch import EpochPlan, epoch_plan, order_identity
+from .index import DataSplit, prepare
 from .loop import TrainState, Trainer, make_ema, plot_losses, truncate_metrics
 from .objectives import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy

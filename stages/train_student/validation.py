@@ -26,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from cache import format as F
-from cache.prompt_store import EmbeddingCache, negative_embeds, read_latents
+from cache.manifest import negative_embeds
+from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
 from pipeline.artifact import DistillRecord
 from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cache.prompt_store import ChunkFiles
+from cache.prompt_store import chunk_location, open_prompt_store
 
 from .check import read_samples, tree_digest
 from .proc import run_cli
@@ -197,9 +197,9 @@ def _flip(path: Path, offset: int) -> None:
 
 def _flip_embeds(part_dir: Path) -> None:
     """Flip a byte of every row's first embeds chunk (inside the files of 64 rows)."""
-    files = ChunkFiles.open(part_dir / "prompts.zarr" / "embeds")
-    for row in range(files.shape[0]):
-        where = files.location((row, 0, 0))
+    store = part_dir / "prompts.zarr"
+    for row in range(open_prompt_store(store)["embeds"].shape[0]):
+        where = chunk_location(store, "embeds", row)
         if where is not None:
             _flip(where[0], where[1] + 8)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cache import format as F
 from cache.checksum import crc32c
-from cache.prompt_store import ChunkFiles
+from cache.prompt_store import chunk_location
 
 from .check import compare_caches, manifest_problems, temp_files
 from .proc import run_cli
@@ -190,8 +190,7 @@ def _flip(path: Path, offset: int) -> None:
 def _flip_row(cache: Path, name: str, row: int, offset: int) -> None:
     """Flip a byte `offset` bytes into the first chunk of `row` of array `name` of part 0's store (inside the
     file of its 64 rows)."""
-    files = ChunkFiles.open(cache / STORE / name)
-    path, start, _ = files.location((row, *(0,) * (len(files.shape) - 1)))
+    path, start, _ = chunk_location(cache / STORE, name, row)
     _flip(path, start + offset)
 
 
@@ -209,8 +208,8 @@ def final_latents_flipped(cache: Path):
 
 def embeds_file_deleted(cache: Path):
     (cache / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63 (every row here): they would read as zeros
-    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): chunk embeds/c.0.0.0[11,0,0] is missing"],
-            [F.PROMPTS_ZARR, "prompt 0", "c.0.0.0[0,0,0] is missing"], OVERWRITE)
+    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): file embeds/c.0.0.0 is missing"],
+            [F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0.0 is missing"], OVERWRITE)
 
 
 def negative_flipped(cache: Path):

@@ -1,0 +1,81 @@
+"""Stage two's batches: a micro-batch as lists of the samples' own tensors, laid out where they are used."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in shared memory: what a loader worker collates into, so that sending the batch
+    to the training process does not copy it again (as torch's default_collate does)."""
+    storage = torch.empty(0, dtype=torch.uint8).untyped_storage()._new_shared(max(nbytes, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's memory as a flat numpy uint8 array (any dtype, bfloat16 included), for copies.
+
+    collate copies with numpy, never torch: torch spreads a copy over its intra-op threads, which on a busy
+    machine (loader in the training process, other jobs on the cores) wait on each other ~100x longer than the
+    copy takes (bench/real_size.py, `--num-workers 0` on 2 loaded cores: 10.7 ms vs 0.07 ms a batch field)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.cumsum([0] + [-(-n // 64) * 64 for n in sizes])  # (each at a multiple of 64 bytes: any dtype's)
+    buf = _shared_bytes(int(starts[-1]))
+    out, flat = [], buf.numpy()
+    for t, n, at in zip(tensors, sizes, starts.tolist()):
+        np.copyto(flat[at:at + n], _bytes(t))
+        out.append(buf[at:at + n].view(t.dtype).view(t.shape))
+    return out
+
+
+def collate(items: list[dict]) -> dict:
+    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors,
+    and the per-sample metadata as tensors.
+
+    Nothing is stacked here: in the training process the lists hold the tensors the reads made (views of the
+    read buffers), and `to_device` / `padded_context` lay them out once, where the batch is used (on the device,
+    where the embeddings are also padded with zeros to `max_len`, as WanPipeline pads them). An A14B batch of 8
+    is ~3 MB of latents and ~4 MB of real tokens, which stacking (and padding to the batch's longest prompt: ~9 MB)
+    would copy once more on the loader's core. A loader worker copies
+    them into one buffer in shared memory, which the training process then maps without a copy.
+    """
+    names = list(items[0]["fields"])
+    tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
+    if get_worker_info() is not None:
+        tensors = _in_shared_memory(tensors)
+    b = len(items)
+    return {
+        "fields": {n: tensors[k * b:(k + 1) * b] for k, n in enumerate(names)},
+        "context": tensors[len(names) * b:],
+        "max_len": items[0]["max_len"],
+        "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
+        "sigma": torch.tensor([i["sigma"] for i in items], dtype=torch.float32),
+        "step": torch.tensor([i["step"] for i in items], dtype=torch.int64),
+        "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
+        "keys": [i["key"] for i in items if i["weight"] > 0],
+    }
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's field (a list of the samples' tensors, one shape) stacked on `device` as `dtype`: [B, ...]."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=device)
+    for j, t in enumerate(tensors):
+        out[j].copy_(t, non_blocking=True)
+    return out
+
+
+def padded_context(batch: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's prompt embeddings on `device` as the teacher saw them: [B, max_len, D], each sample's
+    real tokens, then zeros (as WanPipeline pads them)."""
+    ctx = batch["context"]
+    out = torch.zeros((len(ctx), batch["max_len"], ctx[0].shape[-1]), dtype=dtype, device=device)
+    for j, c in enumerate(ctx):
+        out[j, :c.shape[0]].copy_(c, non_blocking=True)
+    return out
