@@ -34,6 +34,16 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _start(cpu_only: bool) -> None:
+    """What a command does once it knows where it runs, before it imports a stage (whose imports ask CUDA): a run
+    that asked for the CPU hides the GPUs from the process (runtime.hide_gpus); then the libraries are quietened."""
+    if cpu_only:
+        from .runtime import hide_gpus
+
+        hide_gpus()
+    _quiet_libraries()
+
+
 def common_options(fn):
     """Options every stage command takes: a TOML config and the log level."""
 
@@ -44,8 +54,7 @@ def common_options(fn):
     @functools.wraps(fn)
     def wrapper(*args, log_level, **kwargs):
         logging.basicConfig(level=log_level.upper(), format="%(message)s")
-        _quiet_libraries()
-        return fn(*args, **kwargs)
+        return fn(*args, **kwargs)  # which calls _start() once its config says where it runs
 
     return wrapper
 
@@ -75,7 +84,7 @@ def tiny_teacher_cmd(out, variant, seed):
 
     Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2
     """
-    _quiet_libraries()
+    _start(cpu_only=True)  # builds the weights on the CPU
     from .tiny_teacher import write_tiny_teacher
 
     try:
@@ -147,9 +156,13 @@ def teacher_cache_cmd(config_file, **flags):
     Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt
     --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
     """
+    from .legacy_flags import config_from_flags
+
+    cfg = config_from_flags(config_file, flags)
+    _start(cfg.cpu_only)
     from stages import teacher_cache
 
-    teacher_cache.run(teacher_cache.config_from_flags(config_file, flags))
+    teacher_cache.run(cfg)
 
 
 def inference_options(fn):
@@ -197,12 +210,14 @@ def sample_cmd(config_file, **flags):
       wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
         --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
     """
-    from stages.sample import sample
-
     from .config import SampleConfig, load_config
 
     flags["compare"] = flags.get("compare") or None  # none given: the config file's, if any
-    sample.run(load_config(SampleConfig, config_file, flags))
+    cfg = load_config(SampleConfig, config_file, flags)
+    _start(cfg.cpu_only)
+    from stages.sample import sample
+
+    sample.run(cfg)
 
 
 @main.command("export")
@@ -225,11 +240,13 @@ def export_cmd(config_file, **flags):
     Example:
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
     """
-    from stages.sample import export
-
     from .config import ExportConfig, load_config
 
-    export.run(load_config(ExportConfig, config_file, flags))
+    cfg = load_config(ExportConfig, config_file, flags)
+    _start(cfg.cpu_only)
+    from stages.sample import export
+
+    export.run(cfg)
 
 
 @main.command("eval")
@@ -270,18 +287,26 @@ def eval_cmd(config_file, **flags):
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --student-steps 1,2,4 \\
         --compare runs/demo/student-4step --attributes data/shapes-heldout.txt
     """
-    from stages.sample import evaluate
-
     from .config import EvalConfig, load_config
 
     flags["compare"] = flags.get("compare") or None  # none given: the config file's, if any
-    evaluate.run(load_config(EvalConfig, config_file, flags))
+    cfg = load_config(EvalConfig, config_file, flags)
+    _start(cfg.cpu_only)
+    from stages.sample import evaluate
+
+    evaluate.run(cfg)
 
 
-def _objective_help() -> str:
-    from stages.train_student.objectives import OBJECTIVES
+class _ObjectiveOption(click.Option):
+    """--objective, whose help lists the registered objectives: read when help is shown, since importing stage two
+    at the CLI's load would import diffusers, whose import queries CUDA before a CPU run can hide the GPUs."""
 
-    return "; ".join(f"{name} ({cls.help})" for name, cls in OBJECTIVES.items())
+    def get_help_record(self, ctx):
+        from stages.train_student.objectives import OBJECTIVES
+
+        listed = "; ".join(f"{name} ({cls.help})" for name, cls in OBJECTIVES.items())
+        self.help = f"What the student learns: {listed}.  [default: velocity]"
+        return super().get_help_record(ctx)
 
 
 @main.command("train-student")
@@ -341,7 +366,7 @@ def _objective_help() -> str:
 @click.option("--strategy", type=click.Choice(["ddp", "fsdp"]),
               help="ddp: a full student per rank; fsdp: weights, gradients, AdamW state and EMA sharded over the "
               "ranks (FSDP2), for students that do not fit one GPU (docs/multi-gpu.md).  [default: ddp]")
-@click.option("--objective", help="What the student learns: " + _objective_help() + ".  [default: velocity]")
+@click.option("--objective", cls=_ObjectiveOption)
 @click.option("--feature-pairs", help="velocity+feature: student block:teacher block pairs, e.g. 0:1,1:3.")
 @click.option("--feature-weight", type=float, help="velocity+feature: weight of the feature term.  [default: 1.0]")
 @click.option("--student-steps", type=int,
@@ -361,11 +386,12 @@ def train_student_cmd(config_file, cache, **flags):
     Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
     """
-    from stages import train_student
-
     from .config import TrainStudentConfig, load_config
 
     cfg = load_config(TrainStudentConfig, config_file, {"cache": list(cache) or None, **flags})
+    _start(cfg.cpu_only)
+    from stages import train_student
+
     train_student.run(cfg)
 
 
@@ -407,7 +433,7 @@ def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_s
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
       wandistiller plan --teacher tests/data/wan22-a14b-configs --prompts 100000 --record-steps 8
     """
-    _quiet_libraries()
+    _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
     from stages.teacher_cache.plan import NoPlacement
 
@@ -440,6 +466,7 @@ def cache_info_cmd(cache_dir, prompts, as_json):
 
     Example: wandistiller cache info runs/cache --prompts 100000
     """
+    _start(cpu_only=True)
     from cache.manifest import summarize
 
     info = summarize(cache_dir, prompts)
@@ -463,6 +490,7 @@ def cache_verify_cmd(cache_dir):
 
     Example: wandistiller cache verify runs/cache
     """
+    _start(cpu_only=True)
     from cache import format as F
     from cache.errors import CacheError
     from cache.manifest import load_manifest

@@ -91,6 +91,15 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
 
 
+class _DeviceChoice:
+    """A command with a `device` setting runs on the CPU when it says so."""
+
+    @property
+    def cpu_only(self) -> bool:
+        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+        return self.device == "cpu"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TeacherCacheConfig:
     """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
@@ -140,6 +149,11 @@ class TeacherCacheConfig:
     record_steps: int | None = None
     record_seed: int | None = None
     keep_steps: tuple[int, ...] | None = None  # steps always recorded, e.g. a few-step student's boundaries
+
+    @property
+    def cpu_only(self) -> bool:
+        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+        return self.placement == "cpu"
 
     def __post_init__(self):
         object.__setattr__(self, "record_features", _int_list("record-features", self.record_features))
@@ -236,7 +250,7 @@ def _int_list(name: str, value) -> tuple[int, ...] | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainStudentConfig:
+class TrainStudentConfig(_DeviceChoice):
     """Stage two: train a student `WanTransformer3DModel` from one or more finished caches."""
 
     TOML_SECTION = "train_student"
@@ -422,7 +436,7 @@ def _check_scales(cfg, names: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SampleConfig:
+class SampleConfig(_DeviceChoice):
     """`wandistiller sample`: teacher and student images from the same noise, side by side in one PNG."""
 
     TOML_SECTION = "sample"
@@ -471,12 +485,14 @@ class ExportConfig:
     copy: bool = False  # copy the teacher's text encoder, tokenizer, VAE, scheduler instead of symlinking them
     overwrite: bool = False  # replace an earlier export at --out (never any other folder)
 
+    cpu_only = True  # export copies weights and writes files: never a GPU
+
     def __post_init__(self):
         _check_common(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(_DeviceChoice):
     """`wandistiller eval`: the student against the teacher's cached trajectories."""
 
     TOML_SECTION = "eval"
