@@ -20,10 +20,10 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo test faults bench clean help
+.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo test faults bench gpu-check clean help
 
 help:
-	@echo "make demo | test | faults | bench | teacher-cache | train-student | install | clean"
+	@echo "make demo | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -129,6 +129,14 @@ faults: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
+
+# On a GPU box, as is (README, "On a GPU"): the suite with the GPU visible, then the benchmarks on CUDA, within 9
+# minutes; results into bench/results-cuda.json, logs into $(RUNS)/gpu-check. It installs nothing (no network needed):
+# GPU_PYTHON is the Python whose packages it uses (this venv's if there is one, else python3), and what that Python
+# lacks, a GPU included, is said in one line (exit 2).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	@$(GPU_PYTHON) scripts/gpu_check.py --logs $(RUNS)/gpu-check
 
 clean:
 	rm -rf $(RUNS)

@@ -7,6 +7,7 @@ prints the table, the machine and the command. `make bench` runs it; BENCH_ARGS 
     python -m bench.run_all --quick             # minimal sizes: checks that every benchmark runs
     python -m bench.run_all --only online,stage_two --device cuda
     python -m bench.run_all --stage-two-args="--prompts 256 --batch-size 64"   # any benchmark's own flags
+    python -m bench.run_all --device cuda       # on a GPU box: adds placements_a14b (offload/disk vs cuda)
 
 Torch runs `--threads` intra-op threads (default: all cores but one). The stages run I/O threads beside
 torch (shard writer, zarr, loader workers); on a machine whose cores torch fills, each of them preempts an
@@ -32,7 +33,8 @@ import torch
 from bench import common
 from bench.common import ROOT, machine, machine_line, pick_device, result, results_path, table
 
-BENCHES = ("stage_one", "stage_two", "real_size", "online", "placements")
+BENCHES = ("stage_one", "stage_two", "real_size", "online", "placements", "placements_a14b")
+CUDA_ONLY = ("placements_a14b",)  # GPU placements at real A14B widths: skipped (and said so) on the CPU
 # bench/placements.py at sizes that keep it to a few minutes on 2 CPU cores (its own defaults are larger).
 PLACEMENTS_ARGS = "--dim 256 --ffn 1024 --layers 8 --batch-sizes 1,8,32 --steps 2 --repeats 2"
 PLACEMENTS_QUICK = "--dim 64 --ffn 256 --layers 2 --batch-sizes 1,8,32 --steps 2 --repeats 1"
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     command = shlex.join(["python", "-m", "bench.run_all", *(sys.argv[1:] if argv is None else argv)])
 
-    from bench import online, real_size, stage_one, stage_two
+    from bench import online, placements_a14b, real_size, stage_one, stage_two
 
     def flags(name: str) -> list[str]:
         extra = getattr(args, f"{name}_args")
@@ -113,11 +115,15 @@ def main(argv=None) -> int:
         return (["--quick"] if args.quick else []) + ["--device", args.device] + shlex.split(extra or "")
 
     runners = {"stage_one": stage_one.main, "stage_two": stage_two.main, "real_size": real_size.main,
-               "online": online.main, "placements": placements}
+               "online": online.main, "placements": placements, "placements_a14b": placements_a14b.main}
+    on_cuda = pick_device(args.device).type == "cuda"
     results, failed, took = [], [], {}
     t_all = time.perf_counter()
     for name in BENCHES:
         if name not in only:
+            continue
+        if name in CUDA_ONLY and not on_cuda:
+            print(f"== {name}: CUDA only, skipped on the CPU", flush=True)
             continue
         print(f"== {name}: {shlex.join(flags(name))}", flush=True)
         t = time.perf_counter()

@@ -1,9 +1,12 @@
 """Configs of every command, side by side: one frozen dataclass each (teacher-cache, train-student, sample,
 export, eval), loaded from TOML with CLI flags on top.
 
-Every field is documented where it is declared; `__post_init__` rejects values that cannot work with a
-ValueError naming the field, which the CLI turns into one line and exit code 2. The defaults of the
-teacher's sampling settings are defined once below (DEFAULT_*).
+Every setting is one field declared with `setting` (pipeline/settings.py): its help, check and CLI spelling live in
+the field's metadata, the click options are generated from it (pipeline/options.py) and `check_settings` runs the
+checks, raising a ValueError naming the setting, which the CLI turns into one line and exit code 2. `__post_init__`
+keeps the rules that tie several settings together. Settings of a component (a placement, an objective) are declared
+by the component (pipeline/registries.py) and merged in here. The teacher's sampling defaults are defined once below
+(DEFAULT_*). This module imports nothing heavy: the CLI builds its options from it at load.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cache.atomic import atomic_write_bytes
-
 from .config_types import type_problem
 from .errors import UserError
+from .registries import (
+    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, PlacementSettings, stage_one_trackers,
+)
+from .settings import (
+    at_least, check_settings, in_range, int_list, merged, non_empty, one_of, positive, refuse_foreign, setting,
+    settings_of, str_tuple,
+)
 
-PLACEMENTS = ("auto", "cpu", "cuda", "balanced", "sequential", "offload", "disk")
-EXPERT_ORDERS = ("auto", "step", "expert")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DTYPES = one_of(("float32", "bfloat16", "float16"))
+DTYPE_DEFAULT = "bfloat16 on CUDA, float32 on CPU"
 
 # The teacher's sampling settings when nothing says otherwise: WanPipeline's own defaults. Stage one uses them
 # for a new cache; the inference commands fall back to them when distill.json does not record a value.
@@ -83,95 +90,103 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
 def save_resolved(cfg, path: str | os.PathLike) -> None:
     """Write the resolved config next to an output, so every result says how it was made (tmp + fsync + rename:
     a kill leaves the old one or the new one)."""
+    from cache.atomic import atomic_write_bytes
+
     atomic_write_bytes(path, (json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n").encode())
 
 
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+class _DeviceChoice:
+    """A command with a `device` setting runs on the CPU when it says so."""
+
+    @property
+    def cpu_only(self) -> bool:
+        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+        return self.device == "cpu"
+
+
+def _json_path(v: str) -> bool:
+    return v.endswith(".json")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TeacherCacheConfig:
+class TeacherCacheConfig(PlacementSettings):
     """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
 
     TOML_SECTION = "teacher_cache"
 
-    teacher: str  # local diffusers folder or hub id of a Wan 2.x pipeline
-    prompts: str  # .txt (one prompt a line, '#' comments) or .jsonl ({"prompt": ...} a line)
-    out: str  # CACHE_DIR
-    revision: str | None = None  # hub revision (branch, tag or commit) when `teacher` is a hub id
-    placement: str = "auto"  # where the teacher's weights live, see docs/placements.md
-    device: int = 0  # CUDA device index for placement `cuda` (and the execution device of offload)
-    dtype: str | None = None  # float32 | bfloat16 | float16; default bfloat16 on CUDA, float32 on CPU
-    steps: int = DEFAULT_STEPS  # denoising steps of the teacher's sampler; one sample per step
-    guidance: float = DEFAULT_GUIDANCE  # CFG scale (of the high-noise expert for Wan 2.2); <= 1 disables CFG
-    guidance_2: float | None = None  # CFG scale of the low-noise expert (Wan 2.2); default = guidance
-    height: int = DEFAULT_HEIGHT
-    width: int = DEFAULT_WIDTH
-    frames: int = 1  # 1 = images; video teachers take 4k+1
-    seeds_per_prompt: int = 1  # trajectories per prompt, each from its own seeded noise
-    seed: int = 0  # base seed; noise of (prompt, seed_idx) is seeded from (seed, prompt_idx, seed_idx)
-    negative_prompt: str = ""
-    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH  # text tokens (padding length), as WanPipeline's
-    batch_size: int = 4  # trajectories run together (CFG doubles the forward batch)
-    samples_per_shard: int = 1024  # a shard closes at the first block boundary past this many samples
-    part: int | None = None  # this process's part; default RANK under torchrun, else 0
-    num_parts: int | None = None  # default WORLD_SIZE under torchrun, else 1
-    overwrite: bool = False  # replace an existing cache made with other settings
-    offload_dir: str | None = None  # placement `disk`: folder for streamed weights (default CACHE_DIR/offload)
-    max_memory: str | None = None  # placements balanced/sequential: "0=70GiB,1=70GiB,cpu=200GiB"
-    # Two-expert teachers: "step" runs every step of a block before the next block; "expert" runs a window of
-    # blocks with expert 1, then with expert 2, so one expert is resident at a time; "auto" picks "expert"
-    # when both experts do not fit where the placement keeps them. The cache is the same either way.
-    expert_order: str = "auto"
-    save_cond_uncond: bool = False  # also store the conditional and unconditional predictions
-    # Feature distillation: teacher block indices ("0,20", the same in each expert) whose outputs on the
-    # conditional branch every sample stores, times a fixed seeded projection to feature_dim, pooled over
-    # tokens when feature_pool is "mean" (cache/features.py). None: no features.
-    record_features: tuple[int, ...] | None = None
-    feature_dim: int = 256
-    feature_pool: str = "none"
-    feature_seed: int = 0
-    report_to: str = "none"  # tensorboard: progress scalars under CACHE_DIR/parts/part-P/tensorboard
-    # Bounded cache size: record only record_steps of the teacher's steps per trajectory (every step still runs;
-    # the final latent is always stored). The same steps for every trajectory: step 0, keep_steps, and the rest
-    # drawn from record_seed (default: seed). None: every step.
-    record_steps: int | None = None
-    record_seed: int | None = None
-    keep_steps: tuple[int, ...] | None = None  # steps always recorded, e.g. a few-step student's boundaries
+    teacher: str = setting(help="Wan pipeline: local diffusers folder or hub id (e.g. "
+                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers).", check=non_empty)
+    revision: str | None = setting(None, help="Hub revision of --teacher (branch, tag or commit).")
+    prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
+                           check=non_empty, path=True)
+    out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
+    placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
+                                          "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
+                             check=one_of(PLACEMENTS.names, cli_choice=False, otherwise=_json_path,
+                                          otherwise_text=" or a device-map .json file"))
+    dtype: str | None = setting(None, help="Teacher dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
+    steps: int = setting(DEFAULT_STEPS, help="Denoising steps of the teacher's sampler; one sample per step.",
+                         check=at_least(1))
+    guidance: float = setting(DEFAULT_GUIDANCE, help="CFG scale (of the high-noise expert for Wan 2.2); <= 1 "
+                                                     "disables CFG.", check=positive(allow_zero=True))
+    guidance_2: float | None = setting(None, help="CFG scale of the low-noise expert (Wan 2.2).",
+                                       check=positive(allow_zero=True), default_text="--guidance")
+    height: int = setting(DEFAULT_HEIGHT, help="Image height in pixels.", check=at_least(1))
+    width: int = setting(DEFAULT_WIDTH, help="Image width in pixels.", check=at_least(1))
+    frames: int = setting(1, help="Frames (1 = images; video teachers take 4k+1).", check=at_least(1))
+    seeds_per_prompt: int = setting(1, help="Trajectories per prompt, each from its own seeded noise.",
+                                    check=at_least(1))
+    seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
+    negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty")
+    max_sequence_length: int = setting(DEFAULT_MAX_SEQUENCE_LENGTH, help="Text tokens (padding length), as "
+                                                                         "WanPipeline's.", check=at_least(1))
+    batch_size: int = setting(4, help="Trajectories run together (CFG doubles the forward batch).", check=at_least(1))
+    samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
+                                                "past this many).", check=at_least(1))
+    part: int | None = setting(None, help="This process's part (with --num-parts), e.g. one per node.",
+                               default_text="RANK under torchrun, else 0")
+    num_parts: int | None = setting(None, help="Number of parts the prompt set is split into.",
+                                    default_text="WORLD_SIZE under torchrun, else 1")
+    overwrite: bool = setting(False, help="Replace a cache made with other settings.")
+    save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")
+    # Feature distillation: the outputs of these teacher blocks on the conditional branch, times a fixed seeded
+    # projection to feature_dim, pooled over tokens when feature_pool is "mean" (cache/features.py).
+    record_features: tuple[int, ...] | None = setting(
+        None, parse=int_list, help="Teacher blocks (each expert's) whose projected outputs every sample stores, e.g. "
+                                   "0,20: for `train-student --objective velocity+feature`.")
+    feature_dim: int = setting(256, help="Width the recorded features are projected to.", check=at_least(1))
+    feature_pool: str = setting("none", help=f"Feature rows: {FEATURE_POOLS.listing()}.",
+                                check=one_of(FEATURE_POOLS.names))
+    feature_seed: int = setting(0, help="Seed of the fixed feature projection.")
+    report_to: str = setting("none", check=one_of(stage_one_trackers),
+                             help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard "
+                                  "under CACHE_DIR/parts/part-P/tensorboard, or none.")
+    # Bounded cache size: every step still runs; the same steps for every trajectory.
+    record_steps: int | None = setting(
+        None, check=at_least(1), default_text="every step",
+        help="Record only N of the --steps per trajectory (every step still runs; the final latent is always kept): "
+             "step 0, --keep-steps, the rest drawn by --record-seed, the same for every trajectory; `plan "
+             "--record-steps` and `cache info` show the bytes.")
+    record_seed: int | None = setting(None, help="Seed of the steps --record-steps draws.", default_text="--seed")
+    keep_steps: tuple[int, ...] | None = setting(
+        None, parse=int_list, help="Steps --record-steps always records besides 0, e.g. the boundaries a "
+                                   "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
+
+    @property
+    def cpu_only(self) -> bool:
+        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+        return self.placement == "cpu"
+
+    @property
+    def placement_settings(self) -> PlacementSettings:
+        """What the placement is told (recorded with the run's resolved config)."""
+        return PlacementSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PlacementSettings)})
 
     def __post_init__(self):
-        object.__setattr__(self, "record_features", _int_list("record-features", self.record_features))
-        object.__setattr__(self, "keep_steps", _int_list("keep-steps", self.keep_steps))
+        check_settings(self)
         _check_record_steps(self)
-        if self.record_features is not None and (not self.record_features
-                                                 or len(set(self.record_features)) != len(self.record_features)):
+        if self.record_features is not None and len(set(self.record_features)) != len(self.record_features):
             raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
-        if not isinstance(self.feature_dim, int) or isinstance(self.feature_dim, bool) or self.feature_dim < 1:
-            raise ValueError(f"feature-dim must be an integer >= 1, got {self.feature_dim!r}")
-        if self.report_to not in ("tensorboard", "none"):
-            raise ValueError(f"report-to must be tensorboard or none for teacher-cache, got {self.report_to!r}")
-        if self.feature_pool not in FEATURE_POOLS:
-            raise ValueError(f"feature-pool must be one of {', '.join(FEATURE_POOLS)}, got {self.feature_pool!r}")
-        for name in ("teacher", "prompts", "out"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string")
-        if self.placement not in PLACEMENTS and not self.placement.endswith(".json"):
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)} or a device-map .json file, "
-                             f"got {self.placement!r}")
-        if self.expert_order not in EXPERT_ORDERS:
-            raise ValueError(f"expert-order must be one of {', '.join(EXPERT_ORDERS)}, got {self.expert_order!r}")
-        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
-        for name in ("steps", "height", "width", "frames", "seeds_per_prompt", "max_sequence_length",
-                     "batch_size", "samples_per_shard"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        _positive("guidance", self.guidance, allow_zero=True)
-        if self.guidance_2 is not None:
-            _positive("guidance-2", self.guidance_2, allow_zero=True)
         if self.seeds_per_prompt > 99:
             raise ValueError("seeds-per-prompt must be at most 99 (sample keys hold two digits)")
         if self.steps > 999:
@@ -184,8 +199,6 @@ class TeacherCacheConfig:
             if not 0 <= self.part < self.num_parts:
                 raise ValueError(f"part must be in [0, num-parts); got part {self.part} with num-parts "
                                  f"{self.num_parts}")
-        if self.device < 0:
-            raise ValueError(f"device must be a CUDA device index >= 0, got {self.device}")
 
 
 def _check_record_steps(cfg: TeacherCacheConfig) -> None:
@@ -196,15 +209,11 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
             raise ValueError("record-seed and keep-steps choose the steps --record-steps N records: give "
                              "--record-steps too")
         return
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"record-steps must be an integer >= 1, got {n!r}")
-    if isinstance(steps, int) and n > steps:
+    if n > steps:
         raise ValueError(f"record-steps {n} exceeds --steps {steps}; choose 1 to {steps} (or leave it out to record "
                          "every step)")
-    if cfg.record_seed is not None and (not isinstance(cfg.record_seed, int) or isinstance(cfg.record_seed, bool)):
-        raise ValueError(f"record-seed must be an integer, got {cfg.record_seed!r}")
     keep = sorted({0, *(cfg.keep_steps or ())})
-    if isinstance(steps, int) and keep[-1] >= steps:
+    if keep[-1] >= steps:
         raise ValueError(f"keep-steps must list steps from 0 to {steps - 1} (--steps {steps}), got "
                          f"{','.join(map(str, cfg.keep_steps))}")
     if len(keep) > n:
@@ -212,169 +221,114 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
                          f"than --record-steps {n}; record at least {len(keep)}")
 
 
-FEATURE_POOLS = ("none", "mean")  # cache/features.py
-MIXED_PRECISION = ("no", "bf16", "fp16")
-REPORT_TO = ("tensorboard", "wandb", "none")  # stages/train_student/tracking.py
-SHARD_CHECKS = ("checksum", "size")
-SHARD_CHECK_ALIASES = {"sha256": "checksum"}  # its name before shards were checksummed with crc32c
-STRATEGIES = ("ddp", "fsdp")  # stages/train_student/strategy.py
-ORDERS = ("auto", "shuffle", "grouped")  # stages/train_student/data.py (order_window)
+def _default_workers() -> int:
+    """The rank's share of CPU cores minus two (the training process and its torch threads), at most 4: 0 on a
+    2-core machine, where workers would only compete with training."""
+    world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    return max(0, min(4, (os.cpu_count() or 1) // world - 2))
 
 
-def _int_list(name: str, value) -> tuple[int, ...] | None:
-    """'0,4,8' or [0, 4, 8] -> (0, 4, 8); ValueError naming the field otherwise."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else value
-    try:
-        out = tuple(int(str(v).strip()) for v in items if str(v).strip() != "")
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be comma-separated integers like 0,4,8, got {value!r}") from None
-    if not out or any(v < 0 for v in out):
-        raise ValueError(f"{name} must list integers >= 0, got {value!r}")
-    return out
+_VERIFY = one_of(("checksum", "size"), aliases={"sha256": "checksum"})  # (its name before crc32c)
+_ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective's settings, as flat fields
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainStudentConfig:
+class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
     """Stage two: train a student `WanTransformer3DModel` from one or more finished caches."""
 
     TOML_SECTION = "train_student"
 
-    cache: tuple[str, ...]  # CACHE_DIR(s) of stage one; several must share one fingerprint
-    student_config: str  # JSON config of the student WanTransformer3DModel (configs/student-*.json)
-    out: str  # OUT: student/, student_ema/, checkpoints/, metrics.jsonl, loss.png, distill.json
-    epochs: int | None = None  # passes over the cache; default 1, or as many as --max-steps needs
-    max_steps: int | None = None  # stop after this many optimizer steps (first of epochs/max_steps wins)
-    batch_size: int = 8  # samples per rank per micro-step; global batch = batch_size x world x grad_accum
-    grad_accum: int = 1  # micro-steps per optimizer step
-    lr: float = 1e-4  # peak AdamW learning rate, reached after warmup_steps
-    min_lr_ratio: float = 0.0  # the cosine decays to lr x min_lr_ratio at the last step
-    warmup_steps: int = 100  # linear warmup from 0 (in optimizer steps)
-    weight_decay: float = 0.01  # AdamW decay of matrices (biases, norms and tables are not decayed)
-    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables clipping
-    ema_decay: float = 0.0  # EMA of the weights (e.g. 0.999); 0 = off. Saved as OUT/student_ema
-    mixed_precision: str | None = None  # no | bf16 | fp16 autocast; default bf16 on CUDA, no on CPU
-    gradient_checkpointing: bool = False  # recompute block activations in backward (less memory, ~30% slower)
-    # DataLoader worker processes per rank reading shards; default: the rank's share of CPU cores minus two
-    # (the training process and its torch threads), at most 4 -- 0 on a 2-core machine, where workers
-    # would only compete with training.
-    num_workers: int | None = None
-    seed: int = 0  # student init and the epoch order, which is a function of (seed, epoch)
-    checkpoint_every: int = 500  # optimizer steps between checkpoints; 0 = none
-    keep_checkpoints: int = 2  # newest complete checkpoints kept
-    resume: bool = False  # continue from the newest complete checkpoint in OUT/checkpoints
-    train_steps: tuple[int, ...] | None = None  # train only on these cached step indices ("0,4,8"); default all
-    init_from_teacher: str | None = None  # teacher pipeline/transformer folder or .safetensors to copy weights from
-    teacher_blocks: tuple[int, ...] | None = None  # teacher block of each student block ("0,4,8"); default spread
-    holdout_prompts: int = 0  # prompts kept out of training; their cached samples give the held-out loss
-    eval_every: int = 100  # optimizer steps between held-out evaluations (also at start and end); 0 = ends only
-    log_every: int = 10  # optimizer steps between metrics.jsonl lines
-    device: str = "auto"  # auto (CUDA if present) | cuda | cpu
-    verify: str = "checksum"  # shard check before training: checksum (size + checksum + member index) | size
-    embedding_cache_size: int = 1024  # prompt embeddings kept per reader process (LRU)
-    # The epoch's order: shuffle = a uniform permutation of the samples; grouped = prompts in a random order, a window
-    # of embedding_cache_size / 2 prompts at a time, each window's samples shuffled (each embedding read once per
-    # epoch and rank, not once per sample); auto = grouped when the training prompts outnumber embedding_cache_size
-    order: str = "auto"
-    collective_timeout_s: float = 600.0  # a rank waiting longer than this in a collective fails
-    # How the student is laid over the ranks: ddp = a full replica per rank (weights, gradients, AdamW moments,
-    # EMA); fsdp = PyTorch FSDP2, each rank holds 1/world of all of them (for students whose training state does
-    # not fit one GPU; docs/multi-gpu.md). Checkpoints of fsdp are sharded (torch.distributed.checkpoint);
-    # the run artifact is the same.
-    strategy: str = "ddp"
-    # What the student learns: a registered objective (stages/train_student/objectives.py; `train-student
-    # --help` lists them). velocity = the teacher's prediction at each cached step.
-    objective: str = "velocity"
-    # velocity+feature: student block S learns cached teacher block T ("S:T,..."), weighted by feature_weight
-    feature_pairs: str | None = None
-    feature_weight: float = 1.0
-    # segment: a few-step student sampled with student_steps Euler steps (1 .. the cache's steps; a divisor of them
-    # reproduces the teacher's schedule exactly); segment_velocity_weight > 0 adds that weight x the per-step
-    # velocity loss at the same states; segment_start_weight weighs the segment loss at the states the K-step sampler
-    # starts its steps from (the segments' first states) against 1 at the states inside a segment
-    student_steps: int | None = None
-    segment_velocity_weight: float = 0.0
-    segment_start_weight: float = 1.0
-    # Where the curves go besides metrics.jsonl: tensorboard (event files in OUT/tensorboard), wandb (the optional
-    # extra `wandistiller[wandb]`; WANDB_MODE, WANDB_PROJECT, ... as W&B reads them) or none. Rank 0 alone writes.
-    report_to: str = "tensorboard"
-    # Validation by sampling: every val_every optimizer steps (and at the end) rank 0 samples the student from the
-    # cached initial noise of the first val_max_prompts held-out prompts (all their seeds) and logs the final-latent
-    # MSE against the teacher's cached final latents; 0 = off. Needs holdout_prompts.
-    val_every: int = 0
-    val_max_prompts: int = 4
-    val_decode: bool = False  # also decode those latents with the teacher's VAE (rank 0) and log a teacher|student grid
+    cache: tuple[str, ...] = setting(help="CACHE_DIR of stage one; repeat for several caches with the same "
+                                          "fingerprint.", parse=str_tuple, path=True, multiple=True)
+    student_config: str = setting(help="Student WanTransformer3DModel JSON (configs/student-*.json).",
+                                  check=non_empty, path=True)
+    out: str = setting(help="Output folder: student/, student_ema/, checkpoints/, metrics.jsonl, loss.png, "
+                            "distill.json.", check=non_empty, path=True)
+    epochs: int | None = setting(None, help="Passes over the cache.", check=at_least(1),
+                                 default_text="1, or what --max-steps needs")
+    max_steps: int | None = setting(None, help="Stop after this many optimizer steps (the first of --epochs and "
+                                               "--max-steps wins).", check=at_least(1))
+    batch_size: int = setting(8, help="Samples per rank per micro-step; global batch = batch size x world x "
+                                      "grad accum.", check=at_least(1))
+    grad_accum: int = setting(1, help="Micro-steps per optimizer step.", check=at_least(1))
+    lr: float = setting(1e-4, help="Peak AdamW learning rate, reached after --warmup-steps.", check=positive())
+    min_lr_ratio: float = setting(0.0, help="Cosine floor as a fraction of --lr, reached at the last step.",
+                                  check=in_range(0, 1))
+    warmup_steps: int = setting(100, help="Linear warmup from 0, in optimizer steps.", check=at_least(0))
+    weight_decay: float = setting(0.01, help="AdamW decay of matrices (biases, norms and tables are not decayed).",
+                                  check=positive(allow_zero=True))
+    max_grad_norm: float = setting(1.0, help="Clip the global gradient norm; 0 disables clipping.",
+                                   check=positive(allow_zero=True))
+    ema_decay: float = setting(0.0, help="EMA decay of the weights (e.g. 0.999), saved as OUT/student_ema; 0 = no "
+                                         "EMA.", check=in_range(0, 1, high_open=True, note=" (0 = off)"))
+    mixed_precision: str | None = setting(None, help="Autocast dtype.", check=one_of(("no", "bf16", "fp16")),
+                                          default_text="bf16 on CUDA, no on CPU")
+    gradient_checkpointing: bool = setting(False, help="Recompute block activations in the backward pass (less "
+                                                       "memory, ~30% slower).")
+    num_workers: int | None = setting(None, help="DataLoader worker processes per rank reading shards.",
+                                      check=at_least(0), default_text="CPU cores per rank - 2, at most 4")
+    seed: int = setting(0, help="Student init and epoch order seed (the order is a function of seed and epoch).",
+                        check=at_least(0))
+    checkpoint_every: int = setting(500, help="Optimizer steps between checkpoints; 0 = none.", check=at_least(0))
+    keep_checkpoints: int = setting(2, help="Newest complete checkpoints kept.", check=at_least(1))
+    resume: bool = setting(False, help="Continue from the newest complete checkpoint in --out.")
+    train_steps: tuple[int, ...] | None = setting(None, parse=int_list, default_text="all",
+                                                  help="Train only on these cached step indices, e.g. 0,4,8.")
+    init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder (or "
+                                                                  ".safetensors) to copy matching weights from.")
+    teacher_blocks: tuple[int, ...] | None = setting(None, parse=int_list, default_text="spread",
+                                                     help="Teacher block for each student block, e.g. 0,4,8.")
+    holdout_prompts: int = setting(0, help="Prompts kept out of training; their cached samples give the held-out "
+                                           "loss.", check=at_least(0))
+    eval_every: int = setting(100, help="Optimizer steps between held-out evaluations (also at start and end); 0 = "
+                                        "ends only.", check=at_least(0))
+    log_every: int = setting(10, help="Optimizer steps between metrics.jsonl lines.", check=at_least(1))
+    device: str = setting("auto", help="Training device (auto: CUDA if present).", check=one_of(("auto", "cuda", "cpu")))
+    verify: str = setting("checksum", check=_VERIFY, parse=_VERIFY.parse_alias,
+                          help="Shard check before training: checksum (every byte of every shard against its recorded "
+                               "checksum, and the prompt rows against theirs) or size (sizes and member index); sha256 "
+                               "is checksum's earlier name.")
+    embedding_cache_size: int = setting(1024, help="Prompt embeddings each reader process keeps in memory (LRU).",
+                                        check=at_least(1))
+    order: str = setting("auto", check=one_of(("auto", "shuffle", "grouped")),
+                         help="Epoch order: shuffle (uniform), grouped (prompts a window of --embedding-cache-size / 2 "
+                              "at a time, samples shuffled within the window: each embedding read once per epoch) or "
+                              "auto (grouped when the prompts outnumber --embedding-cache-size).")
+    collective_timeout_s: float = setting(600.0, help="Seconds a rank may wait in a collective before it fails.",
+                                          check=positive())
+    strategy: str = setting("ddp", help=f"How the student is laid over the ranks: {STRATEGIES.listing()}.",
+                            check=one_of(STRATEGIES.names))
+    # A registered objective's name; plug-ins registered after the CLI loaded pass too (get_objective refuses an
+    # unknown one when the stage starts), so the choice is checked there, not here.
+    objective: str = setting("velocity", help=f"What the student learns: {OBJECTIVES.listing()}.", check=non_empty)
+    report_to: str = setting("tensorboard", check=one_of(TRACKERS.names),
+                             help=f"Where the curves go besides metrics.jsonl (rank 0): {TRACKERS.listing()}.")
+    val_every: int = setting(0, check=at_least(0),
+                             help="Optimizer steps between validations by sampling the held-out prompts (final-latent "
+                                  "MSE against the teacher's cached latents; needs --holdout-prompts); 0 = off.")
+    val_max_prompts: int = setting(4, help="Held-out prompts (all their seeds) validation samples.",
+                                   check=at_least(1))
+    val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
+                                           "log a teacher|student image grid.")
+
+    @property
+    def objective_settings(self):
+        """The chosen objective's settings dataclass (None for a plug-in declared without one)."""
+        return settings_of(self, OBJECTIVES[self.objective]) if self.objective in OBJECTIVES else None
 
     def __post_init__(self):
-        if not isinstance(self.objective, str) or not self.objective:
-            raise ValueError(f"objective must be a registered objective's name, got {self.objective!r}")
-        if self.feature_pairs is not None and not isinstance(self.feature_pairs, str):
-            raise ValueError(f"feature-pairs must be a string like \"0:10,1:30\", got {self.feature_pairs!r}")
-        _positive("feature-weight", self.feature_weight, allow_zero=True)
-        _positive("segment-velocity-weight", self.segment_velocity_weight, allow_zero=True)
-        _positive("segment-start-weight", self.segment_start_weight)
-        if self.student_steps is not None:
-            if not isinstance(self.student_steps, int) or isinstance(self.student_steps, bool) or self.student_steps < 1:
-                raise ValueError(f"student-steps must be an integer >= 1, got {self.student_steps!r}")
-            if self.objective == "velocity":
-                raise ValueError("student-steps applies to a few-step objective (--objective segment); a velocity "
-                                 "student samples with any step count (sample/eval --student-steps)")
-        caches = (self.cache,) if isinstance(self.cache, str) else tuple(self.cache or ())
-        object.__setattr__(self, "cache", caches)
-        if not caches or not all(isinstance(c, str) and c for c in caches):
-            raise ValueError("cache must name at least one CACHE_DIR (--cache)")
-        for name in ("student_config", "out"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name.replace('_', '-')} must be a non-empty string")
         if self.num_workers is None:
-            world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
-            object.__setattr__(self, "num_workers", max(0, min(4, (os.cpu_count() or 1) // world - 2)))
-        for name in ("batch_size", "grad_accum", "num_workers", "checkpoint_every", "keep_checkpoints",
-                     "warmup_steps", "holdout_prompts", "eval_every", "log_every", "embedding_cache_size", "seed"):
-            v = getattr(self, name)
-            low = 1 if name in ("batch_size", "grad_accum", "keep_checkpoints", "log_every",
-                                "embedding_cache_size") else 0
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
-        for name in ("epochs", "max_steps"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        _positive("lr", self.lr)
-        _positive("weight-decay", self.weight_decay, allow_zero=True)
-        _positive("max-grad-norm", self.max_grad_norm, allow_zero=True)
-        _positive("collective-timeout-s", self.collective_timeout_s)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"ema-decay must be in [0, 1) (0 = off), got {self.ema_decay!r}")
-        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed-precision must be one of {', '.join(MIXED_PRECISION)}, "
-                             f"got {self.mixed_precision!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
-        object.__setattr__(self, "verify", SHARD_CHECK_ALIASES.get(self.verify, self.verify))
-        if self.verify not in SHARD_CHECKS:
-            raise ValueError(f"verify must be one of {', '.join(SHARD_CHECKS)}, got {self.verify!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+            object.__setattr__(self, "num_workers", _default_workers())
+        check_settings(self)
+        refuse_foreign(self, self.objective, "objective")
+        if not self.cache or not all(isinstance(c, str) and c for c in self.cache):
+            raise ValueError("cache must name at least one CACHE_DIR (--cache)")
         if self.strategy == "fsdp" and self.mixed_precision == "fp16":
             raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
                              "this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
-        object.__setattr__(self, "train_steps", _int_list("train-steps", self.train_steps))
-        object.__setattr__(self, "teacher_blocks", _int_list("teacher-blocks", self.teacher_blocks))
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
-        if self.report_to not in REPORT_TO:
-            raise ValueError(f"report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
-        for name, low in (("val_every", 0), ("val_max_prompts", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
         if self.val_every and not self.holdout_prompts:
             raise ValueError("val-every samples held-out prompts: give --holdout-prompts N too")
         if self.val_decode and not self.val_every:
@@ -387,75 +341,78 @@ class TrainStudentConfig:
 # Settings left as None are resolved at run time from the student's distill.json, then the cache manifest or
 # the teacher, then the DEFAULT_* above; the resolved values are written next to every output.
 
-WEIGHTS = ("auto", "ema", "raw")  # auto = the EMA weights when the run saved them, else the raw ones
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def _check_common(cfg) -> None:
-    for name in ("student", "out"):
-        v = getattr(cfg, name, "-")
-        if not isinstance(v, str) or not v:
-            raise ValueError(f"{name} must be a non-empty path")
-    if cfg.weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {cfg.weights!r}")
+def _device(name, v) -> None:
+    if not _DEVICE_RE.match(str(v)):
+        raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N, got {v!r}")
 
 
-def _check_runtime(cfg) -> None:
-    if not _DEVICE_RE.match(str(cfg.device)):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
-    if cfg.dtype is not None and cfg.dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {cfg.dtype!r}")
+def _student(help: str = "train-student --out folder (student/, distill.json) or a student model folder."):
+    return setting(help=help, check=non_empty, path=True)
 
 
-def _check_ints(cfg, names: tuple[str, ...], minimum: int = 1) -> None:
-    for name in names:
-        v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < minimum):
-            raise ValueError(f"{name.replace('_', '-')} must be an integer >= {minimum}, got {v!r}")
+def _weights():
+    return setting("auto", check=one_of(("auto", "ema", "raw")),
+                   help="Student weights: auto = student_ema/ when the run saved it, else student/.")
 
 
-def _check_scales(cfg, names: tuple[str, ...]) -> None:
-    for name in names:
-        v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"{name.replace('_', '-')} must be a number >= 0, got {v!r}")
+def _compare(help: str):
+    return setting((), help=help, parse=str_tuple, check=_paths, path=True, multiple=True)
+
+
+def _paths(name, v) -> None:
+    if not all(isinstance(c, str) and c for c in v):
+        raise ValueError(f"{name} must list train-student OUT folders, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SampleConfig:
+class _Inference(_DeviceChoice):
+    """What every command that runs a trained student takes: which weights, on which device, in which dtype."""
+
+    student: str = _student()
+    weights: str = _weights()
+    device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_device)
+    dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleConfig(_Inference):
     """`wandistiller sample`: teacher and student images from the same noise, side by side in one PNG."""
 
     TOML_SECTION = "sample"
 
-    student: str  # train-student OUT (holding student/ and distill.json) or a student transformer folder
-    prompts: str  # .txt or .jsonl prompt file
-    out: str  # the PNG grid to write; its settings go to the same name + .json
-    teacher: str | None = None  # Wan pipeline folder or hub id; default: the teacher named in distill.json
-    weights: str = "auto"  # auto | ema | raw
-    steps: int | None = None  # default: distill.json's steps, else DEFAULT_STEPS
-    guidance: float | None = None  # the teacher's CFG scale; default: distill.json's, else DEFAULT_GUIDANCE
-    guidance_2: float | None = None  # the teacher's low-noise expert scale (Wan 2.2); default: distill.json's
-    student_guidance: float | None = None  # default 1.0 when the student learned guided targets, else --guidance
-    negative_prompt: str | None = None  # default: distill.json's, else empty
-    seed: int = 0  # prompt i starts from noise seeded with seed + i, for teacher and student alike
-    height: int | None = None  # default: distill.json's latent_shape x the VAE factor, else DEFAULT_HEIGHT
-    width: int | None = None  # default: as height, else DEFAULT_WIDTH
-    max_sequence_length: int | None = None  # default: distill.json's, else DEFAULT_MAX_SEQUENCE_LENGTH
-    max_prompts: int = 8  # the first K prompts of the file (one grid row each)
-    student_steps: int | None = None  # the student's sampling steps; default: distill.json's (a few-step student's K)
-    compare: tuple[str, ...] = ()  # more train-student OUTs drawn beside the student, each at its own steps
-    device: str = "auto"  # auto (cuda if visible) | cpu | cuda | cuda:N
-    dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
+    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.", default_text="the teacher named in "
+                                                                                          "distill.json")
+    prompts: str = setting(help="Prompt file (.txt or .jsonl); one grid row per prompt.", check=non_empty, path=True)
+    out: str = setting(help="PNG grid to write; the settings used go to OUT.json.", check=non_empty, path=True)
+    steps: int | None = setting(None, help="Denoising steps for both.", check=at_least(1),
+                                default_text=f"distill.json's, else {DEFAULT_STEPS}")
+    guidance: float | None = setting(None, help="The teacher's CFG scale.", check=positive(allow_zero=True),
+                                     default_text=f"distill.json's, else {DEFAULT_GUIDANCE}")
+    guidance_2: float | None = setting(None, help="The teacher's low-noise expert scale (Wan 2.2).",
+                                       check=positive(allow_zero=True), default_text="distill.json's")
+    student_guidance: float | None = setting(None, help="The student's CFG scale.", check=positive(allow_zero=True),
+                                             default_text="1.0 if the student learned guided targets, else --guidance")
+    negative_prompt: str | None = setting(None, help="Negative prompt for CFG.",
+                                          default_text="distill.json's, else empty")
+    seed: int = setting(0, help="Noise seed; prompt i starts from seed + i, for teacher and student alike.",
+                        check=at_least(0))
+    height: int | None = setting(None, help="Image height.", check=at_least(1),
+                                 default_text=f"the training resolution, else {DEFAULT_HEIGHT}")
+    width: int | None = setting(None, help="Image width.", check=at_least(1),
+                                default_text=f"the training resolution, else {DEFAULT_WIDTH}")
+    max_sequence_length: int | None = setting(None, help="Text tokens.", check=at_least(1),
+                                              default_text=f"distill.json's, else {DEFAULT_MAX_SEQUENCE_LENGTH}")
+    max_prompts: int = setting(8, help="Use the first K prompts of the file (one grid row each).", check=at_least(1))
+    student_steps: int | None = setting(None, help="The student's sampling steps.", check=at_least(1),
+                                        default_text="distill.json's: a few-step student's K, else --steps")
+    compare: tuple[str, ...] = _compare("Another train-student OUT drawn beside the student at its own steps "
+                                        "(repeatable).")
 
     def __post_init__(self):
-        _check_common(self)
-        _check_runtime(self)
-        if not isinstance(self.prompts, str) or not self.prompts:
-            raise ValueError("prompts must be a non-empty path")
-        _check_ints(self, ("steps", "height", "width", "max_sequence_length", "max_prompts", "student_steps"))
-        object.__setattr__(self, "compare", (self.compare,) if isinstance(self.compare, str) else tuple(self.compare or ()))
-        _check_ints(self, ("seed",), minimum=0)
-        _check_scales(self, ("guidance", "guidance_2", "student_guidance"))
+        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -464,62 +421,61 @@ class ExportConfig:
 
     TOML_SECTION = "export"
 
-    student: str  # train-student OUT or a student transformer folder
-    out: str  # the pipeline folder to create
-    teacher: str | None = None  # default: the teacher named in distill.json
-    weights: str = "auto"  # auto | ema | raw
-    copy: bool = False  # copy the teacher's text encoder, tokenizer, VAE, scheduler instead of symlinking them
-    overwrite: bool = False  # replace an earlier export at --out (never any other folder)
+    student: str = _student()
+    weights: str = _weights()
+    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.",
+                                  default_text="the teacher named in distill.json")
+    out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
+    copy: bool = setting(False, flag="copy/symlink", help="Copy the teacher's text encoder, tokenizer, VAE and "
+                                                          "scheduler, or symlink them.")
+    overwrite: bool = setting(False, help="Replace an earlier export at --out (never any other folder).")
+
+    cpu_only = True  # export copies weights and writes files: never a GPU
 
     def __post_init__(self):
-        _check_common(self)
+        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(_Inference):
     """`wandistiller eval`: the student against the teacher's cached trajectories."""
 
     TOML_SECTION = "eval"
 
-    student: str  # train-student OUT or a student transformer folder
-    cache: str  # CACHE_DIR of stage one (ideally of held-out prompts)
-    prompts: str | None = None  # held-out prompt file: evaluate only the cache's prompts listed there
-    max_prompts: int | None = None  # the first K selected prompts (all seeds of each); default all
-    report: str | None = None  # JSON report; default OUT/eval.json; the plot goes next to it (.png)
-    teacher: str | None = None  # for the timing comparison; default: the manifest's teacher
-    teacher_timing: bool = True  # time the teacher too (loads its transformers, not its text encoder or VAE)
-    timing_runs: int = 2  # trajectories timed for each model (after one warm-up run)
-    init_seed: int | None = None  # seed of the untrained student; default: distill.json's init_seed/seed, else 0
-    weights: str = "auto"  # auto | ema | raw
-    batch_size: int = 8  # samples (velocity MSE) or trajectories (sampling) per forward
-    # Shapes captions (pipeline/shapes.py grammar, e.g. data/shapes-heldout.txt) that teacher and student draw
-    # from the same noise, read by the attribute checker (stages/sample/attributes.py); loads the teacher's
-    # text encoder and VAE. Default: none.
-    attributes: str | None = None
-    attribute_max_prompts: int | None = None  # the first K captions of --attributes; default all
-    attribute_grid: int = 8  # teacher | student pairs of the first K captions drawn into REPORT-attributes.png
-    # The student's sampling steps, one entry each ("1,2,4"); default: its own (distill.json's student_steps, else
-    # the teacher's steps).
-    student_steps: tuple[int, ...] | None = None
-    compare: tuple[str, ...] = ()  # more train-student OUTs, each sampled at its own steps from the same noise
-    device: str = "auto"
-    dtype: str | None = None
+    cache: str = setting(help="CACHE_DIR whose trajectories to compare with (ideally held out).", check=non_empty,
+                         path=True)
+    prompts: str | None = setting(None, path=True, help="Held-out prompt file: only the cache's prompts listed there.")
+    max_prompts: int | None = setting(None, help="Use the first K selected prompts (all their seeds).",
+                                      check=at_least(1), default_text="all")
+    report: str | None = setting(None, path=True, help="JSON report; the plot goes next to it.",
+                                 default_text="STUDENT/eval.json")
+    teacher: str | None = setting(None, help="Teacher for the timing comparison.",
+                                  default_text="the cache manifest's teacher")
+    teacher_timing: bool = setting(True, help="Time the teacher too (loads its transformers, not its text encoder or "
+                                              "VAE).")
+    timing_runs: int = setting(2, help="Trajectories timed per model, after a warm-up.", check=at_least(1))
+    init_seed: int | None = setting(None, help="Seed of the untrained baseline.", check=at_least(0),
+                                    default_text="student_init/ if saved, else distill.json's, else 0")
+    batch_size: int = setting(8, help="Samples (velocity MSE) or trajectories (sampling) per forward.",
+                              check=at_least(1))
+    attributes: str | None = setting(None, check=non_empty, path=True,
+                                     help="Shapes captions (data/shapes-heldout.txt) that teacher and student draw, "
+                                          "scored by the attribute checker (colours, position); needs the teacher's "
+                                          "text encoder and VAE.")
+    attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
+                                                check=at_least(1), default_text="all")
+    attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
+                                  check=at_least(0))
+    student_steps: tuple[int, ...] | None = setting(
+        None, parse=int_list, check=lambda name, v: None if min(v) >= 1 else _bad_steps(name, v),
+        help="Sample the student with each of these step counts, e.g. 1,2,4.",
+        default_text="its own: distill.json's student_steps, else the teacher's steps")
+    compare: tuple[str, ...] = _compare("Another train-student OUT sampled at its own steps from the same noise "
+                                        "(repeatable); the report's table lines them up with the teacher.")
 
     def __post_init__(self):
-        _check_common(self)
-        _check_runtime(self)
-        if not isinstance(self.cache, str) or not self.cache:
-            raise ValueError("cache must be a non-empty path")
-        if self.attributes is not None and (not isinstance(self.attributes, str) or not self.attributes):
-            raise ValueError("attributes must be a non-empty path")
-        _check_ints(self, ("max_prompts", "timing_runs", "batch_size", "attribute_max_prompts"))
-        _check_ints(self, ("attribute_grid",), minimum=0)
-        _check_ints(self, ("init_seed",), minimum=0)
-        steps = _int_list("student-steps", self.student_steps)
-        if steps is not None and min(steps) < 1:
-            raise ValueError(f"student-steps must list integers >= 1, got {self.student_steps!r}")
-        object.__setattr__(self, "student_steps", steps)
-        compare = (self.compare,) if isinstance(self.compare, str) else tuple(self.compare or ())
-        if not all(isinstance(c, str) and c for c in compare):
-            raise ValueError(f"compare must list train-student OUT folders, got {self.compare!r}")
-        object.__setattr__(self, "compare", compare)
+        check_settings(self)
+
+
+def _bad_steps(name, v):
+    raise ValueError(f"{name} must list integers >= 1, got {v!r}")

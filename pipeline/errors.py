@@ -35,15 +35,14 @@ import time
 import traceback
 from typing import NoReturn
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from cache.errors import CacheError
 
-from .runtime import DistEnv
-from .signals import Terminated
+if TYPE_CHECKING:
+    from .runtime import DistEnv
 
 EXIT_BUG = 1
 EXIT_USAGE = 2
@@ -55,6 +54,17 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempt
 
 class UserError(Exception):
     """A problem the user caused and can fix; the message says what and how."""
+
+
+class Terminated(BaseException):
+    """SIGTERM stopped the stage (pipeline/signals.py). The message, when there is one, says where it stopped and how
+    to continue. A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+
+def _torch():
+    """torch when this process has imported it, else None: an exception of torch's can only come from a process
+    that imported it, and the CLI's own errors (a bad flag) must not wait seconds for torch to load."""
+    return sys.modules.get("torch")
 
 
 # Stage-specific remedies printed with an out-of-memory report, most effective first.
@@ -92,7 +102,8 @@ def _memory_report() -> list[str]:
     """Memory figures of this process: peak RSS, and per-CUDA-device allocated/reserved/free when this process
     uses CUDA (a CPU run's report must not initialise it)."""
     lines = [f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         for d in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(d)
             lines.append(
@@ -125,7 +136,8 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     lines). EXIT_BUG means the exception was not expected: callers keep its traceback.
     """
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    torch = _torch()
+    if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         return EXIT_OOM, _oom_message(stage, exc)
     if isinstance(exc, (UserError, CacheError)):
         return EXIT_USAGE, str(exc)
@@ -136,7 +148,8 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
         return EXIT_TERMINATED, str(exc) or f"terminated (SIGTERM); {rerun} to continue"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"interrupted; {rerun} to continue"
-    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)):
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
+    if isinstance(exc, dist_error) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)):
         return EXIT_PEER_LOST, (f"lost contact with another rank ({_first_line(exc)}); the rank that failed first "
                                 "prints why")
     return EXIT_BUG, f"{type(exc).__name__}: {exc}"
@@ -147,8 +160,8 @@ def _rank_prefix() -> str:
     return f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
 
 
-class _TorchrunErrorFile(ErrorHandler):
-    """torch elastic's per-worker error file (TORCHELASTIC_ERROR_FILE), holding the text we printed.
+def _record_for_torchrun(text: str) -> None:
+    """Put our text into torch elastic's per-worker error file (TORCHELASTIC_ERROR_FILE), a no-op outside torchrun.
 
     torchrun's ChildFailedError summary prints a record's `extraInfo.py_callstack`. The stock
     `ErrorHandler.record_exception(e)` (what torch's `@record` calls) fills it with `traceback.format_exc()`
@@ -157,12 +170,15 @@ class _TorchrunErrorFile(ErrorHandler):
     an exception) and puts our text into it. `@record` itself does not fit: a failing rank leaves through
     `os._exit` (below), and it passes a `sys.exit(2)` of `user_errors` through without recording it.
     """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):  # not under torchrun: nothing to record, torch not needed
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    def record_text(self, text: str) -> None:
-        path = self._get_error_file_path()
-        if path:
-            info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-            self._write_error_file(path, json.dumps({"message": {"message": text, "extraInfo": info}}))
+    handler = ErrorHandler()
+    path = handler._get_error_file_path()
+    if path:
+        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
+        handler._write_error_file(path, json.dumps({"message": {"message": text, "extraInfo": info}}))
 
 
 def user_errors(stage: str):
@@ -181,7 +197,7 @@ def user_errors(stage: str):
                 text = f"{_rank_prefix()}error: {message}"
                 click.echo(text, err=True)
                 sys.stderr.flush()
-                _TorchrunErrorFile().record_text(text)  # a no-op outside torchrun
+                _record_for_torchrun(text)  # a no-op outside torchrun
                 sys.exit(code)
 
         return wrapper
@@ -204,7 +220,7 @@ def exit_rank(exc: BaseException, env: DistEnv, stage: str) -> NoReturn:
     if env.rank == 0 or not getattr(exc, "all_ranks", False):
         # The leading newline keeps the message off rank 0's progress-bar line.
         print("\n" + text, file=sys.stderr, flush=True)
-    _TorchrunErrorFile().record_text(text)  # every rank: torchrun's summary lists each failed rank's cause
+    _record_for_torchrun(text)  # every rank: torchrun's summary lists each failed rank's cause
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

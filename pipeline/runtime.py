@@ -28,6 +28,18 @@ def dist_env() -> DistEnv:
                    int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def hide_gpus() -> None:
+    """Hide the GPUs from this process and its children, for a run that asked for the CPU. Called before anything
+    asks CUDA, because much does without being asked to: importing diffusers queries the accelerator, and torch's
+    optimizers ask the current accelerator's stream at every step, even for CPU parameters. Each query initialises
+    the CUDA driver: on GPU 0 a context nobody wanted (one per torchrun rank), and in a process forked after
+    CUDA started, "CUDA error: initialization error". CUDA reads CUDA_VISIBLE_DEVICES once, at its first query;
+    DataLoader workers and torchrun's ranks inherit it."""
+    if torch.cuda.is_initialized():  # too late to hide (an in-process caller used CUDA already): nothing to gain
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def init_distributed(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistEnv:
     """Join the torchrun process group: NCCL when the ranks compute on CUDA (each on its LOCAL_RANK GPU), gloo
     otherwise; no-op for one process. `use_cuda` is the run's choice (None: whether CUDA is visible); a run

@@ -21,11 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-
-class Terminated(BaseException):
-    """SIGTERM stopped the stage. The message, when there is one, says where it stopped and how to continue.
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
-
+from .errors import Terminated  # noqa: F401 (raised here; declared with the exit codes that map it to 143)
 
 _installed = False
 _requested = False

@@ -37,6 +37,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _gpus_stay_visible():
+    """A CPU command run in this process hides the GPUs from it (`runtime.hide_gpus` sets CUDA_VISIBLE_DEVICES);
+    the next test, and the processes it starts (torchrun ranks of a gpu test), see them again."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    yield
+    if saved is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_teacher_factory(tmp_path_factory):
     """tiny_teacher_factory(variant, seed=0) -> path of a tiny teacher folder (built once per variant/seed)."""

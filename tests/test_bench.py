@@ -110,7 +110,9 @@ def test_real_size_quick_run(tmp_path):
 def test_a_quick_run_never_writes_over_the_measured_figures():
     from bench.common import RESULTS, RESULTS_CUDA, cli_results_path, results_path
 
-    assert cli_results_path([]) == cli_results_path(["--device=cpu"]) == RESULTS
-    assert cli_results_path(["--quick"]) == cli_results_path(["--device", "cpu", "--quick"]) == \
-        RESULTS.with_name("results-quick.json")
+    # No --device means auto: the CPU's file here, the GPU's on a GPU box.
+    auto = RESULTS_CUDA if torch.cuda.is_available() else RESULTS
+    assert cli_results_path([]) == auto and cli_results_path(["--device=cpu"]) == RESULTS
+    assert cli_results_path(["--quick"]) == auto.with_name(auto.stem + "-quick.json")
+    assert cli_results_path(["--device", "cpu", "--quick"]) == RESULTS.with_name("results-quick.json")
     assert results_path(torch.device("cuda"), quick=True) == RESULTS_CUDA.with_name("results-cuda-quick.json")

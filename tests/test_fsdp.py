@@ -36,18 +36,28 @@ def test_strategy_is_a_checked_choice(tiny_cache, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_one_process_fsdp_equals_ddp_and_checkpoints_keep_their_strategy(tiny_cache, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_process_fsdp_equals_ddp_and_checkpoints_keep_their_strategy(tiny_cache, tmp_path, device):
+    """On the CPU the same bits; on CUDA (in float32, so that only the strategy differs) within 1e-4, since CUDA
+    kernels need not add in the same order in two runs."""
     kw = dict(train_steps="0,1,2", batch_size=4, grad_accum=2, epochs=2, warmup_steps=1, ema_decay=0.9, seed=11,
-              holdout_prompts=1, eval_every=2, val_every=3, checkpoint_every=2, report_to="none")
+              holdout_prompts=1, eval_every=2, val_every=3, checkpoint_every=2, report_to="none", device=device,
+              mixed_precision="no")
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     train(tiny_cache, ddp, **kw)
     train(tiny_cache, fsdp, strategy="fsdp", **kw)
-    # one rank: the same arithmetic in the same order, so the same bits (evaluation, EMA validation included)
-    assert_same_students(fsdp, ddp)
-    for kind in ("train", "eval"):
-        assert [r.get("loss", r.get("heldout_loss")) for r in metrics(fsdp, kind)] == \
-               [r.get("loss", r.get("heldout_loss")) for r in metrics(ddp, kind)]
-    assert _val(fsdp) == _val(ddp) and len(_val(ddp)) == 3
+    losses = {run: [r.get("loss", r.get("heldout_loss")) for kind in ("train", "eval") for r in metrics(run, kind)]
+              for run in (ddp, fsdp)}
+    if device == "cpu":
+        # one rank: the same arithmetic in the same order, so the same bits (evaluation, EMA validation included)
+        assert_same_students(fsdp, ddp)
+        assert losses[fsdp] == losses[ddp]
+        assert _val(fsdp) == _val(ddp) and len(_val(ddp)) == 3
+    else:
+        for name in ("student", "student_ema"):
+            assert max_rel_diff(weights(fsdp / name), weights(ddp / name)) <= 1e-4, name
+        assert losses[fsdp] == pytest.approx(losses[ddp], rel=1e-4)
+        assert [v for _, v in _val(fsdp)] == pytest.approx([v for _, v in _val(ddp)], rel=1e-4)
     for name in ("student", "student_ema"):  # the artifact: the same files, the same model config
         assert sorted(p.name for p in (fsdp / name).iterdir()) == sorted(p.name for p in (ddp / name).iterdir())
         assert (fsdp / name / "config.json").read_text() == (ddp / name / "config.json").read_text()

@@ -21,7 +21,7 @@ from conftest import ROOT, TINY_CACHE_ARGS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.errors import UserError
 from stages.teacher_cache import blocks, offload, placements
-from stages.teacher_cache.flags import legacy_flags
+from pipeline.legacy_flags import legacy_flags
 from stages.teacher_cache.placements.device_map import check_device_map, parse_max_memory, read_device_map
 from stages.teacher_cache.teacher import ExpertSet, resolve_teacher
 

@@ -4,84 +4,30 @@ stage one on the CPU, a one-block student of the Wan2.1-1.3B shape (dim 1536, 12
 steps from that cache, and `cache verify` passes it, all through the CLI.
 
 Sizes that are not widths stay small to fit the CI budget: 64x64 images (16 latent tokens), 2 prompts, 2 steps,
-64 text tokens, a ~600-word vocabulary. The weights are written in bfloat16, as the real checkpoints are, and
-loaded by stage one in float32 (the CPU default): ~4.7 GB of RAM for the two experts. They are drawn by tiling
-one seeded random block, not by each module's init: drawing 1.4 billion numbers one by one would take most of
-the budget, and what this test checks is that every width-dependent path runs, not what the teacher draws.
+64 text tokens, a ~600-word vocabulary. The teacher is bench/a14b_teacher.py's, its weights in bfloat16, loaded by
+stage one in float32 (the CPU default): ~4.7 GB of RAM for the two experts.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from bench.a14b_teacher import A14B, write_a14b_teacher
 from pipeline.cli import main
 
 pytestmark = pytest.mark.slow
 
-A14B = dict(dim=5120, heads=40, ffn=13824, text_dim=4096, z_dim=16)
 STUDENT = dict(dim=1536, heads=12, ffn=8960)
-UMT5_XXL = dict(d_model=4096, d_kv=64, num_heads=64, d_ff=10240, relative_attention_num_buckets=32,
-                relative_attention_max_distance=128)
-
-
-def _fill(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Give every parameter of a model built on the meta device real memory (bfloat16) and values: matrices
-    N(0, 1/fan_in) in distribution (a tiled seeded random block), norm weights 1, biases 0."""
-    g = torch.Generator().manual_seed(seed)
-    block = torch.randn(1 << 22, generator=g)
-    model = model.to(torch.bfloat16).to_empty(device="cpu")
-    with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
-            if p.ndim >= 2:
-                flat, src = p.view(-1), torch.roll(block, -(i * 7919) % block.numel())
-                for lo in range(0, flat.numel(), src.numel()):
-                    flat[lo:lo + src.numel()] = src[:flat.numel() - lo]
-                p.mul_(p[0].numel() ** -0.5)
-            else:
-                p.fill_(1.0 if "norm" in name else 0.0)
-    return model.eval()
-
-
-def write_real_width_teacher(out: Path, seed: int = 0) -> Path:
-    """The embedded tiny Wan 2.2 teacher (tokenizer, VAE, scheduler, boundary ratio) with its text encoder and both
-    experts replaced by ones of the real A14B widths, one block each."""
-    from diffusers import WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from pipeline.tiny_teacher import write_tiny_teacher
-
-    write_tiny_teacher(out, "wan2.2", seed)
-    vocab = json.loads((out / "text_encoder" / "config.json").read_text())["vocab_size"]
-    with torch.device("meta"):
-        encoder = UMT5EncoderModel(UMT5Config(vocab_size=vocab, num_layers=1, feed_forward_proj="gated-gelu",
-                                              dropout_rate=0.0, pad_token_id=0, eos_token_id=1, **UMT5_XXL))
-    parts = {"text_encoder": lambda: encoder}
-    for comp in ("transformer", "transformer_2"):
-        parts[comp] = lambda: WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=A14B["heads"], attention_head_dim=A14B["dim"] // A14B["heads"],
-            in_channels=A14B["z_dim"], out_channels=A14B["z_dim"], text_dim=A14B["text_dim"], freq_dim=256,
-            ffn_dim=A14B["ffn"], num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-            rope_max_seq_len=1024)
-    for i, (comp, build) in enumerate(parts.items()):  # one at a time: each is written, then freed
-        with torch.device("meta"):
-            model = build()
-        model = _fill(model, seed + 10 + i)
-        for f in (out / comp).iterdir():
-            f.unlink()
-        model.save_pretrained(out / comp, safe_serialization=True)
-        del model
-    return out
 
 
 def test_real_width_stage_one_stage_two_verify(tmp_path, prompts_file):
     t0 = time.perf_counter()
-    teacher = write_real_width_teacher(tmp_path / "teacher")
+    teacher = write_a14b_teacher(tmp_path / "teacher")
     t_teacher = time.perf_counter()
     cache, out = tmp_path / "cache", tmp_path / "student"
     run = lambda *args: CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)  # noqa: E731

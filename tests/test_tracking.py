@@ -54,28 +54,34 @@ def test_tensorboard_scalars_match_metrics_jsonl(tiny_cache, tmp_path):
     assert all(0 <= r["data_wait_frac"] <= 1 and r["peak_mem_gib"] > 0 for r in metrics(out))
 
 
-def test_validation_sampling_matches_eval(tiny_cache, tmp_path):
+@pytest.mark.parametrize("device, rel", [("cpu", 1e-5), pytest.param("cuda", 1e-2, marks=pytest.mark.gpu)])
+def test_validation_sampling_matches_eval(tiny_cache, tmp_path, device, rel):
+    """On CUDA validation samples under autocast and eval in bfloat16: an H200 had them 6.6e-4 apart."""
     from pipeline.config import EvalConfig
     from stages.sample import evaluate
 
     out = tmp_path / "run"
-    train(tiny_cache, out, max_steps=3, holdout_prompts=2, val_every=2, val_max_prompts=2, report_to="none")
+    train(tiny_cache, out, max_steps=3, holdout_prompts=2, val_every=2, val_max_prompts=2, report_to="none",
+          device=device)
     val = [r for r in records(out) if r["type"] == "val"]
     assert [r["step"] for r in val] == [0, 2, 3]
     last = val[-1]
     held = json.loads((out / "distill.json").read_text())["heldout_prompts"]
     report = evaluate.run(EvalConfig(student=str(out), cache=str(tiny_cache), teacher_timing=False,
-                                     report=str(tmp_path / "eval.json")))
+                                     report=str(tmp_path / "eval.json"), device=device))
     per = {f"p{t['prompt_idx']}_s{t['seed_idx']}": t["student"] for t in report["final_latent_mse"]["per_trajectory"]}
     assert sorted(per) == sorted(last["final_latent_mse_per_prompt"]) and len(per) == len(held) == 2
     for name, err in last["final_latent_mse_per_prompt"].items():
-        assert err == pytest.approx(per[name], rel=1e-5), name
-    assert last["final_latent_mse"] == pytest.approx(report["final_latent_mse"]["student"], rel=1e-5)
+        assert err == pytest.approx(per[name], rel=rel), name
+    assert last["final_latent_mse"] == pytest.approx(report["final_latent_mse"]["student"], rel=rel)
     assert val[0]["final_latent_mse"] != last["final_latent_mse"]  # the student moved
     # validating changes nothing of the training: the same run without it ends with the same weights
-    train(tiny_cache, tmp_path / "plain", max_steps=3, holdout_prompts=2, report_to="none")
+    train(tiny_cache, tmp_path / "plain", max_steps=3, holdout_prompts=2, report_to="none", device=device)
     a, b = weights(out / "student"), weights(tmp_path / "plain" / "student")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    if device == "cpu":
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    else:  # CUDA's backward kernels may add in another order from run to run
+        assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
 
 
 def test_resume_after_sigkill_continues_one_tensorboard_curve(tiny_cache, tmp_path):

@@ -28,10 +28,11 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def train(cache, out, **kw) -> dict:
-    """Run stage two in this process with small, fast defaults."""
+    """Run stage two in this process with small, fast defaults, on the CPU unless `device` says otherwise: what
+    these tests compare bit for bit (two ranks and one, a resume and a whole run) is the CPU's arithmetic."""
     caches = tuple(str(c) for c in (cache if isinstance(cache, (list, tuple)) else [cache]))
     args = dict(cache=caches, student_config=TINY, out=str(out), num_workers=0, warmup_steps=0, log_every=1,
-                eval_every=0, checkpoint_every=0, lr=1e-3, batch_size=4)
+                eval_every=0, checkpoint_every=0, lr=1e-3, batch_size=4, device="cpu")
     args.update(kw)
     return train_student.run(TrainStudentConfig(**args))
 
@@ -232,14 +233,16 @@ def test_kill_and_resume_gives_the_same_run(tiny_cache, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_grad_accum_matches_a_larger_batch(tiny_cache, tmp_path):
+@pytest.mark.parametrize("device, tol", [("cpu", 1e-5), pytest.param("cuda", 2e-3, marks=pytest.mark.gpu)])
+def test_grad_accum_matches_a_larger_batch(tiny_cache, tmp_path, device, tol):
+    """On CUDA under bf16 autocast (its default) the losses were 1.5e-4 apart on an H200: the bound is ~10x that."""
     # 28 samples: 4 x 2 micro-batches per step, the epoch's last step is short (4 samples).
-    train(tiny_cache, tmp_path / "accum", batch_size=4, grad_accum=2, epochs=2)
-    train(tiny_cache, tmp_path / "big", batch_size=8, grad_accum=1, epochs=2)
+    train(tiny_cache, tmp_path / "accum", batch_size=4, grad_accum=2, epochs=2, device=device)
+    train(tiny_cache, tmp_path / "big", batch_size=8, grad_accum=1, epochs=2, device=device)
     la, lb = metrics(tmp_path / "accum"), metrics(tmp_path / "big")
     assert len(la) == len(lb) == 8
-    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(la, lb)) < 1e-5
-    assert max_rel_diff(weights(tmp_path / "accum" / "student"), weights(tmp_path / "big" / "student")) < 1e-5
+    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(la, lb)) < tol
+    assert max_rel_diff(weights(tmp_path / "accum" / "student"), weights(tmp_path / "big" / "student")) < tol
 
 
 @pytest.mark.slow

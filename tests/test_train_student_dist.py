@@ -25,7 +25,8 @@ ARGS = dict(train_steps="0,1,2", batch_size=2, grad_accum=2, epochs=2, lr=1e-3, 
 def torchrun(cache: Path, out: Path, env_extra: dict, timeout: float, **kw) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "pipeline.cli", "train-student", "--cache", str(cache), "--student-config", TINY, "--out", str(out),
-            "--num-workers", "1", "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0"]
+            "--num-workers", "1", "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0",
+            "--device", "cpu"]  # two gloo ranks on the CPU: a GPU box refuses two ranks on one GPU
     for k, v in kw.items():
         flag = k.replace("_", "-")
         args += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]

@@ -11,12 +11,15 @@ Wan 2.2 teach through the same pairs.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from cache import format as F
 from pipeline.errors import UserError
+from pipeline.registries import FeatureSettings
 
-from .objectives import Batch, Objective, Outputs, block_output, mse, register
+from .objective import Batch, Objective, Outputs, block_output, mse, register
 
 
 def parse_pairs(text) -> tuple[tuple[int, int], ...]:
@@ -36,9 +39,7 @@ def parse_pairs(text) -> tuple[tuple[int, int], ...]:
 
 @register
 class VelocityFeature(Objective):
-    name = "velocity+feature"
-    help = ("velocity plus MSE of learned projections of student blocks to the cached teacher features "
-            "(--feature-pairs S:T,..., --feature-weight; the cache needs --record-features)")
+    Config = FeatureSettings
     fields = (F.T_X_T, F.T_TARGET, F.T_FEATURES)
 
     def __init__(self, settings: dict | None = None):
@@ -51,11 +52,12 @@ class VelocityFeature(Objective):
 
     @classmethod
     def from_config(cls, cfg) -> VelocityFeature:
-        if not cfg.feature_pairs:
+        settings = cfg.objective_settings
+        if not settings.feature_pairs:
             raise UserError("--objective velocity+feature needs --feature-pairs S:T,... (student block:teacher block "
                             "recorded by teacher-cache --record-features)")
-        return cls({"feature_pairs": ",".join(f"{s}:{t}" for s, t in parse_pairs(cfg.feature_pairs)),
-                    "feature_weight": cfg.feature_weight})
+        pairs = ",".join(f"{s}:{t}" for s, t in parse_pairs(settings.feature_pairs))
+        return cls({**asdict(settings), "feature_pairs": pairs})
 
     def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module:
         recorded = [int(b) for b in manifest.get(F.F_RECORD_FEATURES) or []]

@@ -1,192 +1,31 @@
 """Distillation objectives: what stage two teaches the student, chosen by `train-student --objective NAME`.
 
-An objective is one registered class. It declares the cache fields it reads (names from
-`cache/schema.py`) and the model outputs it needs, may add trainable modules (projection heads) that are
-checkpointed and resumed with the student but never exported, and turns one forward of the student into
-per-sample loss terms. Stage two checks the declarations against the cache before the first step, records
-the objective and its settings in distill.json (pipeline/artifact.py), and otherwise stays the same for
-every objective: the exact epoch plan, loss scaling over ranks, checkpoints and resume.
+An objective is one registered class (objective.py says what it declares). Stage two checks the declarations
+against the cache before the first step, records the objective and its settings in distill.json
+(pipeline/artifact.py), and otherwise stays the same for every objective: the exact epoch plan, loss scaling over
+ranks, checkpoints and resume.
 
-Adding an objective: a subclass below (or in a module imported here) decorated with `@register`.
+Adding an objective: its settings dataclass, name and help in pipeline/registries.py (OBJECTIVES), and a subclass
+below (or in a module imported at the end) with `Config` set to that dataclass, decorated with `@register`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from cache import format as F
-from cache.schema import SAMPLE_FIELDS, missing_fields, recorded_steps, sample_fields
+from cache.schema import recorded_steps
 from pipeline.errors import UserError
+from pipeline.registries import SegmentSettings, VelocitySettings
+
+from .objective import (  # noqa: F401 (the objectives' API, importable from here)
+    OBJECTIVES, PREDICTION, Batch, Objective, Outputs, WithHeads, block_output, check_cache, get_objective, mse,
+    register, registered, student_forward,
+)
 
 log = logging.getLogger(__name__)
-
-PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
-
-
-def block_output(i: int) -> str:
-    """Name of the model output "hidden states after student block i"."""
-    return f"block:{i}"
-
-
-@dataclass
-class Batch:
-    """One micro-batch on the device: the cache fields an objective asked for, the model inputs, weights."""
-
-    fields: dict[str, torch.Tensor]  # schema field name -> [B, ...] float32
-    timestep: torch.Tensor  # the transformer's timestep input (per token for TI2V)
-    context: torch.Tensor  # prompt embeddings [B, L, D]
-    weight: torch.Tensor  # [B]: 1 for a sample, 0 for an epoch's padding dummy
-    meta: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample metadata (timestep, sigma, step)
-
-    @property
-    def x_t(self) -> torch.Tensor:
-        return self.fields[F.T_X_T]
-
-
-@dataclass
-class Outputs:
-    """What one student forward produced: the prediction and any block outputs that were asked for."""
-
-    prediction: torch.Tensor
-    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class WithHeads(torch.nn.Module):
-    """The student and an objective's heads as one module, so DDP averages the heads' gradients too; its
-    forward is the student's."""
-
-    def __init__(self, student: torch.nn.Module, heads: torch.nn.Module):
-        super().__init__()
-        self.student, self.heads = student, heads
-
-    def forward(self, *args, **kwargs):
-        return self.student(*args, **kwargs)
-
-
-def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, blocks: tuple[int, ...] = ()) -> Outputs:
-    """Run the student (DDP-wrapped or not) on the batch, capturing the outputs of `blocks` with forward hooks
-    on the student's own blocks (they only read, so the numerics are those of a plain forward)."""
-    inner = getattr(model, "module", model)  # DDP
-    inner = getattr(inner, "student", inner)  # WithHeads
-    captured: dict[int, torch.Tensor] = {}
-    handles = []
-    for i in blocks:
-        handles.append(inner.blocks[i].register_forward_hook(
-            lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)))
-    try:
-        with autocast():
-            pred = model(hidden_states=batch.x_t, timestep=batch.timestep, encoder_hidden_states=batch.context,
-                         return_dict=False)[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return Outputs(pred, captured)
-
-
-def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean squared error in float32: [B, ...] x [B, ...] -> [B]."""
-    return (a.float() - b).pow(2).flatten(1).mean(1)
-
-
-class Objective:
-    """Base of every objective; subclasses set the class attributes and implement `terms`."""
-
-    name: ClassVar[str]
-    help: ClassVar[str]
-    fields: ClassVar[tuple[str, ...]]  # cache sample fields read (cache/schema.py names)
-    outputs: ClassVar[tuple[str, ...]] = (PREDICTION,)  # model outputs needed
-
-    def __init__(self, settings: dict | None = None):
-        self.settings = dict(settings or {})
-
-    @classmethod
-    def from_config(cls, cfg) -> Objective:
-        """The objective with its settings taken from the stage-two config."""
-        return cls()
-
-    def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module | None:
-        """Trainable modules beyond the student (checkpointed with it, never exported); None if there are none."""
-        return None
-
-    def blocks(self) -> tuple[int, ...]:
-        """Student blocks whose outputs `terms` reads."""
-        return tuple(int(o.split(":")[1]) for o in self.outputs if o.startswith("block:"))
-
-    def terms(self, out: Outputs, batch: Batch, heads: torch.nn.Module | None) -> dict[str, torch.Tensor]:
-        """Per-sample loss terms [B] in float32; the loss is their sum."""
-        raise NotImplementedError
-
-    def loss(self, model: torch.nn.Module, batch: Batch, autocast: Callable,
-             heads: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(per-sample loss [B], its terms)."""
-        terms = self.terms(student_forward(model, batch, autocast, self.blocks()), batch, heads)
-        total = None
-        for t in terms.values():
-            total = t if total is None else total + t
-        return total, terms
-
-    def student_steps(self, manifest: dict) -> int | None:
-        """Sampling steps the trained student is meant to use; None: the teacher's."""
-        return None
-
-    def check(self, manifest: dict, cache: str) -> None:
-        """Refuse (UserError, one line) a cache this objective cannot train from beyond its declared fields, and
-        settle settings that depend on the cache (called by `check_cache` before the data are indexed)."""
-
-    def dataset(self, index, embedding_cache_size: int):
-        """The training items: by default one cached sample each (stages/train_student/data.py)."""
-        from .data import SampleDataset
-
-        return SampleDataset(index, embedding_cache_size, self.fields)
-
-    def record(self) -> dict:
-        return dict(self.settings)
-
-
-OBJECTIVES: dict[str, type[Objective]] = {}
-
-
-def register(cls: type[Objective]) -> type[Objective]:
-    """Class decorator: make `cls` selectable as `--objective cls.name`."""
-    if cls.name in OBJECTIVES:
-        raise ValueError(f"objective {cls.name!r} is registered twice")
-    unknown = [f for f in cls.fields if f not in SAMPLE_FIELDS]
-    if unknown:
-        raise ValueError(f"objective {cls.name!r} reads undeclared cache field(s) {unknown}: declare them in "
-                         "cache/schema.py first")
-    OBJECTIVES[cls.name] = cls
-    return cls
-
-
-def get_objective(name: str) -> type[Objective]:
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise UserError(f"--objective {name!r} is not one of {', '.join(sorted(OBJECTIVES))}") from None
-
-
-def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: int) -> None:
-    """Refuse, in one line, a cache or student that cannot give `objective` what it declared it needs."""
-    missing = missing_fields(manifest, objective.fields)
-    if missing:
-        how = "; ".join(f"{n}: {SAMPLE_FIELDS[n].recorded_by}" for n in missing if SAMPLE_FIELDS[n].recorded_by)
-        raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache {cache} "
-                        f"does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
-                        + (f"rebuild it with {how}" if how else "rebuild it with a stage one that records them")
-                        + " or choose another --objective")
-    objective.check(manifest, cache)
-    for o in objective.outputs:
-        if o == PREDICTION:
-            continue
-        if not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers:
-            raise UserError(f"--objective {objective.name} needs the model output {o!r}, which a {num_layers}-block "
-                            "student does not have; choose blocks below its num_layers")
 
 
 @register
@@ -194,8 +33,7 @@ class Velocity(Objective):
     """The teacher's prediction at every cached step, by MSE: the student follows the teacher's trajectory
     step by step (and samples with the teacher's steps)."""
 
-    name = "velocity"
-    help = "MSE to the teacher's (guided) prediction at each cached step; samples with the teacher's steps"
+    Config = VelocitySettings
     fields = (F.T_X_T, F.T_TARGET)
 
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
@@ -214,9 +52,7 @@ class Segment(Objective):
     `start_weight` weighs the segment loss at the segments' first states (the only states the K-step sampler
     queries) against 1 at the states inside a segment."""
 
-    name = "segment"
-    help = ("K-step student (--student-steps K): at each cached state, MSE to the average velocity to the end of "
-            "its segment of the teacher's schedule; samples with K Euler steps, no CFG")
+    Config = SegmentSettings
     fields = (F.T_X_T,)
 
     def __init__(self, settings: dict | None = None):
@@ -227,13 +63,10 @@ class Segment(Objective):
 
     @classmethod
     def from_config(cls, cfg) -> Objective:
-        if cfg.student_steps is None:
+        if cfg.objective_settings.student_steps is None:
             raise UserError("--objective segment needs --student-steps K (the student's sampling steps, 1 up to the "
                             "cache's steps; K dividing them reproduces the schedule exactly)")
-        settings = {"student_steps": int(cfg.student_steps), "velocity_weight": float(cfg.segment_velocity_weight)}
-        if float(cfg.segment_start_weight) != 1.0:  # recorded only when set: runs without it keep their settings
-            settings["start_weight"] = float(cfg.segment_start_weight)
-        return cls(settings)
+        return super().from_config(cfg)
 
     @property
     def k(self) -> int:
@@ -320,15 +153,5 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
                     f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
 
 
-@contextlib.contextmanager
-def registered(cls: type[Objective]):
-    """Register `cls` for the duration of a `with` block (tests, plug-ins loaded for one run)."""
-    register(cls)
-    try:
-        yield cls
-    finally:
-        OBJECTIVES.pop(cls.name, None)
-
-
-# Objectives that live in modules of their own register themselves on import.
+# Objectives that live in modules of their own register themselves on import (they import objective.py, not this).
 from . import feature  # noqa: E402,F401

@@ -22,7 +22,7 @@ The objective's heads (small projection heads) stay whole on every rank under bo
 gradients with the student's; under fsdp `reduce_gradients` all-reduces them after the last micro-step.
 
 How to add a strategy: subclass `Strategy`, set `name`, implement the methods, decorate it with `@register`,
-add the name to `pipeline.config.STRATEGIES` and the CLI's `--strategy` choice, and test it as
+declare its name and help in `pipeline/registries.py` (STRATEGIES: the CLI's `--strategy` choice), and test it as
 tests/test_fsdp.py does (two gloo processes equal one process; kill and resume bit-equal).
 """
 
@@ -39,6 +39,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from pipeline.registries import STRATEGIES as DECLARED
 from pipeline.runtime import DistEnv
 
 from . import checkpoint
@@ -50,6 +51,7 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
+    DECLARED.require(cls.name, cls.__name__)  # its name and help are declared in pipeline/registries.py
     STRATEGIES[cls.name] = cls
     return cls
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from cache.atomic import atomic_write_json
 from pipeline.artifact import RunLayout
-from pipeline.config import REPORT_TO
 from pipeline.errors import UserError
+from pipeline.registries import TRACKERS
 
 WANDB_EXTRA = 'pip install "wandistiller[wandb]"'
 WANDB_PROJECT = "wandistiller"  # when WANDB_PROJECT is not set
@@ -200,4 +200,4 @@ def open_tracker(report_to: str, layout: RunLayout, *, config: dict, resume_step
         return TensorBoardTracker(layout.tensorboard, config, resume_step)
     if report_to == "wandb":
         return WandbTracker(layout, config, resume_step)
-    raise ValueError(f"unknown tracker {report_to!r}; one of {', '.join(REPORT_TO)}")
+    raise ValueError(f"unknown tracker {report_to!r}; one of {', '.join(TRACKERS.names())}")

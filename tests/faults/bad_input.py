@@ -9,7 +9,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 
 from cache.prompt_store import chunk_location, open_prompt_store
 
@@ -68,7 +67,7 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
     shutil.copytree(x.cache, edited, dirs_exist_ok=True)
     m = json.loads((edited / "manifest.json").read_text())
     (edited / "manifest.json").write_text(json.dumps(m | {"guidance": m["guidance"] + 1}))
-    table = [
+    return [
         # teacher-cache: prompt files
         ("prompt file missing", t1() + ["--prompts", x.files / "nope.txt"], ["nope.txt does not exist", "pass a .txt"]),
         ("prompt file empty", t1() + prompts("empty.txt", "\n# only a comment\n"), ["holds no prompts", "add one"]),
@@ -178,15 +177,12 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
          ["is damaged", "fail their chunk's crc32c", "delete", "--overwrite"]),
         ("resume: the part's negative prompt changed", t1(_killed_copy(x, "bad-negative", _flip_negative)),
          ["is damaged", "negative.safetensors fails its sha256 check", "--overwrite"]),
+        # The command server's processes see no GPU, whatever this machine has (tests/faults/proc.py).
+        ("CUDA placement without a GPU", t1(placement="cuda"), ["needs a CUDA GPU", "--placement"]),
+        ("device map on a GPU that is not there", t1(placement=x.file("map3.json", '{"transformer": "cuda:0"}')),
+         ["no CUDA GPU is visible", "use cpu"]),
+        ("train on CUDA without a GPU", t2(device="cuda"), ["no CUDA device is visible", "--device cpu"]),
     ]
-    if not torch.cuda.is_available():
-        table += [
-            ("CUDA placement without a GPU", t1(placement="cuda"), ["needs a CUDA GPU", "--placement"]),
-            ("device map on a GPU that is not there", t1(placement=x.file("map3.json", '{"transformer": "cuda:0"}')),
-             ["no CUDA GPU is visible", "use cpu"]),
-            ("train on CUDA without a GPU", t2(device="cuda"), ["no CUDA device is visible", "--device cpu"]),
-        ]
-    return table
 
 
 def _flip(path: Path, offset: int) -> None:

@@ -5,6 +5,10 @@ spend most of its time starting interpreters. A `forkserver` imports them once, 
 in a fresh fork of it: a real, separate process (its own exit code, its own SIGKILL, its own file-size
 limit), started in milliseconds. The server never runs torch kernels before forking, so its children
 start with clean thread pools.
+
+The server and its children never see a GPU (CUDA_VISIBLE_DEVICES is empty for them): importing diffusers
+queries the accelerator, which initialises the CUDA driver, and a process forked after that cannot use CUDA
+("CUDA error: initialization error"). Every command run here is a CPU run.
 """
 
 from __future__ import annotations
@@ -49,15 +53,17 @@ def _context():
         # sys.path it is handed; an import that fails is skipped silently and every command would then
         # import diffusers' models itself): start it now with the repository and this package on it.
         here = str(Path(__file__).resolve().parents[1])
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), here] + ([saved] if saved else []))
+        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), here] + [p for p in [saved["PYTHONPATH"]] if p])
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # (see the module's docstring)
         try:
             forkserver.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         atexit.register(cleanup)
     if _logs is None:  # (again) after a cleanup(): the server lives on, the log folder is per use
         _logs = Path(tempfile.mkdtemp(prefix="wandistiller-faults-logs-"))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from pipeline.errors import UserError
+from pipeline.registries import PLACEMENTS as DECLARED
 from pipeline.runtime import dist_env
 
 from .. import planner
@@ -27,7 +28,8 @@ REGISTRY: dict[str, PlacementKind] = {}
 
 
 def register(cls: type[PlacementKind]) -> type[PlacementKind]:
-    """Class decorator: make `cls` the entry of `--placement cls.name`."""
+    """Class decorator: make `cls` the entry of `--placement cls.name` (declared in pipeline/registries.py)."""
+    DECLARED.require(cls.name, cls.__name__)
     if cls.name in REGISTRY:
         raise ValueError(f"placement {cls.name!r} is registered twice")
     REGISTRY[cls.name] = cls()

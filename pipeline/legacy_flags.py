@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.config import TeacherCacheConfig, load_config
-from pipeline.errors import UserError
+from .config import TeacherCacheConfig, load_config
+from .errors import UserError
 
 # The seed script's flags, still accepted: (flag, value) -> the settings they stand for.
 _LEGACY_STRATEGY = {"cpu": {"placement": "cpu"}, "balanced": {"placement": "balanced"},

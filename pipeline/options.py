@@ -1,0 +1,94 @@
+"""The click options of a command, generated from its config's settings (pipeline/settings.py).
+
+One option per declared field: `batch_size` -> `--batch-size`; a bool -> `--x/--no-x` (or the field's
+`flag="copy/symlink"`); an int, a float or a string -> that type; a fixed `one_of` check -> a click choice; a repeatable
+setting -> a flag given once per value. Every option defaults to None (not given), so that a TOML file's value stands
+unless the flag overrides it, and the help ends in the real default, read from the field: `--help` cannot drift from
+the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import click
+
+from .settings import OWNER, declared, hints, name_of, one_of
+
+
+def _default_text(f: dataclasses.Field) -> str | None:
+    text = f.metadata.get("default_text")
+    if text is not None:
+        return text
+    d = f.default
+    if d is dataclasses.MISSING or d is None or d == ():
+        return None
+    if isinstance(d, bool):  # the spelling of the switch that is on by default
+        on, _, off = (f.metadata.get("flag") or f.name.replace("_", "-")).partition("/")
+        return on if d else (off or f"no-{on}")
+    return f"{d:g}" if isinstance(d, float) else str(d)
+
+
+def help_of(f: dataclasses.Field) -> str:
+    """The field's help with its default appended, as `--help` shows it."""
+    text, default = f.metadata["help"], _default_text(f)
+    return f"{text}  [default: {default}]" if default is not None else text
+
+
+def _type(f: dataclasses.Field, tp):
+    check = f.metadata.get("check")
+    if isinstance(check, one_of) and check.cli_choice:
+        return click.Choice(check.names() + list(check.aliases))
+    if f.metadata.get("path"):
+        return click.Path()
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    base = args[0]
+    if base in (int, float):
+        return base
+    return str  # strings, and lists written "0,4,8" (the config parses them)
+
+
+def _none_if_empty(ctx, param, value):
+    return value or None  # a repeatable flag not given: the config file's value, if any
+
+
+def _option(f: dataclasses.Field, tp):
+    name = name_of(f)
+    kw: dict = {"default": None, "help": help_of(f)}
+    if tp is bool:
+        on, _, off = (f.metadata.get("flag") or name).partition("/")
+        return click.option(f"--{on}/--{off or 'no-' + on}", f.name, **kw)
+    kw["type"] = _type(f, tp)
+    if f.metadata.get("multiple"):
+        kw.update(multiple=True, default=(), callback=_none_if_empty)
+    return click.option(f"--{name}", f.name, **kw)
+
+
+def config_options(cls):
+    """Decorator: the options of every CLI setting of the config class `cls`, the class's own fields first (in
+    declaration order), then those it inherits, then the settings of its components (e.g. each objective's)."""
+    types = hints(cls)
+    mine = set(cls.__dict__.get("__annotations__", {}))
+    fields = [f for f in declared(cls) if f.metadata.get("cli", True)]
+    fields.sort(key=lambda f: (f.metadata.get(OWNER) is not None, f.name not in mine))
+
+    def deco(fn):
+        for f in reversed(fields):
+            fn = _option(f, types[f.name])(fn)
+        return fn
+
+    return deco
+
+
+def option_like(cls, name: str, help: str | None = None, **kw):
+    """The option of setting `name` of config `cls` for a command that takes it without a config file (`plan`): the
+    field's flag, type and help, and its default as the option's own default."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    tp = hints(cls)[name]
+    default = None if f.default is dataclasses.MISSING else f.default
+    opts = {"default": default, "help": help_of(f) if help is None else help}
+    if tp is not bool:
+        opts["type"] = _type(f, tp)
+    opts.update(kw)
+    return click.option(f"--{name_of(f)}", name, **opts)

@@ -1,0 +1,182 @@
+"""The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools.
+
+Each registry lists its entries' names, one-line help and, where an entry takes settings, its settings dataclass (as
+torchtitan's `Configurable.Config`). The implementations register against these declarations, in the stages:
+
+    stages/teacher_cache/placements/   @register class Cpu(PlacementKind): name = "cpu"         (PLACEMENTS)
+    stages/train_student/objectives.py @register class Segment(Objective): Config = SegmentSettings (OBJECTIVES)
+    stages/train_student/strategy.py   @register class DDP(Strategy): name = "ddp"              (STRATEGIES)
+    stages/train_student/tracking.py   TensorBoardTracker.name = "tensorboard"                  (TRACKERS)
+    cache/features.py                  POOLS (the projection's pooling; the cache cannot import us) (FEATURE_POOLS)
+
+and each `register` refuses a name not declared here, so the list the CLI shows (`--help`, the choices, the checks of
+the configs) is the list the stages run. The declarations live here, not beside the implementations, because the CLI
+must read them without importing torch or a stage (a CPU run hides the GPUs before any stage loads, and `--help`
+answers at once); a test checks that every declared name is registered by its stage and nothing else is.
+
+An objective's settings become flags of `train-student` (`pipeline.settings.merged`): a field's flag is its name
+unless `flag=` says otherwise (segment's `velocity_weight` is `--segment-velocity-weight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .settings import at_least, non_empty, one_of, positive, setting
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    help: str
+    settings: type | None = None  # the entry's settings dataclass; None: it takes none
+    listed: bool = True  # shown in lists and choices (the `map` placement is spelled as its .json path)
+    stage_one: bool = True  # trackers: teacher-cache can report to it too
+
+
+class Registry:
+    """An ordered list of declared names (the order of errors, choices and `--help`)."""
+
+    def __init__(self, what: str):
+        self.what, self._entries = what, {}
+
+    def declare(self, name: str, help: str, settings: type | None = None, **extra) -> Entry:
+        if name in self._entries:
+            raise ValueError(f"{self.what} {name!r} is declared twice")
+        entry = self._entries[name] = Entry(name, help, settings, **extra)
+        return entry
+
+    def settings(self, name: str, help: str, **extra):
+        """Class decorator: declare `name` with the decorated class as its settings dataclass."""
+
+        def deco(cls):
+            cls.NAME = name
+            self.declare(name, help, cls, **extra)
+            return cls
+
+        return deco
+
+    def forget(self, name: str) -> None:
+        """Undo a declaration (a plug-in registered for one `with` block)."""
+        self._entries.pop(name, None)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def names(self) -> list[str]:
+        return [e.name for e in self._entries.values() if e.listed]
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str) -> Entry:
+        return self._entries[name]
+
+    def require(self, name: str, where: str) -> Entry:
+        """The declaration of an implementation's `name`; ValueError for one declared nowhere."""
+        if name not in self._entries:
+            raise ValueError(f"{self.what} {name!r} ({where}) is not declared in pipeline/registries.py; declare it "
+                             "there (its name, help and settings) first")
+        return self._entries[name]
+
+    def listing(self) -> str:
+        """"name (help); name (help)" for a flag's help."""
+        return "; ".join(f"{e.name} ({e.help})" for e in self._entries.values() if e.listed)
+
+
+# -- placements (stages/teacher_cache/placements/, docs/placements.md) ---------------------------------------------
+
+PLACEMENTS = Registry("placement")
+PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)")
+PLACEMENTS.declare("cpu", "RAM, computed on the CPU")
+PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)")
+PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate")
+PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)")
+PLACEMENTS.declare("offload", "RAM, streamed to the GPU layer by layer")
+PLACEMENTS.declare("disk", "an offload folder, streamed block by block")
+PLACEMENTS.declare("map", "a device-map .json file", listed=False)
+
+EXPERT_ORDERS = ("auto", "step", "expert")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementSettings:
+    """What a placement is told besides its name; every placement reads the ones that concern it (base.py)."""
+
+    device: int = setting(0, help="CUDA device index of --placement cuda (and the execution GPU of offload).",
+                          check=at_least(0))
+    max_memory: str | None = setting(
+        None, help="--placement balanced/sequential: memory per device, e.g. \"0=70GiB,1=70GiB,cpu=200GiB\".")
+    offload_dir: str | None = setting(None, path=True, default_text="CACHE_DIR/offload",
+                                      help="--placement disk: folder the weights stream from.")
+    # Two-expert teachers: "step" runs every step of a block before the next block; "expert" runs a window of
+    # blocks with expert 1, then with expert 2, so one expert is resident at a time; "auto" picks "expert" when
+    # both experts do not fit where the placement keeps them. The cache is the same either way.
+    expert_order: str = setting("auto", check=one_of(EXPERT_ORDERS),
+                                help="Two experts: expert = one expert resident at a time, step = both (same "
+                                     "cache); auto picks expert when both do not fit.")
+
+
+# -- objectives (stages/train_student/objectives.py, feature.py) -------------------------------------------------
+
+OBJECTIVES = Registry("objective")
+
+
+@OBJECTIVES.settings("velocity", "MSE to the teacher's (guided) prediction at each cached step; samples with the "
+                                 "teacher's steps")
+@dataclass(frozen=True, kw_only=True)
+class VelocitySettings:
+    """The velocity objective takes no settings."""
+
+
+@OBJECTIVES.settings("segment", "K-step student (--student-steps K): at each cached state, MSE to the average "
+                                "velocity to the end of its segment of the teacher's schedule; samples with K Euler "
+                                "steps, no CFG")
+@dataclass(frozen=True, kw_only=True)
+class SegmentSettings:
+    student_steps: int | None = setting(
+        None, check=at_least(1), help="segment: the student's sampling steps K, 1 .. the cache's steps (a divisor of "
+                                      "them reproduces the teacher's schedule exactly).")
+    velocity_weight: float = setting(0.0, flag="segment-velocity-weight", check=positive(allow_zero=True),
+                                     help="segment: weight of an added per-step velocity loss at the same states.")
+    start_weight: float = setting(1.0, flag="segment-start-weight", check=positive(),
+                                  help="segment: weight of the loss at each segment's first state (where the K-step "
+                                       "sampler queries the student) against 1 inside a segment.")
+
+
+@OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "
+                                         "teacher features (--feature-pairs S:T,..., --feature-weight; the cache "
+                                         "needs --record-features)")
+@dataclass(frozen=True, kw_only=True)
+class FeatureSettings:
+    feature_pairs: str | None = setting(None, check=non_empty,
+                                        help="velocity+feature: student block:teacher block pairs, e.g. 0:1,1:3.")
+    feature_weight: float = setting(1.0, check=positive(allow_zero=True),
+                                    help="velocity+feature: weight of the feature term.")
+
+
+# -- strategies (stages/train_student/strategy.py, docs/multi-gpu.md) --------------------------------------------
+
+STRATEGIES = Registry("strategy")
+STRATEGIES.declare("ddp", "a full student per rank")
+STRATEGIES.declare("fsdp", "weights, gradients, AdamW state and EMA sharded over the ranks (FSDP2), for students "
+                           "that do not fit one GPU (docs/multi-gpu.md)")
+
+# -- trackers (stages/train_student/tracking.py; teacher-cache's progress scalars) -------------------------------
+
+TRACKERS = Registry("tracker")
+TRACKERS.declare("tensorboard", "TensorBoard event files")
+TRACKERS.declare("wandb", "Weights & Biases: pip install \"wandistiller[wandb]\"; WANDB_MODE=offline works offline",
+                 stage_one=False)
+TRACKERS.declare("none", "metrics.jsonl alone")
+
+
+def stage_one_trackers() -> list[str]:
+    return [e.name for e in TRACKERS.entries() if e.stage_one]
+
+
+# -- feature pools (cache/features.py POOLS) ---------------------------------------------------------------------
+
+FEATURE_POOLS = Registry("feature pool")
+FEATURE_POOLS.declare("none", "one feature row per latent token")
+FEATURE_POOLS.declare("mean", "their mean over tokens")

@@ -1,0 +1,200 @@
+"""A setting is declared once: one dataclass field whose metadata holds its help, its check and how the CLI spells it.
+
+    steps: int = setting(40, help="Denoising steps; one sample per step.", check=at_least(1))
+
+The field's type and default are the dataclass's own; `check_settings` (called by each config's `__post_init__`)
+runs every field's check, and `pipeline/options.py` generates the click options from the same fields, appending the
+real default to the help, so `--help`, the TOML keys and the checks cannot drift apart. `__post_init__` keeps only
+the rules that tie several fields together.
+
+A component (an objective, a placement) owns a settings dataclass of its own (`pipeline/registries.py`);
+`merged` lays the settings of every entry of a registry side by side as fields of a stage config, so that
+`--student-steps` stays a flag of `train-student` and a key of its TOML file, and `settings_of` reads the
+chosen entry's settings back out of the stage config.
+
+This module imports nothing heavy: the CLI reads it at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+Check = Callable[[str, Any], None]  # (the setting's name as the user spells it, value) -> None, or ValueError
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, check: Check | None = None,
+            parse: Callable[[str, Any], Any] | None = None, flag: str | None = None, default_text: str | None = None,
+            path: bool = False, multiple: bool = False, cli: bool = True) -> Any:
+    """A dataclass field with its documentation and check.
+
+    help: the `--help` line (the generator appends `[default: ...]`; never write it by hand);
+    check: refuses a bad value (ValueError naming the setting); parse: normalises a value first ("0,4" -> (0, 4));
+    flag: the CLI name when it is not the field's ("copy/symlink" for a boolean spelled by two words);
+    default_text: what the default means when the value alone does not say it (None resolved at run time);
+    path: the value is a file or folder; multiple: a repeatable flag; cli: False for a TOML-only setting.
+    """
+    meta = {"help": help, "check": check, "parse": parse, "flag": flag, "default_text": default_text, "path": path,
+            "multiple": multiple, "cli": cli}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def name_of(f: dataclasses.Field) -> str:
+    """How the user spells the setting of field `f` (the flag without its dashes, as in messages)."""
+    return (f.metadata.get("flag") or f.name.replace("_", "-")).split("/")[0]
+
+
+def declared(cls) -> list[dataclasses.Field]:
+    """The fields of `cls` declared with `setting`."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+@functools.cache
+def hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_settings(obj) -> None:
+    """Parse, then check every setting of `obj` (a frozen dataclass) from its field's metadata; None passes (an
+    unset optional setting; a required one is missing, which the dataclass itself refuses)."""
+    for f in declared(type(obj)):
+        value = getattr(obj, f.name)
+        parse = f.metadata.get("parse")
+        if parse is not None and value is not None:
+            value = parse(name_of(f), value)
+            object.__setattr__(obj, f.name, value)
+        check = f.metadata.get("check")
+        if check is not None and value is not None:
+            check(name_of(f), value)
+
+
+# -- checks ------------------------------------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def at_least(low: int) -> Check:
+    """An integer >= low."""
+
+    def check(name, v):
+        if not _is_int(v) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+
+    return check
+
+
+def positive(allow_zero: bool = False) -> Check:
+    """A number > 0 (or >= 0)."""
+
+    def check(name, v):
+        if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
+            raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {v!r}")
+
+    return check
+
+
+def in_range(low: float, high: float, high_open: bool = False, note: str = "") -> Check:
+    """A number in [low, high] (or [low, high))."""
+
+    def check(name, v):
+        if not _is_number(v) or not (low <= v < high if high_open else low <= v <= high):
+            raise ValueError(f"{name} must be in [{low:g}, {high:g}{')' if high_open else ']'}{note}, got {v!r}")
+
+    return check
+
+
+def non_empty(name, v) -> None:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"{name} must be a non-empty string")
+
+
+class one_of:  # noqa: N801 (used like the other check factories)
+    """One of a list of names: fixed, or read from a registry when the check runs (so a plug-in counts).
+
+    `cli_choice`: whether the CLI offers them as a click choice (False where other values are allowed too, or
+    where plug-ins registered after the CLI loaded must pass); `aliases`: old names still accepted, mapped to
+    their new one by `parse_alias`; `otherwise`: a value outside the names that is also fine (e.g. a .json path)."""
+
+    def __init__(self, names: Iterable[str] | Callable[[], Iterable[str]], *, cli_choice: bool = True,
+                 aliases: dict[str, str] | None = None, otherwise: Callable[[Any], bool] | None = None,
+                 otherwise_text: str = ""):
+        self._names, self.cli_choice, self.aliases = names, cli_choice, dict(aliases or {})
+        self.otherwise, self.otherwise_text = otherwise, otherwise_text
+
+    def names(self) -> list[str]:
+        return list(self._names() if callable(self._names) else self._names)
+
+    def parse_alias(self, name: str, v):
+        return self.aliases.get(v, v) if isinstance(v, str) else v
+
+    def __call__(self, name, v) -> None:
+        if not isinstance(v, str):  # a wrong type: config_types' message says what the key takes
+            raise TypeError(f"{name} must be a string, got {v!r}")
+        if v in self.names() or (self.otherwise is not None and isinstance(v, str) and self.otherwise(v)):
+            return
+        raise ValueError(f"{name} must be one of {', '.join(self.names())}{self.otherwise_text}, got {v!r}")
+
+
+def int_list(name: str, value) -> tuple[int, ...]:
+    """'0,4,8' or [0, 4, 8] -> (0, 4, 8); ValueError naming the setting otherwise (a `parse`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = tuple(int(str(v).strip()) for v in items if str(v).strip() != "")
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be comma-separated integers like 0,4,8, got {value!r}") from None
+    if not out or any(v < 0 for v in out):
+        raise ValueError(f"{name} must list integers >= 0, got {value!r}")
+    return out
+
+
+def str_tuple(name: str, value) -> tuple[str, ...]:
+    """One path or a list of them -> a tuple (a `parse` for repeatable path settings)."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+# -- a component's settings inside a stage config ------------------------------------------------------------------
+
+OWNER = "owner"  # metadata key of a merged field: the registry entry that owns it
+SOURCE = "source"  # ... and its field's name in the entry's own settings dataclass
+
+
+def merged(cls_name: str, registry) -> type:
+    """A dataclass of every setting of every entry of `registry`, each field named as its flag (so that a stage
+    config that derives from it keeps `--segment-velocity-weight` and the TOML key `segment_velocity_weight`)."""
+    specs = []
+    for entry in registry.entries():
+        if entry.settings is None:
+            continue
+        types = hints(entry.settings)
+        for f in dataclasses.fields(entry.settings):
+            meta = {**f.metadata, "flag": None, OWNER: entry.name, SOURCE: f.name}
+            specs.append((name_of(f).replace("-", "_"), types[f.name], dataclasses.field(default=f.default,
+                                                                                         metadata=meta)))
+    return dataclasses.make_dataclass(cls_name, specs, frozen=True, kw_only=True)
+
+
+def settings_of(cfg, entry) -> Any:
+    """The settings dataclass of registry `entry`, built from the merged fields of the stage config `cfg`."""
+    if entry.settings is None:
+        return None
+    values = {f.metadata[SOURCE]: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if f.metadata.get(OWNER) == entry.name}
+    return entry.settings(**values)
+
+
+def refuse_foreign(cfg, chosen: str, what: str) -> None:
+    """A merged setting of an entry other than `chosen`, set to anything but its default, is refused (one line):
+    `--student-steps 4` does nothing for `--objective velocity`, so it is a mistake to catch, not to ignore."""
+    for f in dataclasses.fields(cfg):
+        owner = f.metadata.get(OWNER)
+        if owner is not None and owner != chosen and getattr(cfg, f.name) != f.default:
+            raise ValueError(f"{name_of(f)} applies to --{what} {owner} only, and this run's --{what} is {chosen}; "
+                             f"drop it or choose --{what} {owner}")

@@ -1,0 +1,205 @@
+"""What every distillation objective is (`Objective`), its registry, and what stage two checks before the first step.
+
+An objective is one registered class. It declares the cache fields it reads (names from
+`cache/schema.py`) and the model outputs it needs, may add trainable modules (projection heads) that are
+checkpointed and resumed with the student but never exported, and turns one forward of the student into
+per-sample loss terms. Stage two checks the declarations against the cache before the first step, records
+the objective and its settings in distill.json (pipeline/artifact.py), and otherwise stays the same for
+every objective: the exact epoch plan, loss scaling over ranks, checkpoints and resume.
+
+The objectives themselves are in objectives.py (and modules it imports, such as feature.py): each is a subclass
+decorated with `@register`, whose `Config` is its settings dataclass, declared with its name and help in
+pipeline/registries.py (so the CLI lists it and takes its flags without importing torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+import torch
+
+from cache import format as F
+from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
+from pipeline.errors import UserError
+from pipeline.registries import OBJECTIVES as DECLARED
+
+PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
+
+
+def block_output(i: int) -> str:
+    """Name of the model output "hidden states after student block i"."""
+    return f"block:{i}"
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device: the cache fields an objective asked for, the model inputs, weights."""
+
+    fields: dict[str, torch.Tensor]  # schema field name -> [B, ...] float32
+    timestep: torch.Tensor  # the transformer's timestep input (per token for TI2V)
+    context: torch.Tensor  # prompt embeddings [B, L, D]
+    weight: torch.Tensor  # [B]: 1 for a sample, 0 for an epoch's padding dummy
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample metadata (timestep, sigma, step)
+
+    @property
+    def x_t(self) -> torch.Tensor:
+        return self.fields[F.T_X_T]
+
+
+@dataclass
+class Outputs:
+    """What one student forward produced: the prediction and any block outputs that were asked for."""
+
+    prediction: torch.Tensor
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class WithHeads(torch.nn.Module):
+    """The student and an objective's heads as one module, so DDP averages the heads' gradients too; its
+    forward is the student's."""
+
+    def __init__(self, student: torch.nn.Module, heads: torch.nn.Module):
+        super().__init__()
+        self.student, self.heads = student, heads
+
+    def forward(self, *args, **kwargs):
+        return self.student(*args, **kwargs)
+
+
+def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, blocks: tuple[int, ...] = ()) -> Outputs:
+    """Run the student (DDP-wrapped or not) on the batch, capturing the outputs of `blocks` with forward hooks
+    on the student's own blocks (they only read, so the numerics are those of a plain forward)."""
+    inner = getattr(model, "module", model)  # DDP
+    inner = getattr(inner, "student", inner)  # WithHeads
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in blocks:
+        handles.append(inner.blocks[i].register_forward_hook(
+            lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)))
+    try:
+        with autocast():
+            pred = model(hidden_states=batch.x_t, timestep=batch.timestep, encoder_hidden_states=batch.context,
+                         return_dict=False)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return Outputs(pred, captured)
+
+
+def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean squared error in float32: [B, ...] x [B, ...] -> [B]."""
+    return (a.float() - b).pow(2).flatten(1).mean(1)
+
+
+class Objective:
+    """Base of every objective; subclasses set the class attributes and implement `terms`."""
+
+    name: ClassVar[str]  # from Config's declaration (a plug-in without one sets name and help itself)
+    help: ClassVar[str]
+    Config: ClassVar[type | None] = None  # its settings dataclass (pipeline/registries.py), recorded by asdict
+    fields: ClassVar[tuple[str, ...]]  # cache sample fields read (cache/schema.py names)
+    outputs: ClassVar[tuple[str, ...]] = (PREDICTION,)  # model outputs needed
+
+    def __init__(self, settings: dict | None = None):
+        self.settings = dict(settings or {})
+
+    @classmethod
+    def from_config(cls, cfg) -> Objective:
+        """The objective with its settings (its `Config`, filled from the stage-two config's flags)."""
+        settings = cfg.objective_settings if cls.Config is not None else None
+        return cls(asdict(settings) if settings is not None else None)
+
+    def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module | None:
+        """Trainable modules beyond the student (checkpointed with it, never exported); None if there are none."""
+        return None
+
+    def blocks(self) -> tuple[int, ...]:
+        """Student blocks whose outputs `terms` reads."""
+        return tuple(int(o.split(":")[1]) for o in self.outputs if o.startswith("block:"))
+
+    def terms(self, out: Outputs, batch: Batch, heads: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+        """Per-sample loss terms [B] in float32; the loss is their sum."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: Batch, autocast: Callable,
+             heads: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(per-sample loss [B], its terms)."""
+        terms = self.terms(student_forward(model, batch, autocast, self.blocks()), batch, heads)
+        total = None
+        for t in terms.values():
+            total = t if total is None else total + t
+        return total, terms
+
+    def student_steps(self, manifest: dict) -> int | None:
+        """Sampling steps the trained student is meant to use; None: the teacher's."""
+        return None
+
+    def check(self, manifest: dict, cache: str) -> None:
+        """Refuse (UserError, one line) a cache this objective cannot train from beyond its declared fields, and
+        settle settings that depend on the cache (called by `check_cache` before the data are indexed)."""
+
+    def dataset(self, index, embedding_cache_size: int):
+        """The training items: by default one cached sample each (stages/train_student/data.py)."""
+        from .data import SampleDataset
+
+        return SampleDataset(index, embedding_cache_size, self.fields)
+
+    def record(self) -> dict:
+        return dict(self.settings)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register(cls: type[Objective]) -> type[Objective]:
+    """Class decorator: make `cls` selectable as `--objective NAME`, NAME and help from its `Config`'s declaration."""
+    if cls.Config is not None:
+        entry = DECLARED.require(cls.Config.NAME, cls.__name__)
+        cls.name, cls.help = entry.name, entry.help
+    if cls.name in OBJECTIVES:
+        raise ValueError(f"objective {cls.name!r} is registered twice")
+    unknown = [f for f in cls.fields if f not in SAMPLE_FIELDS]
+    if unknown:
+        raise ValueError(f"objective {cls.name!r} reads undeclared cache field(s) {unknown}: declare them in "
+                         "cache/schema.py first")
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+def get_objective(name: str) -> type[Objective]:
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise UserError(f"--objective {name!r} is not one of {', '.join(sorted(OBJECTIVES))}") from None
+
+
+def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: int) -> None:
+    """Refuse, in one line, a cache or student that cannot give `objective` what it declared it needs."""
+    missing = missing_fields(manifest, objective.fields)
+    if missing:
+        how = "; ".join(f"{n}: {SAMPLE_FIELDS[n].recorded_by}" for n in missing if SAMPLE_FIELDS[n].recorded_by)
+        raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache {cache} "
+                        f"does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
+                        + (f"rebuild it with {how}" if how else "rebuild it with a stage one that records them")
+                        + " or choose another --objective")
+    objective.check(manifest, cache)
+    for o in objective.outputs:
+        if o == PREDICTION:
+            continue
+        if not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers:
+            raise UserError(f"--objective {objective.name} needs the model output {o!r}, which a {num_layers}-block "
+                            "student does not have; choose blocks below its num_layers")
+
+
+@contextlib.contextmanager
+def registered(cls: type[Objective]):
+    """Register `cls` for the duration of a `with` block (tests, plug-ins loaded for one run)."""
+    register(cls)
+    try:
+        yield cls
+    finally:
+        OBJECTIVES.pop(cls.name, None)
+
