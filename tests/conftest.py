@@ -37,11 +37,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+_VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 @pytest.fixture(autouse=True)
 def _gpus_stay_visible():
     """A CPU command run in this process hides the GPUs from it (`runtime.hide_gpus` sets CUDA_VISIBLE_DEVICES);
-    the next test, and the processes it starts (torchrun ranks of a gpu test), see them again."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    the next test, and the processes it starts (torchrun ranks of a gpu test), see them again. Restored to the
+    session's value, not the test's: a session or module fixture that ran a CPU command during this test's setup
+    hid them before this fixture could save anything."""
+    saved = _VISIBLE_AT_START
     yield
     if saved is None:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
