@@ -1,0 +1,103 @@
+"""docs/architecture.md's "how to add" recipes, followed to the letter: a toy cache field and a toy objective with
+a setting of its own, added to a copy of the project by editing only the files the recipes name, then run through
+the CLI (stage one records the field, `cache verify` checks it, stage two trains the objective from it, `--help`
+shows the setting). When a refactor moves what a recipe relies on, this test fails at the edit that no longer
+applies: change the recipe and the edit here together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_CACHE_ARGS
+
+pytestmark = pytest.mark.slow
+
+# The files each recipe names (docs/architecture.md, "Extension points: how to add"), and what the toy adds to each:
+# (file, the line it goes after, the lines added). A line added at the end of a file has anchor None.
+CACHE_FIELD = [
+    ("cache/format.py", None, 'T_X0 = "x0"  # toy field: x_t - sigma * target\nF_RECORD_X0 = "record_x0"\n'),
+    ("cache/schema.py", '    SampleField(F.T_X_T, "the noisy latent the teacher saw at this step", _latent),\n',
+     '    SampleField(F.T_X0, "toy: the clean latent the step predicts", _latent, when=F.F_RECORD_X0,\n'
+     '                recorded_by="teacher-cache --record-x0"),\n'),
+    ("pipeline/config.py",
+     '    save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")\n',
+     '    record_x0: bool = setting(False, help="Toy: also store x_t - sigma * target.")\n'),
+    ("stages/teacher_cache/run.py", "        F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,\n",
+     "        F.F_RECORD_X0: cfg.record_x0,\n"),
+    ("stages/teacher_cache/blocks.py", "                        tensors[F.T_FEATURES] = rec.features[j]\n",
+     "                    if self.prog.header.get(F.F_RECORD_X0):\n"
+     "                        tensors[F.T_X0] = rec.x_t[j] - rec.sigma * rec.target[j]\n"),
+]
+OBJECTIVE = [
+    ("pipeline/registries.py", None,
+     '\n\n@OBJECTIVES.settings("toy-x0", "toy: learn the cached x0 field")\n'
+     "@dataclass(frozen=True, kw_only=True)\n"
+     "class ToyX0Settings:\n"
+     '    x0_weight: float = setting(1.0, check=positive(), help="toy-x0: weight of its one term.")\n'),
+    ("stages/train_student/objectives.py", None,
+     "\n\nfrom pipeline.registries import ToyX0Settings  # noqa: E402\n\n\n"
+     "@register\n"
+     "class ToyX0(Objective):\n"
+     '    """Toy: the prediction against the cached x0 field, weighted by its own setting."""\n\n'
+     "    Config = ToyX0Settings\n"
+     "    fields = (F.T_X_T, F.T_X0)\n\n"
+     "    def terms(self, out, batch, heads):\n"
+     '        return {"x0": self.settings["x0_weight"] * mse(out.prediction, batch.fields[F.T_X0])}\n'),
+]
+
+
+def follow(repo: Path, recipe) -> set[str]:
+    touched = set()
+    for rel, anchor, added in recipe:
+        path = repo / rel
+        text = path.read_text()
+        if anchor is None:
+            text += added
+        else:
+            assert text.count(anchor) == 1, f"{rel}: the recipe's anchor is gone or ambiguous: {anchor!r}"
+            text = text.replace(anchor, anchor + added)
+        path.write_text(text)
+        touched.add(rel)
+    return touched
+
+
+def test_a_toy_cache_field_and_a_toy_objective_with_its_setting(tiny_teacher, prompts_file, tmp_path):
+    repo = tmp_path / "repo"
+    for top in ("pipeline", "cache", "stages", "configs"):
+        shutil.copytree(ROOT / top, repo / top, ignore=shutil.ignore_patterns("__pycache__"))
+    touched = follow(repo, CACHE_FIELD) | follow(repo, OBJECTIVE)
+    assert touched == {rel for rel, _, _ in CACHE_FIELD + OBJECTIVE}
+
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        return r.stdout
+
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    flags = [x for k, v in TINY_CACHE_ARGS.items() for x in (f"--{k.replace('_', '-')}", v)]
+    cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "cpu",
+        "--record-x0", *flags)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert "x0" in manifest["sample_fields"] and manifest["record_x0"] is True
+    cli("cache", "verify", cache)
+
+    assert "--x0-weight FLOAT" in cli("train-student", "--help")
+    cli("train-student", "--cache", cache, "--student-config", repo / "configs" / "student-tiny.json", "--out", run,
+        "--objective", "toy-x0", "--x0-weight", 0.5, "--max-steps", 2, "--batch-size", 4, "--num-workers", 0,
+        "--warmup-steps", 0, "--checkpoint-every", 0, "--log-every", 1, "--device", "cpu", "--report-to", "none")
+    distill = json.loads((run / "distill.json").read_text())
+    assert distill["objective"] == "toy-x0" and distill["objective_settings"] == {"x0_weight": 0.5}
+    losses = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in losses if r["type"] == "train"] == [1, 2]
+    assert all(0 < r["loss"] < float("inf") for r in losses if r["type"] == "train")
