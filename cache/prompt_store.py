@@ -1,20 +1,13 @@
 """Per-part prompt store (zarr v3 arrays): prompt text, text embeddings, initial noise and final latents.
 
-Each part writes only its own `parts/part-P/prompts.zarr`, so no two processes ever touch the same file. Rows never
-written read back as the fill value: `seq_lens` is filled with -1 so a reader can tell "never written" from
-"empty", and the part's progress record says which rows and trajectories are complete.
-
-Sizes at real scale decide the layout: an A14B prompt's embedding is 512x4096 bfloat16 (4 MiB padded, ~60 real
-tokens typically), so `embeds` is chunked per row and per EMBED_CHUNK_TOKENS tokens, and the zero padding past a
-prompt's length is never written (zarr skips chunks of only the fill value). The per-prompt arrays (`embeds`,
-`init_noise`, `final_latents`) are zarr shards of ROWS_PER_FILE rows (zarr's sharding codec): one file per 64 rows
-instead of one per chunk (creating a file costs ~0.8 ms on ext4, as much as writing 1 MB). zarr writes each file
-under a temporary name and renames it, so a killed writer leaves the old file or the new one.
-
-Checksums: every chunk of every array ends in its crc32c (zarr's "crc32c" codec, checked by zarr on every read;
-each shard file's index has its own), and `row_crc32c/embeds` holds the crc32c of each row's real tokens, so that a
-chunk (or a whole file) that should exist and does not is an error, never zeros: zarr reads a missing one as the
-fill value.
+Each part writes only its own `parts/part-P/prompts.zarr`. Rows never written read back as the fill value
+(`seq_lens` -1: "never written", not "empty"); the part's progress record says which rows are complete. An A14B
+embedding is 512x4096 bfloat16 (4 MiB padded, ~60 real tokens), so `embeds` is chunked per row and per
+EMBED_CHUNK_TOKENS tokens and the padding is never stored (zarr skips chunks of the fill value). The per-prompt
+arrays are zarr shards of ROWS_PER_FILE rows: a file per 64 rows, not per chunk (creating a file costs ~0.8 ms on
+ext4), each written under a temporary name and renamed by zarr. Every chunk ends in its crc32c (zarr's codec,
+checked on every read, as is each file's index), and `row_crc32c/embeds` holds each row's real tokens' crc32c: a
+chunk or file that is gone, which zarr reads as zeros, is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from .atomic import drop_behind
 from .checksum import crc32c
 from .errors import CacheError
 from .format import (
@@ -115,6 +109,7 @@ class PromptRowWriter:
         self.per_file = int(self.emb.shards[0])
         self._pending: dict[int, dict[int, np.ndarray]] = {}  # file -> row -> the row's real tokens
         self._small: dict[int, tuple[int, str, int, int]] = {}  # row -> (prompt_idx, text, seq_len, crc32c)
+        self._block: np.ndarray | None = None  # a file's rows, zero padded: reused (fresh memory costs page faults)
 
     def add(self, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
             seq_lens: torch.Tensor) -> None:
@@ -135,11 +130,15 @@ class PromptRowWriter:
         rows = sorted(tokens)
         chunk = int(self.emb.chunks[1])
         stop = min(self.emb.shape[1], -(-max(len(t) for t in tokens.values()) // chunk) * chunk)
+        if self._block is None:
+            self._block = np.zeros((self.per_file, *self.emb.shape[1:]), dtype=self.emb.dtype)
         for lo, hi in _runs(rows):
-            block = np.zeros((hi - lo, stop, self.emb.shape[2]), dtype=self.emb.dtype)
+            block = self._block[:hi - lo, :stop]
             for k, r in enumerate(rows[lo:hi]):
                 block[k, :len(tokens[r])] = tokens[r]
             self.emb[rows[lo]:rows[hi - 1] + 1, :stop] = block
+            block[:] = 0
+        _drop(self.g, dict.fromkeys(shard_file(self.emb, r) for r in rows))
 
     def close(self) -> None:
         for f in sorted(self._pending):
@@ -158,7 +157,7 @@ class PromptRowWriter:
 
 def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], texts: list[str],
                       embeds: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Write encoded prompts at once (`PromptRowWriter`). `embeds` is [b, L, D] zero-padded past each `seq_lens`."""
+    """Write encoded prompts at once (`PromptRowWriter`)."""
     writer = PromptRowWriter(g)
     writer.add(rows, prompt_idx, texts, embeds, seq_lens)
     writer.close()
@@ -178,14 +177,31 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
     seeds = int(arr.shape[1])
     for lo, hi in _runs(order):
         span = order[lo:hi]
-        whole = all(len(given[r]) == seeds for r in span)
-        block = np.empty((len(span), *arr.shape[1:]), np.float32) if whole else arr[span[0]:span[-1] + 1]
-        for k, r in enumerate(span):
-            for s, j in given[r].items():
-                block[k, s] = lat[j]
+        first = given[span[0]][0] if 0 in given[span[0]] else -1
+        if first >= 0 and all(given[r] == {s: first + k * seeds + s for s in range(seeds)} for k, r in enumerate(span)):
+            block = lat[first:first + len(span) * seeds].reshape(len(span), *arr.shape[1:])  # in order: no copy
+        else:
+            whole = all(len(given[r]) == seeds for r in span)
+            block = np.empty((len(span), *arr.shape[1:]), np.float32) if whole else arr[span[0]:span[-1] + 1]
+            for k, r in enumerate(span):
+                for s, j in given[r].items():
+                    block[k, s] = lat[j]
         arr[span[0]:span[-1] + 1] = block
+    return _drop(g, dict.fromkeys(shard_file(arr, r) for r in order))
+
+
+def _drop(g: zarr.Group, files) -> list[Path]:
+    """The store's `files` ("<array>/<file>"), just written, flushed and dropped from the page cache
+    (`atomic.drop_behind`, as `writer._Checksummed`); their paths, which the caller fsyncs with their folders."""
     root = Path(str(g.store.root)) / g.path
-    return [root / f for f in dict.fromkeys(shard_file(arr, r) for r in order)]
+    paths = [root / f for f in files]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            drop_behind(fd)
+        finally:
+            os.close(fd)
+    return paths
 
 
 def shard_file(arr: zarr.Array, row: int) -> str:
@@ -503,9 +519,8 @@ class EmbeddingCache(RowCache):
 
 def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: int,
                           latent_shape: tuple[int, ...]) -> str | None:
-    """Why the cache's prompt stores cannot serve final latents (no `final_latents` array, or one of another shape),
-    or None. Reads array metadata only; a trajectory whose latent was never written is caught when it is read
-    (stage two's segment reader) and by `cache verify`."""
+    """Why the cache's prompt stores cannot serve final latents (no `final_latents` array of the manifest's shape), or
+    None. Metadata only: a latent never written is caught when it is read and by `cache verify`."""
     want = (int(seeds), *(int(v) for v in latent_shape))
     for part in range(num_parts):
         path = prompt_store_path(cache_dir, part)

@@ -124,11 +124,8 @@ class _HashingReader:
 
 
 def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -> np.ndarray:
-    """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded.
-
-    With `checksum`, the shard is read once, sequentially (tar stream mode), and the same pass both
-    checksums it and collects the member offsets; without it only the tar headers are read (seeks).
-    """
+    """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded. With
+    `checksum` one sequential pass checksums it and collects the member offsets; without, tar headers only (seeks)."""
     path = Path(cache_dir) / rec[F.S_PATH]
     if not path.is_file():
         raise ShardError(shard_problem(cache_dir, rec, SHARD_MISSING), SHARD_MISSING)
@@ -192,8 +189,7 @@ class ShardStream:
 
 
 def decode_sample(members: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, metadata) of one sample's tar members (inverse of `writer.encode_sample`); any parse failure
-    propagates (corruption)."""
+    """(tensors, metadata) of one sample's tar members (inverse of `writer.encode_sample`); parse failures propagate."""
     return st_load(members[F.EXT_TENSORS]), json.loads(members[F.EXT_META])
 
 

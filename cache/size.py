@@ -11,11 +11,8 @@ figures are file sizes (filesystem blocks aside), exact for what stage one write
   them is never written), its initial noise and its final latents (float32, every seed, one chunk each), each
   chunk ending in its 4-byte crc32c; and per file of `ROWS_PER_FILE` rows of those arrays, the file's index
   (16 bytes per chunk it can hold, then a crc32c: `index_bytes`);
-- fixed: the manifest, the negative prompt, progress records, resolved configs and zarr metadata. Measured on a
-  finished cache; left out of a projection made before a run (a few KiB per part).
-
-Before a run the prompts' token counts are not known: a projection then takes the embedding at its bound
-(`embed_chunks_bound`, from the prompt's text, or max_sequence_length when only a count is known).
+- fixed: the manifest, the negative prompt, progress records, configs and zarr metadata (measured on a finished
+  cache; a few KiB per part). Before a run, an embedding is taken at its bound (`embed_chunks_bound`).
 """
 
 from __future__ import annotations

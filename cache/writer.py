@@ -33,9 +33,8 @@ def encode_sample(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, byt
 
 class _Checksummed:
     """A write-only file that keeps the crc32c and the count of the bytes written through it, and every
-    WRITE_BEHIND_BYTES flushes what it wrote and drops it from the page cache (`atomic.drop_behind`): stage one never
-    reads a shard back, and on a VM whose memory is backed lazily, reusing the pages just freed writes ~1.4x faster
-    than claiming new ones (bench/real_size.py)."""
+    WRITE_BEHIND_BYTES drops them from the page cache (`atomic.drop_behind`): stage one never reads a shard back, and
+    on a VM whose memory is backed lazily, reused pages write ~1.4x faster than new ones."""
 
     def __init__(self, path: Path):
         self.f = open(path, "wb")
