@@ -66,7 +66,7 @@ def table(results: list[dict]) -> str:
     rows = [("name", "value", "baseline", "unit", "ratio", "target", "met")]
     for r in results:
         rows.append((r["name"], f"{r['value']:.4g}", f"{r['baseline']:.4g}", r["unit"], f"{r['ratio']:.3f}",
-                     r["target"], "yes" if r["met"] else "NO"))
+                     r["target"], "-" if r["target"] == "info" else "yes" if r["met"] else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

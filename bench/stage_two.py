@@ -24,7 +24,7 @@ import torch
 
 from bench.common import (
     cli_results_path, drop_page_cache, exponent, interleaved, pick_device, prompt_file, result, save, stage_one_placement,
-    student_config, table, timed,
+    table, timed,
 )
 from cache import format as F
 from cache.manifest import load_manifest

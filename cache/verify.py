@@ -63,9 +63,8 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
     return problems
 
 
-def verify_cache(cache_dir: str | os.PathLike, progress: bool = True, notes: list[str] | None = None) -> list[str]:
-    """All problems found in the cache (empty list = sound). `notes` (what the cache records no checksum for) stays
-    empty: every file of this format version has its checksum."""
+def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[str]:
+    """All problems found in the cache (empty list = sound): every file of this format version has its checksum."""
     cache_dir = Path(cache_dir)
     try:
         m = load_manifest(cache_dir)  # (refuses shard paths outside the cache)

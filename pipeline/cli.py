@@ -307,10 +307,7 @@ def cache_verify_cmd(cache_dir):
                          "--out` wrote")
     if not os.path.exists(os.path.join(cache_dir, F.MANIFEST)):  # not a cache, or an unfinished one: nothing to check
         load_manifest(cache_dir)  # (raises the CacheError that says which, and what to do)
-    notes: list[str] = []
-    problems = verify_cache(cache_dir, progress=sys.stderr.isatty(), notes=notes)
-    for n in notes:  # what a cache of an earlier WanDistiller records no checksum for: not a problem
-        click.echo(f"NOTE {n}")
+    problems = verify_cache(cache_dir, progress=sys.stderr.isatty())
     if problems:
         for p in problems:
             click.echo(f"BAD {p}")

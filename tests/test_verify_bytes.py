@@ -20,7 +20,6 @@ from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load
 from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, PartRows, RowCache, chunk_location, prompt_store_path, read_latents
 from cache.reader import open_caches
-from cache.verify import verify_cache
 from pipeline.cli import main
 from test_verify import _verify, cache_copy  # noqa: F401  (cache_copy: a fixture, a copy of tiny_cache)
 

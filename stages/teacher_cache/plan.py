@@ -52,7 +52,7 @@ class Plan:
                  f"({self.tokens_per_sample} tokens per sample, CFG doubles the forward batch)",
                  f"machine     {self.inventory['describe']}",
                  f"placement   {self.placement} ({self.expert_order}-major order)"
-                 + (f", picked by auto" if self.requested == "auto" else ""),
+                 + (", picked by auto" if self.requested == "auto" else ""),
                  "",
                  f"{'component':<14}{'class':<24}{'params':>16}{'bytes':>13}   where"]
         for c in self.components:

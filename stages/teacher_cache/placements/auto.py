@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from pipeline.errors import UserError
 from pipeline.runtime import dist_env
 
