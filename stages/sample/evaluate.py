@@ -43,6 +43,7 @@ from .models import (
     teacher_dir, untrained_transformer,
 )
 from .plot import plot_report
+from .report import few_step_table, format_table, summary_line
 
 REPORT_NAME = "eval.json"
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
@@ -202,6 +203,62 @@ def _median(v: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
+def _timed(fn, device: torch.device):
+    """(fn(), its seconds), the device synchronised on both sides so that queued kernels count where they run."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _time_denoising(entries: list[Entry], teacher_pipe, emb, lat, neg, guidance: float, manifest: dict,
+                    teacher_kw: dict, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """One trajectory denoised by the teacher, then by every entry, on the cached embeddings: (the teacher's final
+    latent, seconds by name)."""
+    out, sec = _timed(lambda: teacher_latents(teacher_pipe, emb, lat, neg.to(device), guidance, manifest,
+                                              teacher_kw), device)
+    seconds = {"teacher": sec}
+    for e in entries:
+        _, seconds[e.label] = _timed(lambda: e.draw(emb, lat.clone(), neg.to(device)), device)
+    return out, seconds
+
+
+def _time_pipelines(entries: list[Entry], teacher_pipe, text: str, lat, guidance: float, manifest: dict,
+                    teacher_kw: dict, device: torch.device) -> dict[str, float]:
+    """One caption through each whole pipeline (encode, denoise, decode): the teacher's WanPipeline, then every
+    entry with the teacher's text encoder and VAE; seconds by name."""
+    from pipeline.sampling import decode_latents
+
+    max_len, negative = int(manifest[F.F_MAX_SEQUENCE_LENGTH]), str(manifest.get(F.F_NEGATIVE_PROMPT) or "")
+    with torch.inference_mode():
+        _, sec = _timed(lambda: teacher_pipe(text, negative_prompt=negative, latents=lat.clone(),
+                                             guidance_scale=guidance, **teacher_kw,
+                                             **{**_sample_kwargs(manifest), "output_type": "np"}).frames, device)
+        seconds = {"teacher": sec}
+        for e in entries:
+            def student_pipeline_run(e=e):
+                pe, ne = teacher_pipe.encode_prompt(text, negative_prompt=negative,
+                                                    do_classifier_free_guidance=e.guidance > 1.0,
+                                                    max_sequence_length=max_len, device=device)
+                return decode_latents(teacher_pipe.vae, e.draw(pe, lat.clone(), ne)).numpy()
+            _, seconds[e.label] = _timed(student_pipeline_run, device)
+    return seconds
+
+
+def _per_image(entries: list[Entry], denoise: dict[str, list[float]], pipeline: dict[str, list[float]]) -> dict:
+    """Median seconds per image of the teacher and every entry, and each entry's speed-up over the teacher."""
+    per = {name: {"denoise_s_per_image": _median(denoise[name]),
+                  "pipeline_s_per_image": _median(pipeline[name]) if pipeline[name] else None} for name in denoise}
+    for e in entries:
+        p, t = per[e.label], per["teacher"]
+        p.update(steps=e.steps, forwards_per_step=2 if e.guidance > 1.0 else 1,
+                 speedup_denoise=t["denoise_s_per_image"] / max(p["denoise_s_per_image"], 1e-9),
+                 speedup_pipeline=(t["pipeline_s_per_image"] / max(p["pipeline_s_per_image"], 1e-9)
+                                   if p["pipeline_s_per_image"] else None))
+    return per
+
+
 def time_sampling(entries: list[Entry], teacher_pipe, cache_dir: Path, manifest: dict, trajs, neg, runs: int,
                   device: torch.device) -> dict:
     """Seconds per image (median over `runs` trajectories at batch 1, after one warm-up each) of the teacher (its
@@ -209,71 +266,37 @@ def time_sampling(entries: list[Entry], teacher_pipe, cache_dir: Path, manifest:
     embeddings; and, when the teacher pipeline carries its text encoder and VAE, the whole pipeline too
     (encode the caption, denoise, decode). Also the teacher's re-run final latent against the cache (~0: checks
     that this path reproduces stage one)."""
-    from pipeline.sampling import decode_latents
-
     embeds = EmbeddingCache(cache_dir, int(manifest[F.F_NUM_PARTS]))
     teacher_kw = {}
     if teacher_pipe.config.boundary_ratio is not None and manifest.get(F.F_GUIDANCE_2) is not None:
         teacher_kw["guidance_scale_2"] = float(manifest[F.F_GUIDANCE_2])
     t_guidance = float(manifest[F.F_GUIDANCE])
     whole = teacher_pipe.text_encoder is not None and teacher_pipe.vae is not None
-    max_len, negative = int(manifest[F.F_MAX_SEQUENCE_LENGTH]), str(manifest.get(F.F_NEGATIVE_PROMPT) or "")
     names = ["teacher", *(e.label for e in entries)]
     denoise = {n: [] for n in names}
     pipeline = {n: [] for n in names}
     teacher_err = []
     n = min(runs, len(trajs))
     init, final = trajectories.latents(cache_dir, manifest, trajs[:n])
-
-    def timed(fn):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        return out, time.perf_counter() - t0
-
     for j in tqdm(range(-1, n), desc="eval timing", unit="traj", dynamic_ncols=True):
         t = trajs[max(j, 0)]
         emb = embeds.get(t.prompt_idx)[None].to(device)
         lat = init[max(j, 0)][None].to(device)
-        out, sec = timed(lambda: teacher_latents(teacher_pipe, emb, lat, neg.to(device), t_guidance, manifest,
-                                                 teacher_kw))
+        out, seconds = _time_denoising(entries, teacher_pipe, emb, lat, neg, t_guidance, manifest, teacher_kw, device)
         if j >= 0:  # j == -1 is the warm-up
-            denoise["teacher"].append(sec)
             teacher_err.append(_mse(out, final[j][None]).item())
-        for e in entries:
-            _, sec = timed(lambda: e.draw(emb, lat.clone(), neg.to(device)))
-            if j >= 0:
-                denoise[e.label].append(sec)
+            for name, sec in seconds.items():
+                denoise[name].append(sec)
         if not whole:
             continue
-        with torch.inference_mode():
-            _, sec = timed(lambda: teacher_pipe(t.text, negative_prompt=negative, latents=lat.clone(),
-                                                guidance_scale=t_guidance, **teacher_kw,
-                                                **{**_sample_kwargs(manifest), "output_type": "np"}).frames)
-            if j >= 0:
-                pipeline["teacher"].append(sec)
-            for e in entries:
-                def student_pipeline_run(e=e):
-                    pe, ne = teacher_pipe.encode_prompt(t.text, negative_prompt=negative,
-                                                        do_classifier_free_guidance=e.guidance > 1.0,
-                                                        max_sequence_length=max_len, device=device)
-                    return decode_latents(teacher_pipe.vae, e.draw(pe, lat.clone(), ne)).numpy()
-                _, sec = timed(student_pipeline_run)
-                if j >= 0:
-                    pipeline[e.label].append(sec)
-    per = {name: {"denoise_s_per_image": _median(denoise[name]),
-                  "pipeline_s_per_image": _median(pipeline[name]) if pipeline[name] else None} for name in names}
-    steps = int(manifest[F.F_STEPS])
-    for e in entries:
-        p, t = per[e.label], per["teacher"]
-        p.update(steps=e.steps, forwards_per_step=2 if e.guidance > 1.0 else 1,
-                 speedup_denoise=t["denoise_s_per_image"] / max(p["denoise_s_per_image"], 1e-9),
-                 speedup_pipeline=(t["pipeline_s_per_image"] / max(p["pipeline_s_per_image"], 1e-9)
-                                   if p["pipeline_s_per_image"] else None))
+        seconds = _time_pipelines(entries, teacher_pipe, t.text, lat, t_guidance, manifest, teacher_kw, device)
+        if j >= 0:
+            for name, sec in seconds.items():
+                pipeline[name].append(sec)
+    per = _per_image(entries, denoise, pipeline)
     first = per[entries[0].label]
     return {
-        "runs": n, "steps": steps, "statistic": "median over runs, batch 1",
+        "runs": n, "steps": int(manifest[F.F_STEPS]), "statistic": "median over runs, batch 1",
         "student_steps": entries[0].steps,
         "student_s_per_image": first["denoise_s_per_image"], "teacher_s_per_image": per["teacher"]["denoise_s_per_image"],
         "speedup": first["speedup_denoise"],
@@ -309,11 +332,6 @@ def attribute_captions(path: str, max_prompts: int | None) -> list[str]:
     return captions
 
 
-def _share(attrs: dict, key: str) -> str:
-    v = attrs["student_vs_teacher"][key]
-    return "n/a (teacher 0%)" if v is None else f"{v:.1%} of the teacher's"
-
-
 def attribute_scores(cfg: EvalConfig, captions: list[str], teacher, entries: list[Entry], manifest: dict,
                      device, grid_path: Path) -> dict:
     """The teacher (its steps, its CFG) and every entry (its own steps and schedule) draw `captions` from the same
@@ -342,49 +360,6 @@ def attribute_scores(cfg: EvalConfig, captions: list[str], teacher, entries: lis
         _write_png(grid, grid_path)
     return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
             "grid": str(grid_path) if rows else None}
-
-
-def few_step_table(entries: list[Entry], manifest: dict, finals: dict, timing: dict | None, attrs: dict | None) -> list[dict]:
-    """One row for the teacher and one per entry: steps, final-latent MSE against the teacher from the same noise,
-    attribute accuracy and the share of images with every attribute right (and of the teacher's kept), time per
-    image (denoising, whole pipeline) and speed-ups."""
-    def attr(name: str) -> dict:
-        if not attrs:
-            return {}
-        a = attrs[name]
-        out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
-               "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
-        if name != "teacher":
-            out["kept_all_right"] = attrs["vs_teacher"][name]["all"]
-        return out
-
-    def times(name: str) -> dict:
-        if not timing:
-            return {}
-        t = timing["teacher"] if name == "teacher" else timing["entries"][name]
-        return {k: t.get(k) for k in ("denoise_s_per_image", "pipeline_s_per_image", "speedup_denoise",
-                                      "speedup_pipeline") if k in t}
-
-    rows = [{"label": "teacher", "objective": None, "steps": int(manifest[F.F_STEPS]),
-             "guidance": float(manifest[F.F_GUIDANCE]), "final_latent_mse": 0.0, **attr("teacher"), **times("teacher")}]
-    for e in entries:
-        rows.append({**e.describe(), "final_latent_mse": finals[e.label], **attr(e.label), **times(e.label)})
-    return rows
-
-
-def _format_table(rows: list[dict]) -> str:
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} {'attr acc':>8} {'all right':>9} {'kept':>6} "
-             f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
-    for r in rows:
-        lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
-                     f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
-                     f"{f(r.get('kept_all_right'), '.0%'):>6} {f(r.get('denoise_s_per_image'), '.4f'):>9} "
-                     f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
-                     f"{f(r.get('speedup_pipeline'), '.1f'):>8}")
-    return "\n".join(lines)
 
 
 def _label(path: str, taken: set[str]) -> str:
@@ -494,69 +469,64 @@ def _entries(cfg: EvalConfig, su: _Setup, model) -> list[Entry]:
     return entries
 
 
-def _summary(report: dict, entries: list[Entry], report_path: Path, plot_path: Path) -> str:
-    timing, attrs, velocity, finals = (report["timing"], report["attributes"], report["velocity_mse"],
-                                       report["final_latent_mse"])
-    speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s at "
-             f"{entries[0].steps} steps vs {timing['teacher_s_per_image']:.3f}s at {timing['steps']} steps per image)"
-             ) if timing else ""
-    kept = ""
-    if attrs:
-        t, s = attrs["teacher"], attrs["student"]
-        kept = (f"; attributes on {attrs['captions']} captions: colour accuracy teacher {t['colour']:.1%} (background "
-                f"{t['background']:.1%}, shape {t['shape_colour']:.1%}), student {s['colour']:.1%} (background "
-                f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {_share(attrs, 'colour')}; "
-                f"grid {attrs['grid']}")
-    return (f"eval of {report['trajectories']} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
-            f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
-            f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
+def _velocity(cfg: EvalConfig, su: _Setup, models: dict) -> dict:
+    """(a) Every model's velocity error per cached step; where stage two trained on some of the steps only, each
+    step says whether it was one of them."""
+    velocity = velocity_errors(models, su.cache_dir, su.manifest, su.trajs, su.target_key, cfg.batch_size, su.device,
+                               su.dtype)
+    trained_steps = su.student.setting("train_steps")
+    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
+        for row in velocity["per_step"]:
+            row["trained_step"] = row["step"] in trained_steps
+    return velocity
+
+
+def _final_latents(cfg: EvalConfig, su: _Setup, entries: list[Entry], untrained: Entry, neg) -> dict:
+    """(b) Final latents sampled from the cached noise, each with its own schedule and steps; the first entry's
+    figure is also the report's `student`."""
+    finals = final_latent_errors([*entries, untrained], su.cache_dir, su.manifest, su.trajs, neg, cfg.batch_size,
+                                 su.device)
+    finals["student"] = finals[entries[0].label]
+    finals["student_steps"] = entries[0].steps
+    return finals
+
+
+def _against_teacher(cfg: EvalConfig, su: _Setup, entries: list[Entry], neg) -> tuple[dict | None, dict | None]:
+    """(c) speed against the teacher on the same latents and (d) attributes of images drawn from shapes captions:
+    (timing, attributes), None where not asked. The teacher is loaded once, for both; with --attributes whole
+    (text encoder and VAE), and the whole pipeline is timed too."""
+    timing, teacher = None, None
+    if cfg.teacher_timing or su.captions is not None:
+        teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
+                               vae=su.captions is not None)
+        _check_cache_teacher(teacher, su.teacher_path, su.manifest)
+    if cfg.teacher_timing:
+        timing = time_sampling(entries, teacher, su.cache_dir, su.manifest, su.trajs, neg, cfg.timing_runs, su.device)
+        timing["teacher_path"] = str(su.teacher_path)
+    attrs = None
+    if su.captions is not None:
+        grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
+        attrs = attribute_scores(cfg, su.captions, teacher, entries, su.manifest, su.device, grid_path)
+    return timing, attrs
 
 
 def run(cfg: EvalConfig) -> dict:
     """Evaluate, write the JSON report and the plot next to it; returns the report."""
     t_start = time.time()
     su = _setup(cfg)
-    manifest, device = su.manifest, su.device
+    manifest = su.manifest
     for w in su.warnings:
         tqdm.write(f"warning: {w}")
-    models = {"student": load_transformer(su.student, su.dtype, device)}
-    models["untrained"], init_how = untrained_transformer(su.student, cfg.init_seed, su.dtype, device)
+    models = {"student": load_transformer(su.student, su.dtype, su.device)}
+    models["untrained"], init_how = untrained_transformer(su.student, cfg.init_seed, su.dtype, su.device)
     entries = _entries(cfg, su, models["student"])
     # the untrained twin at the first entry's steps is the baseline
     untrained = make_entry("untrained", su.student, models["untrained"], entries[0].steps, su.student_guidance,
                            manifest)
-
-    # (a) velocity error per step.
-    velocity = velocity_errors(models, su.cache_dir, manifest, su.trajs, su.target_key, cfg.batch_size, device,
-                               su.dtype)
-    trained_steps = su.student.setting("train_steps")
-    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
-        for row in velocity["per_step"]:
-            row["trained_step"] = row["step"] in trained_steps
-
-    # (b) final latents sampled from the cached noise, each with its own schedule and steps.
+    velocity = _velocity(cfg, su, models)
     neg = trajectories.negative_embeds(su.cache_dir)[None]
-    finals = final_latent_errors([*entries, untrained], su.cache_dir, manifest, su.trajs, neg, cfg.batch_size, device)
-    finals["student"] = finals[entries[0].label]
-    finals["student_steps"] = entries[0].steps
-
-    # (c) speed against the teacher on the same latents; with --attributes the teacher is loaded whole (text
-    # encoder and VAE), once, and the whole pipeline is timed too.
-    timing, teacher = None, None
-    if cfg.teacher_timing or su.captions is not None:
-        teacher = load_teacher(su.teacher_path, su.dtype, device, text=su.captions is not None,
-                               vae=su.captions is not None)
-        _check_cache_teacher(teacher, su.teacher_path, manifest)
-    if cfg.teacher_timing:
-        timing = time_sampling(entries, teacher, su.cache_dir, manifest, su.trajs, neg, cfg.timing_runs, device)
-        timing["teacher_path"] = str(su.teacher_path)
-
-    # (d) attributes of images drawn from shapes captions.
-    attrs = None
-    if su.captions is not None:
-        grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
-        attrs = attribute_scores(cfg, su.captions, teacher, entries, manifest, device, grid_path)
-    del teacher
+    finals = _final_latents(cfg, su, entries, untrained, neg)
+    timing, attrs = _against_teacher(cfg, su, entries, neg)
     table = few_step_table(entries, manifest, finals, timing, attrs)
 
     report = {
@@ -568,13 +538,13 @@ def run(cfg: EvalConfig) -> dict:
         "student_guidance": su.student_guidance,
         "velocity_mse": velocity, "final_latent_mse": finals, "timing": timing, "attributes": attrs,
         "entries": [e.describe() for e in entries], "table": table, "warnings": su.warnings,
-        "device": str(device), "dtype": str(su.dtype).removeprefix("torch."), "wall_s": round(time.time() - t_start, 2),
-        "config": dataclasses.asdict(cfg),
+        "device": str(su.device), "dtype": str(su.dtype).removeprefix("torch."),
+        "wall_s": round(time.time() - t_start, 2), "config": dataclasses.asdict(cfg),
     }
     su.report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(su.report_path, report)
     plot_path = su.report_path.with_suffix(".png")
     plot_report(report, plot_path)
-    tqdm.write(_summary(report, entries, su.report_path, plot_path))
-    tqdm.write(_format_table(table))
+    tqdm.write(summary_line(report, entries, su.report_path, plot_path))
+    tqdm.write(format_table(table))
     return report

@@ -125,38 +125,25 @@ def _write_png(img: Image.Image, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def run(cfg: SampleConfig) -> dict:
-    """Sample every prompt with teacher and student and write the grid; returns the summary."""
-    t0 = time.time()
-    prompts, _ = dedupe(read_prompt_file(cfg.prompts))
-    prompts = prompts[: cfg.max_prompts]
-    out = Path(cfg.out)
-    if out.is_dir():
-        raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
-    student = find_student(cfg.student, cfg.weights)
-    teacher_name = cfg.teacher or student.teacher
-    if teacher_name is None:
-        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    device, dtype = pick_device(cfg.device, cfg.dtype)
-
-    # setup: the teacher pipeline, the student transformer in a pipeline of its own.
-    tpath = teacher_dir(teacher_name)
-    teacher = load_teacher(tpath, dtype, device)
-    tcfg = teacher.transformer.config
-    settings = resolve_settings(cfg, student, teacher)
-    vs = teacher.vae_scale_factor_spatial
+def _check_against_teacher(student: Student, teacher, teacher_name: str, settings: SamplingSettings) -> None:
+    tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
     check_compatible(student, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
                      latent_hw=(settings.height // vs, settings.width // vs),
                      expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+
+
+def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: str, settings: SamplingSettings,
+                   dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
+    """The student and every --compare student, each checked against the teacher and sampled with its own schedule,
+    steps and guidance: ({column: (draw, steps)}, {column: description})."""
+    _check_against_teacher(student, teacher, teacher_name, settings)
     expand = bool(teacher.config.expand_timesteps)
     drawers = {"student": (student_sampler(student, load_transformer(student, dtype, device), settings,
                                            teacher.scheduler, expand), settings.student_steps)}
     described = {"student": student.describe()}
-    for path in cfg.compare:  # more students, each with its own schedule, steps and guidance
+    for path in cfg.compare:
         other = find_student(path, cfg.weights)
-        check_compatible(other, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
-                         latent_hw=(settings.height // vs, settings.width // vs),
-                         expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+        _check_against_teacher(other, teacher, teacher_name, settings)
         k = other.distill.sampling_steps if other.distill is not None and other.distill.sampling_steps \
             else settings.steps
         own = dataclasses.replace(settings, student_steps=k,
@@ -165,15 +152,20 @@ def run(cfg: SampleConfig) -> dict:
         drawers[name] = (student_sampler(other, load_transformer(other, dtype, device), own, teacher.scheduler,
                                          expand), k)
         described[name] = other.describe()
-    columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
+    return drawers, described
+
+
+def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingSettings,
+                 device: torch.device) -> tuple[list[list[Image.Image]], dict[str, float]]:
+    """Per prompt, encode once, then the teacher and every student from the same latents: one row of images per
+    prompt, and the seconds each column spent sampling (decoding included for the students)."""
+    tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
     shape = (1, tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
                   max_sequence_length=settings.max_sequence_length, output_type="np")
     teacher_kw = dict(guidance_scale=settings.guidance)
     if settings.guidance_2 is not None:
         teacher_kw["guidance_scale_2"] = settings.guidance_2
-
-    # sample: per prompt, encode once, then teacher and student from the same latents.
     rows: list[list[Image.Image]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
@@ -192,6 +184,28 @@ def run(cfg: SampleConfig) -> dict:
             row.append(to_image(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy()))
             seconds[name] += time.perf_counter() - t
         rows.append(row)
+    return rows, seconds
+
+
+def run(cfg: SampleConfig) -> dict:
+    """Sample every prompt with teacher and student and write the grid; returns the summary."""
+    t0 = time.time()
+    prompts, _ = dedupe(read_prompt_file(cfg.prompts))
+    prompts = prompts[: cfg.max_prompts]
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
+    student = find_student(cfg.student, cfg.weights)
+    teacher_name = cfg.teacher or student.teacher
+    if teacher_name is None:
+        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
+    device, dtype = pick_device(cfg.device, cfg.dtype)
+
+    teacher = load_teacher(teacher_dir(teacher_name), dtype, device)
+    settings = resolve_settings(cfg, student, teacher)
+    drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
+    columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
+    rows, seconds = _sample_rows(prompts, teacher, drawers, settings, device)
 
     # save: the grid, and next to it how it was made.
     grid = draw_grid(prompts, rows, columns)

@@ -8,6 +8,7 @@ import hashlib
 import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -339,64 +340,17 @@ def _load(job: _Part) -> ExpertSet:
 def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[int]) -> float:
     """Run the blocks `todo` to their last step; the writer thread packs shards while the teacher computes.
     Returns the loop's wall time."""
-    cfg, blocks = job.cfg, job.blocks
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
     neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
-    runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
-                              job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                              patch=job.spec.patch_size, features=_feature_recorder(job),
-                              record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
-    recorded = len(job.recorded)
-    bar = tqdm(total=sum(len(blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
-               unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
-    progress = StageOneProgress(bar, part=job.part, steps=recorded, seeds=cfg.seeds_per_prompt,
-                                cache_samples=len(job.prompts) * cfg.seeds_per_prompt * recorded, shards=prog.shards,
-                                tensorboard_dir=job.part_dir / F.TENSORBOARD if cfg.report_to == "tensorboard" else None)
-    sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
+    runner = _trajectory_runner(job, experts)
+    bar, progress = _progress_bar(job, prog, todo)
+    sink = BlockSink(job.out, prog, store, job.cfg.samples_per_shard, job.num_parts, progress)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
-    pending: cf.Future | None = None
     t_loop = time.perf_counter()
-
-    # Opened once (zarr re-reads an array's metadata at every `store[name]`) and read once per block: a zarr
-    # read costs ~2 ms (its event-loop round trip), a fifth of the tiny teacher's compute per trajectory.
-    z_embeds = store[F.Z_EMBEDS]
-    embeds_dtype = z_embeds.attrs[F.Z_ATTR_TORCH_DTYPE]
-
-    def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [p // job.num_parts for p, _ in blocks[b]]
-        lo = min(rows)  # a block's rows are consecutive (one per prompt, repeated per seed): one read
-        try:
-            read = z_embeds[lo:max(rows) + 1]
-        except ValueError as e:  # zarr's check of each chunk's crc32c: the store changed since it was written
-            why = "fail their chunk's crc32c (changed after stage one wrote them)" if "checksum" in str(e) else \
-                f"do not read ({e})"
-            raise damaged_part(job.out, job.part, f"embeds of rows {lo}-{max(rows)} of {store_relpath(job.part)} "
-                                                  f"{why}") from e
-        cond = F.storage_to_torch(read, embeds_dtype)[[r - lo for r in rows]]
-        noise = torch.stack([initial_noise(cfg.seed, p, s, job.latent_shape) for p, s in blocks[b]])
-        return noise, cond
-
-    # Step-major: one block at a time, all its steps. Expert-major: a window of blocks with expert 1, then
-    # with expert 2, so one expert is resident at a time; the window's records wait in RAM meanwhile.
-    expert_major = job.placement.expert_major
-    window = expert_window(cfg.batch_size, recorded, math.prod(job.latent_shape), job.dtype.itemsize,
-                           cfg.save_cond_uncond) if expert_major else 1
-    phases = [(e,) for e in range(1, len(experts) + 1)] if expert_major else [None]
-    stopped = False
+    inputs = _block_inputs(job, store)
+    windows, phases = _work_order(job, experts, todo)
     try:
-        with signals.deferred():  # SIGTERM stops at the next teacher step (denoise) or between windows
-            try:
-                for w in range(0, len(todo), window):
-                    for b, records, final in denoise(runner, experts, phases, todo[w:w + window], inputs, neg):
-                        if pending is not None:
-                            pending.result()  # at most one block in flight: bounded memory, errors surface here
-                        pending = pool.submit(sink.add, b, blocks[b], records, final)
-                    signals.check()
-            except signals.Terminated:
-                stopped = True  # the window in progress is dropped; what finished is kept, in a shorter shard
-            if pending is not None:
-                pending.result()
-            pool.submit(sink.flush).result()
+        stopped = _pack_blocks(_denoise_windows(runner, experts, phases, windows, inputs, neg), job.blocks, sink, pool)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         sink.abort()
@@ -407,9 +361,95 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     bar.close()
     progress.close()
     if stopped:
-        raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(blocks)} blocks of "
+        raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(job.blocks)} blocks of "
                                  f"part {job.part} cached; rerun the same command to resume")
     return time.perf_counter() - t_loop
+
+
+def _trajectory_runner(job: _Part, experts: ExpertSet) -> TrajectoryRunner:
+    """The teacher's sampler over `experts`, keeping what the cache records: its steps, and the conditional and
+    unconditional targets and the features when asked for."""
+    cfg = job.cfg
+    return TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
+                            job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
+                            patch=job.spec.patch_size, features=_feature_recorder(job),
+                            record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
+
+
+def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm, StageOneProgress]:
+    """The bar over the samples the blocks `todo` write (shown by rank 0 alone under torchrun), and the figures on
+    it: rates, bytes, the projected cache size (and TensorBoard's scalars with --report-to tensorboard)."""
+    cfg, recorded = job.cfg, len(job.recorded)
+    bar = tqdm(total=sum(len(job.blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
+               unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
+    progress = StageOneProgress(bar, part=job.part, steps=recorded, seeds=cfg.seeds_per_prompt,
+                                cache_samples=len(job.prompts) * cfg.seeds_per_prompt * recorded, shards=prog.shards,
+                                tensorboard_dir=job.part_dir / F.TENSORBOARD if cfg.report_to == "tensorboard" else None)
+    return bar, progress
+
+
+def _block_inputs(job: _Part, store) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """`inputs(b)`: block b's initial noise and its prompts' embeddings (from the prompt store, checked)."""
+    # Opened once (zarr re-reads an array's metadata at every `store[name]`) and read once per block: a zarr
+    # read costs ~2 ms (its event-loop round trip), a fifth of the tiny teacher's compute per trajectory.
+    z_embeds = store[F.Z_EMBEDS]
+    embeds_dtype = z_embeds.attrs[F.Z_ATTR_TORCH_DTYPE]
+
+    def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [p // job.num_parts for p, _ in job.blocks[b]]
+        lo = min(rows)  # a block's rows are consecutive (one per prompt, repeated per seed): one read
+        try:
+            read = z_embeds[lo:max(rows) + 1]
+        except ValueError as e:  # zarr's check of each chunk's crc32c: the store changed since it was written
+            why = "fail their chunk's crc32c (changed after stage one wrote them)" if "checksum" in str(e) else \
+                f"do not read ({e})"
+            raise damaged_part(job.out, job.part, f"embeds of rows {lo}-{max(rows)} of {store_relpath(job.part)} "
+                                                  f"{why}") from e
+        cond = F.storage_to_torch(read, embeds_dtype)[[r - lo for r in rows]]
+        noise = torch.stack([initial_noise(job.cfg.seed, p, s, job.latent_shape) for p, s in job.blocks[b]])
+        return noise, cond
+
+    return inputs
+
+
+def _work_order(job: _Part, experts: ExpertSet, todo: list[int]) -> tuple[list[list[int]], list]:
+    """(windows of blocks, expert phases). Step-major: one block at a time, all its steps. Expert-major: a window
+    of blocks with expert 1, then with expert 2, so one expert is resident at a time; the window's records wait in
+    RAM meanwhile."""
+    cfg = job.cfg
+    expert_major = job.placement.expert_major
+    window = expert_window(cfg.batch_size, len(job.recorded), math.prod(job.latent_shape), job.dtype.itemsize,
+                           cfg.save_cond_uncond) if expert_major else 1
+    phases = [(e,) for e in range(1, len(experts) + 1)] if expert_major else [None]
+    return [todo[w:w + window] for w in range(0, len(todo), window)], phases
+
+
+def _denoise_windows(runner: TrajectoryRunner, experts: ExpertSet, phases: list, windows: list[list[int]], inputs,
+                     neg: torch.Tensor):
+    """Yields (block, records, final latents) as each window finishes; a SIGTERM also stops it between windows."""
+    for window in windows:
+        yield from denoise(runner, experts, phases, window, inputs, neg)
+        signals.check()
+
+
+def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink, pool: cf.ThreadPoolExecutor) -> bool:
+    """Hands each finished block to the writer thread, then packs the last shard. Returns whether a SIGTERM stopped
+    the teacher: the window in progress is dropped; what finished is kept, in a shorter shard. `finished` is lazy
+    (`_denoise_windows`): the teacher runs as it is drawn, so inside the SIGTERM deferral here."""
+    pending: cf.Future | None = None
+    stopped = False
+    with signals.deferred():  # SIGTERM stops at the next teacher step (denoise) or between windows
+        try:
+            for b, records, final in finished:
+                if pending is not None:
+                    pending.result()  # at most one block in flight: bounded memory, errors surface here
+                pending = pool.submit(sink.add, b, blocks[b], records, final)
+        except signals.Terminated:
+            stopped = True
+        if pending is not None:
+            pending.result()
+        pool.submit(sink.flush).result()
+    return stopped
 
 
 def _feature_recorder(job: _Part) -> FeatureRecorder | None:

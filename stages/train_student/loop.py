@@ -127,6 +127,21 @@ def nonfinite_input(b: Batch, keys: list[str]) -> str | None:
     return None
 
 
+@dataclass
+class _Pace:
+    """How fast fit goes: wall time since the run began (`t_start`, moved back by a resumed run's wall time), samples/s
+    as an exponential average over steps, and the step and data-wait seconds since the last metrics line."""
+
+    t_start: float
+    rate: float | None = None
+    wait_s: float = 0.0
+    step_s: float = 0.0
+
+    def add(self, count: int, dt: float, wait_s: float) -> None:
+        self.wait_s, self.step_s = self.wait_s + wait_s, self.step_s + dt
+        self.rate = count / dt if self.rate is None else 0.9 * self.rate + 0.1 * count / dt
+
+
 class Trainer:
     """Runs optimizer steps from `state` to `total` over the exact epoch sequence of `plan`."""
 
@@ -328,64 +343,18 @@ class Trainer:
         return loss, float(grad_norm), count, terms
 
     def fit(self) -> TrainState:
-        cfg, st, env = self.cfg, self.state, self.env
+        """Train from the current state to `total` steps, epoch after epoch; a fresh run evaluates and validates
+        first, every run last. Logs are closed on the way out, failed or not."""
+        st = self.state
         if st.step == 0:
             self.log_eval()
             self.validate()
         bar = tqdm(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
-                   disable=not env.is_main)
-        t_start = time.time() - st.wall_s
-        rate = None
-        wait_s = step_s = 0.0  # over the steps since the last metrics line
-        pin = self.device.type == "cuda"
+                   disable=not self.env.is_main)
+        pace = _Pace(t_start=time.time() - st.wall_s)
         try:
             while st.step < self.total:
-                sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
-                loader = make_loader(self.dataset, sampler, cfg.num_workers, pin)
-                with signals.held():  # its workers start with SIGTERM held, until they ignore it (data.make_loader)
-                    it = iter(loader)
-                while st.epoch_step < self.plan.steps and st.step < self.total:
-                    maybe_fail(env.rank, st.step + 1)
-                    fault_point("train_step")
-                    lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-                    for g in self.optimizer.param_groups:
-                        g["lr"] = lr
-                    t0 = time.time()
-                    self.data_wait_s = 0.0
-                    loss, grad_norm, count, terms = self.step(it, st.epoch_step)
-                    dt = time.time() - t0
-                    wait_s, step_s = wait_s + self.data_wait_s, step_s + dt
-                    rate = count / dt if rate is None else 0.9 * rate + 0.1 * count / dt
-                    st.step += 1
-                    st.epoch_step += 1
-                    st.samples += count
-                    st.wall_s = time.time() - t_start
-                    if st.step % cfg.log_every == 0 or st.step == self.total:
-                        self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
-                                  "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": rate,
-                                  "wall_s": round(st.wall_s, 3), "data_wait_frac": wait_s / max(step_s, 1e-9),
-                                  "peak_mem_gib": peak_memory_gib(self.device),
-                                  **{f"loss_{k}": v for k, v in terms.items()}})
-                        wait_s = step_s = 0.0
-                    post = {"loss": f"{loss:.4f}", "samples/s": f"{rate:.1f}", "epoch": st.epoch}
-                    if self.last_eval is not None:
-                        post["heldout"] = f"{self.last_eval:.4f}"
-                    bar.set_postfix(post, refresh=False)
-                    bar.update(1)
-                    if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
-                        self.log_eval()
-                    if cfg.val_every and st.step % cfg.val_every == 0 and st.step < self.total:
-                        self.validate()
-                    if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
-                        self.save_checkpoint()
-                    # A step boundary: stop here if any rank got a SIGTERM (one collective per step under torchrun,
-                    # so all ranks stop at the same step). After the last step the run just finishes.
-                    if st.step < self.total and signals.agree(self.device):
-                        self.stop()
-                del it, loader  # stops the workers of this epoch
-                if st.epoch_step >= self.plan.steps:
-                    st.epoch += 1
-                    st.epoch_step = 0
+                self._fit_epoch(bar, pace)
         except BaseException:
             bar.close()  # end the bar's line so the error message starts on its own
             self.close_logs(failed=True)
@@ -393,11 +362,77 @@ class Trainer:
         bar.close()
         try:
             self.log_eval()
-            if cfg.val_every:
+            if self.cfg.val_every:
                 self.validate()
         finally:
             self.close_logs()
         return st
+
+    def _fit_epoch(self, bar, pace: _Pace) -> None:
+        """The steps left in the current epoch (up to `total`), from its exact position; then the next epoch."""
+        cfg, st, env = self.cfg, self.state, self.env
+        sampler = RankBatches(self.plan, self.data.train_rows, cfg.seed, st.epoch, env.rank, st.epoch_step)
+        loader = make_loader(self.dataset, sampler, cfg.num_workers, self.device.type == "cuda")
+        with signals.held():  # its workers start with SIGTERM held, until they ignore it (data.make_loader)
+            it = iter(loader)
+        while st.epoch_step < self.plan.steps and st.step < self.total:
+            loss, lr, grad_norm, terms = self._take_step(it, pace)
+            self._log_step(bar, pace, loss, lr, grad_norm, terms)
+            self._at_step_boundary()
+        del it, loader  # stops the workers of this epoch
+        if st.epoch_step >= self.plan.steps:
+            st.epoch += 1
+            st.epoch_step = 0
+
+    def _take_step(self, loader_iter, pace: _Pace) -> tuple[float, float, float, dict[str, float]]:
+        """The next optimizer step at its scheduled learning rate, counted in the state and the pace; returns
+        (loss, lr, grad norm, terms)."""
+        st = self.state
+        maybe_fail(self.env.rank, st.step + 1)
+        fault_point("train_step")
+        lr = lr_at(st.step, self.total, self.cfg.lr, self.cfg.warmup_steps, self.cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        t0 = time.time()
+        self.data_wait_s = 0.0
+        loss, grad_norm, count, terms = self.step(loader_iter, st.epoch_step)
+        pace.add(count, time.time() - t0, self.data_wait_s)
+        st.step += 1
+        st.epoch_step += 1
+        st.samples += count
+        st.wall_s = time.time() - pace.t_start
+        return loss, lr, grad_norm, terms
+
+    def _log_step(self, bar, pace: _Pace, loss: float, lr: float, grad_norm: float, terms: dict[str, float]) -> None:
+        """The metrics line every `log_every` steps (and at the last), and the progress bar after every step."""
+        cfg, st = self.cfg, self.state
+        if st.step % cfg.log_every == 0 or st.step == self.total:
+            self.log({"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss, "lr": lr,
+                      "grad_norm": grad_norm, "samples": st.samples, "samples_per_s": pace.rate,
+                      "wall_s": round(st.wall_s, 3), "data_wait_frac": pace.wait_s / max(pace.step_s, 1e-9),
+                      "peak_mem_gib": peak_memory_gib(self.device),
+                      **{f"loss_{k}": v for k, v in terms.items()}})
+            pace.wait_s = pace.step_s = 0.0
+        post = {"loss": f"{loss:.4f}", "samples/s": f"{pace.rate:.1f}", "epoch": st.epoch}
+        if self.last_eval is not None:
+            post["heldout"] = f"{self.last_eval:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+    def _at_step_boundary(self) -> None:
+        """What is due between two steps: evaluation, validation, a checkpoint, and the stop a SIGTERM asks for.
+        None of it after the last step, where fit's own ending takes over."""
+        cfg, st = self.cfg, self.state
+        if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
+            self.log_eval()
+        if cfg.val_every and st.step % cfg.val_every == 0 and st.step < self.total:
+            self.validate()
+        if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
+            self.save_checkpoint()
+        # Stop here if any rank got a SIGTERM (one collective per step under torchrun, so all ranks stop at the
+        # same step). After the last step the run just finishes.
+        if st.step < self.total and signals.agree(self.device):
+            self.stop()
 
     def write_debug(self, param_sha: str) -> None:
         if not self.debug_dir:
