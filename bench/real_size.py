@@ -191,7 +191,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
 
 def _encode_phase(out: Path, prog: PartProgress, gen: Tensors, lens: np.ndarray, watch: Stopwatch):
     """Stage one's encode phase: prompt rows as the text encoder's batches of 16, the negative prompt, the initial
-    noise 64 rows at a time; the store reopened for the blocks."""
+    noise 64 rows (a file) at a time; the store reopened for the blocks."""
     prompts = len(lens)
     with watch:
         store = create_prompt_store(prompt_store_path(out, 0), prompts, MAX_LEN, TEXT_DIM, DTYPE, 1, LATENT_SHAPE)

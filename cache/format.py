@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 # The version of the bytes below; a cache of another version is refused (`manifest.check_version`), never read.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # Files and folders below CACHE_DIR.
 MANIFEST = "manifest.json"
 PARTS_DIR = "parts"
 SHARDS_DIR = "shards"
 PROGRESS = "progress.json"
+LOCKS_DIR = "locks"  # stage one: one lock file per part in here (pipeline/lock.py)
 PROMPTS_ZARR = "prompts.zarr"
 NEGATIVE = "negative.safetensors"
 FEATURE_PROJECTION = "feature_projection.safetensors"  # the fixed matrix features are projected with
@@ -29,18 +30,22 @@ TMP_SUFFIX = ".tmp"
 # Arrays of each part's prompts.zarr.
 Z_PROMPT_IDX = "prompt_idx"
 Z_TEXT = "text"
-Z_EMBEDS = "embeds"
+Z_EMBEDS = "embeds"  # every row's real tokens, one after another: [tokens, text_dim]
+Z_TOKEN_START = "token_start"  # where each row's tokens begin in `embeds` (int64; -1: never written)
 Z_SEQ_LENS = "seq_lens"
 Z_INIT_NOISE = "init_noise"
 Z_FINAL_LATENTS = "final_latents"
 # Group of per-row checksums: `row_crc32c/embeds` holds the crc32c of each row's real tokens, the bytes of
-# embeds[row, :seq_len] (int64; -1: none recorded), so that a chunk or file of them that is gone (zarr reads it as
-# zeros) is an error. Every chunk of every array also ends in its own crc32c (zarr's "crc32c" codec).
+# embeds[token_start[row]:token_start[row] + seq_len] (int64; -1: none recorded), so that a chunk or file of them
+# that is gone (zarr reads it as zeros) is an error. Every chunk of every array also ends in its own crc32c (zarr's
+# "crc32c" codec).
 Z_ROW_CRC32C = "row_crc32c"
-# Tokens per chunk of `embeds`: a typical prompt's real tokens fit one or two chunks, the padding none.
+# Tokens per chunk of `embeds`, and per file (zarr shard): the rows' real tokens are packed end to end (the padding
+# past them is never stored, nor are whole chunks of it visited when writing), 32 MiB a file at A14B widths.
 EMBED_CHUNK_TOKENS = 64
-# Rows per file (zarr shard) of `embeds`, `init_noise` and `final_latents`: at A14B sizes ~45 MB of embeddings and
-# ~25 MB of latents a file, ~16 files per 1,000 prompts instead of ~3,400.
+TOKENS_PER_FILE = 4096
+# Rows per file (zarr shard) of `init_noise` and `final_latents`: at A14B sizes ~25 MB a file, ~16 files per 1,000
+# prompts instead of ~2,000.
 ROWS_PER_FILE = 64
 # Attribute holding the torch dtype of an array stored as raw bits (bfloat16 has no numpy dtype).
 Z_ATTR_TORCH_DTYPE = "torch_dtype"

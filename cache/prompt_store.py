@@ -2,12 +2,13 @@
 
 Each part writes only its own `parts/part-P/prompts.zarr`. Rows never written read back as the fill value
 (`seq_lens` -1: "never written", not "empty"); the part's progress record says which rows are complete. An A14B
-embedding is 512x4096 bfloat16 (4 MiB padded, ~60 real tokens), so `embeds` is chunked per row and per
-EMBED_CHUNK_TOKENS tokens and the padding is never stored (zarr skips chunks of the fill value). The per-prompt
-arrays are zarr shards of ROWS_PER_FILE rows: a file per 64 rows, not per chunk (creating a file costs ~0.8 ms on
-ext4), each written under a temporary name and renamed by zarr. Every chunk ends in its crc32c (zarr's codec,
-checked on every read, as is each file's index), and `row_crc32c/embeds` holds each row's real tokens' crc32c: a
-chunk or file that is gone, which zarr reads as zeros, is an error.
+embedding is 512x4096 bfloat16 (4 MiB padded, ~60 real tokens), so `embeds` holds only the real tokens, every row's
+packed after the one before ([tokens, D], `token_start` says where each row begins): no padding is stored or
+visited, and a file (zarr shard) of TOKENS_PER_FILE tokens is written once, whole. The per-prompt latents are zarr
+shards of ROWS_PER_FILE rows: a file per 64 rows, not per chunk (creating a file costs ~0.8 ms on ext4), each
+written under a temporary name and renamed by zarr. Every chunk ends in its crc32c (zarr's codec, checked on every
+read, as is each file's index), and `row_crc32c/embeds` holds each row's real tokens' crc32c: a chunk or file that
+is gone, which zarr reads as zeros, is an error.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from .atomic import drop_behind
 from .checksum import crc32c
 from .errors import CacheError
 from .format import (
-    EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, Z_ATTR_TORCH_DTYPE, Z_EMBEDS,
-    Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT, part_dirname, part_prompts,
-    prompt_location, storage_numpy_dtype, storage_to_torch, torch_to_storage,
+    EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
+    Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,
+    Z_TOKEN_START, part_dirname, part_prompts, prompt_location, storage_numpy_dtype, storage_to_torch,
+    torch_to_storage,
 )
 
 UNWRITTEN_SEQ_LEN = -1
@@ -43,6 +45,9 @@ SEQ_LENS_CHUNK = 1 << 16
 TEXT_CHUNK = 1 << 12
 # "c.i.j.k": one folder per array, not a few per prompt
 _FLAT_KEYS = {"name": "default", "separator": "."}
+# Every chunk written holds real data (tokens, noise, latents): zarr's check of each chunk against the fill value
+# before storing it (a full compare per chunk, ~40% of the writer's CPU at A14B sizes) would find nothing to skip.
+_STORE_ALL = {"write_empty_chunks": True}
 
 
 def prompt_store_path(cache_dir: str | os.PathLike, part: int) -> Path:
@@ -64,16 +69,17 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
     small = (max(1, min(n, SEQ_LENS_CHUNK)),)
     g.create_array(Z_SEQ_LENS, shape=(n,), dtype="int32", chunks=small, fill_value=UNWRITTEN_SEQ_LEN,
                    compressors=packed)
+    g.create_array(Z_TOKEN_START, shape=(n,), dtype="int64", chunks=small, fill_value=-1, compressors=packed)
     g.create_group(Z_ROW_CRC32C).create_array(Z_EMBEDS, shape=(n,), dtype="int64", chunks=small, fill_value=-1,
                                               compressors=packed)
     # Embeddings and latents are stored uncompressed: zstd saves 22% of a bf16 embedding and 7% of a float32 latent
-    # but costs more CPU than the disk time of the bytes it saves; they are a few percent of a cache.
-    rows = max(1, min(n, ROWS_PER_FILE))
-    tokens = min(max_len, EMBED_CHUNK_TOKENS)
-    emb = g.create_array(Z_EMBEDS, shape=(n, max_len, dim), dtype=storage_numpy_dtype(dtype_name),
-                         chunks=(1, tokens, dim), shards=(rows, -(-max_len // tokens) * tokens, dim), fill_value=0,
+    # but costs more CPU than the disk time of the bytes it saves; they are a few percent of a cache. `embeds` is as
+    # long as every row at its padded length (a bound: what is never written is never stored).
+    emb = g.create_array(Z_EMBEDS, shape=(max(1, n * max_len), dim), dtype=storage_numpy_dtype(dtype_name),
+                         chunks=(EMBED_CHUNK_TOKENS, dim), shards=(TOKENS_PER_FILE, dim), fill_value=0,
                          compressors=Crc32cCodec(), chunk_key_encoding=_FLAT_KEYS)
     emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
+    rows = max(1, min(n, ROWS_PER_FILE))
     for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
         g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32", chunks=(1, seeds, *latent_shape),
                        shards=(rows, seeds, *latent_shape), fill_value=0.0, compressors=Crc32cCodec(),
@@ -97,19 +103,18 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 
 class PromptRowWriter:
     """Writes one part's encoded prompts as the text encoder makes them, a batch at a time (`add`), in memory that
-    does not grow with the prompt count: a batch's real tokens are kept (never the padding past them) only until
-    every row of their file (ROWS_PER_FILE rows) has come, then that file is written once. The small arrays are
-    written once, by `close`, which also writes the files not complete yet. Until `close` returns the rows are not
-    all there: stage one's progress record says `encoded` only after it (a killed run encodes again)."""
+    does not grow with the prompt count: each row's real tokens (never the padding past them) are appended to a
+    buffer of one file (TOKENS_PER_FILE tokens), written once, whole, when it is full. The small arrays are written
+    once, by `close`, which also writes the last, partly filled file. Until `close` returns the rows are not all
+    there: stage one's progress record says `encoded` only after it (a killed run encodes again)."""
 
     def __init__(self, g: zarr.Group):
         self.g = g
-        self.emb = g[Z_EMBEDS]
-        self.n = int(self.emb.shape[0])
+        self.emb = g[Z_EMBEDS].with_config(_STORE_ALL)
         self.per_file = int(self.emb.shards[0])
-        self._pending: dict[int, dict[int, np.ndarray]] = {}  # file -> row -> the row's real tokens
-        self._small: dict[int, tuple[int, str, int, int]] = {}  # row -> (prompt_idx, text, seq_len, crc32c)
-        self._block: np.ndarray | None = None  # a file's rows, zero padded: reused (fresh memory costs page faults)
+        self._buf = np.zeros((self.per_file, self.emb.shape[1]), dtype=self.emb.dtype)
+        self._base = self._fill = 0  # the buffer holds tokens [_base, _base + _fill)
+        self._small: dict[int, tuple[int, str, int, int, int]] = {}  # row -> (prompt_idx, text, seq_len, start, crc)
 
     def add(self, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
             seq_lens: torch.Tensor) -> None:
@@ -117,38 +122,30 @@ class PromptRowWriter:
         store = torch_to_storage(embeds)
         lens = np.asarray(seq_lens, dtype=np.int32)
         for j, r in enumerate(rows):
-            tokens = np.array(store[j, :lens[j]])  # a copy: the batch is the caller's
-            self._small[r] = (int(prompt_idx[j]), str(texts[j]), int(lens[j]), crc32c(tokens))
-            f = r // self.per_file
-            self._pending.setdefault(f, {})[r] = tokens
-            if len(self._pending[f]) == min(self.per_file, self.n - f * self.per_file):
-                self._write(self._pending.pop(f))
+            tokens = store[j, :lens[j]]
+            self._small[r] = (int(prompt_idx[j]), str(texts[j]), int(lens[j]), self._base + self._fill,
+                              crc32c(np.ascontiguousarray(tokens)))
+            while len(tokens):
+                k = min(len(tokens), self.per_file - self._fill)
+                self._buf[self._fill:self._fill + k] = tokens[:k]
+                self._fill, tokens = self._fill + k, tokens[k:]
+                if self._fill == self.per_file:
+                    self._write()
 
-    def _write(self, tokens: dict[int, np.ndarray]) -> None:
-        """Write rows of one file: as far as the longest row's tokens reach, in whole chunks (the chunks of only
-        zeros past each row's tokens are not stored)."""
-        rows = sorted(tokens)
-        chunk = int(self.emb.chunks[1])
-        stop = min(self.emb.shape[1], -(-max(len(t) for t in tokens.values()) // chunk) * chunk)
-        if self._block is None:
-            self._block = np.zeros((self.per_file, *self.emb.shape[1:]), dtype=self.emb.dtype)
-        for lo, hi in _runs(rows):
-            block = self._block[:hi - lo, :stop]
-            for k, r in enumerate(rows[lo:hi]):
-                block[k, :len(tokens[r])] = tokens[r]
-            self.emb[rows[lo]:rows[hi - 1] + 1, :stop] = block
-            block[:] = 0
-        _drop(self.g, dict.fromkeys(shard_file(self.emb, r) for r in rows))
+    def _write(self) -> None:
+        """The buffer into its file: one zarr write of whole chunks, but for the last file's last chunk."""
+        if self._fill:
+            self.emb[self._base:self._base + self._fill] = self._buf[:self._fill]
+            _drop(self.g, [shard_file(self.emb, self._base)])
+        self._base, self._fill = self._base + self.per_file, 0
 
     def close(self) -> None:
-        for f in sorted(self._pending):
-            self._write(self._pending[f])
-        self._pending = {}
+        self._write()
         if not self._small:
             return
         rows = sorted(self._small)
         columns = [np.asarray(v) for v in zip(*(self._small[r] for r in rows))]
-        for name, values in zip((Z_PROMPT_IDX, Z_TEXT, Z_SEQ_LENS, EMBEDS_CRC32C), columns):
+        for name, values in zip((Z_PROMPT_IDX, Z_TEXT, Z_SEQ_LENS, Z_TOKEN_START, EMBEDS_CRC32C), columns):
             arr = self.g[name]
             for lo, hi in _runs(rows):  # one zarr write per run of consecutive rows
                 arr[rows[lo]:rows[hi - 1] + 1] = values[lo:hi].astype(arr.dtype) if name != Z_TEXT else values[lo:hi]
@@ -168,7 +165,7 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
     """Write per-trajectory latents (`init_noise` or `final_latents`), one zarr write per run of consecutive rows (a
     row some of whose seeds are not given is read first, its chunk checked). Returns the files written, which the
     caller fsyncs before anything records them as written (`atomic.fsync_paths`)."""
-    arr = g[name]
+    arr = g[name].with_config(_STORE_ALL)
     lat = latents.detach().float().cpu().numpy()
     given: dict[int, dict[int, int]] = {}  # row -> seed -> index into `lat`
     for j, (r, s) in enumerate(zip(rows, seed_idx)):
@@ -204,22 +201,10 @@ def _drop(g: zarr.Group, files) -> list[Path]:
     return paths
 
 
-def shard_file(arr: zarr.Array, row: int) -> str:
-    """"<array>/<file>": the file of a per-prompt array (one of ROWS_PER_FILE rows) that holds row `row`."""
-    return f"{arr.basename}/" + ".".join(["c", str(row // int(arr.shards[0])), *"0" * (arr.ndim - 1)])
-
-
-def chunk_location(store: str | os.PathLike, name: str, row: int) -> tuple[Path, int, int] | None:
-    """(file, offset, length) of row `row`'s first chunk of array `name` in its file (the crc32c after it included),
-    from the file's shard index (C order over the file's chunks, then its crc32c); None where the chunk is not held.
-    Where tests and the fault suite damage a row."""
-    arr = open_prompt_store(store)[name]
-    file = Path(store) / shard_file(arr, row)
-    per_file = [s // c for s, c in zip(arr.shards, arr.chunks)]
-    n = int(np.prod(per_file))
-    raw = file.read_bytes()[-(16 * n + 4):-4]
-    off, length = (int(v) for v in np.frombuffer(raw, "<u8").reshape(n, 2)[(row % per_file[0]) * (n // per_file[0])])
-    return None if off == 2**64 - 1 else (file, off, length)
+def shard_file(arr: zarr.Array, index: int) -> str:
+    """"<array>/<file>": the file (zarr shard) of `arr` that holds its entry `index` along the first axis (a row of
+    the latents, a token of `embeds`)."""
+    return f"{arr.basename}/" + ".".join(["c", str(index // int(arr.shards[0])), *"0" * (arr.ndim - 1)])
 
 
 # What is wrong with one prompt row, as bits: stage two's ranks each check a share of the rows and sum them.
@@ -261,11 +246,18 @@ def _damage(e: Exception) -> str:
 class PartRows:
     """One part's prompt store, opened for reading rows that are checked against what stage one recorded: every chunk
     against its crc32c (zarr), a row's real tokens against theirs (a chunk or file gone would read as zeros), a
-    trajectory's latents against being all zeros (never written). Each array opens on first use."""
+    trajectory's latents against being all zeros (never written). Each array opens on first use.
 
-    def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int):
+    With `whole_files`, for readers that go through the rows in order (the checks), a row is served from its whole
+    file, read once in one zarr call and kept until a row of another file is asked for (a zarr call costs ~2 ms, a
+    row of tokens or latents being 0.5 MiB at A14B sizes): one call per 64 rows rather than per row. A file that
+    does not read is read again row by row, so that the error names the rows it concerns."""
+
+    def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, whole_files: bool = False):
         self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
         self.g = open_prompt_store(prompt_store_path(cache_dir, part))
+        self.whole_files = whole_files
+        self._file: dict[str, tuple[int, int, np.ndarray]] = {}  # array -> (first entry, end, its entries)
 
     def where(self, row: int) -> str:
         return f"row {row} (prompt {row * self.num_parts + self.part})"
@@ -276,6 +268,10 @@ class PartRows:
     @cached_property
     def seq_lens(self) -> np.ndarray:
         return self.g[Z_SEQ_LENS][:]
+
+    @cached_property
+    def token_start(self) -> np.ndarray:
+        return self.g[Z_TOKEN_START][:]
 
     @cached_property
     def crcs(self) -> np.ndarray:
@@ -289,28 +285,44 @@ class PartRows:
     def dtype_name(self) -> str:
         return self.embeds.attrs[Z_ATTR_TORCH_DTYPE]
 
-    @property
+    @cached_property
     def max_len(self) -> int:
-        return int(self.embeds.shape[1])
+        return int(self.embeds.shape[0]) // max(1, len(self.seq_lens))
 
     @cached_property
     def _latents(self) -> dict[str, zarr.Array]:
         return {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)}
 
+    def _read(self, arr: zarr.Array, lo: int, hi: int) -> np.ndarray:
+        """arr[lo:hi] (entries along the first axis), from the whole file(s) holding them where `whole_files`."""
+        if not self.whole_files:
+            return arr[lo:hi]
+        held = self._file.get(arr.basename)
+        if held is None or not held[0] <= lo <= hi <= held[1]:
+            per_file = int(arr.shards[0])
+            first, end = lo // per_file * per_file, min(-(-hi // per_file) * per_file, int(arr.shape[0]))
+            try:
+                self._file[arr.basename] = held = (first, end, arr[first:end])
+            except (ValueError, OSError):  # a damaged file: the rows' own reads say which rows it concerns
+                self._file.pop(arr.basename, None)
+                return arr[lo:hi]
+        return held[2][lo - held[0]:hi - held[0]]
+
     def trimmed(self, row: int) -> np.ndarray:
         """The row's real tokens [seq_len, D] (storage dtype), every chunk read checked against its crc32c and the
         tokens against theirs; RowError naming the row otherwise."""
         seq_len = int(self.seq_lens[row]) if row < len(self.seq_lens) else UNWRITTEN_SEQ_LEN
-        if seq_len < 0:
+        start = int(self.token_start[row]) if seq_len >= 0 else -1
+        if seq_len < 0 or start < 0:
             raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(row)} were never written")
         try:
-            data = self.embeds[row, :seq_len]
+            data = self._read(self.embeds, start, start + seq_len)
         except (ValueError, OSError) as e:  # zarr's check of a chunk's (or a shard index's) crc32c
             raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} {_damage(e)}") from e
         digest = int(self.crcs[row])
         if digest < 0:
             raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} have no crc32c recorded")
-        if crc32c(data) != digest:
+        if crc32c(np.ascontiguousarray(data)) != digest:
             if (gone := self.missing_file(row)) is not None:
                 raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(row)}: {gone}")
             raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} fail their crc32c (changed after "
@@ -318,19 +330,22 @@ class PartRows:
         return data
 
     def missing_file(self, row: int) -> str | None:
-        """"file embeds/<file> is missing (...)" where the file holding row `row`'s tokens does not exist (a stat,
+        """"file embeds/<file> is missing (...)" where a file holding row `row`'s tokens does not exist (a stat,
         nothing read), or None."""
-        rel = shard_file(self.embeds, row)
-        if (prompt_store_path(self.cache_dir, self.part) / rel).exists():
-            return None
-        return f"file {rel} is missing (it would read as zeros)"
+        start, n = int(self.token_start[row]), int(self.seq_lens[row])
+        per_file = int(self.embeds.shards[0])
+        for first in range(start // per_file * per_file, start + n, per_file):
+            rel = shard_file(self.embeds, first)
+            if not (prompt_store_path(self.cache_dir, self.part) / rel).exists():
+                return f"file {rel} is missing (it would read as zeros)"
+        return None
 
     def latents(self, name: str, row: int) -> np.ndarray:
         """Every seed of the row's `name` (init_noise or final_latents), float32 [seeds, C, F, H, W], checked against
         its chunk's crc32c (RowError); a seed never written reads as zeros (the caller decides)."""
         bit = ROW_FINAL_CHECKSUM if name == Z_FINAL_LATENTS else ROW_NOISE_CHECKSUM
         try:
-            return self._latents[name][row]
+            return self._read(self._latents[name], row, row + 1)[0]
         except (ValueError, OSError) as e:
             raise self.error(bit, f"{name} of {self.where(row)} {_damage(e)}") from e
 
@@ -340,6 +355,21 @@ class PartRows:
         if not 0 <= seed < len(values) or not values[seed].any():
             raise self.error(ROW_LATENT_UNWRITTEN, f"{name} of {self.where(row)} seed {seed} were never written")
         return values[seed]
+
+    def padded(self, rows: list[int]) -> np.ndarray:
+        """[len(rows), max_len, D] (storage dtype): the rows' real tokens zero-padded as the pipeline pads them,
+        read in one zarr call (the tokens of consecutive rows lie together); unchecked against the rows' crc32c
+        (zarr checks each chunk's), for stage one, which wrote them."""
+        starts, lens = self.token_start[rows], self.seq_lens[rows]
+        if (starts < 0).any() or (lens < 0).any():
+            raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(rows[int(np.argmin(lens))])} were never "
+                                                 "written")
+        lo, hi = int(starts.min()), int((starts + lens).max())
+        tokens = self.embeds[lo:hi] if hi > lo else np.zeros((0, self.embeds.shape[1]), self.embeds.dtype)
+        out = np.zeros((len(rows), self.max_len, self.embeds.shape[1]), dtype=self.embeds.dtype)
+        for j, (s, n) in enumerate(zip(starts - lo, lens)):
+            out[j, :n] = tokens[s:s + n]
+        return out
 
     def check(self, row: int, checksums: bool) -> RowError | None:
         """The first problem of what stage two reads of a written row, or None: with `checksums` its real tokens and
@@ -378,10 +408,10 @@ def _store_rows(cache_dir, part: int, prompts: int, num_parts: int, checksums: b
     another prompt."""
     rel = store_relpath(part)
     try:
-        rows = PartRows(cache_dir, part, num_parts)
+        rows = PartRows(cache_dir, part, num_parts, whole_files=True)  # read in row order, a file at a time
         seq, idx = rows.seq_lens, rows.g[Z_PROMPT_IDX][:]
         if checksums:
-            rows.g[Z_TEXT][:], rows.crcs, rows._latents  # zarr checks each chunk's crc32c
+            rows.g[Z_TEXT][:], rows.crcs, rows.token_start, rows._latents  # zarr checks each chunk's crc32c
     except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
         return None, [f"{rel}: unreadable ({type(e).__name__}: {e})"]
     want = part_prompts(part, prompts, num_parts)

@@ -7,12 +7,13 @@ figures are file sizes (filesystem blocks aside), exact for what stage one write
   then every tensor the schema declares for the cache), each member padded to the tar's 512-byte blocks; a shard
   closes at the first block of trajectories past `samples_per_shard` samples and ends in two zero blocks, padded
   to a whole 10 KiB tar record;
-- a prompt, in its part's prompt store: the chunks of its embedding that hold real tokens (the zero padding past
-  them is never written), its initial noise and its final latents (float32, every seed, one chunk each), each
-  chunk ending in its 4-byte crc32c; and per file of `ROWS_PER_FILE` rows of those arrays, the file's index
-  (16 bytes per chunk it can hold, then a crc32c: `index_bytes`);
+- a prompt, in its part's prompt store: the real tokens of its embedding (the zero padding past them is never
+  written; a part's tokens are packed end to end in chunks of EMBED_CHUNK_TOKENS, its last chunk padded:
+  `embeds_bytes`), its initial noise and its final latents (float32, every seed, one chunk each), each chunk ending
+  in its 4-byte crc32c; and per file of those arrays (TOKENS_PER_FILE tokens, `ROWS_PER_FILE` rows) the file's
+  index (16 bytes per chunk it can hold, then a crc32c);
 - fixed: the manifest, the negative prompt, progress records, configs and zarr metadata (measured on a finished
-  cache; a few KiB per part). Before a run, an embedding is taken at its bound (`embed_chunks_bound`).
+  cache; a few KiB per part). Before a run, an embedding is taken at its bound (`embed_tokens_bound`).
 """
 
 from __future__ import annotations
@@ -74,16 +75,24 @@ def _shard(members: int) -> int:
     return end + (-end % tarfile.RECORDSIZE)
 
 
-def embed_chunk_tokens(settings: Mapping) -> int:
-    """Tokens per chunk of the prompt store's embeddings (format.EMBED_CHUNK_TOKENS, at most the padding)."""
-    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), F.EMBED_CHUNK_TOKENS)
-
-
-def embed_chunks_bound(text: str, settings: Mapping) -> int:
-    """Embedding chunks a prompt can take at most: Wan's UMT5 tokenizer (SentencePiece, byte fallback) makes a
+def embed_tokens_bound(text: str, settings: Mapping) -> int:
+    """Real tokens a prompt's embedding can take at most: Wan's UMT5 tokenizer (SentencePiece, byte fallback) makes a
     token of at least one byte of UTF-8 text, plus the leading word marker and the end-of-sequence token."""
-    tokens = min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), len(text.encode("utf-8")) + 2)
-    return max(1, math.ceil(tokens / embed_chunk_tokens(settings)))
+    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), len(text.encode("utf-8")) + 2)
+
+
+def _token_bytes(settings: Mapping) -> int:
+    return int(settings[F.F_TEXT_DIM]) * F.DTYPES[str(settings[F.F_DTYPE])].itemsize
+
+
+def embeds_bytes(settings: Mapping, tokens: int) -> int:
+    """Bytes of a part's `embeds` holding `tokens` real tokens: whole chunks (the last one padded), each ending in
+    its crc32c, and per file its index."""
+    if tokens <= 0:
+        return 0
+    chunks, files = math.ceil(tokens / F.EMBED_CHUNK_TOKENS), math.ceil(tokens / F.TOKENS_PER_FILE)
+    return (chunks * (F.EMBED_CHUNK_TOKENS * _token_bytes(settings) + _CRC)
+            + files * (16 * (F.TOKENS_PER_FILE // F.EMBED_CHUNK_TOKENS) + _CRC))
 
 
 def latent_bytes(settings: Mapping) -> int:
@@ -91,27 +100,24 @@ def latent_bytes(settings: Mapping) -> int:
     return math.prod(int(v) for v in settings[F.F_LATENT_SHAPE]) * 4
 
 
-def prompt_bytes(settings: Mapping, embed_chunks: float | None = None) -> float:
-    """Prompt-store bytes of one prompt whose embedding takes `embed_chunks` chunks (default: all of
-    max_sequence_length, the bound): the embedding, then the initial noise and final latents of its seeds."""
-    chunk = embed_chunk_tokens(settings)
-    if embed_chunks is None:
-        embed_chunks = math.ceil(int(settings[F.F_MAX_SEQUENCE_LENGTH]) / chunk)
-    itemsize = F.DTYPES[str(settings[F.F_DTYPE])].itemsize
-    embed = embed_chunks * (chunk * int(settings[F.F_TEXT_DIM]) * itemsize + _CRC)
-    return embed + 2 * (int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC)
-
-
-def index_bytes(settings: Mapping, rows: int) -> int:
-    """Bytes of the shard indexes of a part of `rows` prompts: each of its files of embeddings, initial noise and
-    final latents (`format.ROWS_PER_FILE` rows each: zarr shards) ends in an index of 16 bytes per chunk the file
-    can hold, then its crc32c."""
+def _latents_bytes(settings: Mapping, rows: int) -> int:
+    """Bytes of a part's initial noise and final latents for `rows` prompts: a chunk per prompt (every seed), each
+    ending in its crc32c, and per file of ROWS_PER_FILE rows its index."""
     if rows <= 0:
         return 0
     per_file = min(rows, F.ROWS_PER_FILE)
-    files = math.ceil(rows / per_file)
-    embed_chunks = math.ceil(int(settings[F.F_MAX_SEQUENCE_LENGTH]) / embed_chunk_tokens(settings))
-    return files * ((16 * per_file * embed_chunks + _CRC) + 2 * (16 * per_file + _CRC))
+    chunk = int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC
+    return 2 * (rows * chunk + math.ceil(rows / per_file) * (16 * per_file + _CRC))
+
+
+def prompt_bytes(settings: Mapping, embed_tokens: float | None = None) -> float:
+    """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: all of
+    max_sequence_length, the bound): the embedding, then the initial noise and final latents of its seeds (the
+    files' indexes and the last chunk's padding, a few KiB per part, left out)."""
+    if embed_tokens is None:
+        embed_tokens = int(settings[F.F_MAX_SEQUENCE_LENGTH])
+    embed = embed_tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
+    return embed + 2 * (int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC)
 
 
 def part_blocks(trajectories: int, batch_size: int) -> list[int]:
@@ -142,27 +148,27 @@ class CacheSize:
 
 
 def project(settings: Mapping, prompts: int, num_parts: int = 1, batch_size: int = 4, samples_per_shard: int = 1024,
-            embed_chunks: float | None = None, fixed_bytes: int = 0) -> CacheSize:
+            embed_tokens: float | None = None, fixed_bytes: int = 0) -> CacheSize:
     """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts (prompt i in
     part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more)."""
     per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
     seeds = int(settings[F.F_SEEDS_PER_PROMPT])
-    shards = indexes = 0
+    tokens = int(settings[F.F_MAX_SEQUENCE_LENGTH]) if embed_tokens is None else embed_tokens
+    shards = store = 0
     for part in range(num_parts):
         rows = len(F.part_prompts(part, prompts, num_parts))
         shards += shard_bytes([n * recorded for n in part_blocks(rows * seeds, batch_size)], samples_per_shard,
                               per_sample)
-        indexes += index_bytes(settings, rows)
-    per_prompt = prompt_bytes(settings, embed_chunks)
-    return CacheSize(prompts, prompts * seeds * recorded, recorded, per_sample, per_prompt, shards,
-                     round(prompts * per_prompt) + indexes, fixed_bytes)
+        store += embeds_bytes(settings, round(rows * tokens)) + _latents_bytes(settings, rows)
+    return CacheSize(prompts, prompts * seeds * recorded, recorded, per_sample, prompt_bytes(settings, tokens), shards,
+                     store, fixed_bytes)
 
 
 def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
-    """What a projection from a finished cache takes from the cache itself: its prompts' mean embedding chunks
-    (from their token counts), its fixed bytes, and the batch size and shard size its parts were written with."""
+    """What a projection from a finished cache takes from the cache itself: its prompts' mean real tokens, its fixed
+    bytes, and the batch size and shard size its parts were written with."""
     cache_dir = Path(cache_dir)
-    chunk, chunks, rows = embed_chunk_tokens(manifest), 0, 0
+    tokens = rows = 0
     for part in range(int(manifest[F.F_NUM_PARTS])):
         path = prompt_store_path(cache_dir, part)
         try:
@@ -171,12 +177,12 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
             raise CacheError(f"{path} is unreadable ({type(e).__name__}: {e}); run `wandistiller cache verify "
                              f"{cache_dir}`") from e
         lens = lens[lens >= 0]
-        chunks += int(np.ceil(lens / chunk).clip(min=1).sum())
+        tokens += int(lens.sum())
         rows += len(lens)
     prog = PartProgress.load(cache_dir, 0)
     shards = manifest[F.F_SHARDS]
     per_shard = prog.samples_per_shard if prog else max(s[F.S_SAMPLES] for s in shards)
-    return {"embed_chunks": chunks / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
+    return {"embed_tokens": tokens / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
             "batch_size": prog.batch_size if prog else 1, "samples_per_shard": int(per_shard)}
 
 

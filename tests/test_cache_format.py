@@ -175,13 +175,18 @@ def test_shard_bytes_are_webdatasets(tmp_path, n):
 
 
 def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
-    """The prompt store is zarr's own arrays: what stage one's writers put in reads back through zarr alone, rows in
-    files of ROWS_PER_FILE (zarr shards), the padding past each prompt's tokens not stored, latents given seed by
-    seed merged into their row."""
+    """The prompt store is zarr's own arrays: what stage one's writers put in reads back through zarr alone; the
+    rows' real tokens packed end to end in files of TOKENS_PER_FILE tokens (the padding past each prompt's tokens
+    never stored: the files are exactly what cache/size.py counts), latents in files of ROWS_PER_FILE rows (zarr
+    shards), given seed by seed and merged into their row."""
     import cache.prompt_store as PS
-    from cache.prompt_store import open_prompt_store, write_latent_rows
+    from cache.prompt_store import PartRows, open_prompt_store, write_latent_rows
+    from cache.size import embeds_bytes
+    from faults.damage import chunk_location
 
-    monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)  # 6 rows: two files per array, the second one partly filled
+    monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)  # 6 rows: two files per latent array, the second one partly filled
+    monkeypatch.setattr(PS, "TOKENS_PER_FILE", 128)
+    monkeypatch.setattr(F, "TOKENS_PER_FILE", 128)
     n, L, D = 6, 150, 8
     g0 = torch.Generator().manual_seed(2)
     lens = torch.tensor([1, 64, 65, 150, 0, 70], dtype=torch.int32)
@@ -197,32 +202,43 @@ def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
     written = write_latent_rows(g, F.Z_FINAL_LATENTS, [2], [0], lat[2, 0][None])  # row 2's other seed: merged
     assert [p.name for p in written] == ["c.0.0.0.0.0.0"] and all(p.is_file() for p in written)
     z = open_prompt_store(path)
-    assert np.array_equal(z[F.Z_EMBEDS][:], F.torch_to_storage(emb))
+    # the rows' tokens one after another, in the order they came: 350 real tokens in three files of 128
+    assert z[F.Z_TOKEN_START][:].tolist() == [150, 151, 215, 0, 350, 280]
+    store = F.torch_to_storage(emb)
+    packed = np.concatenate([store[r, :lens[r]] for r in order])
+    assert np.array_equal(z[F.Z_EMBEDS][:len(packed)], packed) and not z[F.Z_EMBEDS][len(packed):].any()
+    assert z[F.Z_EMBEDS].shards == (128, D) and z[F.Z_EMBEDS].chunks == (64, D)
+    files = sorted(p for p in (path / F.Z_EMBEDS).iterdir() if p.name != "zarr.json")
+    assert [p.name for p in files] == ["c.0.0", "c.1.0", "c.2.0"]
+    assert sum(p.stat().st_size for p in files) == embeds_bytes({F.F_TEXT_DIM: D, F.F_DTYPE: "bfloat16"}, 350)
     assert z[F.Z_SEQ_LENS][:].tolist() == lens.tolist() and z[F.Z_PROMPT_IDX][:].tolist() == [10 + r for r in range(n)]
     assert z[F.Z_TEXT][:].tolist() == [f"t{r}" for r in range(n)]
     final = z[F.Z_FINAL_LATENTS][:]
     for r, s in [(0, 0), (0, 1), (2, 1), (5, 0), (2, 0)]:
         assert np.array_equal(final[r, s], lat[r, s].numpy()), (r, s)
     assert not final[1].any() and not final[5, 1].any()  # never given: zeros, as zarr's fill value
-    assert z[F.Z_EMBEDS].shards == (4, 192, D) and z[F.Z_EMBEDS].chunks == (1, 64, D)
-    assert sorted(p.name for p in (path / F.Z_EMBEDS).iterdir()) == ["c.0.0.0", "c.1.0.0", "zarr.json"]
-    assert PS.chunk_location(path, F.Z_EMBEDS, 4) is None  # an empty prompt: nothing stored
-    held = {j: PS.chunk_location(path, F.Z_EMBEDS, r) for j, r in enumerate([0, 1, 2, 3])}
-    assert all(v is not None for v in held.values())
-    cache = EmbeddingCache(tmp_path, num_parts=1)
+    assert chunk_location(path, F.Z_EMBEDS, 4) is None  # an empty prompt: nothing stored
+    for r in range(4):  # where each row's first token is, in its chunk, in its file
+        file, off, length = chunk_location(path, F.Z_EMBEDS, r)
+        first = store[r, :length // (2 * D)].tobytes()
+        assert length == min(int(lens[r]), 64 - int(z[F.Z_TOKEN_START][r]) % 64) * 2 * D
+        assert file.read_bytes()[off:off + length] == first, r
+    cache, rows = EmbeddingCache(tmp_path, num_parts=1), PartRows(tmp_path, 0, 1, whole_files=True)
     assert all(torch.equal(cache.get(r), emb[r]) for r in range(n) if lens[r] > 0)
+    assert all(np.array_equal(rows.trimmed(r), store[r, :lens[r]]) for r in range(n))
+    assert np.array_equal(rows.padded([2, 2, 3]), store[[2, 2, 3]])
 
 
 def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_path, monkeypatch):
-    """Stage one's way (`PromptRowWriter`, the text encoder's batches, in any order): each file of
-    ROWS_PER_FILE rows is written once, when its last row comes (or at close), holding only its rows' real
-    tokens; the store reads the same as one written at once; the small arrays appear at close."""
+    """Stage one's way (`PromptRowWriter`, the text encoder's batches, in any order): a file of TOKENS_PER_FILE
+    tokens is written once, when it is full (or at close); every row reads the same as from a store written at
+    once; the small arrays appear at close."""
     import cache.prompt_store as PS
 
-    monkeypatch.setattr(PS, "ROWS_PER_FILE", 4)
+    monkeypatch.setattr(PS, "TOKENS_PER_FILE", 64)  # one chunk a file
     n, L, D = 10, 20, 8
     g0 = torch.Generator().manual_seed(3)
-    lens = torch.tensor([1, 7, 8, 20, 3, 9, 16, 2, 5, 11], dtype=torch.int32)
+    lens = torch.tensor([1, 7, 8, 20, 3, 9, 16, 2, 5, 11], dtype=torch.int32)  # 82 tokens
     emb = torch.zeros(n, L, D, dtype=torch.bfloat16)
     for i in range(n):
         emb[i, :lens[i]] = torch.randn(int(lens[i]), D, generator=g0).bfloat16()
@@ -232,17 +248,17 @@ def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_p
     fed = create_prompt_store(prompt_store_path(tmp_path / "fed", 0), n, L, D, "bfloat16", 1, (4, 1, 2, 2))
     folder = prompt_store_path(tmp_path / "fed", 0) / F.Z_EMBEDS
     writer = PS.PromptRowWriter(fed)
-    for batch in ([4, 5, 6], [0, 1], [7, 2, 3], [8]):  # out of order, which no encoder does
+    for batch in ([4, 5, 6], [0, 1], [7, 2, 3], [8]):  # out of order, which no encoder does: 71 tokens
         writer.add(batch, batch, [texts[i] for i in batch], emb[batch], lens[batch])
     files = sorted(p.name for p in folder.iterdir() if p.name.startswith("c."))
-    assert files == ["c.0.0.0", "c.1.0.0"] and int(fed[F.Z_SEQ_LENS][0]) == -1  # rows 0-3, 4-7; no other
+    assert files == ["c.0.0"] and int(fed[F.Z_SEQ_LENS][0]) == -1  # the first 64 tokens; no small array yet
     writer.add([9], [9], [texts[9]], emb[[9]], lens[[9]])
     writer.close()
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("c.")) == ["c.0.0.0", "c.1.0.0", "c.2.0.0"]
-    for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, F.Z_TEXT, F.Z_PROMPT_IDX, PS.EMBEDS_CRC32C):
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("c.")) == ["c.0.0", "c.1.0"]
+    for name in (F.Z_SEQ_LENS, F.Z_TEXT, F.Z_PROMPT_IDX, PS.EMBEDS_CRC32C):
         assert np.array_equal(fed[name][:], once[name][:]), name
-    cache = EmbeddingCache(tmp_path / "fed", num_parts=1)
-    assert all(torch.equal(cache.get(i), emb[i]) for i in range(n))
+    for cache in (EmbeddingCache(tmp_path / "fed", num_parts=1), EmbeddingCache(tmp_path / "once", num_parts=1)):
+        assert all(torch.equal(cache.get(i), emb[i]) for i in range(n))
 
 
 def test_a_damaged_shard_index_is_named_not_read_as_zeros(tmp_path):

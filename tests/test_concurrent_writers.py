@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from cache import lock
-from cache.errors import CacheError
+from pipeline import lock
+from pipeline.errors import UserError
+from cache import format as F
 from cache.verify import verify_cache
 from conftest import ROOT, TINY_CACHE_ARGS
 from test_resume import _assert_same_cache
 
-HOLD = "import sys, time; from cache import lock; lock.acquire(sys.argv[1], 'x'); print('held', flush=True); time.sleep(60)"
+HOLD = "import sys, time; from pipeline import lock; lock.acquire(sys.argv[1], 'x'); print('held', flush=True); time.sleep(60)"
 
 
 def _env(**extra):
@@ -34,7 +35,7 @@ def test_lock_names_its_holder_and_dies_with_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(CacheError, match=f"pid {holder.pid} on .*wait for it to finish, or use another --out"):
+        with pytest.raises(UserError, match=f"pid {holder.pid} on .*wait for it to finish, or use another --out"):
             lock.acquire(path, "run folder out")
     finally:
         holder.kill()  # SIGKILL: no cleanup, the lock file stays behind with the dead holder's record
@@ -76,7 +77,7 @@ def test_two_teacher_cache_runs_on_one_out(tiny_teacher, prompts_file, tmp_path)
     assert first.wait(timeout=300) == 0, first.stdout.read()
     assert verify_cache(out, progress=False) == []
     _assert_same_cache(out, ref)
-    assert not (out / lock.LOCKS_DIR / "part-00000.lock").exists()
+    assert not (out / F.LOCKS_DIR / "part-00000.lock").exists()
 
 
 def test_resume_with_other_samples_per_shard_is_refused(tiny_cache, tiny_teacher, prompts_file, tmp_path):
@@ -88,4 +89,4 @@ def test_resume_with_other_samples_per_shard_is_refused(tiny_cache, tiny_teacher
     shutil.copytree(tiny_cache, out)
     r = invoke(_args(tiny_teacher, prompts_file, out, samples_per_shard=5))
     assert_one_line_error(r, "--samples-per-shard 12", "--overwrite")
-    assert not (out / lock.LOCKS_DIR / "part-00000.lock").exists()
+    assert not (out / F.LOCKS_DIR / "part-00000.lock").exists()

@@ -127,8 +127,7 @@ def test_cache_imports_nothing_of_ours_outside_cache():
     graph = _graph()
     outside = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] == "cache"
                      for d in deps if d.split(".")[0] != "cache")
-    # Expected to fail until issue 34's cache work lands (cache/lock.py imports pipeline.errors today); it is the
-    # architecture's rule, so it is not skipped: the bottom floor must not reach up.
+    # the architecture's rule: the bottom floor must not reach up
     assert outside == [], "cache/ imports these modules of ours outside cache/ (issue 34, item 1): " + ", ".join(outside)
 
 

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from cache import format as F
 from cache.manifest import load_manifest, summarize
-from cache.prompt_store import read_latents
+from cache.prompt_store import open_prompt_store, prompt_store_path, read_latents
 from cache.reader import open_index
-from cache.size import project
+from cache.size import embeds_bytes, project, prompt_bytes
 from cache.verify import verify_cache
 from conftest import TEST_PROMPTS, make_cache, read_all_samples
 from pipeline.cli import main
@@ -162,5 +162,9 @@ def test_plan_reports_the_cache_bytes(tiny_teacher, caches):
     plan = json.loads(r.output)["cache"]
     info = summarize(caches["n2"])
     assert plan["sample_bytes"] == info["bytes_per_sample"] and plan["recorded_steps"] == 2
-    assert plan["prompt_store_bytes"] == info["bytes_per_prompt"]  # 32 tokens: the bound is the real size here
-    assert plan["total_bytes"] == info["total_bytes"] - info["fixed_bytes"]
+    # before a run an embedding is taken at its bound, all 32 tokens; the cache holds only the real ones
+    m = load_manifest(caches["n2"])
+    tokens = int(open_prompt_store(prompt_store_path(caches["n2"], 0))[F.Z_SEQ_LENS][:].sum())
+    assert plan["prompt_store_bytes"] == round(prompt_bytes(m, 32)) > info["bytes_per_prompt"]
+    assert plan["total_bytes"] - (info["total_bytes"] - info["fixed_bytes"]) == embeds_bytes(m, 7 * 32) - embeds_bytes(
+        m, tokens)

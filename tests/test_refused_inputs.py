@@ -215,7 +215,7 @@ def _flip(path: Path, offset: int) -> None:
 def test_resume_refuses_a_damaged_prompt_store_and_the_remedy_works(tiny_teacher, prompts_file, cache_copy,
                                                                       tiny_cache):
     _unfinished(cache_copy)
-    from cache.prompt_store import chunk_location
+    from faults.damage import chunk_location
 
     part_dir = cache_copy / F.PARTS_DIR / F.part_dirname(0)
     path, start, _ = chunk_location(part_dir / F.PROMPTS_ZARR, F.Z_EMBEDS, 6)  # in its file of 64

@@ -101,7 +101,7 @@ def _assert_same_cache(a: Path, b: Path) -> None:
     ma, mb = load_manifest(a), load_manifest(b)
     assert ma[F.F_FINGERPRINT] == mb[F.F_FINGERPRINT] and ma[F.F_SAMPLES] == mb[F.F_SAMPLES]
     ga, gb = open_prompt_store(prompt_store_path(a, 0)), open_prompt_store(prompt_store_path(b, 0))
-    for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS, F.Z_PROMPT_IDX):
+    for name in (F.Z_EMBEDS, F.Z_TOKEN_START, F.Z_SEQ_LENS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS, F.Z_PROMPT_IDX):
         np.testing.assert_array_equal(ga[name][:], gb[name][:], err_msg=name)
 
 

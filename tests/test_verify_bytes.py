@@ -18,7 +18,10 @@ from cache import format as F
 from cache.errors import CacheError
 from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load_manifest
 from cache.manifest import negative_embeds
-from cache.prompt_store import EmbeddingCache, PartRows, RowCache, chunk_location, prompt_store_path, read_latents
+from cache.prompt_store import (
+    EmbeddingCache, PartRows, RowCache, open_prompt_store, prompt_store_path, read_latents,
+)
+from faults.damage import chunk_location, chunk_rows
 from cache.reader import open_caches
 from pipeline.cli import main
 from test_verify import _verify, cache_copy  # noqa: F401  (cache_copy: a fixture, a copy of tiny_cache)
@@ -55,31 +58,40 @@ def _edit_manifest(cache: Path, edit) -> None:
 
 
 def _flip_row(cache: Path, name: str, row: int, offset: int) -> None:
-    """Flip a byte `offset` bytes into row `row`'s first chunk of array `name` (inside its file of 64 rows)."""
+    """Flip a byte `offset` bytes into row `row`'s first bytes of array `name` (in its chunk, in its file)."""
     path, start, _ = chunk_location(prompt_store_path(cache, 0), name, row)
     _flip(path, start + offset)
+
+
+def _sharing_a_chunk(cache: Path, row: int) -> set[int]:
+    return set(chunk_rows(prompt_store_path(cache, 0), row))
 
 
 # -- the prompt stores ---------------------------------------------------------------------------------
 
 def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
     _flip_row(cache_copy, F.Z_EMBEDS, 3, 4)  # inside the first real token
+    hit = _sharing_a_chunk(cache_copy, 3)
     r = _verify(cache_copy)
     assert r.exit_code == 1 and f"BAD {STORE}: embeds of row 3 (prompt 3) fail their crc32c" in r.output
-    _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 3", "crc32c", "--overwrite")
+    out = r.output
+    assert {j for j in range(7) if f"embeds of row {j} (prompt {j}) fail" in out} == hit  # and no other row
+    _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, f"prompt {min(hit)}", "crc32c", "--overwrite")
     assert not (tmp_path / "out" / "student").exists()
     with pytest.raises(CacheError, match=r"embeds of row 3 \(prompt 3\) fail their crc32c"):
         EmbeddingCache(cache_copy, 1).get(3)  # what stage two's and sample's loaders read, checked on every read
-    assert EmbeddingCache(cache_copy, 1).get(2).abs().sum() > 0
+    assert all(EmbeddingCache(cache_copy, 1).get(j).abs().sum() > 0 for j in set(range(7)) - hit)
 
 
 def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_copy, tmp_path):
     """--verify size checks only that every file is there; the flipped token is refused when it is read."""
     _flip_row(cache_copy, F.Z_EMBEDS, 0, 4)
+    hit = _sharing_a_chunk(cache_copy, 0)
     r = _train(cache_copy, tmp_path / "out", "--verify", "size", "--max-steps", "8")
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]  # after the progress bar's lines
     assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "embeds of row 0 (prompt 0) fail their crc32c" in errors[0] and "--overwrite" in errors[0]
+    assert any(f"embeds of row {j} (prompt {j}) fail their crc32c" in errors[0] for j in hit), errors[0]
+    assert "--overwrite" in errors[0]
 
 
 def test_flipped_byte_in_a_final_latents_chunk(cache_copy, tmp_path):
@@ -104,29 +116,28 @@ def test_flipped_byte_in_init_noise_is_named(cache_copy):
 
 
 def test_deleted_embeds_file_is_named_never_zeros(cache_copy, tmp_path):
-    (cache_copy / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63: every row of this cache
+    (cache_copy / STORE / F.Z_EMBEDS / "c.0.0").unlink()  # its first 4096 tokens: every row of this cache
     r = _verify(cache_copy)
     assert r.exit_code == 1
-    assert f"BAD {STORE}: embeds of row 4 (prompt 4): file embeds/c.0.0.0 is missing" in r.output
-    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0.0 is missing",
+    assert f"BAD {STORE}: embeds of row 4 (prompt 4): file embeds/c.0.0 is missing" in r.output
+    line = _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0 is missing",
                     "--overwrite")
     assert line == _refused(_train(cache_copy, tmp_path / "out2", "--verify", "size"))  # found without reading
-    with pytest.raises(CacheError, match="embeds/c.0.0.0 is missing"):
+    with pytest.raises(CacheError, match="embeds/c.0.0 is missing"):
         EmbeddingCache(cache_copy, 1).get(4)
 
 
 def test_a_lost_chunk_inside_a_file_is_never_read_as_zeros(cache_copy):
     """An inner chunk the file's index no longer holds reads as zeros through zarr: the row's crc32c refuses it."""
     from cache.checksum import crc32c
-    from cache.prompt_store import open_prompt_store
 
-    arr = open_prompt_store(prompt_store_path(cache_copy, 0))[F.Z_EMBEDS]
-    per_file = [s // c for s, c in zip(arr.shards, arr.chunks)]
-    n = int(np.prod(per_file))
-    path = cache_copy / STORE / F.Z_EMBEDS / "c.0.0.0"
+    g = open_prompt_store(prompt_store_path(cache_copy, 0))
+    arr = g[F.Z_EMBEDS]
+    n = int(np.prod([s // c for s, c in zip(arr.shards, arr.chunks)]))
+    path = cache_copy / STORE / F.Z_EMBEDS / "c.0.0"
     data = bytearray(path.read_bytes())
     index = np.frombuffer(bytes(data[-(16 * n + 4):-4]), "<u8").reshape(n, 2).copy()
-    index[2 * (n // per_file[0])] = 2**64 - 1  # row 2's first chunk: not held
+    index[int(g[F.Z_TOKEN_START][2]) // arr.chunks[0]] = 2**64 - 1  # row 2's first chunk: not held
     data[-(16 * n + 4):] = index.tobytes() + crc32c(index.tobytes()).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     with pytest.raises(CacheError, match=r"embeds of row 2 \(prompt 2\) fail their crc32c"):
@@ -217,8 +228,9 @@ def test_shard_paths_outside_the_cache_are_refused(cache_copy, tmp_path, bad):
 
 # -- the checks themselves -----------------------------------------------------------------------------
 
-def test_a_row_whose_chunk_of_zeros_was_never_written_passes_by_its_crc32c(tmp_path):
-    """A chunk holding only zeros is not written (zarr's rule): the row's crc32c tells it from a lost one."""
+def test_a_row_of_zero_tokens_reads_as_written(tmp_path):
+    """Real tokens that are all zeros are stored like any others (every chunk written is kept) and pass the row's
+    crc32c: zeros are never taken for a lost chunk, nor a lost chunk for zeros."""
     from cache.prompt_store import create_prompt_store, write_prompt_rows
 
     g = create_prompt_store(prompt_store_path(tmp_path, 0), n=2, max_len=8, dim=4, dtype_name="bfloat16", seeds=1,
@@ -227,7 +239,7 @@ def test_a_row_whose_chunk_of_zeros_was_never_written_passes_by_its_crc32c(tmp_p
     emb[1, :3] = torch.randn(3, 4).bfloat16()
     write_prompt_rows(g, [0, 1], [0, 1], ["zeros", "x"], emb, torch.tensor([5, 3]))
     rows = PartRows(tmp_path, 0, 1)
-    assert chunk_location(prompt_store_path(tmp_path, 0), F.Z_EMBEDS, 0) is None  # not stored
+    assert chunk_location(prompt_store_path(tmp_path, 0), F.Z_EMBEDS, 0) is not None  # stored
     assert np.array_equal(rows.trimmed(0), np.zeros((5, 4), np.uint16))
     assert rows.check(0, checksums=False) is None and rows.problems(0, "store", 0)[0].endswith("were never written")
     assert not list(tmp_path.rglob("*.partial"))  # files are renamed into place

@@ -16,7 +16,7 @@ from pathlib import Path
 from cache import format as F
 from cache.progress import PartProgress
 from cache.schema import recorded_steps
-from cache.size import embed_chunks_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
+from cache.size import embed_tokens_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
 from pipeline.errors import UserError
 from pipeline.runtime import print0
 
@@ -30,8 +30,8 @@ def remaining_bytes(header: dict, texts: list[str], blocks: list[list], prog: Pa
     recorded = len(recorded_steps(header))
     shards = shard_bytes([n * recorded for n in todo], samples_per_shard, sample_disk_bytes(header))
     if prog is None or not prog.encoded:
-        chunks = sum(embed_chunks_bound(t, header) for t in texts) / max(len(texts), 1)
-        store = round(len(texts) * prompt_bytes(header, chunks))
+        tokens = sum(embed_tokens_bound(t, header) for t in texts) / max(len(texts), 1)
+        store = round(len(texts) * prompt_bytes(header, tokens))
     else:
         store = sum(todo) * latent_bytes(header)  # the final latents still to come
     return shards, store, sum(todo) * recorded

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from cache import format as F
-from cache.lock import LOCKS_DIR
+from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
 from cache.progress import PartProgress
 from pipeline.errors import UserError

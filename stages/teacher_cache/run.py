@@ -19,13 +19,13 @@ from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_bytes, fsync_paths
-from cache import lock
+from pipeline import lock
 from cache.errors import CacheError
 from cache.features import matrix_sha256, projection_matrix, write_projection
 from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress, list_parts
 from cache.prompt_store import (
-    PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
+    PartRows, PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
     prompt_store_path, store_relpath, write_latent_rows,
 )
 from cache.schema import recorded_steps
@@ -347,7 +347,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     sink = BlockSink(job.out, prog, store, job.cfg.samples_per_shard, job.num_parts, progress)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
     t_loop = time.perf_counter()
-    inputs = _block_inputs(job, store)
+    inputs = _block_inputs(job)
     windows, phases = _work_order(job, experts, todo)
     try:
         stopped = _pack_blocks(_denoise_windows(runner, experts, phases, windows, inputs, neg), job.blocks, sink, pool)
@@ -388,24 +388,20 @@ def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm
     return bar, progress
 
 
-def _block_inputs(job: _Part, store) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
     """`inputs(b)`: block b's initial noise and its prompts' embeddings (from the prompt store, checked)."""
-    # Opened once (zarr re-reads an array's metadata at every `store[name]`) and read once per block: a zarr
-    # read costs ~2 ms (its event-loop round trip), a fifth of the tiny teacher's compute per trajectory.
-    z_embeds = store[F.Z_EMBEDS]
-    embeds_dtype = z_embeds.attrs[F.Z_ATTR_TORCH_DTYPE]
+    stored = PartRows(job.out, job.part, job.num_parts)  # opened once: zarr re-reads metadata at every open
 
     def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [p // job.num_parts for p, _ in job.blocks[b]]
-        lo = min(rows)  # a block's rows are consecutive (one per prompt, repeated per seed): one read
         try:
-            read = z_embeds[lo:max(rows) + 1]
+            read = stored.padded(rows)  # a block's rows are consecutive: their tokens lie together (one read)
         except ValueError as e:  # zarr's check of each chunk's crc32c: the store changed since it was written
             why = "fail their chunk's crc32c (changed after stage one wrote them)" if "checksum" in str(e) else \
                 f"do not read ({e})"
-            raise damaged_part(job.out, job.part, f"embeds of rows {lo}-{max(rows)} of {store_relpath(job.part)} "
-                                                  f"{why}") from e
-        cond = F.storage_to_torch(read, embeds_dtype)[[r - lo for r in rows]]
+            raise damaged_part(job.out, job.part, f"embeds of rows {min(rows)}-{max(rows)} of "
+                                                  f"{store_relpath(job.part)} {why}") from e
+        cond = F.storage_to_torch(read, stored.dtype_name)
         noise = torch.stack([initial_noise(job.cfg.seed, p, s, job.latent_shape) for p, s in job.blocks[b]])
         return noise, cond
 

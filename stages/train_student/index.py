@@ -89,17 +89,20 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
 
 def row_check_flags(cache_dir: str | os.PathLike, num_parts: int, prompts: int, rank: int = 0, world: int = 1,
                     checksums: bool = True) -> np.ndarray:
-    """int64 [prompts]: for each prompt this rank checks (prompt % world == rank; 0 for the others), the ROW_* bit of
-    the first problem of what stage two reads of its row (`PartRows.check`: its real tokens and final latents read
-    and checked; without `checksums`, only that the file of its tokens is there). Summed over the ranks, every prompt
-    is checked once; rows never written are left to `check_prompt_rows`."""
+    """int64 [prompts]: for each prompt this rank checks (0 for the others), the ROW_* bit of the first problem of
+    what stage two reads of its row (`PartRows.check`: its real tokens and final latents read and checked; without
+    `checksums`, only that the file of its tokens is there). A rank checks whole files of the stores (file f of part
+    P, ROWS_PER_FILE rows, goes to rank (f * num_parts + P) % world), each read once in one call; summed over the
+    ranks, every prompt is checked once. Rows never written are left to `check_prompt_rows`."""
     flags = np.zeros(prompts, dtype=np.int64)
     parts: dict[int, PartRows] = {}
-    for p in range(rank, prompts, world):
+    for p in range(prompts):
         part, row = prompt_location(p, num_parts)
+        if (row // F.ROWS_PER_FILE * num_parts + part) % world != rank:
+            continue
         try:  # nothing escapes on one rank alone: the others would wait for it in the sum
             if part not in parts:
-                parts[part] = PartRows(cache_dir, part, num_parts)
+                parts[part] = PartRows(cache_dir, part, num_parts, whole_files=True)
             rows = parts[part]
             if row < len(rows.seq_lens) and rows.seq_lens[row] >= 0:
                 err = rows.check(row, checksums)

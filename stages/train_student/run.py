@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cache import format as F
-from cache import lock
+from pipeline import lock
 from cache.atomic import atomic_write_json, publish_dir
 from cache.reader import open_caches
 from pipeline import signals

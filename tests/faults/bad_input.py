@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 
-from cache.prompt_store import chunk_location, open_prompt_store
+from cache.prompt_store import open_prompt_store
 
 from .check import read_samples, tree_digest
+from .damage import chunk_location
 from .proc import run_cli
 from .report import Row
 from .workspace import STUDENT_CONFIG, Workspace
@@ -192,9 +193,9 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _flip_embeds(part_dir: Path) -> None:
-    """Flip a byte of every row's first embeds chunk (inside the files of 64 rows)."""
+    """Flip a byte of every row's first embeds token (in its chunk, in its file)."""
     store = part_dir / "prompts.zarr"
-    for row in range(open_prompt_store(store)["embeds"].shape[0]):
+    for row in range(open_prompt_store(store)["seq_lens"].shape[0]):
         where = chunk_location(store, "embeds", row)
         if where is not None:
             _flip(where[0], where[1] + 8)

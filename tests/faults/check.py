@@ -171,7 +171,8 @@ def zarr_differences(ref: Path, got: Path) -> list[str]:
             zb = zarr.open_group(str(got / F.PARTS_DIR / part_dir.name / F.PROMPTS_ZARR), mode="r")
         except Exception as e:  # noqa: BLE001 - a missing store is a difference like any other
             return [f"{part_dir.name}/{F.PROMPTS_ZARR} unreadable: {e}"]
-        for name in (F.Z_PROMPT_IDX, F.Z_TEXT, F.Z_SEQ_LENS, F.Z_EMBEDS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS):
+        for name in (F.Z_PROMPT_IDX, F.Z_TEXT, F.Z_SEQ_LENS, F.Z_TOKEN_START, F.Z_EMBEDS, F.Z_INIT_NOISE,
+                     F.Z_FINAL_LATENTS):
             if not np.array_equal(za[name][:], zb[name][:]):
                 problems.append(f"{part_dir.name}/{F.PROMPTS_ZARR}/{name} differs from the uninterrupted run")
     return problems

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from cache import format as F
 from cache.checksum import crc32c
-from cache.prompt_store import chunk_location
 
 from .check import compare_caches, manifest_problems, temp_files
+from .damage import chunk_location, chunk_rows
 from .proc import run_cli
 from .report import Row
 from .workspace import Workspace
@@ -130,7 +130,7 @@ def unwritten_row(cache: Path):
 
     g = open_prompt_store(prompt_store_path(cache, 0), mode="r+")
     g[F.Z_SEQ_LENS][5] = -1
-    g[F.Z_EMBEDS][5] = 0
+    g[F.Z_TOKEN_START][5] = -1
     rel = f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROMPTS_ZARR}"
     return [f"BAD {rel}: row 5 (prompt 5) was never written"], [F.PROMPTS_ZARR, "prompt 5"], OVERWRITE
 
@@ -188,15 +188,16 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _flip_row(cache: Path, name: str, row: int, offset: int) -> None:
-    """Flip a byte `offset` bytes into the first chunk of `row` of array `name` of part 0's store (inside the
-    file of its 64 rows)."""
+    """Flip a byte `offset` bytes into the first bytes of `row` of array `name` of part 0's store (in its chunk, in
+    its file)."""
     path, start, _ = chunk_location(cache / STORE, name, row)
     _flip(path, start + offset)
 
 
 def embeds_flipped(cache: Path):
     _flip_row(cache, F.Z_EMBEDS, 7, 4)  # inside the prompt's first real token
-    return ([f"BAD {STORE}: embeds of row 7 (prompt 7)", "crc32c"], [F.PROMPTS_ZARR, "prompt 7", "crc32c"],
+    first = min(chunk_rows(cache / STORE, 7))  # every row sharing the chunk fails; training names the first
+    return ([f"BAD {STORE}: embeds of row 7 (prompt 7)", "crc32c"], [F.PROMPTS_ZARR, f"prompt {first}", "crc32c"],
             OVERWRITE)
 
 
@@ -207,9 +208,9 @@ def final_latents_flipped(cache: Path):
 
 
 def embeds_file_deleted(cache: Path):
-    (cache / STORE / F.Z_EMBEDS / "c.0.0.0").unlink()  # rows 0-63 (every row here): they would read as zeros
-    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): file embeds/c.0.0.0 is missing"],
-            [F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0.0 is missing"], OVERWRITE)
+    (cache / STORE / F.Z_EMBEDS / "c.0.0").unlink()  # the first 4096 tokens (every row here): they would read as zeros
+    return ([f"BAD {STORE}: embeds of row 11 (prompt 11): file embeds/c.0.0 is missing"],
+            [F.PROMPTS_ZARR, "prompt 0", "embeds/c.0.0 is missing"], OVERWRITE)
 
 
 def negative_flipped(cache: Path):

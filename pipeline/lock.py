@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import CacheError
+from cache.format import LOCKS_DIR
 
-LOCKS_DIR = "locks"  # stage one: one lock file per part in here
+from .errors import UserError
+
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
 
 
@@ -57,14 +58,14 @@ def acquire(path: str | os.PathLike, what: str) -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise CacheError(f"cannot write to {path.parent} ({e.strerror}); choose a writable --out") from e
+            raise UserError(f"cannot write to {path.parent} ({e.strerror}); choose a writable --out") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
-            raise CacheError(f"{what} is being written by another process ({_describe_holder(path)}; lock {path}); "
+            raise UserError(f"{what} is being written by another process ({_describe_holder(path)}; lock {path}); "
                             "wait for it to finish, or use another --out") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
