@@ -108,15 +108,22 @@ def _json_path(v: str) -> bool:
     return v.endswith(".json")
 
 
+def _revision(of: str = "--teacher", default_text: str | None = None):
+    """The Hub revision of a teacher setting, declared alike by every command that names a teacher."""
+    return setting(None, help=f"Hub revision (branch, tag or commit) of {of} when it is a Hub id.", check=non_empty,
+                   default_text=default_text)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TeacherCacheConfig(PlacementSettings):
     """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
 
     TOML_SECTION = "teacher_cache"
 
-    teacher: str = setting(help="Wan pipeline: local diffusers folder or hub id (e.g. "
-                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers).", check=non_empty)
-    revision: str | None = setting(None, help="Hub revision of --teacher (branch, tag or commit).")
+    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
+                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
+                           check=non_empty)
+    revision: str | None = _revision()
     prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
                            check=non_empty, path=True)
     out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
@@ -274,8 +281,9 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
     resume: bool = setting(False, help="Continue from the newest complete checkpoint in --out.")
     train_steps: tuple[int, ...] | None = setting(None, parse=int_list, default_text="all",
                                                   help="Train only on these cached step indices, e.g. 0,4,8.")
-    init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder (or "
-                                                                  ".safetensors) to copy matching weights from.")
+    init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder, .safetensors "
+                                                                  "file or Hub id to copy matching weights from.")
+    revision: str | None = _revision("--init-from-teacher")
     teacher_blocks: tuple[int, ...] | None = setting(None, parse=int_list, default_text="spread",
                                                      help="Teacher block for each student block, e.g. 0,4,8.")
     holdout_prompts: int = setting(0, help="Prompts kept out of training; their cached samples give the held-out "
@@ -327,6 +335,8 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
             raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
                              "this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
+        if self.revision is not None and self.init_from_teacher is None:
+            raise ValueError("revision is the Hub revision of --init-from-teacher: give --init-from-teacher too")
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
         if self.val_every and not self.holdout_prompts:
@@ -383,8 +393,9 @@ class SampleConfig(_Inference):
 
     TOML_SECTION = "sample"
 
-    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.", default_text="the teacher named in "
+    teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.", default_text="the teacher named in "
                                                                                           "distill.json")
+    revision: str | None = _revision(default_text="distill.json's, for its teacher")
     prompts: str = setting(help="Prompt file (.txt or .jsonl); one grid row per prompt.", check=non_empty, path=True)
     out: str = setting(help="PNG grid to write; the settings used go to OUT.json.", check=non_empty, path=True)
     steps: int | None = setting(None, help="Denoising steps for both.", check=at_least(1),
@@ -423,8 +434,9 @@ class ExportConfig:
 
     student: str = _student()
     weights: str = _weights()
-    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.",
+    teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.",
                                   default_text="the teacher named in distill.json")
+    revision: str | None = _revision(default_text="distill.json's, for its teacher")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
     copy: bool = setting(False, flag="copy/symlink", help="Copy the teacher's text encoder, tokenizer, VAE and "
                                                           "scheduler, or symlink them.")
@@ -449,8 +461,9 @@ class EvalConfig(_Inference):
                                       check=at_least(1), default_text="all")
     report: str | None = setting(None, path=True, help="JSON report; the plot goes next to it.",
                                  default_text="STUDENT/eval.json")
-    teacher: str | None = setting(None, help="Teacher for the timing comparison.",
+    teacher: str | None = setting(None, help="Teacher (folder or Hub id) for the timing comparison.",
                                   default_text="the cache manifest's teacher")
+    revision: str | None = _revision(default_text="the manifest's, for its teacher")
     teacher_timing: bool = setting(True, help="Time the teacher too (loads its transformers, not its text encoder or "
                                               "VAE).")
     timing_runs: int = setting(2, help="Trajectories timed per model, after a warm-up.", check=at_least(1))

@@ -30,7 +30,7 @@ from pipeline.prompts import dedupe, read_prompt_file
 
 from .grid import draw_grid
 from .models import (
-    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, teacher_dir,
+    Student, check_compatible, find_student, load_teacher, load_transformer, named_teacher, pick_device, teacher_dir,
 )
 
 COLUMNS = ["teacher", "student"]
@@ -134,13 +134,13 @@ def run(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     student = find_student(cfg.student, cfg.weights)
-    teacher_name = cfg.teacher or student.teacher
+    teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
     device, dtype = pick_device(cfg.device, cfg.dtype)
 
     # setup: the teacher pipeline, the student transformer in a pipeline of its own.
-    tpath = teacher_dir(teacher_name)
+    tpath = teacher_dir(teacher_name, revision)
     teacher = load_teacher(tpath, dtype, device)
     tcfg = teacher.transformer.config
     settings = resolve_settings(cfg, student, teacher)

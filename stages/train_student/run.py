@@ -234,7 +234,7 @@ def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool
     wrapper, or None: the student itself)."""
     model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
     if cfg.init_from_teacher and fresh and (env.is_main or not s.strategy.syncs_init):
-        rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks)
+        rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
              f"{rep['teacher_blocks']}; {rep['shape_mismatch']} differ in shape, {rep['missing']} not in the teacher)")
         # The seed alone no longer reproduces the untrained student: keep it for evaluation.
