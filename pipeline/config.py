@@ -492,3 +492,45 @@ class EvalConfig(_Inference):
 
 def _bad_steps(name, v):
     raise ValueError(f"{name} must list integers >= 1, got {v!r}")
+
+
+# -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """`wandistiller plan`'s own settings: the machine it plans for (what is not given is this machine's) and the
+    size of the run, for the cache's bytes and stage one's time. The teacher's run settings (--placement,
+    --batch-size, --height, ...) are teacher-cache's, borrowed from `TeacherCacheConfig`."""
+
+    TOML_SECTION = "plan"
+
+    nodes: int = setting(1, check=at_least(1), help="Nodes stage one would run on, each with --gpus-per-node GPUs.")
+    gpus_per_node: int | None = setting(None, check=at_least(0), help="GPUs per node (0: none).",
+                                        default_text="this machine's count (1 if it has none)")
+    gpu_memory: str | None = setting(None, check=non_empty, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
+                                                                 "= 10^9).", default_text="this machine's free memory")
+    assume_gpus: str | None = setting(None, check=non_empty, help="A node's GPUs when they differ: 4x24GiB, "
+                                                                  "80GiB,40GiB or none (instead of --gpus-per-node and "
+                                                                  "--gpu-memory).")
+    assume_ram: str | None = setting(None, check=non_empty, help="Available RAM of a node (e.g. 256GiB).",
+                                     default_text="this machine's")
+    assume_disk: str | None = setting(None, check=non_empty, help="Free disk under --offload-dir (e.g. 2TiB).",
+                                      default_text="this machine's")
+    ranks_per_node: int | None = setting(None, check=at_least(1), help="torchrun processes per node.",
+                                         default_text="one per GPU when a replica fits one GPU, else 1")
+    prompts: int | None = setting(None, check=at_least(1), help="Prompt count: the cache's bytes, and stage one's "
+                                                                "GPU-hours and wall time.")
+    step_time: float | None = setting(None, check=positive(), help="Seconds of one teacher step of one trajectory (CFG "
+                                                                   "included) with the chosen placement, for the time "
+                                                                   "projection.",
+                                      default_text="--measure's, else the measured table of docs/costs.md")
+    measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement on "
+                                        "this machine (plan on the machine that will run it).")
+
+    def __post_init__(self):
+        check_settings(self)
+        if self.assume_gpus is not None and (self.gpus_per_node is not None or self.gpu_memory is not None):
+            raise ValueError("assume-gpus describes a node's GPUs on its own: give it, or --gpus-per-node and "
+                             "--gpu-memory, not both")
+        if self.measure and self.step_time is not None:
+            raise ValueError("step-time and measure both give the step time: drop one")

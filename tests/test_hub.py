@@ -75,12 +75,37 @@ def test_a_hub_id_resolves_to_its_snapshot_and_revision(offline):
         teacher_folder("wandistiller-test/absent")
 
 
+def test_plan_takes_a_hub_id_and_its_revision(offline):
+    r = invoke("plan", "--teacher", TINY_ID, "--assume-gpus", "none", "--height", "64", "--width", "64", "--json")
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert p["teacher"] == TINY_ID and f"revision main, configs from {offline}" in p["source"]
+    assert {c["name"] for c in p["components"]} >= {"transformer", "transformer_2"}
+    r = invoke("plan", "--teacher", TINY_ID, "--revision", OTHER, "--assume-gpus", "none", "--height", "64",
+               "--width", "64", "--json")
+    p = json.loads(r.output)
+    assert "transformer_2" not in {c["name"] for c in p["components"]} and f"revision {OTHER}" in p["source"]
+    assert p["launch"]["commands"][0]["argv"][:6] == ["wandistiller", "teacher-cache", "--teacher", TINY_ID,
+                                                      "--revision", OTHER]
+
+
 def test_a_cached_copy_of_the_configs_alone_is_refused_for_weights(offline):
     r = invoke("teacher-cache", "--teacher", A14B_ID, "--prompts", ROOT / "data" / "prompts.txt", "--out",
                offline / "never", "--placement", "cpu")
     assert r.exit_code == 2 and "not a complete Wan pipeline: missing" in r.output, r.output
     assert "text_encoder/*.safetensors, transformer/*.safetensors" in r.output
     assert "the local Hub cache holds only part of it" in r.output and f"hf download {A14B_ID}" in r.output
+
+
+@pytest.mark.slow
+def test_no_network_and_no_cached_copy_is_one_line(tmp_path):
+    """Offline with an empty cache, and 'online' with the Hub unreachable (a closed local port stands for it)."""
+    args = ("plan", "--teacher", A14B_ID, "--gpus-per-node", "8", "--gpu-memory", "80GiB")
+    line = assert_one_line(cli(hub_env(tmp_path), *args), A14B_ID, "not in the local Hub cache", "HF_HUB_OFFLINE is set",
+                           f"`hf download {A14B_ID} --include 'model_index.json'")
+    assert str(tmp_path / "hub") in line
+    assert_one_line(cli(hub_env(tmp_path, offline=False, HF_ENDPOINT="http://127.0.0.1:9"), *args),
+                    "the Hub cannot be reached")
 
 
 @pytest.mark.slow
