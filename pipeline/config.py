@@ -318,6 +318,9 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
                                    check=at_least(1))
     val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
                                            "log a teacher|student image grid.")
+    dry_run: bool = setting(False, help="Time one training step (after a warm-up step) on this machine and report the "
+                                        "student's parameters, memory per GPU, samples/s and the run's projected time, "
+                                        "then exit: nothing is written to --out, shards are checked by size only.")
 
     @property
     def objective_settings(self):
