@@ -5,6 +5,7 @@ stage, torch or diffusers at load: a command imports its stage once its config s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -14,7 +15,9 @@ import warnings
 
 import click
 
-from .config import DTYPES, EvalConfig, ExportConfig, SampleConfig, TeacherCacheConfig, TrainStudentConfig, load_config
+from .config import (
+    DTYPES, EvalConfig, ExportConfig, PlanSettings, SampleConfig, TeacherCacheConfig, TrainStudentConfig, load_config,
+)
 from .errors import UserError, user_errors
 from .options import config_options, option_like
 
@@ -206,7 +209,10 @@ def train_student_cmd(config_file, **flags):
 
 
 @main.command("plan")
-@click.option("--teacher", required=True, help="Wan pipeline folder; configs alone are enough (no weights needed).")
+@option_like(TeacherCacheConfig, "teacher", required=True,
+             help="Wan pipeline folder or Hub id; configs alone are enough (a Hub id fetches only its configs, or "
+                  "finds them in the local Hub cache).")
+@option_like(TeacherCacheConfig, "revision")
 @option_like(TeacherCacheConfig, "placement")
 @option_like(TeacherCacheConfig, "dtype")
 @option_like(TeacherCacheConfig, "batch_size")
@@ -217,35 +223,31 @@ def train_student_cmd(config_file, **flags):
 @option_like(TeacherCacheConfig, "max_memory")
 @option_like(TeacherCacheConfig, "expert_order")
 @option_like(TeacherCacheConfig, "offload_dir", help="Where disk offload would go (for free space).")
-@click.option("--assume-gpus", help="Plan for other GPUs than this machine's: 4x24GiB, 80GiB,40GiB or none.")
-@click.option("--assume-ram", help="Plan for this much available RAM (e.g. 256GiB).")
-@click.option("--assume-disk", help="Plan for this much free disk under --offload-dir (e.g. 2TiB).")
-@click.option("--ranks-per-node", type=int, default=1, show_default=True, help="torchrun processes per node.")
-@click.option("--prompts", type=click.IntRange(min=1), help="Prompt count: project the cache's total bytes.")
 @option_like(TeacherCacheConfig, "seeds_per_prompt", type=click.IntRange(min=1))
 @option_like(TeacherCacheConfig, "steps", type=click.IntRange(min=1))
 @option_like(TeacherCacheConfig, "record_steps", type=click.IntRange(min=1))
+@config_options(PlanSettings)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors("plan")
-def plan_cmd(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length, max_memory,
-             expert_order, offload_dir, assume_gpus, assume_ram, assume_disk, ranks_per_node, prompts,
-             seeds_per_prompt, steps, record_steps, as_json):
-    """Where the teacher's weights would live, what each device holds, and (auto) why, and the bytes of the cache
-    it would write: from configs alone.
+def plan_cmd(as_json, **flags):
+    """Where the teacher's weights would live, what each device holds, and (auto) why; how stage one uses every GPU
+    of the machine (the torchrun or SLURM array command); the bytes of the cache it would write and, for
+    --prompts N, its GPU-hours and wall time. From configs alone, unless --measure.
 
     \b
     Example:
+      wandistiller plan --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers --gpus-per-node 8 --nodes 4 --gpu-memory 80GiB \\
+        --prompts 200000
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
-      wandistiller plan --teacher tests/data/wan22-a14b-configs --prompts 100000 --record-steps 8
     """
+    own = {f.name for f in dataclasses.fields(PlanSettings)}
+    settings = load_config(PlanSettings, None, {k: v for k, v in flags.items() if k in own})
     _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
     from stages.teacher_cache.plan import NoPlacement
 
     try:
-        plan = plan_from_flags(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
-                               max_memory, expert_order, offload_dir, assume_gpus, assume_ram, assume_disk,
-                               ranks_per_node, prompts, seeds_per_prompt, steps, record_steps)
+        plan = plan_from_flags(settings, **{k: v for k, v in flags.items() if k not in own})
     except NoPlacement as e:
         if not as_json:
             raise

@@ -108,15 +108,22 @@ def _json_path(v: str) -> bool:
     return v.endswith(".json")
 
 
+def _revision(of: str = "--teacher", default_text: str | None = None):
+    """The Hub revision of a teacher setting, declared alike by every command that names a teacher."""
+    return setting(None, help=f"Hub revision (branch, tag or commit) of {of} when it is a Hub id.", check=non_empty,
+                   default_text=default_text)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TeacherCacheConfig(PlacementSettings):
     """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
 
     TOML_SECTION = "teacher_cache"
 
-    teacher: str = setting(help="Wan pipeline: local diffusers folder or hub id (e.g. "
-                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers).", check=non_empty)
-    revision: str | None = setting(None, help="Hub revision of --teacher (branch, tag or commit).")
+    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
+                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
+                           check=non_empty)
+    revision: str | None = _revision()
     prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
                            check=non_empty, path=True)
     out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
@@ -274,8 +281,9 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
     resume: bool = setting(False, help="Continue from the newest complete checkpoint in --out.")
     train_steps: tuple[int, ...] | None = setting(None, parse=int_list, default_text="all",
                                                   help="Train only on these cached step indices, e.g. 0,4,8.")
-    init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder (or "
-                                                                  ".safetensors) to copy matching weights from.")
+    init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder, .safetensors "
+                                                                  "file or Hub id to copy matching weights from.")
+    revision: str | None = _revision("--init-from-teacher")
     teacher_blocks: tuple[int, ...] | None = setting(None, parse=int_list, default_text="spread",
                                                      help="Teacher block for each student block, e.g. 0,4,8.")
     holdout_prompts: int = setting(0, help="Prompts kept out of training; their cached samples give the held-out "
@@ -310,6 +318,9 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
                                    check=at_least(1))
     val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
                                            "log a teacher|student image grid.")
+    dry_run: bool = setting(False, help="Time one training step (after a warm-up step) on this machine and report the "
+                                        "student's parameters, memory per GPU, samples/s and the run's projected time, "
+                                        "then exit: nothing is written to --out, shards are checked by size only.")
 
     @property
     def objective_settings(self):
@@ -327,6 +338,8 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
             raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
                              "this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
+        if self.revision is not None and self.init_from_teacher is None:
+            raise ValueError("revision is the Hub revision of --init-from-teacher: give --init-from-teacher too")
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
         if self.val_every and not self.holdout_prompts:
@@ -383,8 +396,9 @@ class SampleConfig(_Inference):
 
     TOML_SECTION = "sample"
 
-    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.", default_text="the teacher named in "
+    teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.", default_text="the teacher named in "
                                                                                           "distill.json")
+    revision: str | None = _revision(default_text="distill.json's, for its teacher")
     prompts: str = setting(help="Prompt file (.txt or .jsonl); one grid row per prompt.", check=non_empty, path=True)
     out: str = setting(help="PNG grid to write; the settings used go to OUT.json.", check=non_empty, path=True)
     steps: int | None = setting(None, help="Denoising steps for both.", check=at_least(1),
@@ -423,8 +437,9 @@ class ExportConfig:
 
     student: str = _student()
     weights: str = _weights()
-    teacher: str | None = setting(None, help="Wan pipeline folder or hub id.",
+    teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.",
                                   default_text="the teacher named in distill.json")
+    revision: str | None = _revision(default_text="distill.json's, for its teacher")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
     copy: bool = setting(False, flag="copy/symlink", help="Copy the teacher's text encoder, tokenizer, VAE and "
                                                           "scheduler, or symlink them.")
@@ -449,8 +464,9 @@ class EvalConfig(_Inference):
                                       check=at_least(1), default_text="all")
     report: str | None = setting(None, path=True, help="JSON report; the plot goes next to it.",
                                  default_text="STUDENT/eval.json")
-    teacher: str | None = setting(None, help="Teacher for the timing comparison.",
+    teacher: str | None = setting(None, help="Teacher (folder or Hub id) for the timing comparison.",
                                   default_text="the cache manifest's teacher")
+    revision: str | None = _revision(default_text="the manifest's, for its teacher")
     teacher_timing: bool = setting(True, help="Time the teacher too (loads its transformers, not its text encoder or "
                                               "VAE).")
     timing_runs: int = setting(2, help="Trajectories timed per model, after a warm-up.", check=at_least(1))
@@ -479,3 +495,45 @@ class EvalConfig(_Inference):
 
 def _bad_steps(name, v):
     raise ValueError(f"{name} must list integers >= 1, got {v!r}")
+
+
+# -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """`wandistiller plan`'s own settings: the machine it plans for (what is not given is this machine's) and the
+    size of the run, for the cache's bytes and stage one's time. The teacher's run settings (--placement,
+    --batch-size, --height, ...) are teacher-cache's, borrowed from `TeacherCacheConfig`."""
+
+    TOML_SECTION = "plan"
+
+    nodes: int = setting(1, check=at_least(1), help="Nodes stage one would run on, each with --gpus-per-node GPUs.")
+    gpus_per_node: int | None = setting(None, check=at_least(0), help="GPUs per node (0: none).",
+                                        default_text="this machine's count (1 if it has none)")
+    gpu_memory: str | None = setting(None, check=non_empty, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
+                                                                 "= 10^9).", default_text="this machine's free memory")
+    assume_gpus: str | None = setting(None, check=non_empty, help="A node's GPUs when they differ: 4x24GiB, "
+                                                                  "80GiB,40GiB or none (instead of --gpus-per-node and "
+                                                                  "--gpu-memory).")
+    assume_ram: str | None = setting(None, check=non_empty, help="Available RAM of a node (e.g. 256GiB).",
+                                     default_text="this machine's")
+    assume_disk: str | None = setting(None, check=non_empty, help="Free disk under --offload-dir (e.g. 2TiB).",
+                                      default_text="this machine's")
+    ranks_per_node: int | None = setting(None, check=at_least(1), help="torchrun processes per node.",
+                                         default_text="one per GPU when a replica fits one GPU, else 1")
+    prompts: int | None = setting(None, check=at_least(1), help="Prompt count: the cache's bytes, and stage one's "
+                                                                "GPU-hours and wall time.")
+    step_time: float | None = setting(None, check=positive(), help="Seconds of one teacher step of one trajectory (CFG "
+                                                                   "included) with the chosen placement, for the time "
+                                                                   "projection.",
+                                      default_text="--measure's, else the measured table of docs/costs.md")
+    measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement on "
+                                        "this machine (plan on the machine that will run it).")
+
+    def __post_init__(self):
+        check_settings(self)
+        if self.assume_gpus is not None and (self.gpus_per_node is not None or self.gpu_memory is not None):
+            raise ValueError("assume-gpus describes a node's GPUs on its own: give it, or --gpus-per-node and "
+                             "--gpu-memory, not both")
+        if self.measure and self.step_time is not None:
+            raise ValueError("step-time and measure both give the step time: drop one")

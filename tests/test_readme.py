@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -23,9 +25,11 @@ def _commands(prefix: str) -> list[list[str]]:
         for line in joined.splitlines():
             line = line.split(" #")[0].strip()
             words = shlex.split(line) if line else []
-            # torchrun ... -m pipeline.cli <subcommand> ... runs the same CLI
+            # torchrun ... -m pipeline.cli <subcommand> ... (or --no-python wandistiller ...) runs the same CLI
             if "pipeline.cli" in words:
                 words = ["wandistiller"] + words[words.index("pipeline.cli") + 1:]
+            elif words[:1] == ["torchrun"] and "wandistiller" in words:
+                words = words[words.index("wandistiller"):]
             if words and words[0] == prefix:
                 cmds.append(words[1:])
     return cmds
@@ -57,3 +61,41 @@ def test_readme_wandistiller_command_parses(args):
 def test_readme_make_target_exists(args):
     r = subprocess.run(["make", "-n", "-C", str(ROOT)] + args, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# -- the A14B recipe, run as written ---------------------------------------------------------------------
+
+def _recipe_plans() -> list[str]:
+    """The `wandistiller plan` lines of the README's real-model recipe, as written (continuations joined)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The real-model recipe"):text.index("## Stage one: `teacher-cache`")]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        lines += [ln.strip() for ln in re.sub(r"\\\n\s*", " ", block).splitlines()
+                  if ln.startswith("wandistiller plan")]
+    return lines
+
+
+@pytest.mark.slow
+def test_the_a14b_recipe_plans_run_as_written(tmp_path):
+    """Against a local Hub cache holding A14B's configs alone, offline: one 80 GB GPU, and 4 nodes x 8 GPUs."""
+    from hub_cache import A14B_CONFIGS, A14B_ID, add_snapshot, hub_env
+
+    add_snapshot(tmp_path, A14B_ID, A14B_CONFIGS, "c" * 40)
+    one, cluster = _recipe_plans()
+    assert "--gpus-per-node 1 --gpu-memory 80GiB --prompts 200000" in one and "--nodes 4" in cluster
+    outs = []
+    for line in (one, cluster):
+        argv = shlex.split(line)  # `wandistiller` is this environment's (its PATH need not hold it)
+        argv[0] = str(Path(sys.executable).parent / argv[0])
+        r = subprocess.run(argv, capture_output=True, text=True, env=hub_env(tmp_path), cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        assert f"teacher     {A14B_ID} (revision main, configs from {tmp_path}" in out
+        assert "placement   cuda (step-major order), picked by auto" in out  # the layout
+        assert "200,000 prompts: 3.8 TiB" in out and "= 444.4 GPU-hours" in out  # cache bytes, GPU-hours
+        outs.append(out)
+    assert "stage one   1 process (1 node x 1 rank)" in outs[0] and "18.5 days wall on 1 GPU" in outs[0]
+    assert "stage one   32 processes (4 nodes x 8 ranks)" in outs[1] and "13.9 h wall on 32 GPUs" in outs[1]
+    assert "torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d" in outs[1]
+    assert "--part $SLURM_ARRAY_TASK_ID --num-parts 32" in outs[1]

@@ -39,7 +39,7 @@ from pipeline.wan_inputs import model_timestep
 
 from . import trajectories
 from .models import (
-    Student, check_compatible, find_student, init_exact, load_teacher, load_transformer, pick_device,
+    Student, check_compatible, find_student, init_exact, load_teacher, load_transformer, named_teacher, pick_device,
     teacher_dir, untrained_transformer,
 )
 from .plot import plot_report
@@ -417,9 +417,9 @@ def _setup(cfg: EvalConfig) -> _Setup:
     _check_against_cache(student, manifest, cache_dir)
     teacher_path = None
     if cfg.teacher_timing or cfg.attributes:
-        name = cfg.teacher or manifest[F.F_TEACHER]
+        name, revision = named_teacher(cfg.teacher, cfg.revision, manifest[F.F_TEACHER], manifest.get(F.F_REVISION))
         try:
-            teacher_path = teacher_dir(name)
+            teacher_path = teacher_dir(name, revision)
         except UserError as e:
             raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
                             f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e

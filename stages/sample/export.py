@@ -35,7 +35,7 @@ from pipeline.faults import fault_point
 from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
 from .models import (
-    BORROWED, Student, check_compatible, find_student, teacher_dir, teacher_transformer_config,
+    BORROWED, Student, check_compatible, find_student, named_teacher, teacher_dir, teacher_transformer_config,
 )
 
 MARK = "_wandistiller"  # model_index key of an export; also what lets --overwrite replace a folder
@@ -151,10 +151,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def run(cfg: ExportConfig) -> dict:
     """Write the pipeline folder; returns the summary."""
     student = find_student(cfg.student, cfg.weights)
-    teacher_name = cfg.teacher or student.teacher
+    teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    tpath = teacher_dir(teacher_name)
+    tpath = teacher_dir(teacher_name, revision)
     index = json.loads((tpath / "model_index.json").read_text())
     missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
     if missing:

@@ -18,6 +18,7 @@ import torch
 
 from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
 from pipeline.errors import UserError
+from pipeline.hub import teacher_folder
 
 log = logging.getLogger(__name__)
 
@@ -228,20 +229,18 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
         raise UserError(f"student {student.path} does not fit {against}: {'; '.join(problems)}")
 
 
-def teacher_dir(name: str) -> Path:
-    """Local folder of a Wan teacher pipeline (a hub id is looked up in / fetched to the HF cache)."""
-    p = Path(name).expanduser()
-    if not p.exists():
-        if name.count("/") != 1 or name.startswith((".", "/", "~")):
-            raise UserError(f"teacher {name!r} does not exist; pass a diffusers WanPipeline folder or a hub id")
-        try:
-            from huggingface_hub import snapshot_download
+def named_teacher(teacher: str | None, revision: str | None, recorded: str | None,
+                  recorded_revision: str | None) -> tuple[str | None, str | None]:
+    """The teacher a command runs, and its Hub revision: --teacher (with --revision), else the one the run recorded
+    (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
+    if teacher:
+        return teacher, revision
+    return recorded, revision or recorded_revision
 
-            p = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                             "tokenizer*/*"]))
-        except Exception as e:  # network, auth, missing repo: all the user's to fix
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"teacher {name!r} is not a local folder and could not be fetched ({first})") from e
+
+def teacher_dir(name: str, revision: str | None = None) -> Path:
+    """Local folder of a Wan teacher pipeline (a Hub id is found in the local Hub cache or fetched: pipeline.hub)."""
+    p = teacher_folder(name, revision)
     mi = p / "model_index.json"
     if not mi.is_file():
         raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")

@@ -30,7 +30,7 @@ from pipeline.prompts import dedupe, read_prompt_file
 
 from .grid import draw_grid
 from .models import (
-    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, teacher_dir,
+    Student, check_compatible, find_student, load_teacher, load_transformer, named_teacher, pick_device, teacher_dir,
 )
 
 COLUMNS = ["teacher", "student"]
@@ -196,12 +196,12 @@ def run(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     student = find_student(cfg.student, cfg.weights)
-    teacher_name = cfg.teacher or student.teacher
+    teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
     device, dtype = pick_device(cfg.device, cfg.dtype)
 
-    teacher = load_teacher(teacher_dir(teacher_name), dtype, device)
+    teacher = load_teacher(teacher_dir(teacher_name, revision), dtype, device)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]

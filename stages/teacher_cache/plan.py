@@ -8,11 +8,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from cache import format as F
 from cache.size import human, project
+from pipeline.config import PlanSettings, TeacherCacheConfig
 from pipeline.errors import UserError
+from pipeline.hub import CONFIGS, teacher_folder
 
-from . import placements
+from . import costs, launch, placements
 from .placements.device_map import parse_max_memory, read_device_map
 from .planner import (
     DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, teacher_sizes,
@@ -20,6 +24,8 @@ from .planner import (
 )
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
+NO_STEP_TIME = ("no measured step time for this teacher and placement: run `plan --measure` on the machine that "
+                "will run it, or give --step-time SECONDS")
 
 
 @dataclass
@@ -42,15 +48,18 @@ class Plan:
     decision: list[str]
     notes: list[str]
     cache: dict | None = field(default=None)  # the cache's projected bytes (`cache_projection`)
+    launch: dict | None = field(default=None)  # the processes of stage one and their commands (launch.py)
+    time: dict | None = field(default=None)  # stage one's GPU-hours and wall time (costs.py), with --prompts
+    source: str | None = field(default=None)  # where a Hub id's configs were found
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     def render(self) -> str:
-        lines = [f"teacher     {self.teacher}",
+        lines = [f"teacher     {self.teacher}" + (f" ({self.source})" if self.source else ""),
                  f"run         dtype {self.dtype}, batch {self.batch_size} x {self.height}x{self.width}x{self.frames} "
                  f"({self.tokens_per_sample} tokens per sample, CFG doubles the forward batch)",
-                 f"machine     {self.inventory['describe']}",
+                 f"machine     {self._nodes()}{self.inventory['describe']}",
                  f"placement   {self.placement} ({self.expert_order}-major order)"
                  + (", picked by auto" if self.requested == "auto" else ""),
                  "",
@@ -69,9 +78,25 @@ class Plan:
                   "", "decision:"] + [f"  - {r}" for r in self.decision]
         if self.notes:
             lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+        if self.launch:
+            lines += ["", *launch.render(self.launch_record)]
         if self.cache:
             lines += ["", _render_cache(self.cache)]
+        if self.time:
+            lines += costs.render(self.time, self.cache["prompts"], self.cache["seeds_per_prompt"],
+                                  self.cache["steps"])
+        elif self.cache and self.cache["prompts"]:
+            lines.append(f"time        {NO_STEP_TIME}")
         return "\n".join(lines)
+
+    def _nodes(self) -> str:
+        n = self.launch["nodes"] if self.launch else 1
+        return f"{n} nodes, each: " if n > 1 else ""
+
+    @property
+    def launch_record(self) -> launch.Launch:
+        d = {k: v for k, v in self.launch.items() if k != "parts"}
+        return launch.Launch(**d)
 
 
 def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, batch_size: int = 4,
@@ -176,24 +201,78 @@ def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     return []
 
 
-def plan_from_flags(teacher: str, placement: str = "auto", dtype: str | None = None, batch_size: int = 4,
-                    height: int = 480, width: int = 832, frames: int = 1, max_sequence_length: int = 512,
-                    max_memory: str | None = None, expert_order: str = "auto", offload_dir: str | None = None,
-                    assume_gpus: str | None = None, assume_ram: str | None = None, assume_disk: str | None = None,
-                    ranks_per_node: int = 1, prompts: int | None = None, seeds_per_prompt: int = 1,
-                    steps: int = 40, record_steps: int | None = None) -> Plan:
-    """`wandistiller plan`: the plan for this machine, or for the one the `assume_*` strings describe
-    ('4x24GiB', '256GiB'; parts not assumed are measured here, this machine's GPUs only if none are assumed),
-    with the bytes of the cache it would write (`cache_projection`)."""
-    measured = Inventory.measure(offload_dir, ranks_per_node, gpus=assume_gpus is None)
-    inv = Inventory.assume(assume_gpus, assume_ram, assume_disk, ranks_per_node, measured)
-    dmap = read_device_map(placement, check_devices=assume_gpus is None)[0] if placement.endswith(".json") else None
-    plan = make_plan(teacher, placement, dtype, batch_size, height, width, frames, max_sequence_length,
-                     inventory=inv, max_memory=parse_max_memory(max_memory), device_map=dmap,
-                     expert_order=expert_order)
-    plan.cache = cache_projection(teacher, plan.dtype, height, width, frames, max_sequence_length, prompts,
-                                  seeds_per_prompt, steps, record_steps, batch_size)
+# The run settings `plan` takes from teacher-cache, and the flag each is given back with in the printed command.
+RUN_FLAGS = ("dtype", "batch_size", "height", "width", "frames", "max_sequence_length", "seeds_per_prompt", "steps",
+             "record_steps", "max_memory", "offload_dir", "expert_order")
+
+
+def plan_from_flags(settings: PlanSettings, *, teacher: str, revision: str | None = None, placement: str = "auto",
+                    **run) -> Plan:
+    """`wandistiller plan`: the plan for this machine, or for the one `settings` describes (nodes, GPUs per node and
+    their memory, RAM, disk; what is not given is measured here, this machine's GPUs only if none are given), with
+    the processes of stage one and their command, the bytes of the cache it would write (`cache_projection`) and,
+    for `settings.prompts`, its GPU-hours and wall time. `run`: teacher-cache's settings (RUN_FLAGS)."""
+    run = {f: getattr(TeacherCacheConfig, f) for f in RUN_FLAGS} | run  # (the defaults: what the CLI sends)
+    root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
+    inv = _inventory(settings, run["offload_dir"])
+    dmap = read_device_map(placement, check_devices=not _assumed_gpus(settings))[0] \
+        if placement.endswith(".json") else None
+    plan = make_plan(str(root), placement, run["dtype"], run["batch_size"], run["height"], run["width"], run["frames"],
+                     run["max_sequence_length"], inventory=inv, max_memory=parse_max_memory(run["max_memory"]),
+                     device_map=dmap, expert_order=run["expert_order"])
+    if root != Path(teacher).expanduser():  # a Hub id
+        plan.teacher, plan.source = teacher, f"revision {revision or 'main'}, configs from {root}"
+    plan.cache = cache_projection(str(root), plan.dtype, run["height"], run["width"], run["frames"],
+                                  run["max_sequence_length"], settings.prompts, run["seeds_per_prompt"], run["steps"],
+                                  run["record_steps"], run["batch_size"])
+    given = {f"--{k.replace('_', '-')}": v for k, v in run.items()
+             if v is not None and v != getattr(TeacherCacheConfig, k)}
+    words = launch.teacher_cache_words(teacher, revision, plan.placement, given)
+    plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
+                                     words).to_dict()
+    step = _step_time(settings, plan, root, teacher, revision, run)
+    if step is not None and settings.prompts:
+        plan.time = costs.project(settings.prompts, run["seeds_per_prompt"], run["steps"], step,
+                                  plan.launch["parts"], plan.launch["gpus_per_rank"])
     return plan
+
+
+def _assumed_gpus(s: PlanSettings) -> bool:
+    return s.assume_gpus is not None or s.gpus_per_node is not None or s.gpu_memory is not None
+
+
+def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
+    """A node of the machine `plan` is told about: --assume-gpus, or --gpus-per-node x --gpu-memory (either one
+    alone completed from this machine), and what is not given measured here."""
+    gpus = s.assume_gpus
+    if s.gpus_per_node is not None or s.gpu_memory is not None:
+        count = s.gpus_per_node if s.gpus_per_node is not None else (torch.cuda.device_count() or 1)
+        memory = s.gpu_memory
+        if memory is None and count:
+            if not torch.cuda.is_available():
+                raise UserError(f"--gpus-per-node {count} takes the memory of this machine's GPUs, and it has none; "
+                                "give --gpu-memory too (e.g. 80GiB)")
+            memory = str(torch.cuda.mem_get_info(0)[0])
+        gpus = f"{count}x{memory}" if count else "none"
+    ranks = s.ranks_per_node or 1
+    measured = Inventory.measure(offload_dir, ranks, gpus=gpus is None)
+    return Inventory.assume(gpus, s.assume_ram, s.assume_disk, ranks, measured)
+
+
+def _step_time(s: PlanSettings, plan: Plan, root: Path, teacher: str, revision: str | None,
+               run: dict) -> costs.StepTime | None:
+    """--step-time, else one step measured here (--measure), else the table's figure for the teacher's shape."""
+    if s.step_time is not None:
+        return costs.StepTime(s.step_time, "--step-time")
+    if s.measure:
+        from .measure import measure_step
+
+        return measure_step(teacher, revision, plan.placement, {k: v for k, v in run.items()
+                                                                if k not in ("seeds_per_prompt", "steps",
+                                                                             "record_steps")})
+    first = next(c["name"] for c in plan.components if c["class"] == "WanTransformer3DModel")
+    config = json.loads((root / first / "config.json").read_text())
+    return costs.table_step_time(config, plan.tokens_per_sample, plan.placement)
 
 
 def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: int, max_sequence_length: int,
@@ -202,8 +281,6 @@ def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: 
     """The bytes of the cache this run would write (plain samples: x_t and target; `cache.size`), per sample and
     per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length tokens, the
     bound (only a prompt's real tokens are stored)."""
-    from pipeline.config import TeacherCacheConfig
-
     from .teacher import TeacherSpec
 
     root = Path(teacher)

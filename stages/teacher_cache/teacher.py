@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from pipeline.errors import UserError
+from pipeline.hub import is_hub_id, teacher_folder
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
 CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
@@ -114,27 +115,9 @@ def _sample_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fetch(name: str, revision: str | None) -> Path:
-    """Download (or find in the HF cache) a hub pipeline; only the files diffusers loads."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*"]))
-    except Exception as e:  # network, auth, missing repo: all the user's to fix
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"teacher {name!r} is not a local folder and could not be fetched from the hub ({first}); "
-                        "pass a local diffusers folder or check the hub id, revision and your login") from e
-
-
 def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     """Locate the teacher and check it is a Wan pipeline; say what is missing if it is not."""
-    p = Path(name).expanduser()
-    if not p.exists():
-        if name.count("/") != 1 or name.startswith((".", "/", "~")):
-            raise UserError(f"teacher {name!r} does not exist; pass a diffusers folder or a hub id like "
-                            "Wan-AI/Wan2.2-T2V-A14B-Diffusers (build the tiny one with `wandistiller tiny-teacher`)")
-        p = _fetch(name, revision)
+    p = teacher_folder(name, revision)
     if not p.is_dir():
         raise UserError(f"teacher {name!r} is a file, not a diffusers pipeline folder")
     mi_path = p / "model_index.json"
@@ -168,7 +151,10 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         if comp in configs and not any((p / comp).glob("*.safetensors")):
             missing.append(f"{comp}/*.safetensors")
     if missing:
-        raise UserError(f"teacher {name!r} is not a complete Wan pipeline: missing {', '.join(missing)} in {p}")
+        # Offline, a Hub id resolves to whatever the local Hub cache holds, maybe only the configs `plan` fetched
+        hint = (f"; the local Hub cache holds only part of it: download the rest where the Hub is reachable (`hf "
+                f"download {name}`)" if is_hub_id(name) and not Path(name).exists() else "")
+        raise UserError(f"teacher {name!r} is not a complete Wan pipeline: missing {', '.join(missing)} in {p}{hint}")
     if len(experts) == 2 and mi.get("boundary_ratio") is None:
         raise UserError(f"teacher {name!r} has two transformers but no boundary_ratio in model_index.json")
     return TeacherSpec(name=name, path=p, revision=revision, model_index=mi, configs=configs, experts=experts)

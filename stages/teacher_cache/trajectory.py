@@ -147,7 +147,7 @@ class TrajectoryRunner:
             kept = on_step is not None and (self.record is None or i in self.record)
             recording = self.features.capture(model, b) if self.features and kept else contextlib.nullcontext()
             with recording:
-                noise_pred, noise_cond, noise_uncond = self._predict(model, latent_in, timestep, context, scale)
+                noise_pred, noise_cond, noise_uncond = self.predict(model, latent_in, timestep, context, scale)
             if kept:
                 keep = self.keep_cond_uncond and noise_cond is not None
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
@@ -158,8 +158,9 @@ class TrajectoryRunner:
             latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
         return latents.float().cpu(), (latents, sched)
 
-    def _predict(self, model, latent_in, timestep, context, scale):
-        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them."""
+    def predict(self, model, latent_in, timestep, context, scale):
+        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them (also what
+        `plan --measure` times: measure.py)."""
         if self.schedule.cfg:
             out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
                         encoder_hidden_states=context, return_dict=False)[0]

@@ -29,7 +29,7 @@ from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
 
-from . import checkpoint
+from . import checkpoint, dry_run
 from .comm import all_gather_bytes
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
@@ -206,15 +206,17 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
     """Student config, objective, the caches checked against both and indexed, the exact epoch plan."""
     mixed = _mixed_precision(cfg, device)
     layout = RunLayout(cfg.out)
-    _check_out(layout.root, cfg.resume)
+    if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (dry_run.py)
+        _check_out(layout.root, cfg.resume)
     student_cfg = load_student_config(cfg.student_config)
     objective = get_objective(cfg.objective).from_config(cfg)
     caches = open_caches(list(cfg.cache))
     check_compatible(student_cfg, caches[0].manifest, cfg.student_config)  # before the (slower) shard check
     check_cache(objective, caches[0].manifest, str(caches[0].path), int(student_cfg.get("num_layers", 1)))
-    data = prepare(caches, env, device, cfg.verify, cfg.train_steps, cfg.holdout_prompts)
+    # A dry run checks sizes only: the checksum of an A14B cache's shards is hours of reading, not a step's cost.
+    data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, cfg.train_steps, cfg.holdout_prompts)
     plan, total = _plan(cfg, data, env)
-    if env.is_main:
+    if env.is_main and not cfg.dry_run:
         layout.root.mkdir(parents=True, exist_ok=True)
     identity = {"fingerprints": sorted({c.fingerprint for c in data.index.caches}), "data": data.digest(),
                 "seed": cfg.seed, "global_batch": plan.global_batch, "grad_accum": cfg.grad_accum,
@@ -234,11 +236,11 @@ def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool
     wrapper, or None: the student itself)."""
     model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
     if cfg.init_from_teacher and fresh and (env.is_main or not s.strategy.syncs_init):
-        rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks)
+        rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
              f"{rep['teacher_blocks']}; {rep['shape_mismatch']} differ in shape, {rep['missing']} not in the teacher)")
         # The seed alone no longer reproduces the untrained student: keep it for evaluation.
-        if env.is_main:
+        if env.is_main and not cfg.dry_run:
             _save_pretrained(model, s.layout.student_init)
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
@@ -327,8 +329,10 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     t0 = time.time()
     require_backend(cfg.report_to)  # a missing tracker package is refused before anything slow
     s = _setup(cfg, env, device)
-    ckpt = _pick_checkpoint(env, s) if cfg.resume else None
+    ckpt = _pick_checkpoint(env, s) if cfg.resume and not cfg.dry_run else None
     model, heads, optimizer, scaler, wrapped = _build_student(cfg, env, s, fresh=ckpt is None)
+    if cfg.dry_run:  # two measured steps and a report instead of training (dry_run.py)
+        return dry_run.measure(cfg, env, s, model, heads, optimizer, scaler, wrapped)
     state, ema_state = TrainState(), None
     if ckpt is not None:
         state, ema_state = _resume(ckpt, env, s, optimizer, scaler)

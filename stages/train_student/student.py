@@ -12,6 +12,7 @@ import torch
 
 from cache import format as F
 from pipeline.errors import UserError
+from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
 _BLOCK_PREFIX = "blocks."
 _SAFETENSORS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -98,10 +99,10 @@ def empty_student(config: dict) -> torch.nn.Module:
         return _model_class()(**{k: v for k, v in config.items() if not k.startswith("_")})
 
 
-def _teacher_weights(path: str | os.PathLike) -> tuple[list[Path], dict]:
-    """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder
-    or a single .safetensors file)."""
-    p = Path(path)
+def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path], dict]:
+    """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder, a single
+    .safetensors file, or a Hub id: its first transformer alone is fetched, or found in the local Hub cache)."""
+    p = teacher_folder(path, revision, files=FIRST_TRANSFORMER, flag="--init-from-teacher")
     if p.is_file() and p.suffix == ".safetensors":
         cfg_path = p.parent / "config.json"
         return [p], json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -124,13 +125,14 @@ def default_blocks(student_layers: int, teacher_layers: int) -> list[int]:
     return [round(i * (teacher_layers - 1) / (student_layers - 1)) for i in range(student_layers)]
 
 
-def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...] | None) -> dict:
+def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...] | None,
+                      revision: str | None = None) -> dict:
     """Copy into `model` the teacher tensors whose names and shapes match; student block i takes teacher
     block blocks[i]. Only the needed tensors are read (safetensors `safe_open`, shapes from headers).
     Returns counts of copied and skipped tensors."""
     from safetensors import safe_open
 
-    files, tcfg = _teacher_weights(path)
+    files, tcfg = _teacher_weights(path, revision)
     n_student = len(model.blocks)
     n_teacher = tcfg.get("num_layers")
     if blocks is None:

@@ -1,0 +1,81 @@
+"""Where a teacher the user names lives on this machine: the one place that turns `--teacher` (and
+`--init-from-teacher`) into a local folder.
+
+A name that is a folder (or file) here is used as it is. A name shaped like a Hub id (`Org/Name`) is fetched
+through huggingface_hub's `snapshot_download`, which looks in the local Hub cache first (HF_HOME / HF_HUB_CACHE)
+and downloads only what is missing; with HF_HUB_OFFLINE=1, or without a network, a cached copy is used as it is.
+Each command asks for the files it reads and no more (`plan` its configs, `--init-from-teacher` the first
+transformer, the others the whole pipeline), so `plan` on a laptop downloads a few kilobytes.
+
+huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+
+# What each command reads of a diffusers pipeline. fnmatch patterns, as huggingface_hub's allow_patterns.
+CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "*/*.safetensors.index.json")
+PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
+FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
+
+EXAMPLE_ID = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+
+
+def is_hub_id(name: str) -> bool:
+    """`Org/Name`: one slash, not a relative or absolute path."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
+
+
+def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, ...] = PIPELINE,
+                   flag: str = "--teacher") -> Path:
+    """The local folder of teacher `name`: the path itself, or the Hub snapshot of `name` at `revision` holding at
+    least `files` (patterns). A UserError (one line naming the teacher and what to do) when neither works."""
+    p = Path(name).expanduser()
+    if p.exists():
+        if revision is not None:
+            raise UserError(f"--revision {revision} applies to a Hub id, and {flag} {name} is a local path; drop "
+                            "--revision")
+        return p
+    if not is_hub_id(name):
+        raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like {EXAMPLE_ID} "
+                        "(build a tiny one with `wandistiller tiny-teacher`)")
+    return _snapshot(name, revision, files, flag)
+
+
+def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str) -> Path:
+    """snapshot_download, its failures turned into one line each."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import errors as hf
+
+    at = f" at revision {revision}" if revision else ""
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(files)))
+    except hf.RevisionNotFoundError as e:
+        raise UserError(f"{flag} {repo}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
+                        "that exists (or leave --revision out for main)") from e
+    except (hf.GatedRepoError, hf.RepositoryNotFoundError) as e:
+        raise UserError(f"{flag} {repo} is not on the Hub or needs a login ({_first_line(e)}); check the id, accept "
+                        "its licence on huggingface.co and run `hf auth login`, or pass a local folder") from e
+    except hf.IncompleteSnapshotError as e:  # (a LocalEntryNotFoundError: before it)
+        raise UserError(f"{flag} {repo}{at}: the cached copy is incomplete and the Hub cannot be reached "
+                        f"({_first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
+    except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+        include = " --include " + " ".join(f"'{f}'" for f in files) if files != PIPELINE else ""
+        raise UserError(f"{flag} {repo}{at} is not in the local Hub cache ({constants.HF_HUB_CACHE}) and {why}; "
+                        f"download it where the Hub is reachable (`hf download {repo}{include}`) into that cache "
+                        "(or set HF_HOME to one that holds it), or pass a local folder") from e
+    except hf.HfHubHTTPError as e:  # (an OSError: before it)
+        raise UserError(f"{flag} {repo}: the Hub answered {_first_line(e)}; retry later, or pass a local "
+                        "folder") from e
+    except OSError as e:  # a cache folder that cannot be written, a full disk
+        raise UserError(f"{flag} {repo}: fetching it from the Hub failed ({_first_line(e)}); free space or fix the "
+                        f"permissions of {constants.HF_HUB_CACHE}, or pass a local folder") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,100 @@
+"""What stage one costs before it runs: GPU-hours and wall time from the time of one teacher step.
+
+Every step of every trajectory runs (`--record-steps` only chooses which are written), so stage one is
+prompts x seeds x steps teacher steps, each a forward of the conditional and unconditional branch together.
+The time of one such step comes, in this order, from `plan --measure` (one real step with the chosen placement
+on this machine: measure.py), from `plan --step-time S`, or from `STEP_TABLE` below: measured figures, each with
+its source, which docs/costs.md shows too (tests/test_costs.py keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepFigure:
+    """A measured teacher step: one denoising step of one trajectory, CFG on (two sequences in one forward), bf16."""
+
+    shape: tuple[int, int, int]  # (dim, num_layers, ffn_dim) of the transformer that ran it
+    teacher: str
+    height: int
+    width: int
+    frames: int
+    seconds: float
+    gpu: str
+    source: str
+
+
+STEP_TABLE = (
+    StepFigure((5120, 40, 13824), "Wan2.2-T2V-A14B (one expert; Wan2.1-T2V-14B has the same shape)", 480, 832, 1,
+               0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
+)
+
+# A placement's speed against `cuda` for the same step, where it was measured at A14B sizes (docs/placements.md);
+# None: not measured there, so `plan` asks for --measure or --step-time instead of guessing.
+PLACEMENT_SPEED = {
+    "cuda": (1.0, ""),
+    "balanced": (1.0, "one GPU computes at a time, as one replica would (not measured)"),
+    "sequential": (1.0, "one GPU computes at a time, as one replica would (not measured)"),
+    "offload": (0.71, "offload runs at 0.71x of cuda (an A14B expert on an H100, docs/placements.md)"),
+}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one teacher step of one trajectory with the chosen placement, and where the figure comes from."""
+
+    seconds: float
+    source: str
+
+
+def table_step_time(transformer_config: dict, tokens: int, placement: str) -> StepTime | None:
+    """The table's figure for this teacher and placement, scaled by tokens per sample when the size differs (the
+    linear layers, most of the work, grow with the tokens; attention grows faster: a rough figure then); None when
+    the table has no figure for the teacher's shape or the placement's speed was not measured."""
+    c = transformer_config
+    shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
+    fig = next((f for f in STEP_TABLE if f.shape == shape), None)
+    speed = PLACEMENT_SPEED.get(placement)
+    if fig is None or speed is None:
+        return None
+    base = (fig.frames - 1) // 4 + 1  # the table's latent frames (Wan's VAE: 4x in time, 16x in space with patch 2)
+    table_tokens = base * (fig.height // 16) * (fig.width // 16)
+    seconds = fig.seconds * tokens / table_tokens / speed[0]
+    where = (f"the table of docs/costs.md ({fig.teacher.split(' (')[0]}, {fig.height}x{fig.width}, one {fig.gpu}: "
+             f"{fig.source})")
+    if tokens != table_tokens:
+        where += f", scaled by tokens {tokens}/{table_tokens} (rough)"
+    if speed[1]:
+        where += f"; {speed[1]}"
+    return StepTime(seconds, where)
+
+
+def project(prompts: int, seeds: int, steps: int, step: StepTime, parts: int, gpus_per_part: int) -> dict:
+    """Stage one's teacher compute for `prompts`: `parts` processes run at once, each holding `gpus_per_part` GPUs
+    (all of a node's under `balanced`, which keeps them busy one at a time)."""
+    step_count = prompts * seeds * steps
+    busy_s = step_count * step.seconds  # one process's seconds for the whole run
+    return {"teacher_steps": step_count, "step_s": step.seconds, "step_source": step.source, "parts": parts,
+            "gpus": parts * gpus_per_part, "wall_h": busy_s / parts / 3600,
+            "gpu_hours": busy_s * gpus_per_part / 3600}
+
+
+def render(c: dict, prompts: int, seeds: int, steps: int) -> list[str]:
+    gpus = f"{c['gpus']} GPU{'s' if c['gpus'] != 1 else ''}" if c["gpus"] else "the CPU"
+    return [f"time        {prompts:,} prompts x {seeds} seed(s) x {steps} steps = {c['teacher_steps']:,} teacher steps x "
+            f"{_seconds(c['step_s'])} s = {c['gpu_hours']:,.1f} GPU-hours; {_duration(c['wall_h'])} wall on {gpus}",
+            f"            step time: {c['step_source']}",
+            "            (the teacher's compute alone: loading the weights and encoding the prompts add minutes per "
+            "process)"]
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f}" if s >= 0.1 else f"{s:.3g}"
+
+
+def _duration(hours: float) -> str:
+    if hours >= 48:
+        return f"{hours / 24:.1f} days"
+    return f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.1f} min"

@@ -1,0 +1,135 @@
+"""How stage one uses every GPU of the machine `plan` is told about, and the command that does it.
+
+Stage one's unit of parallelism is the part: prompt i belongs to part i % parts, and each process is one part
+(a torchrun rank, or `--part K --num-parts N`). So:
+
+- a placement that runs a replica on one GPU (`cuda`, or `offload`/`disk` streaming to one) gives every GPU its
+  own process: torchrun with one rank per GPU (ranks = parts); across nodes a multi-node torchrun, or one part per
+  SLURM array task. For `cuda` this is the default whenever a replica (or one expert at a time) fits one GPU: all
+  GPUs compute at once;
+- a placement that spreads one replica over a node's GPUs (`balanced`, `sequential`, a device map) is one process
+  per node, parts = nodes. It keeps one GPU busy at a time, so `plan` picks it only where no single GPU holds a
+  replica (planner.decide).
+
+The streamed placements take one process per node unless --ranks-per-node says more (their RAM is shared by the
+ranks of a node: the planner divides it).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass, field
+
+from pipeline.errors import UserError
+
+from . import placements
+
+HEAD_PORT = 29500
+WIDTH = 112  # where printed commands wrap (shell continuation lines)
+
+
+@dataclass
+class Launch:
+    placement: str
+    nodes: int
+    ranks_per_node: int
+    gpus_per_rank: int  # GPUs one process holds: 1, a node's under a spreading placement, 0 on the CPU
+    how: str
+    commands: list[dict] = field(default_factory=list)  # {"when": what it is for, "command": the shell line}
+
+    @property
+    def parts(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"parts": self.parts}
+
+
+def plan_launch(placement: str, nodes: int, gpus_per_node: int, ranks_given: int | None,
+                teacher_cache: list[str]) -> Launch:
+    """The processes of stage one for `placement` (a concrete one, as `plan` resolved it) on `nodes` nodes of
+    `gpus_per_node` GPUs, and their commands; `teacher_cache` is the `wandistiller teacher-cache ...` words."""
+    entry = placements.get(placement)
+    if entry.whole_machine:
+        ranks, gpus = 1, gpus_per_node
+        how = (f"one process per node spreads its replica over the node's {gpus_per_node} GPUs (one GPU computes at a "
+               "time: a replica fits no single GPU)")
+    elif entry.gpu == "no" or not gpus_per_node:
+        ranks, gpus = ranks_given or 1, 0
+        how = f"{ranks} process{'es' if ranks > 1 else ''} per node on the CPU"
+    else:
+        ranks = ranks_given or (gpus_per_node if entry.name == "cuda" else 1)
+        if ranks > gpus_per_node:
+            raise UserError(f"--ranks-per-node {ranks} is more than the {gpus_per_node} GPU(s) of a node: each rank of "
+                            f"placement {placement} computes on its own GPU; use at most {gpus_per_node}")
+        gpus = 1
+        how = ("the replica on the node's one GPU" if gpus_per_node == 1 else
+               "one replica per GPU, all computing at once" if ranks == gpus_per_node else
+               f"{ranks} of the {gpus_per_node} GPUs of a node, one process each")
+    launch = Launch(entry.name if entry.name != "map" else placement, nodes, ranks, gpus, how)
+    launch.commands = _commands(launch, teacher_cache)
+    return launch
+
+
+def _commands(launch: Launch, words: list[str]) -> list[dict]:
+    """{"when": what it is for, "argv": the words, "command": them as a shell line} for each way to run it."""
+    n, r, parts = launch.nodes, launch.ranks_per_node, launch.parts
+    array = words + ["--part", "$SLURM_ARRAY_TASK_ID", "--num-parts", str(parts)]
+    if parts == 1:
+        found = [("one process", words)]
+    elif n == 1:
+        found = [(f"torchrun, one rank per part ({parts} parts)",
+                  ["torchrun", "--standalone", "--nproc-per-node", str(r), "--no-python"] + words)]
+    elif r == 1:
+        what = "one part per node" + (" (whole nodes: --nodes 1 --exclusive)" if launch.gpus_per_rank > 1 else "")
+        found = [(f"{what}, parts 0..{parts - 1}, e.g. a SLURM array --array=0-{parts - 1}", array)]
+    else:
+        run = ["torchrun", "--nnodes", str(n), "--nproc-per-node", str(r), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"$HEAD_HOST:{HEAD_PORT}", "--rdzv-id", "teacher-cache", "--no-python"] + words
+        found = [("the same command on every node (HEAD_HOST: the first node's address; --out on storage every node "
+                  "sees)", run),
+                 (f"or one part per SLURM array task, --array=0-{parts - 1} with {launch.gpus_per_rank or 'no'} GPU "
+                  "each (a failed task is rerun alone)", array)]
+    return [{"when": when, "argv": argv, "command": _line(argv)} for when, argv in found]
+
+
+def _line(words: list[str]) -> str:
+    """Shell words joined ($VARS left unquoted, so the shell expands them), wrapped with backslash continuations
+    before WIDTH, never between a flag and its value."""
+    tokens: list[str] = []
+    for w in (w if w.startswith("$") else shlex.quote(w) for w in words):
+        if tokens and not w.startswith("-") and tokens[-1].startswith("-") and " " not in tokens[-1]:
+            tokens[-1] += " " + w
+        else:
+            tokens.append(w)
+    lines, cur = [], ""
+    for t in tokens:
+        if cur and len(cur) + 1 + len(t) > WIDTH - 2:
+            lines.append(cur)
+            cur = "    " + t
+        else:
+            cur = f"{cur} {t}" if cur else t
+    return " \\\n".join(lines + [cur])
+
+
+def render(launch: Launch) -> list[str]:
+    n, r, parts = launch.nodes, launch.ranks_per_node, launch.parts
+    lines = [f"stage one   {parts} process{'es' if parts > 1 else ''} ({n} node{'s' if n > 1 else ''} x {r} "
+             f"rank{'s' if r > 1 else ''}), placement {launch.placement}: {launch.how}"
+             + (f"; each is one part, prompt i goes to part i % {parts}" if parts > 1 else "")]
+    for c in launch.commands:
+        lines.append(f"  {c['when']}:")
+        lines += ["    " + line for line in c["command"].splitlines()]
+    return lines
+
+
+def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict) -> list[str]:
+    """`wandistiller teacher-cache` with the teacher, placeholders for the prompts and the cache, the placement and
+    every run setting `plan` was given off its default (`given`: flag -> value), so the cache is the one planned."""
+    words = ["wandistiller", "teacher-cache", "--teacher", teacher]
+    if revision:
+        words += ["--revision", revision]
+    words += ["--prompts", "PROMPTS.txt", "--out", "CACHE_DIR", "--placement", placement]
+    for flag, value in given.items():
+        words += [flag, str(value)]
+    return words

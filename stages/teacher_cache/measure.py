@@ -1,0 +1,75 @@
+"""`plan --measure`: the time of one real teacher step with the chosen placement on this machine.
+
+It loads what stage one would (the placement's first expert, where the placement keeps it), then runs the step
+stage one runs (`TrajectoryRunner.predict`: the conditional and unconditional branch in one forward) on a batch of
+noise with zero text embeddings: the time of a step does not depend on the prompt, so the text encoder (11 GiB for
+A14B) is not loaded. One step warms up (kernels, the allocator, a streamed placement's first pass), the next is
+timed. Both experts of a Wan 2.2 teacher have the same shape, so the first one stands for both.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+
+from pipeline.config import DEFAULT_GUIDANCE, TeacherCacheConfig
+from pipeline.errors import UserError
+from pipeline.wan_inputs import model_timestep
+
+from . import placements
+from .costs import StepTime
+from .teacher import ExpertSet, load_scheduler, resolve_teacher
+from .trajectory import Schedule, TrajectoryRunner
+
+
+def measure_step(teacher: str, revision: str | None, placement: str, run: dict, log=print) -> StepTime:
+    """Seconds of one teacher step of one trajectory (a batch of `run["batch_size"]` timed, divided by it), run with
+    `placement` and the run settings `run` (TeacherCacheConfig names: dtype, batch_size, height, ...)."""
+    spec = resolve_teacher(teacher, revision)
+    spec.check_sizes(run["height"], run["width"], run["frames"])
+    with tempfile.TemporaryDirectory(prefix="wandistiller-measure-") as tmp:
+        cfg = TeacherCacheConfig(teacher=teacher, revision=revision, prompts="(plan --measure)", out=tmp,
+                                 placement=placement, **run)
+        try:
+            p = placements.choose_placement(cfg, spec)
+        except UserError as e:
+            raise UserError(f"--measure runs the step on this machine: {e}") from e
+        t0 = time.perf_counter()
+        experts = ExpertSet(spec, p, log)
+        experts.activate((1,))
+        load_s = time.perf_counter() - t0
+        scheduler = load_scheduler(spec)
+        schedule = Schedule.build(scheduler, 2, None, DEFAULT_GUIDANCE, None)  # one expert, CFG on
+        runner = TrajectoryRunner([experts[0]], scheduler, schedule, 2, p.torch_dtype, p.device,
+                                  spec.expand_timesteps, patch=spec.patch_size)
+        seconds = _time_step(runner, experts[0], spec, cfg, p.device, p.torch_dtype)
+        experts.close()
+    b = cfg.batch_size
+    log(f"measured: one step of {b} trajectories in {seconds:.3f} s with placement {p.name} on {p.device} "
+        f"({p.dtype}; the expert loaded in {load_s:.1f} s)")
+    return StepTime(seconds / b, f"measured here by --measure: {seconds:.3g} s for a batch of {b}, placement "
+                                 f"{p.name} on {p.device}, {p.dtype}")
+
+
+@torch.inference_mode()
+def _time_step(runner: TrajectoryRunner, model, spec, cfg: TeacherCacheConfig, device: torch.device,
+               dtype: torch.dtype) -> float:
+    """The second of two steps, in seconds (the first warms up)."""
+    b = cfg.batch_size
+    latents = torch.randn(b, *spec.latent_shape(cfg.height, cfg.width, cfg.frames), device=device).to(dtype)
+    context = torch.zeros(2 * b, cfg.max_sequence_length, spec.transformer_config["text_dim"], device=device,
+                          dtype=dtype)
+    t = torch.full((b,), 999.0, device=device)
+    timestep = model_timestep(t, latents.shape[2:], spec.expand_timesteps, spec.patch_size)
+    took = 0.0
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took = time.perf_counter() - t0
+    return took

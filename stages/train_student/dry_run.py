@@ -1,0 +1,100 @@
+"""`train-student --dry-run`: what a run costs, from steps measured on this machine, before it runs.
+
+run.py sets everything up as for a real run (the caches checked by size, the epoch plan, the student built, wrapped
+by the strategy, with its optimizer) and hands it here instead of training. Two optimizer steps run on real batches
+from the cache through the Trainer's own `step`: the first warms up (kernels, the allocator, the loader's workers),
+the second is timed. Then the report: parameters, training-state bytes by the arithmetic of docs/multi-gpu.md,
+the measured peak memory per GPU, samples/s, and the run's projected time. Nothing is written to --out: the
+Trainer's metrics file goes to a temporary folder, and no checkpoint, student or lock is made.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache import format as F
+from cache.size import human
+from pipeline.runtime import DistEnv, print0
+
+from .data import make_loader
+from .epoch import RankBatches
+from .loop import TrainState, Trainer, lr_at, make_ema, peak_memory_gib
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainStudentConfig
+
+    from .run import _Setup
+
+TRAINING_BYTES, EMA_BYTES = 16, 4  # per parameter: fp32 weights, gradients, AdamW's two moments; an EMA copy
+
+
+def measure(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, model, heads, optimizer, scaler, wrapped) -> dict:
+    """Time one optimizer step after a warm-up one, print the report on rank 0 and return it."""
+    ema = make_ema(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    with tempfile.TemporaryDirectory(prefix="wandistiller-dry-run-") as tmp:
+        trainer = Trainer(cfg=cfg, env=env, device=s.device, model=model, ddp=wrapped, data=s.data, plan=s.plan,
+                          optimizer=optimizer, scaler=scaler, ema=ema, state=TrainState(), total=s.total,
+                          out=Path(tmp), mixed_dtype=s.mixed,
+                          expand_timesteps=bool(s.manifest.get(F.F_EXPAND_TIMESTEPS)),
+                          patch=tuple(s.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra=s.identity,
+                          objective=s.objective, heads=heads, strategy=s.strategy)
+        sampler = RankBatches(s.plan, s.data.train_rows, cfg.seed, 0, env.rank, 0)
+        it = iter(make_loader(trainer.dataset, sampler, cfg.num_workers, s.device.type == "cuda"))
+        timed = min(2, s.plan.steps)  # a warm-up step, then the one timed (an epoch of one step: that one)
+        for step in range(timed):
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step, s.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+            t0 = time.perf_counter()
+            trainer.data_wait_s = 0.0
+            _, _, count, _ = trainer.step(it, step)
+            if s.device.type == "cuda":
+                torch.cuda.synchronize(s.device)
+            took = time.perf_counter() - t0
+        wait = trainer.data_wait_s
+        del it
+        trainer.close_logs()
+    params = sum(p.numel() for p in model.parameters())
+    report = _report(cfg, env, s, params, count, took, wait, timed)
+    for line in _lines(report):
+        print0(line)
+    return report
+
+
+def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: int, count: int, took: float, wait: float,
+            timed: int) -> dict:
+    shards = env.world_size if cfg.strategy == "fsdp" else 1  # fsdp shards the training state over the ranks
+    state = params * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) / shards
+    rate = count / took
+    return {"dry_run": True, "params": params, "strategy": cfg.strategy, "ema": cfg.ema_decay > 0, "world_size": env.world_size,
+            "device": s.device.type, "training_state_bytes_per_gpu": int(state),
+            "peak_memory_gib": round(peak_memory_gib(s.device), 3),
+            "peak_memory_kind": "CUDA allocated" if s.device.type == "cuda" else "peak RSS of the process",
+            "global_batch": s.plan.global_batch * cfg.grad_accum, "step_s": round(took, 4), "warmed_up": timed > 1,
+            "samples_per_s": round(rate, 3), "samples_per_s_per_rank": round(rate / env.world_size, 3),
+            "data_wait_frac": round(wait / took, 3), "train_samples": len(s.data.train_rows),
+            "steps_per_epoch": s.plan.steps, "total_steps": s.total, "projected_h": round(s.total * took / 3600, 3)}
+
+
+def _lines(r: dict) -> list[str]:
+    ema = " + an EMA copy" if r["ema"] else ""
+    per = f" ({r['samples_per_s_per_rank']:.1f} per rank of {r['world_size']})" if r["world_size"] > 1 else ""
+    return [
+        "train-student --dry-run: nothing trained, nothing written to --out",
+        f"student     {r['params']:,} parameters; training state {human(r['training_state_bytes_per_gpu'])} per GPU "
+        f"({r['strategy']}: float32 weights, gradients and AdamW moments{ema}), activations on top",
+        f"measured    a step of {r['global_batch']} samples in {r['step_s']:.3g} s"
+        + (" after a warm-up step" if r["warmed_up"] else " (no warm-up: the epoch has one step)")
+        + f" on {r['device']}: {r['samples_per_s']:.1f} samples/s{per}; peak memory {r['peak_memory_gib']:.2f} GiB "
+        f"({r['peak_memory_kind']}); {100 * r['data_wait_frac']:.0f}% of the step waiting for data",
+        f"run         {r['train_samples']:,} training samples, {r['steps_per_epoch']:,} steps an epoch, "
+        f"{r['total_steps']:,} steps: {_hours(r['projected_h'])} at this rate",
+    ]
+
+
+def _hours(h: float) -> str:
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min"
