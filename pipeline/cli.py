@@ -6,9 +6,11 @@ stage, torch or diffusers at load: a command imports its stage once its config s
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -58,13 +60,46 @@ def common_options(fn):
                   show_default=True, help="Verbosity of WanDistiller's own log.")
     @functools.wraps(fn)
     def wrapper(*args, log_level, **kwargs):
-        logging.basicConfig(level=log_level.upper(), format="%(message)s")
+        # Our own modules at the chosen level; every library's INFO chatter (an HTTP client's request lines) stays out.
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        for package in ("pipeline", "stages", "cache"):
+            logging.getLogger(package).setLevel(log_level.upper())
         return fn(*args, **kwargs)  # which calls _start() once its config says where it runs
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def _lowercase_error(e: click.ClickException) -> click.ClickException:
+    """Have click's own refusals (a usage error, an unknown option) end in `error: ...` like every other message of
+    ours, instead of click's `Error: ...`: the usage and hint lines stay, the last line changes case."""
+    show = e.show
+
+    def shown(file=None):
+        buf = io.StringIO()
+        show(file=buf)
+        click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
+
+    e.show = shown
+    return e
+
+
+class _Group(click.Group):
+    """The `wandistiller` group: every click error raised while it parses or runs a subcommand says `error:`."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as e:
+            raise _lowercase_error(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            raise _lowercase_error(e) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="wandistiller")
 def main():
     """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
@@ -118,10 +153,10 @@ def teacher_cache_cmd(config_file, **flags):
     from .legacy_flags import config_from_flags
 
     cfg = config_from_flags(config_file, flags)
-    _start(cfg.cpu_only)
+    _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import teacher_cache
 
-    teacher_cache.run(cfg)
+    (teacher_cache.dry_run if cfg.dry_run else teacher_cache.run)(cfg)
 
 
 @main.command("sample")
@@ -199,10 +234,10 @@ def train_student_cmd(config_file, **flags):
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
     """
     cfg = load_config(TrainStudentConfig, config_file, flags)
-    _start(cfg.cpu_only)
+    _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import train_student
 
-    train_student.run(cfg)
+    (train_student.dry_run if cfg.dry_run else train_student.run)(cfg)
 
 
 @main.command("plan")

@@ -26,8 +26,8 @@ from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, PlacementSettings, stage_one_trackers,
 )
 from .settings import (
-    at_least, check_settings, in_range, int_list, merged, non_empty, one_of, positive, refuse_foreign, setting,
-    settings_of, str_tuple,
+    at_least, check_settings, declared, in_range, int_list, merged, name_of, non_empty, one_of, positive,
+    refuse_foreign, required, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -68,6 +68,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
             values[key] = v
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
+    _refuse_missing(cls, values, toml_path)
     where = f" (config file {toml_path})" if toml_path else ""
     problem = type_problem(cls, values)
     if problem is not None:
@@ -85,6 +86,22 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     if problem is not None:
         raise UserError(problem)
     return cfg
+
+
+def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
+    """A required setting given neither as a flag nor in the config file: one line naming each flag (the dataclass's
+    own TypeError speaks of keyword arguments)."""
+    missing = [f for f in declared(cls) if required(f) and values.get(f.name) is None]
+    if not missing:
+        return
+    flags = [f"--{name_of(f)}" for f in missing]
+    if len(missing) == 1:
+        what = f"{flags[0]} is required ({missing[0].metadata['help'].split(';')[0].rstrip('.')})"
+    else:
+        what = f"{', '.join(flags[:-1])} and {flags[-1]} are required"
+    keys = ", ".join(f.name for f in missing)
+    where = f"the config file {toml_path}" if toml_path else "a --config TOML file"
+    raise UserError(f"{what}; give {'it' if len(missing) == 1 else 'them'} on the command line or as {keys} in {where}")
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
@@ -171,6 +188,8 @@ class TeacherCacheConfig(PlacementSettings):
     keep_steps: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Steps --record-steps always records besides 0, e.g. the boundaries a "
                                    "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
+    dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
+                                        "would do and exit: no weight loaded, nothing written.")
 
     @property
     def cpu_only(self) -> bool:
@@ -310,6 +329,9 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
                                    check=at_least(1))
     val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
                                            "log a teacher|student image grid.")
+    dry_run: bool = setting(False, help="Check the settings, student config, caches (manifests, not every byte) and "
+                                        "--out, print the run's shape (ranks, global batch, steps, what the check "
+                                        "before step 1 reads) and exit: no process group, nothing trained or written.")
 
     @property
     def objective_settings(self):

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save as st_save
-from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_bytes, fsync_paths
@@ -32,6 +31,7 @@ from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
+from pipeline.progress import progress_bar
 from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
@@ -347,7 +347,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
                               patch=job.spec.patch_size, features=_feature_recorder(job),
                               record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
     recorded = len(job.recorded)
-    bar = tqdm(total=sum(len(blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
+    bar = progress_bar(total=sum(len(blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
                unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
     progress = StageOneProgress(bar, part=job.part, steps=recorded, seeds=cfg.seeds_per_prompt,
                                 cache_samples=len(job.prompts) * cfg.seeds_per_prompt * recorded, shards=prog.shards,

@@ -31,6 +31,7 @@ from pipeline import signals
 from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
+from pipeline.progress import progress_bar
 from pipeline.runtime import DistEnv, barrier
 from pipeline.wan_inputs import model_timestep
 
@@ -332,7 +333,7 @@ class Trainer:
         if st.step == 0:
             self.log_eval()
             self.validate()
-        bar = tqdm(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
+        bar = progress_bar(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
                    disable=not env.is_main)
         t_start = time.time() - st.wall_s
         rate = None
