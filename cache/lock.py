@@ -28,6 +28,7 @@ from .errors import CacheError
 
 LOCKS_DIR = "locks"  # stage one: one lock file per part in here
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
+PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a `holder` probe before it refuses
 
 
 def part_lock_path(cache_dir: str | os.PathLike, part: int) -> Path:
@@ -58,12 +59,8 @@ def acquire(path: str | os.PathLike, what: str) -> None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise CacheError(f"cannot write to {path.parent} ({e.strerror}); choose a writable --out") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        if not _lock_exclusive(fd):
             os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
             raise CacheError(f"{what} is being written by another process ({_describe_holder(path)}; lock {path}); "
                             "wait for it to finish, or use another --out") from None
         try:
@@ -74,10 +71,48 @@ def acquire(path: str | os.PathLike, what: str) -> None:
             break
         os.close(fd)  # the holder released and removed it between our open and our lock: try again
     record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "started": time.time(),  # (for `cache info`'s rate: what this holder wrote since it started)
               "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _HELD[path] = _Held(fd, made_dir)
+
+
+def _lock_exclusive(fd: int) -> bool:
+    """Take the exclusive flock on `fd`, or False when another process holds it. A refusal is retried for a moment:
+    `holder` (cache info's probe) holds a shared lock for microseconds, which must not pass for a writer."""
+    for attempt in range(PROBE_RETRIES + 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+        if attempt < PROBE_RETRIES:
+            time.sleep(0.05)
+    return False
+
+
+def holder(path: str | os.PathLike) -> dict | None:
+    """The record of the live process holding the lock `path` (pid, host, since, command; {} if not written yet),
+    or None when no process holds it: a lock file a killed writer left behind is not a live run. Probed with a
+    shared flock taken and dropped at once (which sees holders on other NFS clients too), never by the file's
+    existence or a pid, which say nothing across hosts."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            return _record(Path(path))
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def release(path: str | os.PathLike) -> None:
@@ -96,11 +131,16 @@ def release(path: str | os.PathLike) -> None:
             pass
 
 
-def _describe_holder(path: Path) -> str:
+def _record(path: Path) -> dict:
     try:
         rec = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         rec = {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _describe_holder(path: Path) -> str:
+    rec = _record(path)
     if not rec:
         return "its record is not written yet"
     who = f"pid {rec.get('pid')} on {rec.get('host')} since {rec.get('since')}"

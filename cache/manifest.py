@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -26,7 +27,7 @@ from .format import (
     F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
     FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES, T_FEATURES, part_dirname,
 )
-from .progress import PartProgress, check_version
+from .progress import FINISHED, PartProgress, check_version, parts_status, to_finish, unfinished_problem
 from .schema import declared_fields, recorded_steps, sample_bytes, sample_fields
 from .size import measured_inputs, project
 
@@ -221,8 +222,7 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         if not (cache_dir / PARTS_DIR).is_dir():
             raise CacheError(f"{cache_dir} has no {MANIFEST} and no {PARTS_DIR}/: it is not a cache; pass the "
                              "CACHE_DIR that `wandistiller teacher-cache --out` wrote")
-        raise CacheError(f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
-                         "(rerun the same `wandistiller teacher-cache` command to complete it)")
+        raise CacheError(unfinished_problem(cache_dir))
     try:
         m = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -240,6 +240,20 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         if problem:  # a reader must never open a file outside the cache because the manifest says so
             raise CacheError(f"{path}: {problem}; {REWRITE}")
     return m
+
+
+def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
+    """What `cache info` prints of a cache stage one is still writing (or stopped writing): each part's prompts
+    done, shards, samples and bytes, who writes it and its ETA when a live process does; None when the cache is
+    finished (or is no cache: `summarize` says which)."""
+    cache_dir = Path(cache_dir)
+    if manifest_path(cache_dir).exists() or not (cache_dir / PARTS_DIR).is_dir():
+        return None
+    num_parts, statuses = parts_status(cache_dir)
+    return {"cache": str(cache_dir), "finished": False, F_NUM_PARTS: num_parts,
+            "parts_finished": sum(s.state == FINISHED for s in statuses),
+            F_SAMPLES: sum(s.samples for s in statuses), F_BYTES: sum(s.bytes for s in statuses),
+            "parts": [asdict(s) for s in statuses], "to_finish": to_finish(num_parts, statuses)}
 
 
 def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:

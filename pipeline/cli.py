@@ -302,13 +302,18 @@ def cache_group():
 @user_errors("cache")
 def cache_info_cmd(cache_dir, prompts, as_json):
     """Summarise a finished cache: samples, shards, prompts, steps, latent shape, bytes, fingerprint, and the
-    bytes on disk per sample, per prompt and projected for --prompts N.
+    bytes on disk per sample, per prompt and projected for --prompts N. Of a cache stage one has not finished: each
+    part's prompts done, shards and samples, who writes it and its ETA, and how to finish it.
 
     Example: wandistiller cache info runs/cache --prompts 100000
     """
     _start(cpu_only=True)
-    from cache.manifest import summarize
+    from cache.manifest import summarize, summarize_unfinished
 
+    unfinished = summarize_unfinished(cache_dir)
+    if unfinished is not None:
+        _echo_unfinished(unfinished, as_json)
+        return
     info = summarize(cache_dir, prompts)
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -321,12 +326,27 @@ def cache_info_cmd(cache_dir, prompts, as_json):
         click.echo(f"{k:>18}: {v}")
 
 
+def _echo_unfinished(info: dict, as_json: bool) -> None:
+    """`cache info` of a cache stage one has not finished: a line per part, then how to finish it."""
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    from cache.progress import PartStatus, describe
+    from cache.size import human
+
+    click.echo(f"{info['cache']}: unfinished, {info['parts_finished']} of {info['num_parts']} part(s) finished, "
+               f"{info['samples']} samples ({human(info['bytes'])}) so far")
+    for part in info["parts"]:
+        click.echo("  " + describe(PartStatus(**part), sizes=True))
+    click.echo(f"to finish: {info['to_finish']}")
+
+
 @cache_group.command("verify")
 @click.argument("cache_dir", type=click.Path())
 @user_errors("cache")
 def cache_verify_cmd(cache_dir):
     """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
-    cache, or one whose stage one has not finished).
+    cache, or one whose stage one has not finished: the line names its unfinished parts).
 
     Example: wandistiller cache verify runs/cache
     """
