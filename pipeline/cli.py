@@ -183,13 +183,15 @@ def sample_cmd(config_file, **flags):
 @common_options
 @user_errors("sample")
 def export_cmd(config_file, **flags):
-    """Write a diffusers pipeline folder with the student as its one transformer.
+    """Write a diffusers pipeline folder with the student as its one transformer, ready for the Hub.
 
-    `DiffusionPipeline.from_pretrained(OUT)` loads it; its README and model_index.json say which guidance to use.
+    `DiffusionPipeline.from_pretrained(OUT)` loads it; its README (a model card with the Hub's metadata) and
+    model_index.json say which guidance to use. --push-to-hub uploads it.
 
     \b
     Example:
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
+      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student
     """
     cfg = load_config(ExportConfig, config_file, flags)
     _start(cfg.cpu_only)

@@ -448,14 +448,26 @@ class ExportConfig:
     teacher: str | None = setting(None, help="Wan pipeline folder or hub id.",
                                   default_text="the teacher named in distill.json")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
-    copy: bool = setting(False, flag="copy/symlink", help="Copy the teacher's text encoder, tokenizer, VAE and "
-                                                          "scheduler, or symlink them.")
+    copy: bool = setting(True, flag="copy/link", help="Copy the teacher's text encoder, tokenizer, VAE and scheduler "
+                                                      "into the folder (self-contained: what the Hub needs), or "
+                                                      "symlink them (no second copy on disk; works on this machine "
+                                                      "only).")
     overwrite: bool = setting(False, help="Replace an earlier export at --out (never any other folder).")
+    base_model: str | None = setting(None, help="The teacher's Hub id, for the model card's base_model.",
+                                     default_text="--teacher when it is a Hub id or a Hub cache snapshot")
+    push_to_hub: str | None = setting(None, help="Then upload the folder to this Hub model repo (created if missing), "
+                                                 "e.g. you/wan-student; needs `hf auth login` or HF_TOKEN.")
+    private: bool = setting(False, help="Create the --push-to-hub repo private.")
 
     cpu_only = True  # export copies weights and writes files: never a GPU
 
     def __post_init__(self):
         check_settings(self)
+        if self.push_to_hub and not self.copy:
+            raise ValueError("push-to-hub uploads files, and --link leaves links to the teacher's files in their "
+                             "place; drop --link")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private applies to the repo --push-to-hub creates: give --push-to-hub REPO_ID too")
 
 
 @dataclass(frozen=True, kw_only=True)
