@@ -67,7 +67,8 @@ ifeq ($(STUDENT_CONFIG),configs/student-tiny.json)
 TRAIN_ARGS ?= --epochs 3 --batch-size 32 --lr 2e-3 --warmup-steps 10 --holdout-prompts 16 --eval-every 25
 endif
 TRAIN_ARGS ?=
-TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m pipeline.cli,$(BIN)/wandistiller)
+# (--no-python runs the installed command: a pipeline.py in the working folder cannot shadow the CLI)
+TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) --no-python $(BIN)/wandistiller,$(BIN)/wandistiller)
 
 train-student: $(STAMP)
 	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)

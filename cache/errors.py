@@ -7,3 +7,12 @@ class CacheError(ValueError):
 
 class FormatVersionError(CacheError):
     """A cache written in another `format.FORMAT_VERSION`: refused whole, never read in part."""
+
+
+class UnfinishedCacheError(CacheError):
+    """A cache stage one has not finished (parts, no manifest). The CLI's line names each unfinished part and the
+    command that finishes it (pipeline/cache_status.py, from the parts' progress and `progress.live_writers`)."""
+
+    def __init__(self, cache_dir, message: str):
+        super().__init__(message)
+        self.cache_dir = cache_dir

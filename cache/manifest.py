@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from .atomic import atomic_write_bytes, atomic_write_json
-from .errors import CacheError
+from .errors import CacheError, UnfinishedCacheError
 from .format import (
     F_BYTES, F_CREATED, F_DTYPE, F_FINGERPRINT, F_FORMAT_VERSION, F_LATENT_SHAPE, F_NEGATIVE_SHA256, F_NUM_PARTS,
     F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
@@ -221,8 +221,8 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         if not (cache_dir / PARTS_DIR).is_dir():
             raise CacheError(f"{cache_dir} has no {MANIFEST} and no {PARTS_DIR}/: it is not a cache; pass the "
                              "CACHE_DIR that `wandistiller teacher-cache --out` wrote")
-        raise CacheError(f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
-                         "(rerun the same `wandistiller teacher-cache` command to complete it)")
+        raise UnfinishedCacheError(cache_dir, f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
+                                   "(rerun the same `wandistiller teacher-cache` command to complete it)")
     try:
         m = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

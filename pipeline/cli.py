@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -61,13 +63,46 @@ def common_options(fn):
                   show_default=True, help="Verbosity of WanDistiller's own log.")
     @functools.wraps(fn)
     def wrapper(*args, log_level, **kwargs):
-        logging.basicConfig(level=log_level.upper(), format="%(message)s")
+        # Our own modules at the chosen level; every library's INFO chatter (an HTTP client's request lines) stays out.
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        for package in ("pipeline", "stages", "cache"):
+            logging.getLogger(package).setLevel(log_level.upper())
         return fn(*args, **kwargs)  # which calls _start() once its config says where it runs
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def _lowercase_error(e: click.ClickException) -> click.ClickException:
+    """Have click's own refusals (a usage error, an unknown option) end in `error: ...` like every other message of
+    ours, instead of click's `Error: ...`: the usage and hint lines stay, the last line changes case."""
+    show = e.show
+
+    def shown(file=None):
+        buf = io.StringIO()
+        show(file=buf)
+        click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
+
+    e.show = shown
+    return e
+
+
+class _Group(click.Group):
+    """The `wandistiller` group: every click error raised while it parses or runs a subcommand says `error:`."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as e:
+            raise _lowercase_error(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            raise _lowercase_error(e) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="wandistiller")
 def main():
     """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
@@ -121,10 +156,10 @@ def teacher_cache_cmd(config_file, **flags):
     from .legacy_flags import config_from_flags
 
     cfg = config_from_flags(config_file, flags)
-    _start(cfg.cpu_only)
+    _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import teacher_cache
 
-    teacher_cache.run(cfg)
+    (teacher_cache.dry_run if cfg.dry_run else teacher_cache.run)(cfg)
 
 
 @main.command("sample")
@@ -151,13 +186,15 @@ def sample_cmd(config_file, **flags):
 @common_options
 @user_errors("sample")
 def export_cmd(config_file, **flags):
-    """Write a diffusers pipeline folder with the student as its one transformer.
+    """Write a diffusers pipeline folder with the student as its one transformer, ready for the Hub.
 
-    `DiffusionPipeline.from_pretrained(OUT)` loads it; its README and model_index.json say which guidance to use.
+    `DiffusionPipeline.from_pretrained(OUT)` loads it; its README (a model card with the Hub's metadata) and
+    model_index.json say which guidance to use. --push-to-hub uploads it.
 
     \b
     Example:
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
+      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student
     """
     cfg = load_config(ExportConfig, config_file, flags)
     _start(cfg.cpu_only)
@@ -202,7 +239,7 @@ def train_student_cmd(config_file, **flags):
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
     """
     cfg = load_config(TrainStudentConfig, config_file, flags)
-    _start(cfg.cpu_only)
+    _start(cfg.cpu_only)  # (a dry run too: it measures steps on the device it names, stages/train_student/dry_run.py)
     from stages import train_student
 
     train_student.run(cfg)
@@ -269,13 +306,20 @@ def cache_group():
 @user_errors("cache")
 def cache_info_cmd(cache_dir, prompts, as_json):
     """Summarise a finished cache: samples, shards, prompts, steps, latent shape, bytes, fingerprint, and the
-    bytes on disk per sample, per prompt and projected for --prompts N.
+    bytes on disk per sample, per prompt and projected for --prompts N. Of a cache stage one has not finished: each
+    part's prompts done, shards and samples, who writes it and its ETA, and how to finish it.
 
     Example: wandistiller cache info runs/cache --prompts 100000
     """
     _start(cpu_only=True)
     from cache.manifest import summarize
 
+    from .cache_status import lines, summarize_unfinished
+
+    unfinished = summarize_unfinished(cache_dir)
+    if unfinished is not None:
+        click.echo(json.dumps(unfinished, indent=2) if as_json else "\n".join(lines(unfinished)))
+        return
     info = summarize(cache_dir, prompts)
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -293,7 +337,7 @@ def cache_info_cmd(cache_dir, prompts, as_json):
 @user_errors("cache")
 def cache_verify_cmd(cache_dir):
     """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
-    cache, or one whose stage one has not finished).
+    cache, or one whose stage one has not finished: the line names its unfinished parts).
 
     Example: wandistiller cache verify runs/cache
     """

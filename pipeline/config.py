@@ -26,8 +26,8 @@ from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, PlacementSettings, stage_one_trackers,
 )
 from .settings import (
-    at_least, check_settings, in_range, int_list, merged, non_empty, one_of, positive, refuse_foreign, setting,
-    settings_of, str_tuple,
+    at_least, check_settings, declared, in_range, int_list, merged, name_of, non_empty, one_of, positive,
+    refuse_foreign, required, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -68,6 +68,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
             values[key] = v
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
+    _refuse_missing(cls, values, toml_path)
     where = f" (config file {toml_path})" if toml_path else ""
     problem = type_problem(cls, values)
     if problem is not None:
@@ -85,6 +86,22 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     if problem is not None:
         raise UserError(problem)
     return cfg
+
+
+def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
+    """A required setting given neither as a flag nor in the config file: one line naming each flag (the dataclass's
+    own TypeError speaks of keyword arguments)."""
+    missing = [f for f in declared(cls) if required(f) and values.get(f.name) is None]
+    if not missing:
+        return
+    flags = [f"--{name_of(f)}" for f in missing]
+    if len(missing) == 1:
+        what = f"{flags[0]} is required ({missing[0].metadata['help'].split(';')[0].rstrip('.')})"
+    else:
+        what = f"{', '.join(flags[:-1])} and {flags[-1]} are required"
+    keys = ", ".join(f.name for f in missing)
+    where = f"the config file {toml_path}" if toml_path else "a --config TOML file"
+    raise UserError(f"{what}; give {'it' if len(missing) == 1 else 'them'} on the command line or as {keys} in {where}")
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
@@ -178,6 +195,8 @@ class TeacherCacheConfig(PlacementSettings):
     keep_steps: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Steps --record-steps always records besides 0, e.g. the boundaries a "
                                    "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
+    dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
+                                        "would do and exit: no weight loaded, nothing written.")
 
     @property
     def cpu_only(self) -> bool:
@@ -441,14 +460,26 @@ class ExportConfig:
                                   default_text="the teacher named in distill.json")
     revision: str | None = _revision(default_text="distill.json's, for its teacher")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
-    copy: bool = setting(False, flag="copy/symlink", help="Copy the teacher's text encoder, tokenizer, VAE and "
-                                                          "scheduler, or symlink them.")
+    copy: bool = setting(True, flag="copy/link", help="Copy the teacher's text encoder, tokenizer, VAE and scheduler "
+                                                      "into the folder (self-contained: what the Hub needs), or "
+                                                      "symlink them (no second copy on disk; works on this machine "
+                                                      "only).")
     overwrite: bool = setting(False, help="Replace an earlier export at --out (never any other folder).")
+    base_model: str | None = setting(None, help="The teacher's Hub id, for the model card's base_model.",
+                                     default_text="--teacher when it is a Hub id or a Hub cache snapshot")
+    push_to_hub: str | None = setting(None, help="Then upload the folder to this Hub model repo (created if missing), "
+                                                 "e.g. you/wan-student; needs `hf auth login` or HF_TOKEN.")
+    private: bool = setting(False, help="Create the --push-to-hub repo private.")
 
     cpu_only = True  # export copies weights and writes files: never a GPU
 
     def __post_init__(self):
         check_settings(self)
+        if self.push_to_hub and not self.copy:
+            raise ValueError("push-to-hub uploads files, and --link leaves links to the teacher's files in their "
+                             "place; drop --link")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private applies to the repo --push-to-hub creates: give --push-to-hub REPO_ID too")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cache.errors import CacheError
+from cache.errors import CacheError, UnfinishedCacheError
 
 if TYPE_CHECKING:
     from .runtime import DistEnv
@@ -139,6 +139,13 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     torch = _torch()
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         return EXIT_OOM, _oom_message(stage, exc)
+    if isinstance(exc, UnfinishedCacheError):  # each unfinished part in words, and what finishes them
+        from .cache_status import unfinished_problem
+
+        try:
+            return EXIT_USAGE, unfinished_problem(exc.cache_dir)
+        except CacheError as e:  # a part's progress record that cannot be read: that is the problem to name
+            return EXIT_USAGE, str(e)
     if isinstance(exc, (UserError, CacheError)):
         return EXIT_USAGE, str(exc)
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:

@@ -29,6 +29,7 @@ from cache.format import LOCKS_DIR
 from .errors import UserError
 
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
+PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (cache.progress.live_writer)
 
 
 def part_lock_path(cache_dir: str | os.PathLike, part: int) -> Path:
@@ -59,12 +60,8 @@ def acquire(path: str | os.PathLike, what: str) -> None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise UserError(f"cannot write to {path.parent} ({e.strerror}); choose a writable --out") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        if not _lock_exclusive(fd):
             os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
             raise UserError(f"{what} is being written by another process ({_describe_holder(path)}; lock {path}); "
                             "wait for it to finish, or use another --out") from None
         try:
@@ -75,10 +72,27 @@ def acquire(path: str | os.PathLike, what: str) -> None:
             break
         os.close(fd)  # the holder released and removed it between our open and our lock: try again
     record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "started": time.time(),  # (for `cache info`'s rate: what this holder wrote since it started)
               "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _HELD[path] = _Held(fd, made_dir)
+
+
+def _lock_exclusive(fd: int) -> bool:
+    """Take the exclusive flock on `fd`, or False when another process holds it. A refusal is retried for a moment:
+    `cache.progress.live_writer` (the probe of `cache info` and of every reader's refusal) holds a shared lock for
+    microseconds, which must not pass for a writer."""
+    for attempt in range(PROBE_RETRIES + 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+        if attempt < PROBE_RETRIES:
+            time.sleep(0.05)
+    return False
 
 
 def release(path: str | os.PathLike) -> None:
@@ -97,11 +111,16 @@ def release(path: str | os.PathLike) -> None:
             pass
 
 
-def _describe_holder(path: Path) -> str:
+def _record(path: Path) -> dict:
     try:
         rec = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         rec = {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _describe_holder(path: Path) -> str:
+    rec = _record(path)
     if not rec:
         return "its record is not written yet"
     who = f"pid {rec.get('pid')} on {rec.get('host')} since {rec.get('since')}"

@@ -14,7 +14,7 @@ import typing
 
 import click
 
-from .settings import OWNER, declared, hints, name_of, one_of
+from .settings import OWNER, declared, hints, name_of, one_of, required
 
 
 def _default_text(f: dataclasses.Field) -> str | None:
@@ -31,8 +31,11 @@ def _default_text(f: dataclasses.Field) -> str | None:
 
 
 def help_of(f: dataclasses.Field) -> str:
-    """The field's help with its default appended, as `--help` shows it."""
+    """The field's help with its default appended, as `--help` shows it; `[required]` for a setting without one
+    (not click's `required=True`: the value may come from the --config file instead)."""
     text, default = f.metadata["help"], _default_text(f)
+    if required(f):
+        return f"{text}  [required]"
     return f"{text}  [default: {default}]" if default is not None else text
 
 

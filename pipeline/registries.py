@@ -166,7 +166,7 @@ STRATEGIES.declare("fsdp", "weights, gradients, AdamW state and EMA sharded over
 
 TRACKERS = Registry("tracker")
 TRACKERS.declare("tensorboard", "TensorBoard event files")
-TRACKERS.declare("wandb", "Weights & Biases: pip install \"wandistiller[wandb]\"; WANDB_MODE=offline works offline",
+TRACKERS.declare("wandb", "Weights & Biases: pip install wandb; WANDB_MODE=offline works offline",
                  stage_one=False)
 TRACKERS.declare("none", "metrics.jsonl alone")
 

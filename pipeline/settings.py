@@ -47,6 +47,11 @@ def name_of(f: dataclasses.Field) -> str:
     return (f.metadata.get("flag") or f.name.replace("_", "-")).split("/")[0]
 
 
+def required(f: dataclasses.Field) -> bool:
+    """A setting without a default: the command refuses to run without it (from a flag or the --config file)."""
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
 def declared(cls) -> list[dataclasses.Field]:
     """The fields of `cls` declared with `setting`."""
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]

@@ -116,3 +116,15 @@ def test_a_quick_run_never_writes_over_the_measured_figures():
     assert cli_results_path(["--quick"]) == auto.with_name(auto.stem + "-quick.json")
     assert cli_results_path(["--device", "cpu", "--quick"]) == RESULTS.with_name("results-quick.json")
     assert results_path(torch.device("cuda"), quick=True) == RESULTS_CUDA.with_name("results-cuda-quick.json")
+
+
+def test_verify_cost_times_both_checks(tmp_path, capsys):
+    """bench/verify_cost.py at a few prompts: it writes the cache, times stage two's check before step 1 both
+    ways (cold and warm) and leaves nothing behind."""
+    from bench import verify_cost
+
+    verify_cost.main(["--prompts", "5", "--steps", "2", "--work", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["--verify checksum cold", "--verify size     cold",
+                                                       "--verify checksum warm", "--verify checksum cold"]
+    assert all(" s/GiB, " in line for line in lines) and list(tmp_path.iterdir()) == []

@@ -25,7 +25,7 @@ def _commands(prefix: str) -> list[list[str]]:
         for line in joined.splitlines():
             line = line.split(" #")[0].strip()
             words = shlex.split(line) if line else []
-            # torchrun ... -m pipeline.cli <subcommand> ... (or --no-python wandistiller ...) runs the same CLI
+            # torchrun ... --no-python wandistiller <subcommand> ... (or -m pipeline.cli) runs the same CLI
             if "pipeline.cli" in words:
                 words = ["wandistiller"] + words[words.index("pipeline.cli") + 1:]
             elif words[:1] == ["torchrun"] and "wandistiller" in words:
@@ -46,6 +46,12 @@ def _parse(group: click.Group, args: list[str]) -> None:
 
 WANDISTILLER = _commands("wandistiller")
 MAKE = _commands("make")
+
+
+def test_readme_shows_torchrun_in_the_form_a_local_pipeline_py_cannot_break():
+    text = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    lines = [line for line in re.sub(r"\\\n\s*", " ", text).splitlines() if line.lstrip().startswith("torchrun --")]
+    assert lines and all(re.search(r" --no-python \S*wandistiller ", line) for line in lines), lines
 
 
 def test_readme_shows_commands():

@@ -161,11 +161,12 @@ def test_missing_wandb_is_refused_naming_the_extra(tiny_cache, tmp_path, monkeyp
                                   str(Path(__file__).parents[1] / "configs" / "student-tiny.json"), "--out",
                                   str(tmp_path / "run"), "--report-to", "wandb"])
     assert r.exit_code == 2
-    assert 'pip install "wandistiller[wandb]"' in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert 'pip install wandb (or the wandb extra, from the WanDistiller checkout: pip install -e ".[wandb]")' \
+        in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                    reason='the wandb extra is not installed (pip install "wandistiller[wandb]")')
+                    reason='the wandb extra is not installed (pip install -e ".[wandb]")')
 def test_wandb_offline_writes_a_run_folder_and_resume_keeps_its_id(tiny_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -133,8 +133,8 @@ def compare(teacher, students, captions: list[str], settings, device, batch_size
     student's share of the teacher's accuracy per attribute under "vs_teacher", and the first `keep` rows of
     images (uint8; teacher first) under "images"."""
     import torch
-    from tqdm.auto import tqdm
 
+    from pipeline.progress import progress_bar
     from pipeline.sampling import decode_latents
 
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
@@ -143,7 +143,7 @@ def compare(teacher, students, captions: list[str], settings, device, batch_size
     if settings.guidance_2 is not None:
         teacher_kw["guidance_scale_2"] = settings.guidance_2
     images = {"teacher": [], **{name: [] for name in students}}
-    bar = tqdm(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
+    bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]
         latents = caption_noise(teacher, settings.seed, s, len(caps), settings.height, settings.width)

@@ -34,6 +34,7 @@ from cache.prompt_store import EmbeddingCache
 from cache.schema import recorded_steps
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
+from pipeline.progress import progress_bar
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.wan_inputs import model_timestep
 
@@ -89,7 +90,7 @@ def velocity_errors(models: dict, cache_dir: Path, manifest: dict, trajs, target
     seeds = {(t.prompt_idx, t.seed_idx) for t in trajs}
     sums = {name: [0.0] * steps for name in models}
     counts = [0] * steps
-    bar = tqdm(total=len(trajs) * len(recorded), desc="eval velocity", unit="sample", dynamic_ncols=True)
+    bar = progress_bar(total=len(trajs) * len(recorded), desc="eval velocity", unit="sample", dynamic_ncols=True)
 
     def flush(batch):
         x = torch.stack([s[F.T_X_T] for s, _ in batch]).to(device, dtype)
@@ -178,7 +179,7 @@ def final_latent_errors(entries: list[Entry], cache_dir: Path, manifest: dict, t
     one, per trajectory and mean. Latents are read a batch at a time."""
     embeds = EmbeddingCache(cache_dir, int(manifest[F.F_NUM_PARTS]))
     errs = {e.label: [] for e in entries}
-    bar = tqdm(total=len(trajs) * len(entries), desc="eval sampling", unit="traj", dynamic_ncols=True)
+    bar = progress_bar(total=len(trajs) * len(entries), desc="eval sampling", unit="traj", dynamic_ncols=True)
     for i in range(0, len(trajs), batch_size):
         chunk = trajs[i:i + batch_size]
         init, final = trajectories.latents(cache_dir, manifest, chunk)
@@ -278,7 +279,7 @@ def time_sampling(entries: list[Entry], teacher_pipe, cache_dir: Path, manifest:
     teacher_err = []
     n = min(runs, len(trajs))
     init, final = trajectories.latents(cache_dir, manifest, trajs[:n])
-    for j in tqdm(range(-1, n), desc="eval timing", unit="traj", dynamic_ncols=True):
+    for j in progress_bar(range(-1, n), desc="eval timing", unit="traj", dynamic_ncols=True):
         t = trajs[max(j, 0)]
         emb = embeds.get(t.prompt_idx)[None].to(device)
         lat = init[max(j, 0)][None].to(device)

@@ -6,12 +6,17 @@
       transformer/       the student's weights, always copied (a later train-student run into the same OUT
                          must not change an exported pipeline under its user's feet)
       text_encoder/ tokenizer/ vae/ scheduler/
-                         the teacher's, symlinked (absolute paths) by default, copied with --copy; a few-step
-                         student's scheduler/ is its own (pipeline/sampling.py: Euler on the teacher's sigmas),
-                         so num_inference_steps=K reproduces the schedule it was trained on
-      distill.json       the student's, when it has one
-      README.md          the model card: recommended steps, guidance, resolution and text length, with a
-                         copy-paste call
+                         the teacher's, copied by default (a self-contained folder, what the Hub needs), symlinked
+                         to the teacher's absolute paths with --link; a few-step student's scheduler/ is its own
+                         (pipeline/sampling.py: Euler on the teacher's sigmas), so num_inference_steps=K
+                         reproduces the schedule it was trained on
+      distill.json       the student's, when it has one, without local paths (caches by fingerprint)
+      README.md          the model card: YAML metadata for the Hub (license from the teacher's card, base_model =
+                         the teacher's Hub id, pipeline_tag, library_name, tags; stages/sample/hub.py), then the
+                         recommended steps, guidance, resolution and text length, with a copy-paste call; no
+                         local path anywhere
+
+`--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub.push`).
 
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
 The folder is built under a temporary name, fsynced and renamed into place when complete (an earlier export it
@@ -20,6 +25,7 @@ replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,12 +34,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from cache.atomic import publish_dir
-from pipeline.artifact import DISTILL
+from pipeline.artifact import DISTILL, DistillRecord
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
+from pipeline.progress import progress_bar
 from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
+from . import hub
 from .models import (
     BORROWED, Student, check_compatible, find_student, named_teacher, teacher_dir, teacher_transformer_config,
 )
@@ -62,8 +70,9 @@ def _sampling_hints(student: Student, vae_spatial: int) -> dict:
     return hints
 
 
-def _readme(out: Path, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
-    """The model card: how to call the pipeline (steps, guidance, resolution, text length), copy-paste ready."""
+def _readme(name: str, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
+    """The model card's body: how to call the pipeline `name` (its Hub id, or the folder's name: never a local path)
+    with its steps, guidance, resolution and text length, copy-paste ready."""
     g = hints["guidance_scale"]
     g_text = (f"guidance_scale={g}" if g is not None else
               "guidance_scale=<the teacher's scale> (distill.json did not record it)")
@@ -96,8 +105,8 @@ def _readme(out: Path, hints: dict, student: Student, teacher: str, own_schedule
         ("max_sequence_length", msl), ("num_frames", 1)))
     return f"""# WanDistiller student pipeline
 
-Student `{student.path}` ({student.weights} weights) in the pipeline of teacher `{teacher}`:
-the student is the only transformer (`transformer_2` and `boundary_ratio` are null).
+A {student.config.get("num_layers", "?")}-block student ({student.weights} weights) distilled with WanDistiller from teacher
+`{teacher}`, in its pipeline: the student is the only transformer (`transformer_2` and `boundary_ratio` are null).
 
 | setting | use |
 |---|---|
@@ -113,7 +122,7 @@ the student is the only transformer (`transformer_2` and `boundary_ratio` are nu
 import torch
 from diffusers import DiffusionPipeline
 
-pipe = DiffusionPipeline.from_pretrained("{out}", torch_dtype=torch.bfloat16).to("cuda")
+pipe = DiffusionPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")
 image = pipe("a lighthouse at night", num_frames=1, {g_text}, {call},
              output_type="pil").frames[0][0]
 ```
@@ -148,9 +157,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
 
 
-def run(cfg: ExportConfig) -> dict:
-    """Write the pipeline folder; returns the summary."""
-    student = find_student(cfg.student, cfg.weights)
+def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
+    """The teacher's name, folder and model_index, checked to hold what the pipeline borrows and to fit the student."""
     teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
@@ -163,6 +171,48 @@ def run(cfg: ExportConfig) -> dict:
     check_compatible(student, in_channels=int(tcfg["in_channels"]), text_dim=int(tcfg["text_dim"]),
                      latent_hw=None, expand_timesteps=index.get("expand_timesteps", False),
                      against=f"teacher {teacher_name}")
+    return teacher_name, tpath, index
+
+
+def _public_record(record: DistillRecord, teacher: str) -> dict:
+    """distill.json as the export carries it: the same record with the teacher named as the card names it and no
+    local path (the caches by fingerprint alone, files by their names)."""
+    name = lambda p: Path(p).name if p else p  # noqa: E731
+    return dataclasses.replace(record, teacher=teacher, teacher_path=None,
+                               caches=[{"fingerprint": c.get("fingerprint")} for c in record.caches],
+                               init_from_teacher=name(record.init_from_teacher),
+                               student_config=name(record.student_config)).to_json()
+
+
+def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: dict, hints: dict,
+          own_scheduler: bool, teacher: str, card: str) -> None:
+    """Write the pipeline folder's content into `tmp`."""
+    shutil.copytree(student.path, tmp / "transformer")
+    for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
+        if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
+            student_scheduler(student.distill).save_pretrained(tmp / comp)
+        else:
+            _place(tpath / comp, tmp / comp, cfg.copy)
+    index.update({
+        "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
+        "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
+        MARK: {**hints, "student_run": student.root.name, "weights": student.weights,
+               "teacher": teacher, "cache_fingerprints": student.fingerprints,
+               "components": "copied" if cfg.copy else "symlinked",
+               "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
+    })
+    (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if student.distill is not None:
+        (tmp / DISTILL).write_text(json.dumps(_public_record(student.distill, teacher), indent=2) + "\n")
+    (tmp / "README.md").write_text(card)
+
+
+def run(cfg: ExportConfig) -> dict:
+    """Write the pipeline folder (and upload it with --push-to-hub); returns the summary."""
+    if cfg.push_to_hub:
+        hub.check_online(cfg.push_to_hub)
+    student = find_student(cfg.student, cfg.weights)
+    teacher_name, tpath, index = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)
 
@@ -170,28 +220,15 @@ def run(cfg: ExportConfig) -> dict:
     vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
     hints = _sampling_hints(student, vae_spatial)
     own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
+    base_model = cfg.base_model or hub.hub_id(teacher_name, tpath)
+    teacher = base_model or Path(teacher_name).name  # what the card calls it: a Hub id, else a name, never a path
+    card = (hub.front_matter(hub.teacher_license(tpath, base_model), base_model, own_scheduler)
+            + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        shutil.copytree(student.path, tmp / "transformer")
-        for comp in tqdm(BORROWED, desc="export", unit="component", dynamic_ncols=True):
-            if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
-                student_scheduler(student.distill).save_pretrained(tmp / comp)
-            else:
-                _place(tpath / comp, tmp / comp, cfg.copy)
-        index.update({
-            "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
-            "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
-            MARK: {**hints, "student": str(student.path.resolve()), "weights": student.weights,
-                   "teacher": teacher_name, "cache_fingerprints": student.fingerprints,
-                   "components": "copied" if cfg.copy else "symlinked",
-                   "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
-        })
-        (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-        if student.distill is not None:
-            (tmp / DISTILL).write_text(json.dumps(student.distill.to_json(), indent=2) + "\n")
-        (tmp / "README.md").write_text(_readme(out.resolve(), hints, student, teacher_name, own_scheduler))
+        _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
         # fsynced, then swapped in: an earlier export at --out stays whole until the new one replaces it
         publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
@@ -202,4 +239,8 @@ def run(cfg: ExportConfig) -> dict:
                f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
                + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
                + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
-    return {"out": str(out), **index[MARK]}
+    summary = {"out": str(out), **index[MARK]}
+    if cfg.push_to_hub:
+        summary["hub"] = hub.push(out, cfg.push_to_hub, cfg.private)
+        tqdm.write(f"pushed to the Hub: {summary['hub']}")
+    return summary

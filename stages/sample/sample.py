@@ -25,6 +25,7 @@ from pipeline.config import (
     DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH, SampleConfig,
 )
 from pipeline.errors import UserError
+from pipeline.progress import progress_bar
 from pipeline.sampling import decode_latents
 from pipeline.prompts import dedupe, read_prompt_file
 
@@ -168,7 +169,7 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
         teacher_kw["guidance_scale_2"] = settings.guidance_2
     rows: list[list[Image.Image]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
-    for i, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
+    for i, prompt in enumerate(progress_bar(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
         latents = initial_latents(settings.seed + i, shape)
         with torch.inference_mode():
             embeds, neg = teacher.encode_prompt(prompt, negative_prompt=settings.negative_prompt,

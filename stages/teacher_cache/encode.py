@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
+
+from pipeline.progress import progress_bar
 
 
 def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
@@ -19,7 +20,7 @@ def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtyp
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None, scheduler=None)
-    bar = tqdm(total=len(prompts), desc="encode prompts", unit="prompt", disable=not progress)
+    bar = progress_bar(total=len(prompts), desc="encode prompts", unit="prompt", disable=not progress)
     try:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]

@@ -20,8 +20,8 @@ CACHE_ENTRIES = {F.MANIFEST, F.PARTS_DIR, F.SHARDS_DIR, F.NEGATIVE, F.FEATURE_PR
                  LOCKS_DIR}
 
 
-def check_out_dir(out: Path) -> None:
-    """A new, empty, or cache directory we can write to; else one clear error."""
+def refuse_foreign(out: Path) -> None:
+    """One clear error unless `out` is new, empty, or a cache (checked without writing: `--dry-run` too)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
     if out.is_dir():
@@ -29,6 +29,11 @@ def check_out_dir(out: Path) -> None:
         if foreign:
             raise UserError(f"output {out} is not empty and is not a WanDistiller cache (found {foreign[0]!r}); "
                             "choose a new or empty directory")
+
+
+def check_out_dir(out: Path) -> None:
+    """A new, empty, or cache directory we can write to; else one clear error."""
+    refuse_foreign(out)
     try:
         (out / F.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}{F.TMP_SUFFIX}"

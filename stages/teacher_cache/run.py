@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save as st_save
-from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_bytes, fsync_paths
@@ -33,6 +33,7 @@ from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
+from pipeline.progress import progress_bar
 from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
@@ -44,6 +45,9 @@ from .placements import Placement
 from .progress import StageOneProgress
 from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 # Initial-noise rows written per call in the encode phase: a whole file of the store's (64 A14B rows: 26 MB).
 NOISE_ROWS = F.ROWS_PER_FILE
@@ -380,8 +384,8 @@ def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm
     """The bar over the samples the blocks `todo` write (shown by rank 0 alone under torchrun), and the figures on
     it: rates, bytes, the projected cache size (and TensorBoard's scalars with --report-to tensorboard)."""
     cfg, recorded = job.cfg, len(job.recorded)
-    bar = tqdm(total=sum(len(job.blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
-               unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
+    bar = progress_bar(total=sum(len(job.blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
+                       unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
     progress = StageOneProgress(bar, part=job.part, steps=recorded, seeds=cfg.seeds_per_prompt,
                                 cache_samples=len(job.prompts) * cfg.seeds_per_prompt * recorded, shards=prog.shards,
                                 tensorboard_dir=job.part_dir / F.TENSORBOARD if cfg.report_to == "tensorboard" else None)

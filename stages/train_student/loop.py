@@ -31,6 +31,7 @@ from pipeline import signals
 from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
+from pipeline.progress import progress_bar
 from pipeline.runtime import DistEnv, barrier
 from pipeline.wan_inputs import model_timestep
 
@@ -349,8 +350,8 @@ class Trainer:
         if st.step == 0:
             self.log_eval()
             self.validate()
-        bar = tqdm(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
-                   disable=not self.env.is_main)
+        bar = progress_bar(total=self.total, initial=st.step, desc="train-student", unit="step", dynamic_ncols=True,
+                           disable=not self.env.is_main)
         pace = _Pace(t_start=time.time() - st.wall_s)
         try:
             while st.step < self.total:

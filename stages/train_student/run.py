@@ -33,7 +33,7 @@ from . import checkpoint, dry_run
 from .comm import all_gather_bytes
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
-from .loop import TrainState, Trainer, make_ema, plot_losses, truncate_metrics
+from .loop import TrainState, Trainer, lr_at, make_ema, plot_losses, truncate_metrics
 from .objectives import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy
 from .student import build_student, check_compatible, init_from_teacher, load_student_config
@@ -125,7 +125,21 @@ def _plan(cfg: TrainStudentConfig, data: DataSplit, env: DistEnv) -> tuple[Epoch
         total = cfg.max_steps if cfg.epochs is None else min(cfg.max_steps, cfg.epochs * plan.steps)
     else:
         total = (cfg.epochs or 1) * plan.steps
+    warning = warmup_warning(cfg, total)
+    if warning:
+        print0(warning)
     return plan, total
+
+
+def warmup_warning(cfg: TrainStudentConfig, total: int) -> str | None:
+    """One line when the warmup does not end before the run does: the learning rate would climb the whole run and
+    never reach --lr (the default 100 warmup steps under `--max-steps 5` train at a twentieth of it), silently."""
+    if cfg.warmup_steps < total or total <= 0:
+        return None
+    top = lr_at(total - 1, total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+    return (f"warning: --warmup-steps {cfg.warmup_steps} is not below the run's {total} optimizer steps: the learning "
+            f"rate climbs the whole run and peaks at {top:.3g}, not --lr {cfg.lr:g}; lower --warmup-steps (e.g. "
+            f"{total // 10}) or train longer")
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainStudentConfig, device: torch.device,

@@ -30,7 +30,7 @@ from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
 from pipeline.registries import TRACKERS
 
-WANDB_EXTRA = 'pip install "wandistiller[wandb]"'
+WANDB_EXTRA = 'pip install wandb (or the wandb extra, from the WanDistiller checkout: pip install -e ".[wandb]")'
 WANDB_PROJECT = "wandistiller"  # when WANDB_PROJECT is not set
 
 

@@ -1,0 +1,173 @@
+"""Where a cache stage one has not finished stands: each part's prompts done, shards, samples and bytes, who writes
+it and, while a live process does, its ETA; and what finishes it.
+
+It is read from what stage one keeps anyway: each part's progress record (`cache.progress.PartProgress`) and its
+stage-one lock (`cache.progress.live_writers`: a lock a live process holds, probed without taking it). `cache info`
+prints it (`summarize_unfinished`, `lines`), and every reader's refusal of such a cache says it in one line
+(`unfinished_problem`: `load_manifest` raises `UnfinishedCacheError`, which `errors.classify` words with it). The
+words live here rather than in `cache/`, which keeps to the format and its reading (and under its size budget).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cache.format import (
+    F_BYTES, F_NUM_PARTS, F_SAMPLES, F_SEEDS_PER_PROMPT, MANIFEST, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES,
+)
+from cache.progress import PartProgress, list_parts, live_writers
+from cache.schema import recorded_steps
+from cache.size import human
+
+FINISHED, RUNNING, STOPPED, NOT_STARTED = "finished", "running", "stopped", "not started"
+
+
+@dataclass
+class PartStatus:
+    """Where one part stands, from its progress record and its stage-one lock."""
+
+    part: int
+    state: str  # FINISHED, RUNNING (a live process holds its lock), STOPPED (neither), NOT_STARTED (no record)
+    prompts: int | None = None  # the part's prompts (None: no progress record yet)
+    prompts_done: int = 0  # prompts whose every trajectory is in a listed shard
+    shards: int = 0
+    samples: int = 0
+    samples_total: int | None = None
+    bytes: int = 0
+    holder: dict | None = None  # the lock record (pid, host, since, started, command) of the process writing it
+
+
+def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartStatus]]:
+    """(the run's part count, or None when no part has a record; the status of every part of that count and of any
+    other part that has a record or a live writer)."""
+    records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
+    counts = {r.num_parts for r in records.values()}
+    num_parts = max(counts) if counts else None
+    live = live_writers(cache_dir)
+    numbers = sorted(set(range(num_parts or 0)) | set(records) | set(live))
+    return num_parts, [_status(p, records.get(p), live.get(p)) for p in numbers]
+
+
+def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartStatus:
+    if prog is None:
+        return PartStatus(part, RUNNING if writer is not None else NOT_STARTED, holder=writer)
+    seeds = int(prog.header.get(F_SEEDS_PER_PROMPT, 1))
+    total = prog.prompts * seeds * len(recorded_steps(prog.header))
+    samples = sum(int(s[S_SAMPLES]) for s in prog.shards)
+    done = set(prog.done_blocks)
+    prompts_done = prog.prompts if prog.complete else sum(
+        all((r * seeds + s) // prog.batch_size in done for s in range(seeds)) for r in range(prog.prompts))
+    state = FINISHED if prog.complete else RUNNING if writer is not None else STOPPED
+    return PartStatus(part, state, prog.prompts, prompts_done, len(prog.shards), samples, total,
+                      sum(int(s[S_BYTES]) for s in prog.shards), holder=writer if state == RUNNING else None)
+
+
+def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:
+    """One part in words: `part 1: stopped, 3 of 7 prompts, 2 shards` (with `sizes`: its samples and bytes too;
+    then its writer, and the `eta` given)."""
+    if s.state == NOT_STARTED:
+        return f"part {s.part}: not started"
+    text = f"part {s.part}: {s.state}"
+    if s.prompts is not None:
+        text += f", {s.prompts_done} of {s.prompts} prompts, {s.shards} shard{'s' * (s.shards != 1)}"
+        if sizes:
+            text += f", {s.samples} of {s.samples_total} samples, {human(s.bytes)}"
+    if s.holder:
+        text += f" (pid {s.holder.get('pid')} on {s.holder.get('host')})"
+    return text + (f", ETA {_duration(eta)}" if eta is not None else "")
+
+
+def unfinished_problem(cache_dir: str | os.PathLike) -> str:
+    """Why a cache with parts but no manifest cannot be read yet, naming each unfinished part and how to finish it:
+    what every reader (stage two, `cache verify`, eval) says instead of reading it."""
+    num_parts, statuses = parts_status(cache_dir)
+    head = f"{cache_dir} has no {MANIFEST}: stage one has not finished there"
+    left = [s for s in statuses if s.state != FINISHED]
+    if num_parts is not None and left:
+        head += (f" ({len(statuses) - len(left)} of {num_parts} part{'s' * (num_parts != 1)} finished; "
+                 f"{'; '.join(describe(s, eta=eta_s(cache_dir, s)) for s in left)})")
+    elif num_parts is not None:
+        head += f" (all {num_parts} parts are finished, the manifest is not written yet)"
+    return f"{head}; {to_finish(num_parts, statuses)}"
+
+
+def to_finish(num_parts: int | None, statuses: list[PartStatus]) -> str:
+    """What finishes a cache whose parts stand as `statuses`: wait for the live ones, rerun the others."""
+    rerun = "rerun the same `wandistiller teacher-cache` command"
+    left = [s for s in statuses if s.state != FINISHED]
+    if num_parts is None:
+        return f"{rerun} to start it"
+    if not left:
+        return f"{rerun} (any part's) to write the manifest"
+    idle = [s.part for s in left if s.state != RUNNING]
+    if not idle:
+        return f"wait for {'it' if len(left) == 1 else 'them'} (`wandistiller cache info` shows the ETA)"
+    if num_parts == 1:
+        return f"{rerun} to finish it"
+    which = (f"--part {idle[0]} --num-parts {num_parts}" if len(idle) == 1 else
+             f"--part P --num-parts {num_parts} for P in {', '.join(map(str, idle))}")
+    return f"{rerun} with {which} (or the same torchrun, or SLURM array task) to finish it"
+
+
+# -- `cache info` ------------------------------------------------------------------------------------------------
+
+def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
+    """What `cache info` prints of a cache stage one is still writing (or stopped writing): each part's prompts
+    done, shards, samples and bytes, who writes it and its ETA when a live process does; None when the cache is
+    finished (or is no cache: `cache.manifest.summarize` says which)."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / MANIFEST).exists() or not (cache_dir / PARTS_DIR).is_dir():
+        return None
+    num_parts, statuses = parts_status(cache_dir)
+    return {"cache": str(cache_dir), "finished": False, F_NUM_PARTS: num_parts,
+            "parts_finished": sum(s.state == FINISHED for s in statuses),
+            F_SAMPLES: sum(s.samples for s in statuses), F_BYTES: sum(s.bytes for s in statuses),
+            "parts": [asdict(s) | {"eta_s": eta_s(cache_dir, s)} for s in statuses],
+            "to_finish": to_finish(num_parts, statuses)}
+
+
+def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
+    """Seconds a running part needs for its samples left, at the rate of the shards its process wrote since it
+    started (between its first shard and its last: loading the teacher before the first does not count); None for
+    a part no live process writes, or before its first shard."""
+    started = (status.holder or {}).get("started")
+    prog = PartProgress.load(cache_dir, status.part) if status.state == RUNNING else None
+    if prog is None or not isinstance(started, (int, float)):
+        return None
+    written = []
+    for s in prog.shards:
+        try:
+            mtime = (Path(cache_dir) / s[S_PATH]).stat().st_mtime
+        except OSError:
+            continue
+        if mtime >= started:
+            written.append((mtime, int(s[S_SAMPLES])))
+    written.sort()
+    if not written:
+        return None
+    span = written[-1][0] - written[0][0]
+    if len(written) > 1 and span > 0:
+        rate = sum(n for _, n in written[1:]) / span
+    else:
+        rate = sum(n for _, n in written) / max(written[-1][0] - started, 1e-3)
+    return (status.samples_total - status.samples) / rate if rate > 0 else None
+
+
+def lines(info: dict) -> list[str]:
+    """`summarize_unfinished`'s dict in words: a head line, a line per part, then how to finish it."""
+    out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info[F_NUM_PARTS]} part(s) finished, "
+           f"{info[F_SAMPLES]} samples ({human(info[F_BYTES])}) so far"]
+    for part in info["parts"]:
+        part = dict(part)
+        eta = part.pop("eta_s")
+        out.append(f"  {describe(PartStatus(**part), sizes=True, eta=eta)}")
+    out.append(f"to finish: {info['to_finish']}")
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
