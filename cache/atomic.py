@@ -103,9 +103,73 @@ def run_each(fn: Callable, items, workers: int = FSYNC_THREADS) -> None:
             f.result()
 
 
-# Bytes a writer writes between two `drop_behind`s: large enough that the syncs cost nothing next to the bytes, small
-# enough that the pages freed are reused at once.
+# Bytes a writer writes between two hand-overs to `WriteBehind`: large enough that the calls cost nothing next to
+# the bytes, small enough that the pages freed are reused at once.
 WRITE_BEHIND_BYTES = 64 << 20
+
+# sync_file_range(2) flags (Linux): start writeback of a range without waiting; wait for it.
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _sync_file_range() -> Callable | None:
+    """libc's sync_file_range(2) (Linux), raising OSError; None where there is none."""
+    import ctypes
+
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is None or not hasattr(os, "posix_fadvise"):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+
+    def call(fd: int, offset: int, nbytes: int, flags: int) -> None:
+        if fn(fd, offset, nbytes, flags) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+    return call
+
+
+_SFR = _sync_file_range()
+
+
+class WriteBehind:
+    """Sends what a writer wrote to the disk while it goes on writing, and drops it from the page cache once there
+    (`drop_behind` says why): each range handed over (`add`) starts its writeback at once, without waiting, and the
+    range before it, written back meanwhile, is waited for and dropped, so the writer and the disk work at the same
+    time instead of in turn. bench.real_size's writer at 4,000 A14B-sized prompts, dev VM, each way twice: shards
+    247 -> 274 MiB/s, the whole writer 228 -> 246 MiB/s. Not a durability point: whoever records the bytes as
+    written fsyncs them first. Without sync_file_range (not Linux) each range is dropped at once (`drop_behind`)."""
+
+    def __init__(self):
+        self._last: tuple[int, int, int, bool] | None = None  # (fd, offset, bytes (0: to the end), fd ours to close)
+
+    def add(self, fd: int, offset: int = 0, nbytes: int = 0, owned: bool = False) -> None:
+        """The range [offset, offset + nbytes) of `fd` (nbytes 0: to the end of the file) was written; `owned`: close
+        `fd` once its range is dropped."""
+        if _SFR is None:
+            drop_behind(fd, None if nbytes == 0 else offset + nbytes)
+            if owned:
+                os.close(fd)
+            return
+        try:
+            _SFR(fd, offset, nbytes, _SFR_WRITE)
+        except OSError:
+            if owned:
+                os.close(fd)
+            raise
+        self.close()
+        self._last = (fd, offset, nbytes, owned)
+
+    def close(self) -> None:
+        """Wait for the last range and drop it."""
+        if self._last is None:
+            return
+        fd, offset, nbytes, owned = self._last
+        self._last = None
+        try:
+            _SFR(fd, offset, nbytes, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            if owned:
+                os.close(fd)
 
 
 # renameat2(2)'s RENAME_EXCHANGE swaps two names in one step (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, not NFS).

@@ -27,7 +27,7 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from .atomic import drop_behind
+from .atomic import WriteBehind, drop_behind
 from .checksum import crc32c
 from .errors import CacheError
 from .format import (
@@ -114,6 +114,7 @@ class PromptRowWriter:
         self.per_file = int(self.emb.shards[0])
         self._buf = np.zeros((self.per_file, self.emb.shape[1]), dtype=self.emb.dtype)
         self._base = self._fill = 0  # the buffer holds tokens [_base, _base + _fill)
+        self._behind = WriteBehind()  # each file sent to the disk while the next one fills
         self._small: dict[int, tuple[int, str, int, int, int]] = {}  # row -> (prompt_idx, text, seq_len, start, crc)
 
     def add(self, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
@@ -136,11 +137,13 @@ class PromptRowWriter:
         """The buffer into its file: one zarr write of whole chunks, but for the last file's last chunk."""
         if self._fill:
             self.emb[self._base:self._base + self._fill] = self._buf[:self._fill]
-            _drop(self.g, [shard_file(self.emb, self._base)])
+            path = Path(str(self.g.store.root)) / self.g.path / shard_file(self.emb, self._base)
+            self._behind.add(os.open(path, os.O_RDONLY), owned=True)
         self._base, self._fill = self._base + self.per_file, 0
 
     def close(self) -> None:
         self._write()
+        self._behind.close()
         if not self._small:
             return
         rows = sorted(self._small)
