@@ -11,7 +11,7 @@ class FormatVersionError(CacheError):
 
 class UnfinishedCacheError(CacheError):
     """A cache stage one has not finished (parts, no manifest). The CLI's line names each unfinished part and the
-    command that finishes it (pipeline/cache_status.py, from the parts' progress and `progress.live_writers`)."""
+    command that finishes it (pipeline/cache_status.py, from the parts' progress and `pipeline.lock.live_writers`)."""
 
     def __init__(self, cache_dir, message: str):
         super().__init__(message)

@@ -35,13 +35,10 @@ Z_TOKEN_START = "token_start"  # where each row's tokens begin in `embeds` (int6
 Z_SEQ_LENS = "seq_lens"
 Z_INIT_NOISE = "init_noise"
 Z_FINAL_LATENTS = "final_latents"
-# Group of per-row checksums: `row_crc32c/embeds` holds the crc32c of each row's real tokens, the bytes of
-# embeds[token_start[row]:token_start[row] + seq_len] (int64; -1: none recorded), so that a chunk or file of them
-# that is gone (zarr reads it as zeros) is an error. Every chunk of every array also ends in its own crc32c (zarr's
-# "crc32c" codec).
+# Group of per-row checksums: `row_crc32c/embeds` is the crc32c of each row's real tokens (int64; -1: none), so that a
+# chunk or file of them that is gone (zarr reads it as zeros) is an error; every chunk also ends in its own crc32c.
 Z_ROW_CRC32C = "row_crc32c"
-# Tokens per chunk of `embeds`, and per file (zarr shard): the rows' real tokens are packed end to end (the padding
-# past them is never stored, nor are whole chunks of it visited when writing), 32 MiB a file at A14B widths.
+# Tokens per chunk and per file (zarr shard) of `embeds`: the real tokens packed end to end, 32 MiB a file at A14B.
 EMBED_CHUNK_TOKENS = 64
 TOKENS_PER_FILE = 4096
 # Rows per file (zarr shard) of `init_noise` and `final_latents`: at A14B sizes ~25 MB a file, ~16 files per 1,000

@@ -7,8 +7,6 @@ rename and the rewrite leaves an unlisted shard, which the part's next run delet
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -16,7 +14,7 @@ from pathlib import Path
 
 from .atomic import atomic_write_json
 from .errors import CacheError, FormatVersionError
-from .format import F_FORMAT_VERSION, FORMAT_VERSION, LOCKS_DIR, PARTS_DIR, PROGRESS, part_dirname
+from .format import F_FORMAT_VERSION, FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
 
 
 def check_version(path: Path, record: dict) -> None:
@@ -26,9 +24,10 @@ def check_version(path: Path, record: dict) -> None:
     if version == FORMAT_VERSION:
         return
     if isinstance(version, int) and version < FORMAT_VERSION:
-        raise FormatVersionError(f"{path}: written by an older wandistiller (format {version}); rebuild it with teacher-cache")
-    raise FormatVersionError(f"{path}: format {version!r}, this wandistiller reads format {FORMAT_VERSION}; rebuild it with "
-                     "teacher-cache, or use the wandistiller that wrote it")
+        raise FormatVersionError(f"{path}: written by an older wandistiller (format {version}); rebuild it with "
+                                 "teacher-cache")
+    raise FormatVersionError(f"{path}: format {version!r}, this wandistiller reads format {FORMAT_VERSION}; rebuild "
+                             "it with teacher-cache, or use the wandistiller that wrote it")
 
 
 @dataclass
@@ -83,40 +82,3 @@ def list_parts(cache_dir: str | os.PathLike) -> list[int]:
         if d.name.startswith("part-") and (d / PROGRESS).exists():
             parts.append(int(d.name.split("-")[1]))
     return parts
-
-
-# -- who writes a part now: read by `cache info` and by every reader's refusal of an unfinished cache -------------
-
-def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
-    """{part: the lock record of the live process writing it}, for each stage-one lock in LOCKS_DIR held now."""
-    live = {}
-    for path in sorted((Path(cache_dir) / LOCKS_DIR).glob("part-*.lock")):
-        record = live_writer(path)
-        if record is not None:
-            live[int(path.stem.split("-")[1])] = record
-    return live
-
-
-def live_writer(path: str | os.PathLike) -> dict | None:
-    """The record of the live process holding the stage-one lock `path` (pid, host, since, started, command, as
-    pipeline/lock.py writes it; {} if not written yet), or None when no process holds it: a lock file a killed writer
-    left behind is not a live run. Probed with a shared flock taken and dropped at once (which sees holders on other
-    NFS clients too), never by the file's existence or a pid, which say nothing across hosts."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)  # dropped at once: a writer that meets it retries (pipeline/lock.py)
-        return None
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise
-        try:
-            record = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
-        except ValueError:
-            record = {}
-        return record if isinstance(record, dict) else {}
-    finally:
-        os.close(fd)

@@ -1,14 +1,11 @@
 """Per-part prompt store (zarr v3 arrays): prompt text, text embeddings, initial noise and final latents.
 
-Each part writes only its own `parts/part-P/prompts.zarr`. Rows never written read back as the fill value
-(`seq_lens` -1: "never written", not "empty"); the part's progress record says which rows are complete. An A14B
-embedding is 512x4096 bfloat16 (4 MiB padded, ~60 real tokens), so `embeds` holds only the real tokens, every row's
-packed after the one before ([tokens, D], `token_start` says where each row begins): no padding is stored or
-visited, and a file (zarr shard) of TOKENS_PER_FILE tokens is written once, whole. The per-prompt latents are zarr
-shards of ROWS_PER_FILE rows: a file per 64 rows, not per chunk (creating a file costs ~0.8 ms on ext4), each
-written under a temporary name and renamed by zarr. Every chunk ends in its crc32c (zarr's codec, checked on every
-read, as is each file's index), and `row_crc32c/embeds` holds each row's real tokens' crc32c: a chunk or file that
-is gone, which zarr reads as zeros, is an error.
+Each part writes only its own `parts/part-P/prompts.zarr`; rows never written read as the fill value (`seq_lens` -1).
+`embeds` holds only real tokens, every row's packed after the one before ([tokens, D]; `token_start` says where a
+row begins): no padding is stored or visited (an A14B embedding is 4 MiB padded, ~0.5 MiB real), and a file (zarr
+shard) of TOKENS_PER_FILE tokens is written once, whole. The latents are zarr shards of ROWS_PER_FILE rows. Every
+chunk ends in its crc32c (checked by zarr on every read, as is each file's index), and `row_crc32c/embeds` holds
+each row's real tokens' crc32c: a chunk or file that is gone, which zarr reads as zeros, is an error.
 """
 
 from __future__ import annotations
@@ -155,14 +152,6 @@ class PromptRowWriter:
         self._small = {}
 
 
-def write_prompt_rows(g: zarr.Group, rows: list[int], prompt_idx: list[int], texts: list[str],
-                      embeds: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Write encoded prompts at once (`PromptRowWriter`)."""
-    writer = PromptRowWriter(g)
-    writer.add(rows, prompt_idx, texts, embeds, seq_lens)
-    writer.close()
-
-
 def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int],
                       latents: torch.Tensor) -> list[Path]:
     """Write per-trajectory latents (`init_noise` or `final_latents`), one zarr write per run of consecutive rows (a
@@ -251,10 +240,9 @@ class PartRows:
     against its crc32c (zarr), a row's real tokens against theirs (a chunk or file gone would read as zeros), a
     trajectory's latents against being all zeros (never written). Each array opens on first use.
 
-    With `whole_files`, for readers that go through the rows in order (the checks), a row is served from its whole
-    file, read once in one zarr call and kept until a row of another file is asked for (a zarr call costs ~2 ms, a
-    row of tokens or latents being 0.5 MiB at A14B sizes): one call per 64 rows rather than per row. A file that
-    does not read is read again row by row, so that the error names the rows it concerns."""
+    With `whole_files` (the checks, which go through the rows in order) a row is served from its whole file, read
+    in one zarr call (~2 ms each) and kept until another file is asked for; a file that does not read is read again
+    row by row, so that the error names the rows it concerns."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, whole_files: bool = False):
         self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts

@@ -2,7 +2,7 @@
 it and, while a live process does, its ETA; and what finishes it.
 
 It is read from what stage one keeps anyway: each part's progress record (`cache.progress.PartProgress`) and its
-stage-one lock (`cache.progress.live_writers`: a lock a live process holds, probed without taking it). `cache info`
+stage-one lock (`lock.live_writers`: a lock a live process holds, probed without taking it). `cache info`
 prints it (`summarize_unfinished`, `lines`), and every reader's refusal of such a cache says it in one line
 (`unfinished_problem`: `load_manifest` raises `UnfinishedCacheError`, which `errors.classify` words with it). The
 words live here rather than in `cache/`, which keeps to the format and its reading (and under its size budget).
@@ -17,9 +17,11 @@ from pathlib import Path
 from cache.format import (
     F_BYTES, F_NUM_PARTS, F_SAMPLES, F_SEEDS_PER_PROMPT, MANIFEST, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES,
 )
-from cache.progress import PartProgress, list_parts, live_writers
+from cache.progress import PartProgress, list_parts
 from cache.schema import recorded_steps
 from cache.size import human
+
+from . import lock
 
 FINISHED, RUNNING, STOPPED, NOT_STARTED = "finished", "running", "stopped", "not started"
 
@@ -45,7 +47,7 @@ def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartSta
     records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
     counts = {r.num_parts for r in records.values()}
     num_parts = max(counts) if counts else None
-    live = live_writers(cache_dir)
+    live = lock.live_writers(cache_dir)
     numbers = sorted(set(range(num_parts or 0)) | set(records) | set(live))
     return num_parts, [_status(p, records.get(p), live.get(p)) for p in numbers]
 

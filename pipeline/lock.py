@@ -29,7 +29,7 @@ from cache.format import LOCKS_DIR
 from .errors import UserError
 
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
-PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (cache.progress.live_writer)
+PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (`live_writer`)
 
 
 def part_lock_path(cache_dir: str | os.PathLike, part: int) -> Path:
@@ -81,7 +81,7 @@ def acquire(path: str | os.PathLike, what: str) -> None:
 
 def _lock_exclusive(fd: int) -> bool:
     """Take the exclusive flock on `fd`, or False when another process holds it. A refusal is retried for a moment:
-    `cache.progress.live_writer` (the probe of `cache info` and of every reader's refusal) holds a shared lock for
+    `live_writer` (the probe of `cache info` and of every reader's refusal) holds a shared lock for
     microseconds, which must not pass for a writer."""
     for attempt in range(PROBE_RETRIES + 1):
         try:
@@ -130,3 +130,40 @@ def _describe_holder(path: Path) -> str:
         who += (f"; if {rec.get('host')} is down, its lock lapses when its NFS lease expires (about 90 s), "
                 "then rerun")
     return who
+
+
+# -- who writes a part now: read by `cache info` and by every reader's refusal of an unfinished cache -------------
+
+def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
+    """{part: the lock record of the live process writing it}, for each stage-one lock in LOCKS_DIR held now."""
+    live = {}
+    for path in sorted((Path(cache_dir) / LOCKS_DIR).glob("part-*.lock")):
+        record = live_writer(path)
+        if record is not None:
+            live[int(path.stem.split("-")[1])] = record
+    return live
+
+
+def live_writer(path: str | os.PathLike) -> dict | None:
+    """The record of the live process holding the stage-one lock `path` (pid, host, since, started, command, as
+    `acquire` writes it; {} if not written yet), or None when no process holds it: a lock file a killed writer
+    left behind is not a live run. Probed with a shared flock taken and dropped at once (which sees holders on other
+    NFS clients too), never by the file's existence or a pid, which say nothing across hosts."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # dropped at once: a writer that meets it retries (`acquire`)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        try:
+            record = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+        except ValueError:
+            record = {}
+        return record if isinstance(record, dict) else {}
+    finally:
+        os.close(fd)

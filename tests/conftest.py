@@ -98,6 +98,16 @@ def tiny_cache(tiny_teacher, prompts_file, tmp_path_factory) -> Path:
     return make_cache(tiny_teacher, prompts_file, tmp_path_factory.mktemp("cache") / "cache")
 
 
+def write_prompt_rows(g, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
+                      seq_lens: torch.Tensor) -> None:
+    """Write encoded prompts into a prompt store at once, as stage one does batch by batch (`PromptRowWriter`)."""
+    from cache.prompt_store import PromptRowWriter
+
+    writer = PromptRowWriter(g)
+    writer.add(rows, prompt_idx, texts, embeds, seq_lens)
+    writer.close()
+
+
 def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
     """key -> (tensors, meta) for every sample listed in the manifest (test helper; not the stage-two reader)."""
     import tarfile

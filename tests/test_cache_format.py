@@ -15,9 +15,10 @@ from cache.checksum import crc32c
 from cache.errors import CacheError
 from cache.manifest import fingerprint, load_manifest, try_write_manifest
 from cache.progress import PartProgress, list_parts
-from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path, write_prompt_rows
+from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path
 from cache.reader import decode_sample
 from cache.writer import ShardWriter
+from conftest import write_prompt_rows
 
 
 def test_sample_key_round_trip():

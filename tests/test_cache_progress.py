@@ -11,7 +11,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from cache.progress import PartProgress, live_writer
+from cache.progress import PartProgress
 from conftest import make_cache
 from pipeline import faults, lock
 from pipeline.cache_status import eta_s, parts_status
@@ -133,7 +133,7 @@ def test_the_liveness_probe_never_keeps_a_writer_out(tmp_path):
     lock.acquire(path, "part 0 (test)")
     try:
         assert time.monotonic() - t0 < 1.0
-        assert live_writer(path)["pid"] == os.getpid()
+        assert lock.live_writer(path)["pid"] == os.getpid()
     finally:
         lock.release(path)
-    assert live_writer(path) is None
+    assert lock.live_writer(path) is None

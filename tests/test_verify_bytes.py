@@ -231,7 +231,8 @@ def test_shard_paths_outside_the_cache_are_refused(cache_copy, tmp_path, bad):
 def test_a_row_of_zero_tokens_reads_as_written(tmp_path):
     """Real tokens that are all zeros are stored like any others (every chunk written is kept) and pass the row's
     crc32c: zeros are never taken for a lost chunk, nor a lost chunk for zeros."""
-    from cache.prompt_store import create_prompt_store, write_prompt_rows
+    from cache.prompt_store import create_prompt_store
+    from conftest import write_prompt_rows
 
     g = create_prompt_store(prompt_store_path(tmp_path, 0), n=2, max_len=8, dim=4, dtype_name="bfloat16", seeds=1,
                             latent_shape=(1, 1, 1, 1))

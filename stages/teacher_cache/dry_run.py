@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cache.manifest import manifest_path
-from cache.progress import PartProgress, list_parts, live_writer
+from cache.progress import PartProgress, list_parts
 from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
@@ -61,7 +61,7 @@ def _out_state(cfg: TeacherCacheConfig, part: int, num_parts: int) -> str:
             raise UserError(f"{out} holds part {p} of a run with {other.num_parts} parts, this command has "
                             f"{num_parts}; use a new --out, add --overwrite, or give --num-parts {other.num_parts}")
     prog = PartProgress.load(out, part)
-    holder = live_writer(lock.part_lock_path(out, part))
+    holder = lock.live_writer(lock.part_lock_path(out, part))
     if holder is not None:
         return (f"part {part} is being written right now (pid {holder.get('pid')} on {holder.get('host')}): the run "
                 "would be refused until that one ends")
