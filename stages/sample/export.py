@@ -14,6 +14,8 @@
                          copy-paste call
 
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
+A LoRA run (`train-student --lora-of`) is exported as its adapters in diffusers' LoRA format, or with --fuse merged
+into the teacher's pipeline: export_lora.py.
 The folder is built under a temporary name, fsynced and renamed into place when complete (an earlier export it
 replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from cache.atomic import publish_dir
-from pipeline.artifact import DISTILL
+from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
@@ -137,10 +139,12 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out} is a file; pass a folder for the pipeline")
     if not any(out.iterdir()):
         return
-    try:
-        ours = MARK in json.loads((out / "model_index.json").read_text())
-    except (OSError, ValueError, TypeError):
-        ours = False
+    ours = False
+    for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
+        try:
+            ours = ours or MARK in json.loads((out / name).read_text())
+        except (OSError, ValueError, TypeError):
+            pass
     if not overwrite:
         raise UserError(f"--out {out} is not empty; choose a new folder"
                         + (" or add --overwrite to replace this earlier export" if ours else ""))
@@ -148,9 +152,17 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
 
 
+def _vae_spatial(tpath: Path) -> int:
+    vae_cfg = tpath / "vae" / "config.json"
+    return int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
+
+
 def run(cfg: ExportConfig) -> dict:
     """Write the pipeline folder; returns the summary."""
     student = find_student(cfg.student, cfg.weights)
+    if cfg.fuse and student.lora is None:
+        raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
+                        "student (its export is already a standalone pipeline); drop --fuse")
     teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
@@ -166,9 +178,11 @@ def run(cfg: ExportConfig) -> dict:
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)
 
-    vae_cfg = tpath / "vae" / "config.json"
-    vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
-    hints = _sampling_hints(student, vae_spatial)
+    hints = _sampling_hints(student, _vae_spatial(tpath))
+    if student.lora is not None:
+        from . import export_lora
+
+        return export_lora.run(cfg, student, hints, out)
     own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
