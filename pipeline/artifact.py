@@ -5,7 +5,8 @@ names. The record is a dataclass: a key is written and read under one name only.
 
     OUT/
       student/            the trained student (diffusers WanTransformer3DModel); renamed in LAST, so it
-                          exists only when the run finished
+                          exists only when the run finished. A LoRA run (--lora-of) holds its adapters there
+                          instead, in diffusers' LoRA format (LORA_FILES), and LORA_JSON
       student_ema/        the EMA weights, when --ema-decay > 0
       student_init/       the untrained student, when it was initialised from teacher blocks
       distill.json        DistillRecord: what the student learned and how it is meant to be sampled
@@ -37,6 +38,16 @@ LOSS_PNG = "loss.png"
 TENSORBOARD = "tensorboard"
 WANDB = "wandb"  # the folder wandb.init(dir=OUT) writes
 WANDB_RUN = "wandb-run.json"
+# A LoRA student's folder: one diffusers LoRA file per expert (what `WanPipeline.load_lora_weights` takes; the
+# low-noise expert's with load_into_transformer_2=True, named as Wan2.2-Lightning names them) and its description.
+LORA_JSON = "lora.json"
+LORA_FILE = "pytorch_lora_weights.safetensors"  # a one-expert teacher's (diffusers' default name)
+LORA_EXPERT_FILES = {"transformer": "high_noise_model.safetensors", "transformer_2": "low_noise_model.safetensors"}
+
+
+def lora_file(component: str, teacher_experts: int) -> str:
+    """The LoRA file of expert `component` of a teacher with `teacher_experts` transformers."""
+    return LORA_FILE if teacher_experts == 1 else LORA_EXPERT_FILES[component]
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,9 @@ class DistillRecord:
     objective_settings: dict = field(default_factory=dict)
     # Sampling steps the student is meant to use; None: the teacher's `steps`.
     student_steps: int | None = None
+    # A LoRA student (--lora-of): the teacher it adapts and its adapters (what student/lora.json says); None for
+    # a compact student.
+    lora: dict | None = None
 
     @property
     def guided(self) -> bool:

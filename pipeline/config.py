@@ -23,7 +23,7 @@ from typing import Any
 from .config_types import type_problem
 from .errors import UserError
 from .registries import (
-    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, PlacementSettings, stage_one_trackers,
+    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, stage_one_trackers,
 )
 from .settings import (
     at_least, check_settings, declared, in_range, int_list, merged, name_of, non_empty, one_of, positive,
@@ -259,15 +259,16 @@ _ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
-    """Stage two: train a student `WanTransformer3DModel` from one or more finished caches."""
+class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
+    """Stage two: train a student `WanTransformer3DModel` (or LoRA adapters on the teacher's own transformers, the
+    `lora_*` settings) from one or more finished caches."""
 
     TOML_SECTION = "train_student"
 
     cache: tuple[str, ...] = setting(help="CACHE_DIR of stage one; repeat for several caches with the same "
                                           "fingerprint.", parse=str_tuple, path=True, multiple=True)
-    student_config: str = setting(help="Student WanTransformer3DModel JSON (configs/student-*.json).",
-                                  check=non_empty, path=True)
+    student_config: str | None = setting(None, help="Student WanTransformer3DModel JSON (configs/student-*.json).",
+                                         check=non_empty, path=True, default_text="none: --lora-of instead")
     out: str = setting(help="Output folder: student/, student_ema/, checkpoints/, metrics.jsonl, loss.png, "
                             "distill.json.", check=non_empty, path=True)
     epochs: int | None = setting(None, help="Passes over the cache.", check=at_least(1),
@@ -302,7 +303,7 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
                                                   help="Train only on these cached step indices, e.g. 0,4,8.")
     init_from_teacher: str | None = setting(None, path=True, help="Teacher pipeline/transformer folder, .safetensors "
                                                                   "file or Hub id to copy matching weights from.")
-    revision: str | None = _revision("--init-from-teacher")
+    revision: str | None = _revision("--init-from-teacher or --lora-of")
     teacher_blocks: tuple[int, ...] | None = setting(None, parse=int_list, default_text="spread",
                                                      help="Teacher block for each student block, e.g. 0,4,8.")
     holdout_prompts: int = setting(0, help="Prompts kept out of training; their cached samples give the held-out "
@@ -351,14 +352,15 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
             object.__setattr__(self, "num_workers", _default_workers())
         check_settings(self)
         refuse_foreign(self, self.objective, "objective")
+        _check_student_kind(self)
         if not self.cache or not all(isinstance(c, str) and c for c in self.cache):
             raise ValueError("cache must name at least one CACHE_DIR (--cache)")
         if self.strategy == "fsdp" and self.mixed_precision == "fp16":
             raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
                              "this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
-        if self.revision is not None and self.init_from_teacher is None:
-            raise ValueError("revision is the Hub revision of --init-from-teacher: give --init-from-teacher too")
+        if self.revision is not None and self.init_from_teacher is None and self.lora_of is None:
+            raise ValueError("revision is the Hub revision of --init-from-teacher or --lora-of: give one of them too")
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
         if self.val_every and not self.holdout_prompts:
@@ -367,6 +369,32 @@ class TrainStudentConfig(_DeviceChoice, _ObjectiveSettings):
             raise ValueError("val-decode decodes the validation samples: give --val-every N too")
         if self.val_decode and self.report_to == "none":
             raise ValueError("val-decode logs an image grid to the tracker: use --report-to tensorboard or wandb")
+
+
+def _check_student_kind(cfg: TrainStudentConfig) -> None:
+    """A compact student (--student-config) or LoRA adapters on the teacher (--lora-of): exactly one, and the
+    settings of the other refused rather than ignored."""
+    if (cfg.student_config is None) == (cfg.lora_of is None):
+        raise ValueError("give --student-config (a compact student) or --lora-of TEACHER (LoRA adapters on the "
+                         "teacher's own transformers), " + ("not both" if cfg.lora_of else "one of them"))
+    if cfg.lora_of is None:
+        changed = [f.name for f in dataclasses.fields(LoraSettings) if getattr(cfg, f.name) != f.default]
+        if changed:
+            raise ValueError(f"{changed[0].replace('_', '-')} applies to --lora-of runs only: give --lora-of TEACHER "
+                             "or drop it")
+        return
+    for name, why in (("init_from_teacher", "the LoRA student is the teacher itself"),
+                      ("teacher_blocks", "the LoRA student keeps every teacher block")):
+        if getattr(cfg, name) is not None:
+            raise ValueError(f"{name.replace('_', '-')} does not go with --lora-of: {why}")
+    if cfg.strategy != "ddp":
+        raise ValueError("--lora-of trains with --strategy ddp (the frozen base replicated, only the adapters' "
+                         "gradients reduced); fsdp does not take LoRA students yet")
+    if cfg.objective == "velocity+feature":
+        raise ValueError("--objective velocity+feature does not go with --lora-of; use velocity or segment")
+    if cfg.lora_experts != "all" and cfg.val_every:
+        raise ValueError(f"val-every samples whole trajectories, which need both experts, and --lora-experts "
+                         f"{cfg.lora_experts} loads one; drop --val-every (and sample or eval the run afterwards)")
 
 
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
@@ -470,6 +498,8 @@ class ExportConfig:
     push_to_hub: str | None = setting(None, help="Then upload the folder to this Hub model repo (created if missing), "
                                                  "e.g. you/wan-student; needs `hf auth login` or HF_TOKEN.")
     private: bool = setting(False, help="Create the --push-to-hub repo private.")
+    fuse: bool = setting(False, help="A LoRA run: a standalone pipeline with the adapters merged into the teacher's "
+                                     "transformers, instead of the adapter files for load_lora_weights.")
 
     cpu_only = True  # export copies weights and writes files: never a GPU
 

@@ -117,6 +117,34 @@ class PlacementSettings:
                                      "cache); auto picks expert when both do not fit.")
 
 
+# -- LoRA students (stages/train_student/lora.py, docs/lora.md) ---------------------------------------------------
+
+# Every block's attention (self and cross) and FFN projections, in diffusers' WanTransformer3DModel names; peft
+# matches each name as a suffix of a module's path. The same set Wan's few-step LoRAs in use train.
+LORA_TARGETS = "to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """A LoRA student: the teacher's own transformer(s), frozen, with peft adapters trained from the cache."""
+
+    lora_of: str | None = setting(
+        None, path=True, default_text="none: a --student-config student",
+        help="Train LoRA adapters on this teacher's transformer(s) (its folder or Hub id: the teacher the cache was "
+             "made with) instead of a --student-config student; the base stays frozen, each Wan 2.2 expert gets its "
+             "own adapter and learns only from the samples it produced.")
+    lora_rank: int = setting(16, check=at_least(1), help="--lora-of: the adapters' rank.")
+    lora_alpha: float | None = setting(None, check=positive(), default_text="--lora-rank",
+                                       help="--lora-of: LoRA alpha; the update is scaled by alpha / rank.")
+    lora_targets: str = setting(LORA_TARGETS, check=non_empty,
+                                help="--lora-of: comma-separated module names adapted in every block (peft "
+                                     "target_modules, each matched as a suffix of a module's path).")
+    lora_experts: str = setting("all", check=one_of(("all", "1", "2")),
+                                help="--lora-of on a two-expert teacher: train both experts' adapters (all), or only "
+                                     "expert 1 (transformer, high noise) or 2 (transformer_2, low noise) on its own "
+                                     "samples, with only that expert in memory.")
+
+
 # -- objectives (stages/train_student/objectives.py, feature.py) -------------------------------------------------
 
 OBJECTIVES = Registry("objective")

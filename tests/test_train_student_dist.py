@@ -24,10 +24,14 @@ ARGS = dict(train_steps="0,1,2", batch_size=2, grad_accum=2, epochs=2, lr=1e-3, 
 
 def torchrun(cache: Path, out: Path, env_extra: dict, timeout: float, **kw) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "pipeline.cli", "train-student", "--cache", str(cache), "--student-config", TINY, "--out", str(out),
+            "-m", "pipeline.cli", "train-student", "--cache", str(cache), "--out", str(out),
             "--num-workers", "1", "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0",
             "--device", "cpu"]  # two gloo ranks on the CPU: a GPU box refuses two ranks on one GPU
+    if kw.get("lora_of") is None:  # a LoRA student (--lora-of) instead of the compact one
+        args += ["--student-config", TINY]
     for k, v in kw.items():
+        if v is None:
+            continue
         flag = k.replace("_", "-")
         args += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
@@ -48,6 +52,17 @@ def two_ranks_and_one(cache: Path, tmp_path: Path, monkeypatch, args: dict) -> t
     monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(dbg1))
     train(cache, out1, **(args | dict(batch_size=2 * args["batch_size"])))
     return out2, out1, _debug(dbg2), _debug(dbg1)[0]
+
+
+def assert_ranks_match_one(out2: Path, out1: Path, ranks: dict, one: dict) -> None:
+    """Two ranks took the steps one process took, on the same weights, each micro-step's samples split between them,
+    with the same losses to float32 rounding."""
+    assert ranks[0]["steps"] == ranks[1]["steps"] == one["steps"]
+    assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]
+    for i, ref in enumerate(one["micro_batches"]):
+        assert sorted(ranks[0]["micro_batches"][i] + ranks[1]["micro_batches"][i]) == sorted(ref)
+    l2, l1 = [r["loss"] for r in metrics(out2)], [r["loss"] for r in metrics(out1)]
+    assert max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
 
 
 @pytest.mark.dist

@@ -19,6 +19,8 @@
 `--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub.push`).
 
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
+A LoRA run (`train-student --lora-of`) is exported as its adapters in diffusers' LoRA format, or with --fuse merged
+into the teacher's pipeline: export_lora.py.
 The folder is built under a temporary name, fsynced and renamed into place when complete (an earlier export it
 replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from cache.atomic import publish_dir
-from pipeline.artifact import DISTILL, DistillRecord
+from pipeline.artifact import DISTILL, LORA_JSON, DistillRecord
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
@@ -146,15 +148,22 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out} is a file; pass a folder for the pipeline")
     if not any(out.iterdir()):
         return
-    try:
-        ours = MARK in json.loads((out / "model_index.json").read_text())
-    except (OSError, ValueError, TypeError):
-        ours = False
+    ours = False
+    for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
+        try:
+            ours = ours or MARK in json.loads((out / name).read_text())
+        except (OSError, ValueError, TypeError):
+            pass
     if not overwrite:
         raise UserError(f"--out {out} is not empty; choose a new folder"
                         + (" or add --overwrite to replace this earlier export" if ours else ""))
     if not ours:
         raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
+
+
+def _vae_spatial(tpath: Path) -> int:
+    vae_cfg = tpath / "vae" / "config.json"
+    return int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
 
 
 def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
@@ -212,13 +221,18 @@ def run(cfg: ExportConfig) -> dict:
     if cfg.push_to_hub:
         hub.check_online(cfg.push_to_hub)
     student = find_student(cfg.student, cfg.weights)
+    if cfg.fuse and student.lora is None:
+        raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
+                        "student (its export is already a standalone pipeline); drop --fuse")
     teacher_name, tpath, index = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)
 
-    vae_cfg = tpath / "vae" / "config.json"
-    vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
-    hints = _sampling_hints(student, vae_spatial)
+    hints = _sampling_hints(student, _vae_spatial(tpath))
+    if student.lora is not None:  # its adapters in diffusers' LoRA format, or with --fuse a merged pipeline
+        from . import export_lora
+
+        return _pushed(cfg, out, export_lora.run(cfg, student, hints, out))
     own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
     base_model = cfg.base_model or hub.hub_id(teacher_name, tpath)
     teacher = base_model or Path(teacher_name).name  # what the card calls it: a Hub id, else a name, never a path
@@ -239,7 +253,11 @@ def run(cfg: ExportConfig) -> dict:
                f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
                + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
                + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
-    summary = {"out": str(out), **index[MARK]}
+    return _pushed(cfg, out, {"out": str(out), **index[MARK]})
+
+
+def _pushed(cfg: ExportConfig, out: Path, summary: dict) -> dict:
+    """`summary`, once the folder at `out` is uploaded where --push-to-hub says (nothing to do without it)."""
     if cfg.push_to_hub:
         summary["hub"] = hub.push(out, cfg.push_to_hub, cfg.private)
         tqdm.write(f"pushed to the Hub: {summary['hub']}")

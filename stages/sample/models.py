@@ -4,6 +4,8 @@ twin, the teacher pipeline, and a WanPipeline with the student as its one transf
 Stage two writes the run artifact of pipeline/artifact.py: OUT/student/ (a WanTransformer3DModel in diffusers
 format), OUT/student_ema/ when EMA is on, and OUT/distill.json (a DistillRecord). A bare student folder works
 too, and then the student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
+A LoRA run (`train-student --lora-of`) holds adapters in student/ instead (diffusers' LoRA format and lora.json):
+its student is the teacher's transformers with them loaded (pipeline/lora.py), called like one transformer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
+from pipeline.artifact import DISTILL, LORA_JSON, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 
@@ -37,6 +39,8 @@ class Student:
     weights: str  # "ema", "raw" or "folder" (a bare folder was given)
     config: dict  # the transformer's config.json
     distill: DistillRecord | None = None  # distill.json; None for a bare student folder
+    lora: dict | None = None  # a LoRA run's lora.json (its teacher, experts, files, rank); None for a compact student
+    teacher_path: Path | None = None  # a LoRA run's teacher folder (the base its adapters load into)
 
     @property
     def guided(self) -> bool:
@@ -130,6 +134,8 @@ def find_student(path: str, weights: str = "auto") -> Student:
     if not run.student.is_dir():  # train-student renames student/ into place last: without it the run did not finish
         raise UserError(f"{p} holds no finished student: {STUDENT}/ is missing (train-student was stopped "
                         "before it saved); rerun the same train-student command with --resume to finish it")
+    if (run.student / LORA_JSON).is_file():
+        return _lora_student(p, run, weights)
     has_ema = (run.student_ema / "config.json").is_file()
     if weights == "ema" and not has_ema:
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); "
@@ -144,6 +150,24 @@ def find_student(path: str, weights: str = "auto") -> Student:
     if distill is None:
         log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL)
     return Student(root=p, path=chosen, weights=kind, config=cfg, distill=distill)
+
+
+def _lora_student(p: Path, run: RunLayout, weights: str) -> Student:
+    """A LoRA run's student: its adapters (student_ema/'s when chosen) on the teacher lora.json names."""
+    has_ema = (run.student_ema / LORA_JSON).is_file()
+    if weights == "ema" and not has_ema:
+        raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); use --weights raw "
+                        "or auto")
+    chosen, kind = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
+        else (run.student, "raw")
+    record = _read_json(chosen / LORA_JSON, "LoRA description")
+    missing = [f for f in record.get("files", {}).values() if not (chosen / f).is_file()]
+    if missing or not run.distill.is_file():
+        raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the same "
+                        "train-student command with --resume")
+    teacher = teacher_dir(record["teacher"], record.get("revision"))
+    return Student(root=p, path=chosen, weights=kind, config=teacher_transformer_config(teacher),
+                   distill=_read_distill(run.distill), lora=record, teacher_path=teacher)
 
 
 def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
@@ -165,6 +189,10 @@ def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dty
 def load_transformer(student: Student, dtype: torch.dtype, device: torch.device):
     from diffusers import WanTransformer3DModel
 
+    if student.lora is not None:
+        from pipeline import lora
+
+        return lora.load(student.teacher_path, student.path, student.lora, dtype, device)
     try:
         model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
     except (OSError, ValueError, RuntimeError) as e:
@@ -180,8 +208,8 @@ def _has_init_dir(student: Student) -> bool:
 def init_exact(student: Student, seed: int | None) -> bool:
     """Whether `untrained_transformer` reproduces the student's starting weights: saved ones, or train-student's
     own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in."""
-    if seed is None and _has_init_dir(student):
-        return True
+    if student.lora is not None or (seed is None and _has_init_dir(student)):
+        return True  # (a LoRA student starts as the teacher: its adapters start at zero)
     return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
 
 
@@ -196,6 +224,11 @@ def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype
     from diffusers import WanTransformer3DModel
 
     exact = init_exact(student, seed)
+    if student.lora is not None:
+        from pipeline import lora
+
+        return (lora.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device),
+                {"source": f"the teacher {student.lora['teacher']} (LoRA adapters start at zero)", "exact": True})
     if seed is None and _has_init_dir(student):
         model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)
         how = {"source": f"{STUDENT_INIT}/", "exact": exact}

@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
+from pipeline.teacher_files import hash_json, sample_file
 
-from .teacher import TeacherSpec, _hash_json, _sample_file
+from .teacher import TeacherSpec
 
 MARKER = "wandistiller-offload.json"
 # Bump when the way a folder is laid out changes: older folders then fail their fingerprint and are rebuilt.
@@ -198,8 +199,8 @@ def expert_fingerprint(spec: TeacherSpec, comp: str, dtype: torch.dtype) -> str:
     """Identity of one expert's offload folder: its config and weight files, dtype, and the group layout."""
     import diffusers
 
-    weights = {f.name: _sample_file(f) for f in sorted((spec.path / comp).glob("*.safetensors"))}
-    return _hash_json({"component": comp, "config": _hash_json(spec.configs[comp]), "weights": weights,
+    weights = {f.name: sample_file(f) for f in sorted((spec.path / comp).glob("*.safetensors"))}
+    return hash_json({"component": comp, "config": hash_json(spec.configs[comp]), "weights": weights,
                        "dtype": str(dtype), "layout": LAYOUT_VERSION, "grouping": _GROUPING,
                        "diffusers": diffusers.__version__})
 

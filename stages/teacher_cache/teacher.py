@@ -6,7 +6,6 @@ placement's business (placements/); loading them in expert order, one at a time 
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,12 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id, teacher_folder
+from pipeline.teacher_files import hash_json, sample_file
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
 CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
                 "transformer": "config.json", "transformer_2": "config.json"}
 WEIGHT_SUFFIXES = (".safetensors",)
-_SAMPLE = 1 << 16  # bytes read at each end of a weight file for its identity
 ROPE_MAX_SEQ_LEN = 1024  # WanTransformer3DModel's default, for a config that does not say
 
 
@@ -89,30 +88,14 @@ class TeacherSpec:
 
     def identity(self) -> dict:
         """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""
-        h = {"model_index": _hash_json(self.model_index)}
-        h.update({k: _hash_json(v) for k, v in sorted(self.configs.items())})
+        h = {"model_index": hash_json(self.model_index)}
+        h.update({k: hash_json(v) for k, v in sorted(self.configs.items())})
         weights = {}
         for comp in ("text_encoder", *self.experts):
             for f in sorted((self.path / comp).glob("*.safetensors")):
-                weights[f"{comp}/{f.name}"] = _sample_file(f)
+                weights[f"{comp}/{f.name}"] = sample_file(f)
         h["weights"] = weights
         return h
-
-
-def _hash_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _sample_file(path: Path) -> str:
-    """sha256 of size + first and last 64 KiB: cheap, and tells apart teachers that share configs."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_SAMPLE))
-        if size > _SAMPLE:
-            f.seek(max(size - _SAMPLE, _SAMPLE))
-            h.update(f.read(_SAMPLE))
-    return h.hexdigest()
 
 
 def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:

@@ -24,6 +24,7 @@ from pipeline.runtime import DistEnv, print0
 from .data import make_loader
 from .epoch import RankBatches
 from .loop import TrainState, Trainer, lr_at, make_ema, peak_memory_gib
+from .student import trained_parameters
 
 if TYPE_CHECKING:
     from pipeline.config import TrainStudentConfig
@@ -58,19 +59,24 @@ def measure(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, model, heads, opti
         wait = trainer.data_wait_s
         del it
         trainer.close_logs()
-    params = sum(p.numel() for p in model.parameters())
+    params = (sum(p.numel() for p in model.parameters()), sum(p.numel() for _, p in trained_parameters(model)),
+              sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad))
     report = _report(cfg, env, s, params, count, took, wait, timed)
     for line in _lines(report):
         print0(line)
     return report
 
 
-def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: int, count: int, took: float, wait: float,
-            timed: int) -> dict:
+def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: tuple[int, int, int], count: int, took: float,
+            wait: float, timed: int) -> dict:
+    """`params`: (all, trained, bytes of the frozen ones): a LoRA student trains its adapters alone, and its frozen
+    base costs its own bytes on every GPU, no gradient and no AdamW state."""
     shards = env.world_size if cfg.strategy == "fsdp" else 1  # fsdp shards the training state over the ranks
-    state = params * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) / shards
+    total, trained, frozen_bytes = params
+    state = trained * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) / shards + frozen_bytes
     rate = count / took
-    return {"dry_run": True, "params": params, "strategy": cfg.strategy, "ema": cfg.ema_decay > 0, "world_size": env.world_size,
+    return {"dry_run": True, "params": total, "trained_params": trained, "frozen_bytes": frozen_bytes,
+            "strategy": cfg.strategy, "ema": cfg.ema_decay > 0, "world_size": env.world_size,
             "device": s.device.type, "training_state_bytes_per_gpu": int(state),
             "peak_memory_gib": round(peak_memory_gib(s.device), 3),
             "peak_memory_kind": "CUDA allocated" if s.device.type == "cuda" else "peak RSS of the process",
@@ -83,10 +89,13 @@ def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: int, count
 def _lines(r: dict) -> list[str]:
     ema = " + an EMA copy" if r["ema"] else ""
     per = f" ({r['samples_per_s_per_rank']:.1f} per rank of {r['world_size']})" if r["world_size"] > 1 else ""
+    frozen = (f" ({r['trained_params']:,} trained; the frozen base {human(r['frozen_bytes'])})"
+              if r["frozen_bytes"] else "")
     return [
         "train-student --dry-run: nothing trained, nothing written to --out",
-        f"student     {r['params']:,} parameters; training state {human(r['training_state_bytes_per_gpu'])} per GPU "
-        f"({r['strategy']}: float32 weights, gradients and AdamW moments{ema}), activations on top",
+        f"student     {r['params']:,} parameters{frozen}; training state {human(r['training_state_bytes_per_gpu'])} "
+        f"per GPU ({r['strategy']}: float32 trained weights, gradients and AdamW moments{ema}"
+        f"{', and the frozen base' if frozen else ''}), activations on top",
         f"measured    a step of {r['global_batch']} samples in {r['step_s']:.3g} s"
         + (" after a warm-up step" if r["warmed_up"] else " (no warm-up: the epoch has one step)")
         + f" on {r['device']}: {r['samples_per_s']:.1f} samples/s{per}; peak memory {r['peak_memory_gib']:.2f} GiB "

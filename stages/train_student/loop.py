@@ -43,6 +43,7 @@ from .epoch import EpochPlan, RankBatches, eval_batches
 from .index import DataSplit
 from .objectives import Batch, Objective
 from .strategy import DDP, Strategy
+from .student import trained_parameters
 from .tracking import NullTracker, Tracker
 
 # Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
@@ -78,18 +79,20 @@ def make_ema(model: torch.nn.Module, decay: float, shadow: dict[str, torch.Tenso
              updates: int = 0) -> EMAModel:
     """diffusers' EMAModel over the student's parameters, with its warmup of the decay (the first update copies
     the weights, then min(decay, (1+n)/(10+n))) so short runs are not dominated by the random initialisation.
-    `shadow` (by parameter name) and `updates` restore a checkpoint's EMA."""
-    ema = EMAModel(model.parameters(), decay=decay, min_decay=0.0, update_after_step=0, use_ema_warmup=False,
+    `shadow` (by parameter name) and `updates` restore a checkpoint's EMA. Only the trained parameters are averaged
+    (a LoRA student's frozen base would be a second copy of the teacher)."""
+    named = trained_parameters(model)
+    ema = EMAModel([p for _, p in named], decay=decay, min_decay=0.0, update_after_step=0, use_ema_warmup=False,
                    foreach=True)
     if shadow is not None:
-        ema.shadow_params = [shadow[k].to(p.device, p.dtype).clone() for k, p in model.named_parameters()]
+        ema.shadow_params = [shadow[k].to(p.device, p.dtype).clone() for k, p in named]
         ema.optimization_step = updates
     return ema
 
 
 def ema_tensors(ema: EMAModel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The EMA weights by parameter name (what checkpoints store)."""
-    return {k: s for (k, _), s in zip(model.named_parameters(), ema.shadow_params)}
+    return {k: s for (k, _), s in zip(trained_parameters(model), ema.shadow_params)}
 
 
 @dataclass
@@ -332,7 +335,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.step(self.model.parameters())
+            self.ema.step([p for _, p in trained_parameters(self.model)])
         loss = all_reduce(loss_sum, self.device).item() / count
         if not math.isfinite(loss) and not self.scaler.is_enabled():  # fp16: the scaler skips such steps
             raise self.nonfinite_error(loss, bad)

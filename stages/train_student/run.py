@@ -36,7 +36,8 @@ from .index import DataSplit, prepare
 from .loop import TrainState, Trainer, lr_at, make_ema, plot_losses, truncate_metrics
 from .objectives import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy
-from .student import build_student, check_compatible, init_from_teacher, load_student_config
+from . import lora
+from .student import build_student, check_compatible, init_from_teacher, load_student_config, trained_parameters
 from .tracking import open_tracker, require_backend
 from .validation import make_validator
 
@@ -146,9 +147,9 @@ def _optimizer(model: torch.nn.Module, cfg: TrainStudentConfig, device: torch.de
                heads: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     # Decay matrices only: biases, norm gains and the modulation tables keep their scale.
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in trained_parameters(model):  # (a LoRA student's frozen base has no optimizer state)
         (decay if p.ndim >= 2 and "scale_shift_table" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if ps]
     if heads is not None:  # the objective's projection heads: a group of their own, after the student's
         groups.append({"params": list(heads.parameters()), "weight_decay": cfg.weight_decay})
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
@@ -173,7 +174,7 @@ def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
 
 
 def _distill_record(cfg: TrainStudentConfig, data: DataSplit, state: TrainState, ema: bool,
-                    objective: Objective) -> DistillRecord:
+                    objective: Objective, lora_spec: lora.LoraSpec | None = None) -> DistillRecord:
     """What the sampling commands need to know about the targets this student learned and how to sample it."""
     m = data.index.manifest
     steps = list(data.train_steps)
@@ -193,6 +194,7 @@ def _distill_record(cfg: TrainStudentConfig, data: DataSplit, state: TrainState,
         init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config, optimizer_steps=state.step,
         samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
         objective_settings=objective.record(), student_steps=objective.student_steps(m),
+        lora=lora_spec.record() if lora_spec is not None else None,
     )
 
 
@@ -210,6 +212,7 @@ class _Setup:
     total: int  # optimizer steps of the run
     identity: dict  # what a checkpoint must match to be resumed
     strategy: Strategy  # how the student is laid over the ranks (strategy.py)
+    lora: lora.LoraSpec | None = None  # a LoRA student's teacher and adapters (--lora-of)
 
     @property
     def manifest(self) -> dict:
@@ -222,33 +225,43 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
     layout = RunLayout(cfg.out)
     if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (dry_run.py)
         _check_out(layout.root, cfg.resume)
-    student_cfg = load_student_config(cfg.student_config)
+    student_cfg = load_student_config(cfg.student_config) if cfg.lora_of is None else None
     objective = get_objective(cfg.objective).from_config(cfg)
     caches = open_caches(list(cfg.cache))
-    check_compatible(student_cfg, caches[0].manifest, cfg.student_config)  # before the (slower) shard check
-    check_cache(objective, caches[0].manifest, str(caches[0].path), int(student_cfg.get("num_layers", 1)))
+    manifest, train_steps, spec = caches[0].manifest, cfg.train_steps, None
+    if cfg.lora_of is not None:  # the student is the teacher itself: its transformer config, checked against the cache
+        spec = lora.LoraSpec.from_config(cfg, manifest)
+        spec.check(manifest, str(caches[0].path))
+        student_cfg, train_steps = spec.config, spec.train_steps(manifest, cfg.train_steps)
+    check_compatible(student_cfg, manifest, cfg.student_config or cfg.lora_of)  # before the (slower) shard check
+    check_cache(objective, manifest, str(caches[0].path), int(student_cfg.get("num_layers", 1)))
     # A dry run checks sizes only: the checksum of an A14B cache's shards is hours of reading, not a step's cost.
-    data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, cfg.train_steps, cfg.holdout_prompts)
+    data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, train_steps, cfg.holdout_prompts)
     plan, total = _plan(cfg, data, env)
     if env.is_main and not cfg.dry_run:
         layout.root.mkdir(parents=True, exist_ok=True)
     identity = {"fingerprints": sorted({c.fingerprint for c in data.index.caches}), "data": data.digest(),
                 "seed": cfg.seed, "global_batch": plan.global_batch, "grad_accum": cfg.grad_accum,
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
+    if spec is not None:
+        identity["lora"] = spec.identity()
     if objective.name != "velocity" or objective.record():  # runs from before objectives resume unchanged
         identity["objective"] = {"name": objective.name, **objective.record()}
     order = order_identity(plan, cfg.embedding_cache_size)
     if order is not None:  # (a shuffled epoch's identity is what it was before grouped orders)
         identity["order"] = order
     strategy = get_strategy(cfg.strategy, env, device, mixed)
-    return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity, strategy)
+    return _Setup(device, mixed, layout, student_cfg, objective, data, plan, total, identity, strategy, spec)
 
 
 def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool):
     """The student (same seed on every rank; DDP also broadcasts rank 0's weights when it wraps) placed by the
     strategy, the objective's heads, the optimizer and the fp16 scaler, and the module the loop runs (the DDP
     wrapper, or None: the student itself)."""
-    model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
+    if s.lora is not None:  # the teacher's experts, frozen in the autocast dtype (float32 without), and the adapters
+        model = lora.build(s.lora, cfg.seed, s.mixed or torch.float32)
+    else:
+        model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
     if cfg.init_from_teacher and fresh and (env.is_main or not s.strategy.syncs_init):
         rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
@@ -330,7 +343,7 @@ def _save(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, ema, state: TrainSta
             if env.is_main:
                 _save_pretrained(full, s.layout.student_ema)
     if env.is_main:
-        record = _distill_record(cfg, s.data, state, ema is not None, s.objective)
+        record = _distill_record(cfg, s.data, state, ema is not None, s.objective, s.lora)
         atomic_write_json(s.layout.distill, record.to_json())
         plot_losses(s.layout.root)
     with s.strategy.full_model() as full:
@@ -357,7 +370,9 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
         if ckpt is None:
             s.layout.metrics.write_text("")
     ema = make_ema(model, cfg.ema_decay, ema_state, state.step) if cfg.ema_decay > 0 else None
-    print0(f"train-student: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter student on "
+    trained = sum(p.numel() for _, p in trained_parameters(model))
+    kind = "" if s.lora is None else f" ({trained / 1e6:.2f}M trained: rank-{s.lora.rank} LoRA of {cfg.lora_of})"
+    print0(f"train-student: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter student{kind} on "
          f"{env.world_size} x {s.device.type} ({cfg.strategy}), objective {s.objective.name}, "
          f"{len(s.data.train_rows)} training samples ({len(s.data.heldout_rows)} held out), global batch "
          f"{s.plan.global_batch} x {cfg.grad_accum} accum, {s.plan.steps} steps/epoch ("
@@ -372,7 +387,7 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
                            is_main=env.is_main)
     # Validation samples the student as distill.json will say it is sampled (its steps and scheduler).
     validator = make_validator(cfg, env.is_main, s.data, _distill_record(cfg, s.data, state, ema is not None,
-                                                                          s.objective), s.device,
+                                                                          s.objective, s.lora), s.device,
                                every_rank=s.strategy.lockstep)
     trainer = Trainer(cfg=cfg, env=env, device=s.device, model=model, ddp=wrapped, data=s.data, plan=s.plan,
                       optimizer=optimizer, scaler=scaler, ema=ema, state=state, total=s.total, out=s.layout.root,

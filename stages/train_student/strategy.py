@@ -45,7 +45,7 @@ from pipeline.runtime import DistEnv
 from . import checkpoint
 from .comm import all_gather_bytes
 from .objectives import WithHeads
-from .student import empty_student
+from .student import empty_student, trained_parameters
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -145,8 +145,14 @@ class DDP(Strategy):
         if heads is not None:
             heads.to(self.device)
         if self.env.world_size > 1:  # broadcasts rank 0's weights to every rank
+            # Frozen weights (a LoRA student's base, read from the same teacher files on every rank) are neither
+            # broadcast nor reduced: only the trained parameters are DDP's.
+            module = model if heads is None else WithHeads(model, heads)
+            frozen = [k for k, p in module.named_parameters() if not p.requires_grad]
+            if frozen:
+                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                model if heads is None else WithHeads(model, heads),
+                module,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
         return self.ddp
@@ -163,12 +169,13 @@ class DDP(Strategy):
 
     @contextlib.contextmanager
     def ema_weights(self, ema) -> Iterator[None]:
-        ema.store(self.model.parameters())  # the trained weights wait in host memory
-        ema.copy_to(self.model.parameters())
+        params = [p for _, p in trained_parameters(self.model)]
+        ema.store(params)  # the trained weights wait in host memory
+        ema.copy_to(params)
         try:
             yield
         finally:
-            ema.restore(self.model.parameters())
+            ema.restore(params)
 
     @contextlib.contextmanager
     def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:

@@ -92,6 +92,12 @@ def build_student(cfg: dict, path: str, seed: int) -> torch.nn.Module:
         raise UserError(f"student config {path} cannot build a WanTransformer3DModel: {e}") from e
 
 
+def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The student's parameters that training changes, by name: all of a compact student's, a LoRA student's adapters
+    (its base is frozen). What the optimizer, the EMA and the checkpoints hold."""
+    return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+
+
 def empty_student(config: dict) -> torch.nn.Module:
     """The student's module with no memory behind its weights (meta device), to be given them with
     `load_state_dict(..., assign=True)`: how full weights gathered from shards become a model to save."""

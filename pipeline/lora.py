@@ -1,0 +1,123 @@
+"""The LoRA student as one model (`LoraExperts`): the teacher's transformer(s), frozen, with peft adapters, called like
+one transformer by the training loop, the sampler (pipeline/sampling.py) and the inference commands.
+
+Each sample goes to the expert WanPipeline runs at its timestep: t >= boundary_ratio x num_train_timesteps ->
+`transformer` (high noise), else `transformer_2` (low noise), stage one's rule too, so an adapter learns from the
+samples its own expert produced and a K-step sampler switches expert at the same boundary. Training builds it in
+stages/train_student/lora.py; `load` rebuilds it from a run's student/ folder for `sample`, `eval` and `export`,
+through diffusers' own LoRA loader (the path `WanPipeline.load_lora_weights` takes), so what they run is what a
+diffusers user loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .artifact import LORA_JSON
+
+COMPONENTS = ("transformer", "transformer_2")  # expert 1 (high noise), expert 2 (low noise)
+ADAPTER = "default"  # the adapter's name inside each expert (peft's default)
+
+
+def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
+    """A LoRA adapter (peft, through diffusers' PeftAdapterMixin) on `model`'s `targets`; the base frozen, the adapter's
+    weights in float32 whatever the base's dtype (they are the master weights AdamW updates)."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=True),
+                      adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+
+
+class LoraExperts(torch.nn.Module):
+    """One or two frozen Wan transformers with adapters, called like one: each sample goes to the expert WanPipeline
+    runs at its timestep (the module docstring). The training loop, the sampler and the checkpoints see one model."""
+
+    def __init__(self, experts: dict[str, torch.nn.Module], boundary_timestep: float | None, record: dict):
+        super().__init__()
+        self.experts = torch.nn.ModuleDict(experts)
+        self.boundary_timestep = boundary_timestep
+        self.record = record
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.experts.values())).dtype
+
+    def enable_gradient_checkpointing(self) -> None:
+        for m in self.experts.values():
+            m.enable_gradient_checkpointing()
+
+    def _groups(self, timestep: torch.Tensor) -> list[tuple[str, torch.Tensor | None]]:
+        """(expert, the batch rows it runs, None for all of them) for each expert with rows."""
+        first = COMPONENTS[0]
+        if self.boundary_timestep is None:
+            return [(next(iter(self.experts)), None)]
+        t = timestep if timestep.ndim == 1 else timestep[:, 0]  # (per-token timesteps: the first token's)
+        high = t >= self.boundary_timestep
+        if bool(high.all()) or not bool(high.any()):
+            return [(first if bool(high.all()) else COMPONENTS[1], None)]
+        return [(first, high.nonzero().flatten()), (COMPONENTS[1], (~high).nonzero().flatten())]
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
+        groups = self._groups(timestep)
+        missing = [c for c, _ in groups if c not in self.experts]
+        if missing:
+            raise RuntimeError(f"a sample for {missing[0]}, which this LoRA student does not hold (--lora-experts)")
+        outs = []
+        for comp, rows in groups:
+            pick = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))  # noqa: E731
+            outs.append(self.experts[comp](hidden_states=pick(hidden_states), timestep=pick(timestep),
+                                           encoder_hidden_states=pick(encoder_hidden_states),
+                                           attention_kwargs=attention_kwargs, return_dict=False)[0])
+        out = outs[0]
+        if len(outs) == 2:
+            out = out.new_zeros((hidden_states.shape[0], *out.shape[1:]))
+            for (_, rows), o in zip(groups, outs):
+                out = out.index_copy(0, rows, o)
+        if torch.is_grad_enabled():
+            # An expert without a sample in this micro-batch still takes part in the backward, with zero gradients:
+            # DDP then reduces every adapter at every step (no unused parameters to search for), and AdamW treats the
+            # idle expert the same on one rank or many.
+            used = {c for c, _ in groups}
+            idle = [p for c, m in self.experts.items() if c not in used for p in m.parameters() if p.requires_grad]
+            if idle:
+                out = out + 0.0 * sum(p.sum() for p in idle)
+        return (out,)
+
+    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
+        """Each expert's adapter in diffusers' LoRA format (what `WanPipeline.load_lora_weights` loads, with its
+        LoraConfig as the file's metadata so that alpha comes back), and `lora.json`."""
+        from diffusers import WanPipeline
+        from peft.utils import get_peft_model_state_dict
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for comp, model in self.experts.items():
+            state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+            state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            WanPipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name=self.record["files"][comp],
+                                          transformer_lora_adapter_metadata=model.peft_config[ADAPTER].to_dict())
+        (folder / LORA_JSON).write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
+    """A trained LoRA student for inference: every expert of the teacher (in `dtype`), each trained one with its
+    adapter from `folder` loaded by diffusers' LoRA loader (as `WanPipeline.load_lora_weights` does)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    experts = {}
+    for comp in record["experts"]:
+        model = WanTransformer3DModel.from_pretrained(teacher / comp, torch_dtype=dtype)
+        if comp in record["files"]:
+            state, metadata = WanPipeline.lora_state_dict(str(folder), weight_name=record["files"][comp],
+                                                          return_lora_metadata=True)
+            WanPipeline.load_lora_into_transformer(state, transformer=model, adapter_name=ADAPTER, metadata=metadata)
+        experts[comp] = model.to(device).eval().requires_grad_(False)
+    return LoraExperts(experts, record.get("boundary_timestep"), record).eval()

@@ -1,0 +1,151 @@
+"""LoRA students (`train-student --lora-of TEACHER`): the teacher's own transformer(s), frozen, each with a peft LoRA
+adapter, trained from the cache alone with the usual objectives (`velocity`, `segment --student-steps K`).
+
+The few-step LoRAs Wan users run (Wan2.2-Lightning, LightX2V) are this: 4-step, CFG-free adapters on the A14B
+experts. Trained from the cache, only one model is in memory (the frozen base plus small adapters) and no teacher
+forward runs: the targets are the cache's.
+
+Two experts (Wan 2.2 A14B): `LoraExperts` holds the teacher's `transformer` (high noise) and `transformer_2` (low
+noise) and sends each sample to the one WanPipeline runs at its timestep, t >= boundary_ratio x
+num_train_timesteps -> transformer, else transformer_2 (stage one's rule). Before the first step `LoraSpec.check`
+refuses a cache whose recorded expert of some step is not the one this rule picks, so each adapter learns only from
+the samples its own expert produced, and a K-step sampler switches expert at the same boundary. `--lora-experts 1|2`
+trains one expert alone: its steps only (the data selection), with only that expert in memory.
+
+What is kept: checkpoints hold the adapters alone (the trainable parameters, `checkpoint.model_state`) and their
+optimizer state; the base is read again from the teacher at every start, and its identity (the hashes stage one
+fingerprints the teacher with) is part of the run identity, so a resume on other base weights is refused. The
+artifact's student/ holds each expert's adapter in diffusers' LoRA format (`save_pretrained` below).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache import format as F
+from cache.schema import recorded_steps
+from pipeline.artifact import lora_file
+from pipeline.errors import UserError
+from pipeline.hub import teacher_folder
+from pipeline.lora import ADAPTER, COMPONENTS, LoraExperts, add_adapter  # noqa: F401 (ADAPTER: for tests)
+from pipeline.teacher_files import hash_json, sample_file
+
+_MODEL_FILES = ("model_index.json", "transformer*/*.json", "transformer*/*.safetensors")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA student a run trains: which teacher, which of its experts, which adapters."""
+
+    teacher: str  # as the user named it (folder or Hub id)
+    path: Path  # its local folder
+    revision: str | None
+    experts: tuple[str, ...]  # the teacher's transformers, in expert order
+    trained: tuple[str, ...]  # the experts this run adapts and loads
+    boundary_timestep: float | None  # expert 1 runs at t >= this (None: one expert)
+    boundary_ratio: float | None
+    config: dict  # the transformer's config (both experts share it)
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, cfg, manifest: dict) -> LoraSpec:
+        path = teacher_folder(cfg.lora_of, cfg.revision, files=_MODEL_FILES, flag="--lora-of")
+        index = _read(path / "model_index.json", cfg.lora_of)
+        experts = tuple(c for c in COMPONENTS if isinstance(index.get(c), list) and index[c][0])
+        if not experts or not all((path / c / "config.json").is_file() for c in experts):
+            raise UserError(f"--lora-of {cfg.lora_of} is not a Wan pipeline with its transformer folders ({path})")
+        trained = experts if cfg.lora_experts == "all" else experts[int(cfg.lora_experts) - 1:int(cfg.lora_experts)]
+        if not trained:
+            raise UserError(f"--lora-experts {cfg.lora_experts}: the teacher {cfg.lora_of} has one transformer; use "
+                            "--lora-experts all")
+        ratio = index.get("boundary_ratio") if len(experts) == 2 else None
+        steps = (manifest.get(F.F_SCHEDULER) or {}).get("num_train_timesteps", 1000)
+        config = {k: v for k, v in _read(path / experts[0] / "config.json", cfg.lora_of).items()
+                  if not k.startswith("_")}
+        return cls(teacher=cfg.lora_of, path=path, revision=cfg.revision, experts=experts, trained=trained,
+                   boundary_timestep=None if ratio is None else ratio * steps, boundary_ratio=ratio, config=config,
+                   rank=cfg.lora_rank, alpha=float(cfg.lora_alpha or cfg.lora_rank),
+                   targets=tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip()))
+
+    def expert_of(self, timestep: float) -> int:
+        """1 or 2: the expert WanPipeline (and stage one) runs at `timestep`."""
+        return 1 if self.boundary_timestep is None or timestep >= self.boundary_timestep else 2
+
+    def check(self, manifest: dict, cache: str) -> None:
+        """Refuse (one line) a cache made with another teacher than the base, or whose samples would reach an adapter
+        of another expert than the one that produced them."""
+        recorded = manifest.get(F.F_TEACHER_IDENTITY) or {}
+        mine = self.identity()
+        weights = recorded.get("weights", {})
+        for comp in self.trained:
+            if recorded.get(comp) not in (None, mine["configs"][comp]) or any(
+                    weights.get(k, v) != v for k, v in mine["weights"].items() if k.split("/")[0] == comp):
+                raise UserError(f"--lora-of {self.teacher}: its {comp} is not the teacher the cache {cache} was made "
+                                f"with ({manifest.get(F.F_TEACHER)}): a LoRA student adapts the teacher that made its "
+                                "targets; pass the teacher the cache was made with")
+        experts = manifest.get(F.F_EXPERTS) or []
+        if len(set(experts)) > len(self.experts):
+            raise UserError(f"the cache {cache} was made with a two-expert teacher and --lora-of {self.teacher} has "
+                            "one transformer; pass the teacher the cache was made with")
+        for k, (t, e) in enumerate(zip(manifest[F.F_TIMESTEPS], experts)):
+            if self.expert_of(float(t)) != int(e):
+                raise UserError(f"the cache {cache} ran step {k} (timestep {t:g}) with expert {e}, but the boundary of "
+                                f"--lora-of {self.teacher} (ratio {self.boundary_ratio}) gives it to expert "
+                                f"{self.expert_of(float(t))}; pass the teacher the cache was made with")
+
+    def train_steps(self, manifest: dict, requested: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The cached steps to train on: `requested` (None: all), those of the trained expert when one is chosen."""
+        if self.trained == self.experts:
+            return requested
+        expert = COMPONENTS.index(self.trained[0]) + 1
+        steps = requested if requested is not None else tuple(recorded_steps(manifest))
+        mine = tuple(k for k in steps if int(manifest[F.F_EXPERTS][k]) == expert)
+        if not mine:
+            raise UserError(f"--lora-experts {expert}: none of the cached steps {','.join(map(str, steps))} ran with "
+                            f"expert {expert}; choose the other expert or other --train-steps")
+        return mine
+
+    def identity(self) -> dict:
+        """The base and the adapters, as a resume must find them again."""
+        weights = {f"{c}/{f.name}": sample_file(f) for c in self.trained for f in sorted((self.path / c).glob(
+            "*.safetensors"))}
+        configs = {c: hash_json(_read(self.path / c / "config.json", self.teacher)) for c in self.trained}
+        return {"configs": configs, "weights": weights, "trained": list(self.trained), "rank": self.rank,
+                "alpha": self.alpha, "targets": list(self.targets)}
+
+    def record(self) -> dict:
+        """distill.json's `lora` and student/lora.json: what `sample`, `eval` and `export` rebuild the student from."""
+        return {"teacher": self.teacher, "revision": self.revision, "experts": list(self.experts),
+                "trained": list(self.trained), "files": {c: lora_file(c, len(self.experts)) for c in self.trained},
+                "boundary_ratio": self.boundary_ratio, "boundary_timestep": self.boundary_timestep,
+                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+
+def _read(path: Path, teacher: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--lora-of {teacher}: cannot read {path} ({e})") from e
+
+
+def build(spec: LoraSpec, seed: int, dtype: torch.dtype) -> LoraExperts:
+    """The LoRA student: the trained experts of the teacher in `dtype`, frozen, each with a fresh adapter drawn from
+    `seed` (the same on every rank); lora_B starts at zero, so the untrained student is the teacher."""
+    from diffusers import WanTransformer3DModel
+
+    experts = {}
+    for i, comp in enumerate(spec.trained):
+        model = WanTransformer3DModel.from_pretrained(spec.path / comp, torch_dtype=dtype)
+        torch.manual_seed(seed + i)
+        try:
+            add_adapter(model, spec.rank, spec.alpha, spec.targets)
+        except ValueError as e:  # e.g. a target that no module matches
+            raise UserError(f"--lora-targets {','.join(spec.targets)}: {str(e).splitlines()[0]}") from e
+        experts[comp] = model
+    return LoraExperts(experts, spec.boundary_timestep, spec.record())

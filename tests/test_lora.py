@@ -1,0 +1,266 @@
+"""LoRA students (`train-student --lora-of TEACHER`): only the adapters train and the base keeps the teacher's bytes;
+each Wan 2.2 expert's adapter learns from the samples that expert produced; kill and resume bit-equal; two ranks equal
+one process; what a user can get wrong ends in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cache import format as F
+from cache.manifest import load_manifest
+from conftest import read_all_samples
+from pipeline.config import TrainStudentConfig
+from pipeline.errors import UserError
+from stages.train_student import checkpoint, lora
+from stages.train_student.strategy import state_sha
+from test_train_student import invoke, metrics, train
+
+LORA = dict(student_config=None, lora_rank=4, objective="segment", student_steps=2, lr=1e-2)
+FILES = ["high_noise_model.safetensors", "lora.json", "low_noise_model.safetensors"]
+
+
+def lora_train(cache, teacher, out, **kw) -> dict:
+    return train(cache, out, **(LORA | {"lora_of": str(teacher)} | kw))
+
+
+def spec_of(teacher, cache, **kw) -> lora.LoraSpec:
+    cfg = TrainStudentConfig(**({"cache": (str(cache),), "out": "o", "lora_of": str(teacher)} | LORA | kw))
+    return lora.LoraSpec.from_config(cfg, load_manifest(cache))
+
+
+def with_adapters(spec: lora.LoraSpec, folder: Path, seed: int = 0) -> lora.LoraExperts:
+    """The LoRA student rebuilt from the teacher and a run's student/ files (diffusers' key names mapped back)."""
+    model = lora.build(spec, seed, torch.float32)
+    params = dict(model.named_parameters())
+    for comp in spec.trained:
+        for k, v in load_file(folder / spec.record()["files"][comp]).items():
+            name = k.removeprefix("transformer.").replace(".weight", f".{lora.ADAPTER}.weight")
+            with torch.no_grad():
+                params[f"experts.{comp}.{name}"].copy_(v)
+    return model
+
+
+def _batch(samples: list[tuple[dict, dict]], cache: Path) -> dict:
+    from cache.prompt_store import EmbeddingCache
+
+    m = load_manifest(cache)
+    emb = EmbeddingCache(cache, int(m[F.F_NUM_PARTS]), 8)
+    ctx = torch.stack([torch.as_tensor(emb.get(int(meta[F.M_PROMPT_IDX]))).float() for _, meta in samples])
+    return {"hidden_states": torch.stack([t[F.T_X_T].float() for t, _ in samples]),
+            "timestep": torch.tensor([float(meta[F.M_TIMESTEP]) for _, meta in samples]),
+            "encoder_hidden_states": ctx}
+
+
+def test_each_sample_reaches_the_expert_that_produced_it(tiny_teacher, tiny_cache):
+    """A mixed micro-batch is split at the boundary as stage one split the steps: each sample's prediction is its own
+    expert's (the untrained adapters add exactly zero), and a batch of expert-2 samples trains expert 2's adapter
+    alone (expert 1's gets zero gradients, so DDP still reduces it)."""
+    from diffusers import WanTransformer3DModel
+
+    spec = spec_of(tiny_teacher, tiny_cache)
+    assert spec.trained == ("transformer", "transformer_2") and spec.boundary_timestep == 875.0
+    samples = sorted(read_all_samples(tiny_cache).values(), key=lambda s: s[1][F.M_STEP])
+    by_expert = {e: [s for s in samples if s[1][F.M_EXPERT] == e][:2] for e in (1, 2)}
+    assert all(len(v) == 2 for v in by_expert.values())
+    mixed = [by_expert[2][0], by_expert[1][0], by_expert[2][1], by_expert[1][1]]
+    model = lora.build(spec, 0, torch.float32)
+    b = _batch(mixed, tiny_cache)
+    with torch.no_grad():
+        got = model(**b)[0]
+        for expert, rows in ((1, [1, 3]), (2, [0, 2])):  # each expert's rows, run as the router runs them
+            assert [mixed[j][1][F.M_EXPERT] for j in rows] == [expert, expert]
+            comp = lora.COMPONENTS[expert - 1]
+            teacher = WanTransformer3DModel.from_pretrained(tiny_teacher / comp).eval()
+            own = teacher(**{k: v[rows] for k, v in b.items()}, return_dict=False)[0]
+            assert torch.equal(got[rows], own), comp
+
+    low = _batch(by_expert[2], tiny_cache)
+    model(**low)[0].square().mean().backward()
+    grads = {c: [p.grad for k, p in m.named_parameters() if "lora_B" in k] for c, m in model.experts.items()}
+    assert all(g is not None and not g.any() for g in grads["transformer"])
+    assert all(g is not None and g.abs().sum() > 0 for g in grads["transformer_2"])
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_the_base_keeps_the_teachers_bytes(tiny_teacher, tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    summary = lora_train(tiny_cache, tiny_teacher, out, max_steps=4, checkpoint_every=2, seed=5)
+    assert sorted(p.name for p in (out / "student").iterdir()) == FILES
+    record = json.loads((out / "distill.json").read_text())["lora"]
+    assert record["trained"] == ["transformer", "transformer_2"] and record["rank"] == 4 and record["alpha"] == 4.0
+    for comp, name in record["files"].items():
+        tensors = load_file(out / "student" / name)
+        assert tensors and all(k.startswith("transformer.blocks.") and ".lora_" in k for k in tensors), name
+        assert any(t.abs().sum() > 0 for k, t in tensors.items() if "lora_B" in k), name  # it learned
+    # the checkpoint holds the adapters and their AdamW state, nothing of the base
+    ckpt = out / "checkpoints" / "step-00000002"
+    saved = load_file(ckpt / checkpoint.MODEL)
+    assert saved and all(".lora_" in k for k in saved)
+    optim = torch.load(ckpt / checkpoint.OPTIMIZER, weights_only=True)
+    assert len(optim["state"]) == len(saved)
+    # the trained student, whole (base and adapters), is the teacher's base plus the saved adapters, bit for bit
+    spec = spec_of(tiny_teacher, tiny_cache)
+    assert state_sha(with_adapters(spec, out / "student", seed=5).state_dict()) == summary["param_sha256"]
+
+
+@pytest.mark.slow
+def test_one_expert_alone_trains_on_its_own_samples(tiny_teacher, tiny_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(tmp_path / "debug"))
+    out = tmp_path / "low"
+    lora_train(tiny_cache, tiny_teacher, out, lora_experts="2", max_steps=3, batch_size=2)
+    experts = load_manifest(tiny_cache)[F.F_EXPERTS]
+    keys = [k for b in json.loads((tmp_path / "debug" / "rank-0.json").read_text())["micro_batches"] for k in b]
+    assert keys and {experts[F.parse_key(k)[2]] for k in keys} == {2}
+    assert sorted(p.name for p in (out / "student").iterdir()) == ["lora.json", "low_noise_model.safetensors"]
+    assert json.loads((out / "distill.json").read_text())["train_steps"] == [k for k, e in enumerate(experts) if e == 2]
+
+
+@pytest.mark.slow
+def test_kill_and_resume_gives_the_same_lora_run(tiny_teacher, tiny_cache, tmp_path, monkeypatch):
+    kw = dict(max_steps=8, checkpoint_every=3, warmup_steps=2, ema_decay=0.8, holdout_prompts=1, eval_every=4)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    lora_train(tiny_cache, tiny_teacher, full, **kw)
+    monkeypatch.setenv("WANDISTILLER_FAIL_AT", "0:6")  # dies as step 6 begins: checkpoint 3 on disk
+    with pytest.raises(RuntimeError, match="injected failure"):
+        lora_train(tiny_cache, tiny_teacher, cut, **kw)
+    monkeypatch.delenv("WANDISTILLER_FAIL_AT")
+    with pytest.raises(UserError, match="another lora"):  # another rank is another run
+        lora_train(tiny_cache, tiny_teacher, cut, resume=True, **(kw | {"lora_rank": 8}))
+    lora_train(tiny_cache, tiny_teacher, cut, resume=True, **kw)
+    assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
+    assert metrics(cut, "eval") == metrics(full, "eval")
+    for folder in ("student", "student_ema"):
+        for name in FILES[::2]:
+            a, b = load_file(cut / folder / name), load_file(full / folder / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (folder, name)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_lora_on_two_ranks_matches_one_process(tiny_teacher, tiny_cache, tmp_path, monkeypatch):
+    from test_train_student import max_rel_diff
+    from test_train_student_dist import ARGS, assert_ranks_match_one, two_ranks_and_one
+
+    args = ARGS | LORA | {"lora_of": str(tiny_teacher), "lr": 1e-3}
+    out2, out1, ranks, one = two_ranks_and_one(tiny_cache, tmp_path, monkeypatch, args)
+    assert_ranks_match_one(out2, out1, ranks, one)
+    for name in FILES[::2]:
+        assert max_rel_diff(load_file(out2 / "student" / name), load_file(out1 / "student" / name)) <= 1e-4
+
+
+def test_lora_mistakes_end_in_one_line_and_exit_2(tiny_teacher, tiny_teacher_factory, tiny_cache, tmp_path):
+    from test_train_student import TINY
+
+    base = ["--cache", str(tiny_cache), "--device", "cpu", "--num-workers", "0"]
+    teacher = ["--lora-of", str(tiny_teacher)]
+    cases = [
+        (teacher + ["--student-config", TINY], "not both"),
+        (["--student-config", TINY, "--lora-rank", "8"], "lora-rank applies to --lora-of runs only"),
+        (teacher + ["--strategy", "fsdp"], "fsdp does not take LoRA"),
+        (teacher + ["--init-from-teacher", str(tiny_teacher)], "init-from-teacher does not go with --lora-of"),
+        (["--lora-of", str(tiny_teacher_factory("wan2.1"))], "pass the teacher the cache was made with"),
+        (teacher + ["--lora-targets", "no_such_layer"], "lora-targets no_such_layer"),
+        ([], "give --student-config"),
+    ]
+    for i, (args, needle) in enumerate(cases):
+        result = invoke(*base, *args, "--out", str(tmp_path / f"out{i}"))
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], (needle, result.stderr)
+        assert not (tmp_path / f"out{i}" / "student").exists()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_teacher, tiny_cache, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora") / "run"
+    lora_train(tiny_cache, tiny_teacher, out, max_steps=3, holdout_prompts=2)
+    return out
+
+
+@pytest.mark.slow
+def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_run, tiny_teacher, tiny_cache,
+                                                                            tmp_path):
+    """`WanPipeline.from_pretrained(teacher)` + `load_lora_weights(export)` draws what the project's K-step sampler
+    draws with the LoRA student, bit for bit, and the `--fuse` export the same to float rounding."""
+    from click.testing import CliRunner
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from pipeline.cli import main
+    from pipeline.sampling import sample_latents, student_scheduler
+    from stages.sample.models import find_student, load_transformer
+
+    for args, out in (((), tmp_path / "lora"), (("--fuse",), tmp_path / "fused")):
+        r = CliRunner().invoke(main, ["export", "--student", str(lora_run), "--out", str(out), *args],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+    card = (tmp_path / "lora" / "README.md").read_text()
+    for needle in (str(tiny_teacher), "guidance_scale=1.0", "num_inference_steps=2", "max_sequence_length=32",
+                   'weight_name="low_noise_model.safetensors", adapter_name="transformer_2", load_into_transformer_2'):
+        assert needle in card, needle
+    m = load_manifest(tiny_cache)
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(2, *m[F.F_LATENT_SHAPE], generator=g)
+    embeds = torch.randn(2, int(m[F.F_MAX_SEQUENCE_LENGTH]), int(m[F.F_TEXT_DIM]), generator=g)
+    kw = dict(prompt_embeds=embeds, num_inference_steps=2, guidance_scale=1.0, height=int(m[F.F_HEIGHT]),
+              width=int(m[F.F_WIDTH]), num_frames=1, output_type="latent")
+
+    pipe = WanPipeline.from_pretrained(tiny_teacher)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = UniPCMultistepScheduler.from_pretrained(tmp_path / "lora", subfolder="scheduler")
+    base = pipe(latents=init.clone(), **kw).frames
+    pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="high_noise_model.safetensors")
+    pipe.load_lora_weights(str(tmp_path / "lora"), weight_name="low_noise_model.safetensors",
+                           load_into_transformer_2=True)
+    got = pipe(latents=init.clone(), **kw).frames
+    student = find_student(str(lora_run))
+    want = sample_latents(load_transformer(student, torch.float32, torch.device("cpu")),
+                          student_scheduler(student.distill), init, embeds, 2)
+    assert torch.equal(got, want) and not torch.equal(got, base)  # the adapters are loaded, and they matter
+    fused = WanPipeline.from_pretrained(tmp_path / "fused")
+    fused.set_progress_bar_config(disable=True)
+    assert not any("lora" in k for c in (fused.transformer, fused.transformer_2) for k in c.state_dict())
+    merged = fused(latents=init.clone(), **kw).frames
+    assert torch.allclose(merged, want, rtol=1e-4, atol=1e-5), (merged - want).abs().max()
+
+
+@pytest.mark.slow
+def test_eval_takes_a_lora_run_whose_untrained_twin_is_the_teacher(lora_run, tiny_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    report = tmp_path / "eval.json"
+    r = CliRunner().invoke(main, ["eval", "--student", str(lora_run), "--cache", str(tiny_cache), "--report",
+                                  str(report), "--no-teacher-timing", "--device", "cpu"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(report.read_text())
+    assert rep["trajectories"] == 2 and rep["student"]["init"]["exact"]
+    assert rep["final_latent_mse"]["student"] != rep["final_latent_mse"]["untrained"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cuda_bf16_base_with_float32_adapters_and_checkpointing(tiny_teacher, tiny_cache, tmp_path):
+    """On CUDA the base is frozen in bf16 under bf16 autocast, the adapters train in float32 (what AdamW updates and
+    the checkpoint keeps), with gradient checkpointing through the frozen blocks."""
+    import math
+
+    out = tmp_path / "run"
+    lora_train(tiny_cache, tiny_teacher, out, device="cuda", mixed_precision="bf16", gradient_checkpointing=True,
+               max_steps=3, checkpoint_every=2)
+    assert all(math.isfinite(r["loss"]) for r in metrics(out))
+    saved = load_file(out / "checkpoints" / "step-00000002" / checkpoint.MODEL)
+    assert saved and all(v.dtype == torch.float32 and ".lora_" in k for k, v in saved.items())
+
+
+def test_dry_run_counts_the_adapters_apart_from_the_frozen_base(tiny_teacher, tiny_cache, tmp_path):
+    r = lora_train(tiny_cache, tiny_teacher, tmp_path / "dry", dry_run=True, max_steps=4)
+    base = sum(v.numel() * 4 for c in lora.COMPONENTS  # float32 on the CPU
+               for v in load_file(tiny_teacher / c / "diffusion_pytorch_model.safetensors").values())
+    assert r["frozen_bytes"] == base and 0 < r["trained_params"] < r["params"]
+    assert r["training_state_bytes_per_gpu"] == r["trained_params"] * 16 + base
+    assert not (tmp_path / "dry").exists()
