@@ -24,8 +24,11 @@ def test_a_missing_required_setting_is_named_in_words(tmp_path):
     assert lines == ["error: --prompts is required (Prompt file: .txt (one a line, # comments) or .jsonl "
                      "({\"prompt\": ...} a line)); give it on the command line or as prompts in a --config TOML file"]
     r = invoke(["train-student", "--out", tmp_path / "run"])
-    assert r.exit_code == 2 and "error: --cache and --student-config are required" in r.output
+    assert r.exit_code == 2 and "error: --cache is required" in r.output
     assert "__init__" not in r.output and "keyword" not in r.output
+    # the student is one of two settings: a compact one or a LoRA of the teacher
+    r = invoke(["train-student", "--cache", tmp_path, "--out", tmp_path / "run"])
+    assert r.exit_code == 2 and "error: give --student-config (a compact student) or --lora-of TEACHER" in r.output
 
 
 def test_a_required_setting_in_the_config_file_is_enough(tmp_path):
@@ -36,7 +39,7 @@ def test_a_required_setting_in_the_config_file_is_enough(tmp_path):
 
 
 @pytest.mark.parametrize("command, flags", [("teacher-cache", ["--teacher", "--prompts", "--out"]),
-                                            ("train-student", ["--cache", "--student-config", "--out"]),
+                                            ("train-student", ["--cache", "--out"]),
                                             ("export", ["--student", "--out"])])
 def test_help_marks_the_required_settings(command, flags):
     entries: dict[str, str] = {}  # option -> its help, click's wrapped lines joined

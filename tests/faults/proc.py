@@ -98,6 +98,9 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
     for k in FAULT_ENV:
         os.environ.pop(k, None)
     os.environ.update(env)
+    # Ctrl-C as a terminal delivers it, even where the suite itself runs with SIGINT ignored (a background job of
+    # a non-interactive shell, `cmd &`, inherits SIG_IGN for SIGINT, and Python then never raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # Started as a daemon (it dies with the suite), it may still start processes of its own as a command run from a
     # shell does: train-student's DataLoader workers, forked (a forkserver's child would default to the forkserver,
     # whose workers outlive the command). multiprocessing refuses children to daemons unless told otherwise.
