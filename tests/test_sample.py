@@ -22,7 +22,7 @@ from cache.prompt_store import EmbeddingCache
 from cache.reader import decode_sample
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
-from stages.sample.grid import GridLayout, draw_grid
+from stages.sample.grid import GridLayout, draw_grid, grid_layout
 from stages.sample.sample import initial_latents, to_image
 
 from conftest import TEST_PROMPTS, TINY_CACHE_ARGS, make_cache
@@ -153,15 +153,27 @@ def test_grid_geometry_and_labels():
         draw_grid(["one"], [[rows[0][0]]], ["teacher", "student"])
 
 
+@pytest.mark.parametrize("title", ["student-4step (4 steps)", "student (8 steps)", "lora2-r16-with-a-long-name"])
+def test_grid_titles_stay_over_their_own_column(title):
+    """At 64-pixel cells a long title wraps (and a long word is cut) instead of running into its neighbours."""
+    rows = [[Image.new("RGB", (64, 64), (255, 255, 255)) for _ in range(3)]]
+    img = draw_grid(["a prompt"], rows, ["", title, ""])
+    layout = grid_layout(["", title, ""], 64, 64)
+    assert img.size == layout.size(1, 3) and layout.header_h > GridLayout(64, 64).header_h
+    x, _ = layout.origin(0, 1)
+    ink = np.nonzero((np.asarray(img)[:layout.header_h] < 128).any(axis=(0, 2)))[0]
+    assert ink.size and x - layout.pad <= ink.min() and ink.max() < x + layout.cell_w + layout.pad, (ink.min(), x)
+
+
 @pytest.mark.slow
 def test_sample_grid_rows_columns_and_same_noise(grid, tiny_teacher):
     from diffusers import WanPipeline
 
     img = Image.open(grid)
     img.load()
-    layout = GridLayout(cell_w=SIDE, cell_h=SIDE)
-    assert img.format == "PNG" and img.size == layout.size(3, 2)
     meta = json.loads(grid.with_name(grid.name + ".json").read_text())
+    layout = grid_layout(meta["columns"], SIDE, SIDE)
+    assert img.format == "PNG" and img.size == layout.size(3, 2)
     assert meta["rows"] == 3 and meta["prompts"] == TEST_PROMPTS[:3]
     s = meta["settings"]
     # distill.json decided what the flags did not: steps, size, guidance 1 for a student of guided targets.
@@ -196,7 +208,8 @@ def test_export_loads_with_from_pretrained_and_matches_the_grid(trained_run, tin
                   output_type="np").frames
     # Same student, same noise, same settings: the exported pipeline reproduces the grid's student column.
     grid_img = Image.open(grid)
-    student_cell = crop(grid_img, GridLayout(cell_w=SIDE, cell_h=SIDE), 0, 1)
+    columns = json.loads(grid.with_name(grid.name + ".json").read_text())["columns"]
+    student_cell = crop(grid_img, grid_layout(columns, SIDE, SIDE), 0, 1)
     assert np.abs(student_cell - np.asarray(to_image(frames), dtype=np.int16)).max() <= PIXELS[grid.parent.name]
 
     # --link: the teacher's components symlinked, loading the same way; --overwrite replaces only an earlier export.
@@ -352,7 +365,7 @@ def test_eval_attributes_scores_teacher_and_student_on_shapes_captions(trained_r
         assert all(0.0 <= att[who][k] <= 1.0 for k in ("background", "shape_colour", "position", "colour", "all"))
     grid = Image.open(att["grid"])
     assert att["grid"] == str(report_path.with_name("eval-attributes.png"))
-    assert grid.size == GridLayout(SIDE, SIDE).size(2, 2)
+    assert grid.size == grid_layout(["teacher", "student"], SIDE, SIDE).size(2, 2)
 
 
 def test_eval_attributes_refuses_captions_outside_the_grammar(trained_run, tiny_cache, tmp_path):
