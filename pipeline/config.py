@@ -387,9 +387,6 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
                       ("teacher_blocks", "the LoRA student keeps every teacher block")):
         if getattr(cfg, name) is not None:
             raise ValueError(f"{name.replace('_', '-')} does not go with --lora-of: {why}")
-    if cfg.strategy != "ddp":
-        raise ValueError("--lora-of trains with --strategy ddp (the frozen base replicated, only the adapters' "
-                         "gradients reduced); fsdp does not take LoRA students yet")
     if cfg.objective == "velocity+feature":
         raise ValueError("--objective velocity+feature does not go with --lora-of; use velocity or segment")
     if cfg.lora_experts != "all" and cfg.val_every:

@@ -45,6 +45,9 @@ class LoraExperts(torch.nn.Module):
         self.experts = torch.nn.ModuleDict(experts)
         self.boundary_timestep = boundary_timestep
         self.record = record
+        # Under --strategy fsdp (set by stages/train_student/lora.py `shard`) every expert runs in every forward, in
+        # the same order on every rank: its units' gathers and gradient reductions are collectives (`_every_expert`).
+        self.every_expert = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,17 +73,10 @@ class LoraExperts(torch.nn.Module):
         missing = [c for c, _ in groups if c not in self.experts]
         if missing:
             raise RuntimeError(f"a sample for {missing[0]}, which this LoRA student does not hold (--lora-experts)")
-        outs = []
-        for comp, rows in groups:
-            pick = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))  # noqa: E731
-            outs.append(self.experts[comp](hidden_states=pick(hidden_states), timestep=pick(timestep),
-                                           encoder_hidden_states=pick(encoder_hidden_states),
-                                           attention_kwargs=attention_kwargs, return_dict=False)[0])
-        out = outs[0]
-        if len(outs) == 2:
-            out = out.new_zeros((hidden_states.shape[0], *out.shape[1:]))
-            for (_, rows), o in zip(groups, outs):
-                out = out.index_copy(0, rows, o)
+        inputs = (hidden_states, timestep, encoder_hidden_states, attention_kwargs)
+        if self.every_expert:
+            return (self._every_expert(groups, inputs),)
+        out = self._merge(groups, [self._run(comp, rows, inputs) for comp, rows in groups], hidden_states.shape[0])
         if torch.is_grad_enabled():
             # An expert without a sample in this micro-batch still takes part in the backward, with zero gradients:
             # DDP then reduces every adapter at every step (no unused parameters to search for), and AdamW treats the
@@ -91,21 +87,69 @@ class LoraExperts(torch.nn.Module):
                 out = out + 0.0 * sum(p.sum() for p in idle)
         return (out,)
 
-    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
-        """Each expert's adapter in diffusers' LoRA format (what `WanPipeline.load_lora_weights` loads, with its
-        LoraConfig as the file's metadata so that alpha comes back), and `lora.json`."""
-        from diffusers import WanPipeline
+    def _run(self, comp: str, rows: torch.Tensor | None, inputs: tuple) -> torch.Tensor:
+        """Expert `comp` on the batch `rows` (None: all of them)."""
+        hidden_states, timestep, encoder_hidden_states, attention_kwargs = inputs
+        pick = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))  # noqa: E731
+        return self.experts[comp](hidden_states=pick(hidden_states), timestep=pick(timestep),
+                                  encoder_hidden_states=pick(encoder_hidden_states),
+                                  attention_kwargs=attention_kwargs, return_dict=False)[0]
+
+    @staticmethod
+    def _merge(groups: list, outs: list[torch.Tensor], n: int) -> torch.Tensor:
+        """The batch's prediction from each group's rows' (in `groups` order)."""
+        out = outs[0]
+        if len(outs) == 2:
+            out = out.new_zeros((n, *out.shape[1:]))
+            for (_, rows), o in zip(groups, outs):
+                out = out.index_copy(0, rows, o)
+        return out
+
+    def _every_expert(self, groups: list, inputs: tuple) -> torch.Tensor:
+        """FSDP's forward: every expert runs, in expert order, on every rank and in every forward (evaluation and
+        sampling too), so that each rank gathers and reduces the same units in the same order. An expert without a
+        sample here runs on the first row, and its output reaches the loss times 0.0: its adapter's gradients are
+        exactly zero (as the DDP path's), and its units' backward runs as on the ranks that did use it."""
+        rows_of = dict(groups)
+        outs, idle = [], []
+        for comp in self.experts:
+            if comp in rows_of:
+                outs.append(self._run(comp, rows_of[comp], inputs))
+            else:
+                idle.append(self._run(comp, torch.zeros(1, dtype=torch.long, device=inputs[0].device), inputs))
+        out = self._merge(groups, outs, inputs[0].shape[0])  # (`groups` and the experts are both in expert order)
+        if torch.is_grad_enabled():
+            for o in idle:
+                out = out + 0.0 * o.sum()
+        return out
+
+    def adapter_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each trained expert's adapter, in peft's key names, whole and in host memory. Under FSDP the adapters are
+        sharded (DTensors): every rank calls this, each tensor is gathered in turn (the frozen base never is)."""
         from peft.utils import get_peft_model_state_dict
+
+        states = {}
+        for comp, model in self.experts.items():
+            state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+            states[comp] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().contiguous()
+                            for k, v in state.items()}  # (a DTensor's `full_tensor` is the gather)
+        return states
+
+    def save_pretrained(self, folder, safe_serialization: bool = True,
+                        states: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Each expert's adapter in diffusers' LoRA format (what `WanPipeline.load_lora_weights` loads, with its
+        LoraConfig as the file's metadata so that alpha comes back), and `lora.json`. `states`: `adapter_states()`,
+        gathered beforehand (FSDP: on every rank, while only rank 0 writes)."""
+        from diffusers import WanPipeline
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        states = self.adapter_states() if states is None else states
         for comp, model in self.experts.items():
-            state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-            state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-            WanPipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name=self.record["files"][comp],
+            WanPipeline.save_lora_weights(folder, transformer_lora_layers=states[comp],
+                                          weight_name=self.record["files"][comp],
                                           transformer_lora_adapter_metadata=model.peft_config[ADAPTER].to_dict())
         (folder / LORA_JSON).write_text(json.dumps(self.record, indent=1) + "\n")
-
 
 def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
     """A trained LoRA student for inference: every expert of the teacher (in `dtype`), each trained one with its

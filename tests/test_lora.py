@@ -153,6 +153,146 @@ def test_lora_on_two_ranks_matches_one_process(tiny_teacher, tiny_cache, tmp_pat
         assert max_rel_diff(load_file(out2 / "student" / name), load_file(out1 / "student" / name)) <= 1e-4
 
 
+# --strategy fsdp: 7 prompts, 1 held out, steps 0,1,2 -> 18 training samples; batch 1 x 2 ranks x 2 micro-steps, so
+# most micro-batches hold one expert's samples and the other expert runs idle (a zero-weighted row) on that rank.
+FSDP = dict(train_steps="0,1,2", batch_size=1, grad_accum=2, max_steps=4, checkpoint_every=2, warmup_steps=1,
+            ema_decay=0.8, holdout_prompts=1, eval_every=2, val_every=2, seed=3, lr=1e-3, report_to="none",
+            strategy="fsdp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tiny_teacher, tiny_cache, tmp_path_factory) -> tuple[Path, dict]:
+    """A LoRA run on two gloo ranks under --strategy fsdp: (its folder, rank 0's debug record)."""
+    from test_train_student_dist import torchrun
+
+    root = tmp_path_factory.mktemp("fsdp-lora")
+    proc = torchrun(tiny_cache, root / "run", {"WANDISTILLER_DEBUG_DIR": str(root / "debug")}, 300,
+                    **(LORA | FSDP | {"lora_of": str(tiny_teacher)}))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "run", json.loads((root / "debug" / "rank-0.json").read_text())
+
+
+def _same_files(a: Path, b: Path, equal: bool = True) -> None:
+    """Two student/ folders hold the same files, tensors (names, shapes, dtypes; values too when `equal`) and
+    metadata (each adapter's LoraConfig; peft keeps its target_modules as a set, listed in a process's hash order)."""
+    from safetensors import safe_open
+
+    def config(f) -> dict:
+        c = json.loads(f.metadata()["lora_adapter_metadata"])
+        return c | {"transformer.target_modules": sorted(c["transformer.target_modules"])}
+
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir()) == FILES
+    assert (a / "lora.json").read_text() == (b / "lora.json").read_text()
+    for name in FILES[::2]:
+        with safe_open(a / name, "pt") as fa, safe_open(b / name, "pt") as fb:
+            assert config(fa) == config(fb) and sorted(fa.keys()) == sorted(fb.keys()), name
+            for k in fa.keys():
+                x, y = fa.get_tensor(k), fb.get_tensor(k)
+                assert x.shape == y.shape and x.dtype == y.dtype and (not equal or torch.equal(x, y)), (name, k)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_fsdp_lora_on_two_ranks_matches_one_process(fsdp_run, tiny_teacher, tiny_cache, tmp_path):
+    """Two ranks under fsdp equal one ddp process (the same global batch) to float rounding, the base is the teacher's
+    bit for bit, the artifact is what ddp writes, and the sharded checkpoints hold the adapters alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from test_train_student import max_rel_diff
+
+    two, debug = fsdp_run
+    one = tmp_path / "one"
+    lora_train(tiny_cache, tiny_teacher, one, **(FSDP | {"strategy": "ddp", "batch_size": 2}))
+    l2, l1 = [r["loss"] for r in metrics(two)], [r["loss"] for r in metrics(one)]
+    assert len(l2) == len(l1) == 4 and max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
+    assert [r["heldout_loss"] for r in metrics(two, "eval")] == pytest.approx(
+        [r["heldout_loss"] for r in metrics(one, "eval")], rel=1e-5)
+    # validation samples both experts on every rank (a collective each forward); rank 0's record is one process's
+    assert [r["final_latent_mse"] for r in metrics(two, "val")] == pytest.approx(
+        [r["final_latent_mse"] for r in metrics(one, "val")], rel=1e-4) and len(metrics(one, "val")) == 3
+    # AdamW on a few samples a step amplifies the reductions' float rounding: ddp's two ranks differ from one process
+    # by 1e-4 here too (and fsdp's from ddp's), while the losses agree to 1e-5
+    diffs = {}
+    for folder in ("student", "student_ema"):
+        _same_files(two / folder, one / folder, equal=False)
+        for name in FILES[::2]:
+            diffs[folder, name] = max_rel_diff(load_file(two / folder / name), load_file(one / folder / name))
+    print(f"fsdp LoRA, two ranks vs one process, max relative difference: {max(diffs.values()):.3g}")
+    assert max(diffs.values()) <= 2e-4, diffs
+    # the whole student (base and adapters) is the teacher's base plus the saved adapters, bit for bit
+    spec = spec_of(tiny_teacher, tiny_cache)
+    assert state_sha(with_adapters(spec, two / "student", seed=3).state_dict()) == debug["param_sha256"]
+    ckpt = two / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    keys = dcp.FileSystemReader(ckpt / "sharded").read_metadata().state_dict_metadata
+    tensors = [k for k in keys if k.split(".", 1)[0] in ("model", "ema")]
+    assert tensors and all(".lora_" in k for k in tensors)  # nothing of the frozen base
+    assert checkpoint.pick(two) == (ckpt, [])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_fsdp_lora_kill_and_resume_is_bit_equal(fsdp_run, tiny_teacher, tiny_cache, tmp_path):
+    from test_train_student_dist import torchrun
+
+    full, _ = fsdp_run
+    cut, args = tmp_path / "cut", LORA | FSDP | {"lora_of": str(tiny_teacher)}
+    # every rank SIGKILLs itself as optimizer step 4 begins: checkpoint 2 is on disk
+    proc = torchrun(tiny_cache, cut, {"WANDISTILLER_KILL_AT": "train_step:4"}, 300, **args)
+    assert proc.returncode != 0 and not (cut / "student").exists()
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step-00000002"]
+    proc = torchrun(tiny_cache, cut, {}, 300, resume=True, **args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
+    assert metrics(cut, "eval") == metrics(full, "eval") and len(metrics(full, "eval")) == 3
+    assert [(r["step"], r["final_latent_mse"]) for r in metrics(cut, "val")] == \
+        [(r["step"], r["final_latent_mse"]) for r in metrics(full, "val")]
+    for folder in ("student", "student_ema"):
+        _same_files(cut / folder, full / folder)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_fsdp_lora_artifact_samples_and_exports(fsdp_run, tiny_teacher, tiny_cache, tmp_path):
+    """The fsdp run's student/ is what `sample`, `eval` and `export` take: loaded by diffusers' LoRA loader it is the
+    trained student, base and adapters; `export` writes its (EMA) adapter files unchanged."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from stages.sample.models import find_student, load_transformer
+
+    run, debug = fsdp_run
+    model = load_transformer(find_student(str(run), "raw"), torch.float32, torch.device("cpu"))
+    spec = spec_of(tiny_teacher, tiny_cache)
+    mine = with_adapters(spec, run / "student", seed=3).eval()
+    b = _batch(sorted(read_all_samples(tiny_cache).values(), key=lambda s: s[1][F.M_STEP])[:3], tiny_cache)
+    with torch.no_grad():
+        assert torch.equal(model(**b)[0], mine(**b)[0])
+    r = CliRunner().invoke(main, ["export", "--student", str(run), "--out", str(tmp_path / "export")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    for name in FILES[::2]:  # (export's --weights auto: the EMA adapters)
+        a, e = load_file(run / "student_ema" / name), load_file(tmp_path / "export" / name)
+        assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a), name
+
+
+@pytest.mark.slow
+def test_fsdp_lora_bf16_base_in_units_of_its_own_equals_ddp(tiny_teacher, tiny_cache, tmp_path):
+    """Under --mixed-precision bf16 the base is bf16 and the adapters float32: fsdp puts each block's adapters in a unit
+    of their own. One process, with gradient checkpointing: the same bits as ddp, and it resumes."""
+    kw = dict(max_steps=2, checkpoint_every=1, ema_decay=0.8, seed=5, mixed_precision="bf16",
+              gradient_checkpointing=True)
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    a = lora_train(tiny_cache, tiny_teacher, ddp, **kw)
+    b = lora_train(tiny_cache, tiny_teacher, fsdp, strategy="fsdp", **kw)
+    assert a["param_sha256"] == b["param_sha256"]
+    assert [r["loss"] for r in metrics(ddp)] == [r["loss"] for r in metrics(fsdp)]
+    for folder in ("student", "student_ema"):
+        _same_files(fsdp / folder, ddp / folder)
+    lora_train(tiny_cache, tiny_teacher, fsdp, strategy="fsdp", resume=True, **(kw | {"max_steps": 3}))
+    assert [r["step"] for r in metrics(fsdp)] == [1, 2, 3]
+
+
 def test_lora_mistakes_end_in_one_line_and_exit_2(tiny_teacher, tiny_teacher_factory, tiny_cache, tmp_path):
     from test_train_student import TINY
 
@@ -161,7 +301,6 @@ def test_lora_mistakes_end_in_one_line_and_exit_2(tiny_teacher, tiny_teacher_fac
     cases = [
         (teacher + ["--student-config", TINY], "not both"),
         (["--student-config", TINY, "--lora-rank", "8"], "lora-rank applies to --lora-of runs only"),
-        (teacher + ["--strategy", "fsdp"], "fsdp does not take LoRA"),
         (teacher + ["--init-from-teacher", str(tiny_teacher)], "init-from-teacher does not go with --lora-of"),
         (["--lora-of", str(tiny_teacher_factory("wan2.1"))], "pass the teacher the cache was made with"),
         (teacher + ["--lora-targets", "no_such_layer"], "lora-targets no_such_layer"),

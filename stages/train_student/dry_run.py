@@ -71,9 +71,9 @@ def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: tuple[int,
             wait: float, timed: int) -> dict:
     """`params`: (all, trained, bytes of the frozen ones): a LoRA student trains its adapters alone, and its frozen
     base costs its own bytes on every GPU, no gradient and no AdamW state."""
-    shards = env.world_size if cfg.strategy == "fsdp" else 1  # fsdp shards the training state over the ranks
+    shards = env.world_size if cfg.strategy == "fsdp" else 1  # fsdp shards the training state (and a frozen base)
     total, trained, frozen_bytes = params
-    state = trained * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) / shards + frozen_bytes
+    state = (trained * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) + frozen_bytes) / shards
     rate = count / took
     return {"dry_run": True, "params": total, "trained_params": trained, "frozen_bytes": frozen_bytes,
             "strategy": cfg.strategy, "ema": cfg.ema_decay > 0, "world_size": env.world_size,

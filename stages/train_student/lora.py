@@ -31,7 +31,7 @@ from cache.schema import recorded_steps
 from pipeline.artifact import lora_file
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
-from pipeline.lora import ADAPTER, COMPONENTS, LoraExperts, add_adapter  # noqa: F401 (ADAPTER: for tests)
+from pipeline.lora import ADAPTER, COMPONENTS, LoraExperts, add_adapter
 from pipeline.teacher_files import hash_json, sample_file
 
 _MODEL_FILES = ("model_index.json", "transformer*/*.json", "transformer*/*.safetensors")
@@ -149,3 +149,35 @@ def build(spec: LoraSpec, seed: int, dtype: torch.dtype) -> LoraExperts:
             raise UserError(f"--lora-targets {','.join(spec.targets)}: {str(e).splitlines()[0]}") from e
         experts[comp] = model
     return LoraExperts(experts, spec.boundary_timestep, spec.record())
+
+
+def shard(model: LoraExperts, **kw) -> None:
+    """FSDP2 units of a LoRA student (`--strategy fsdp`; `kw`: fully_shard's mesh). Per expert: one unit per transformer
+    block and one for the rest of the expert (embedders, output norm and projection), the frozen base and the adapters
+    sharded alike (FSDP2 shards each parameter on its own; only the adapters have gradients to reduce-scatter); the
+    caller's root unit holds nothing of its own. Where the base is not float32 (bf16 under --mixed-precision bf16) each
+    block's adapters are a unit of their own, gathered just before the block's: older FSDP2 releases want one dtype
+    across a unit's parameters. No MixedPrecisionPolicy: autocast casts as under ddp, so the arithmetic is ddp's."""
+    from torch.distributed.fsdp import fully_shard
+
+    for expert in model.experts.values():
+        split = any(p.dtype != torch.float32 for p in expert.parameters() if not p.requires_grad)
+        for block in expert.blocks:
+            if split:
+                _shard_adapters(block, "", kw)
+            fully_shard(block, **kw)
+        if split:  # adapters outside the blocks (a --lora-targets that matches e.g. proj_out)
+            _shard_adapters(expert, "blocks.", kw)
+        fully_shard(expert, **kw)
+    model.every_expert = True
+
+
+def _shard_adapters(module: torch.nn.Module, skip: str, kw: dict) -> None:
+    """The adapters' modules (peft's lora_A/lora_B of every adapted layer) under `module`, not under `skip`, as one
+    FSDP2 unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    leaves = [m[ADAPTER] for name, m in module.named_modules(prefix="") if name.rsplit(".", 1)[-1] in
+              ("lora_A", "lora_B") and not (skip and name.startswith(skip)) and ADAPTER in m]
+    if leaves:
+        fully_shard(leaves, **kw)

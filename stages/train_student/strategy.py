@@ -18,6 +18,10 @@ norm is taken, how checkpoints are written and read (fsdp: sharded, through torc
 checkpoint.py; a checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
 weights are swapped in, and how the full weights are had for the artifact.
 
+A LoRA student (`--lora-of`) under fsdp: its frozen base and its adapters are sharded alike (lora.py `shard`: a unit
+per block of each expert), every expert runs in every forward, checkpoints hold the adapters' shards and their
+optimizer state alone (`ignore_frozen_params`), and the artifact is the adapters gathered on rank 0 (docs/lora.md).
+
 The objective's heads (small projection heads) stay whole on every rank under both: DDP averages their
 gradients with the student's; under fsdp `reduce_gradients` all-reduces them after the last micro-step.
 
@@ -39,10 +43,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from pipeline.lora import LoraExperts
 from pipeline.registries import STRATEGIES as DECLARED
 from pipeline.runtime import DistEnv
 
-from . import checkpoint
+from . import checkpoint, lora
 from .comm import all_gather_bytes
 from .objectives import WithHeads
 from .student import empty_student, trained_parameters
@@ -202,6 +207,8 @@ class FSDP(Strategy):
     name = "fsdp"
     lockstep = True
     syncs_init = False  # nothing is broadcast: every rank builds (and initialises) the same student, then shards it
+    is_lora = False  # the student is a LoRA student (set by wrap)
+    policy = False  # the bf16 MixedPrecisionPolicy is on (set by wrap)
 
     def wrap(self, model, heads):
         from torch.distributed.device_mesh import init_device_mesh
@@ -212,7 +219,9 @@ class FSDP(Strategy):
                                     rank=0, world_size=1)
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
         kw = {"mesh": mesh}
-        if self.mixed == torch.bfloat16:
+        self.is_lora = isinstance(model, LoraExperts)
+        self.policy = self.mixed == torch.bfloat16 and not self.is_lora  # (a LoRA base is built in bf16 already)
+        if self.policy:
             # Gather and compute in bf16, keep the float32 shards as master weights and reduce gradients in
             # float32. Inputs keep their dtype (autocast casts what it casts, as under ddp): bf16 holds integers
             # exactly only up to 256, and timesteps run to 1000.
@@ -221,8 +230,11 @@ class FSDP(Strategy):
         # The transformer's output is a view (its final reshape); no objective changes it in place, which is
         # what FSDP2 warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        for block in model.blocks:
-            fully_shard(block, **kw)
+        if self.is_lora:
+            lora.shard(model, **kw)  # a unit per block of each expert, one per expert for the rest
+        else:
+            for block in model.blocks:
+                fully_shard(block, **kw)
         fully_shard(model, **kw)  # the root: patch and condition embedders, output norm and projection
         # fully_shard moved each unit's shards to the mesh's device; the heads are whole on every rank
         self.model, self.heads = model, heads
@@ -240,8 +252,8 @@ class FSDP(Strategy):
 
     def inference(self):
         # Under the bf16 policy the gathered weights are bf16 whatever runs them: float inputs need autocast
-        # (the training step has it); under ddp the sampler runs in the weights' float32.
-        if self.mixed == torch.bfloat16:
+        # (the training step has it); under ddp the sampler runs in the weights' float32 (a LoRA student: as ddp).
+        if self.policy:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -288,11 +300,21 @@ class FSDP(Strategy):
                     g.mul_(coef)
         return total
 
+    def _options(self):
+        """torch.distributed.checkpoint.state_dict's options: the frozen parameters (a LoRA student's base, read again
+        from the teacher at every start) are neither saved nor loaded; the checkpoint must hold every trained one
+        (dcp.load refuses a key it lacks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
     def save_checkpoint(self, out, step, ema, optimizer, trainer_state, keep):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self._shards()
-        model_state, optim_state = get_state_dict(self.container, optimizer)  # this rank's shards, no copies
+        # this rank's shards, no copies
+        model_state, optim_state = get_state_dict(self.container, optimizer, options=self._options())
         state = {checkpoint.DCP_MODEL: model_state, checkpoint.DCP_OPTIMIZER: optim_state}
         if ema is not None:
             state[checkpoint.DCP_EMA] = ema
@@ -301,19 +323,20 @@ class FSDP(Strategy):
     def load_checkpoint(self, path, optimizer):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.container, optimizer)  # the shapes and shards to fill
+        options = self._options()
+        model_state, optim_state = get_state_dict(self.container, optimizer, options=options)  # the shards to fill
         state = {checkpoint.DCP_MODEL: model_state, checkpoint.DCP_OPTIMIZER: optim_state}
         ema = None
         if checkpoint.DCP_EMA in checkpoint.sharded_keys(path):
-            ema = state[checkpoint.DCP_EMA] = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+            ema = state[checkpoint.DCP_EMA] = {k: p.detach().clone() for k, p in trained_parameters(self.model)}
         checkpoint.load_sharded(path, state)
         set_state_dict(self.container, optimizer, model_state_dict=state[checkpoint.DCP_MODEL],
-                       optim_state_dict=state[checkpoint.DCP_OPTIMIZER])
+                       optim_state_dict=state[checkpoint.DCP_OPTIMIZER], options=options)
         return checkpoint.read_state(path), ema
 
     @contextlib.contextmanager
     def ema_weights(self, ema) -> Iterator[None]:
-        params = self._shards()
+        params = [p for p in self._shards() if p.requires_grad]  # the EMA's: the trained ones
         kept = [p.detach().clone() for p in params]  # this rank's shards: 1/world of the student, on the device
         try:
             with torch.no_grad():
@@ -338,6 +361,11 @@ class FSDP(Strategy):
         # The EMA weights stay swapped in until the caller is done: with one rank the gathered tensors are the
         # shards themselves, which the swap's end overwrites.
         with self.ema_weights(ema) if ema is not None else contextlib.nullcontext():
+            if self.is_lora:  # the adapters alone are gathered (the base is the teacher's): what ddp's save writes
+                self._shards()
+                states = self.model.adapter_states()
+                yield _Adapters(self.model, states) if self.env.is_main else None
+                return
             full = self._full_state()
             if not self.env.is_main:
                 yield None
@@ -347,6 +375,32 @@ class FSDP(Strategy):
             yield plain
 
     def weights_sha(self) -> str:
-        full = self._full_state()  # every rank takes part in the gathers; rank 0 alone holds the result
-        sha = state_sha(full) if self.env.is_main else ""
-        return all_gather_bytes(sha.encode(), self.device)[0].decode()
+        """`state_sha` of the full weights, one tensor gathered at a time (a LoRA student's base is the teacher's
+        whole transformer: never all of it at once in rank 0's memory)."""
+        from torch.distributed.tensor import DTensor
+
+        h = hashlib.sha256()
+        for k, v in sorted(self._state().items()):  # every rank takes part in each gather; rank 0 alone hashes
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            if self.env.is_main:
+                h.update(k.encode())
+                h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            del full
+        return all_gather_bytes(h.hexdigest().encode(), self.device)[0].decode()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The student's state dict as it is held: shards (DTensors) and whole buffers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._shards()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+
+
+class _Adapters:
+    """What rank 0 saves of an FSDP LoRA student: its adapters, gathered (`LoraExperts.adapter_states`)."""
+
+    def __init__(self, model: LoraExperts, states: dict[str, dict[str, torch.Tensor]]):
+        self.model, self.states = model, states
+
+    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
+        self.model.save_pretrained(folder, safe_serialization, states=self.states)
