@@ -151,6 +151,7 @@ class LoraExperts(torch.nn.Module):
                                           transformer_lora_adapter_metadata=model.peft_config[ADAPTER].to_dict())
         (folder / LORA_JSON).write_text(json.dumps(self.record, indent=1) + "\n")
 
+
 def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
     """A trained LoRA student for inference: every expert of the teacher (in `dtype`), each trained one with its
     adapter from `folder` loaded by diffusers' LoRA loader (as `WanPipeline.load_lora_weights` does)."""

@@ -67,8 +67,13 @@ def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dty
 
 def state_sha(state: dict[str, torch.Tensor]) -> str:
     """sha256 over a state dict's names and bytes, in name order."""
+    return items_sha(sorted(state.items()))
+
+
+def items_sha(items) -> str:
+    """sha256 over (name, tensor) pairs' names and bytes, in the order given (each tensor let go once hashed)."""
     h = hashlib.sha256()
-    for k, v in sorted(state.items()):
+    for k, v in items:
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -379,14 +384,9 @@ class FSDP(Strategy):
         whole transformer: never all of it at once in rank 0's memory)."""
         from torch.distributed.tensor import DTensor
 
-        h = hashlib.sha256()
-        for k, v in sorted(self._state().items()):  # every rank takes part in each gather; rank 0 alone hashes
-            full = v.full_tensor() if isinstance(v, DTensor) else v
-            if self.env.is_main:
-                h.update(k.encode())
-                h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            del full
-        return all_gather_bytes(h.hexdigest().encode(), self.device)[0].decode()
+        gathered = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sorted(self._state().items()))
+        sha = items_sha(gathered)  # every rank takes part in each gather, in the same order
+        return all_gather_bytes(sha.encode(), self.device)[0].decode()
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The student's state dict as it is held: shards (DTensors) and whole buffers."""
