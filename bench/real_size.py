@@ -6,8 +6,8 @@ The cache holds `--prompts` prompts x `--steps` steps x 1 seed at 480x832: `x_t`
 bfloat16 each (~390 KiB a sample), prompt embeddings 512x4096 bfloat16 trimmed to lengths drawn from a
 log-normal (median 48 tokens, clipped to 8..512: short user prompts and long rewritten ones), initial noise
 and final latents float32, the negative prompt; every part of it written exactly as stage one writes it
-(cache/prompt_store, cache/writer.ShardWriter, cache/progress, cache/manifest) from generated tensors, no
-teacher. The result passes `cache verify`.
+(cache/prompt_store, stage one's BlockSink over cache/writer.ShardWriter, cache/progress, cache/manifest) from
+generated tensors, no teacher. The result passes `cache verify`.
 
 The floors (targets):
 - writer_a14b: MiB/s of the cache writer (prompt store, shards, final latents, progress, manifest, and the flush
@@ -54,15 +54,16 @@ from safetensors.torch import save as st_save
 
 from bench.common import cli_results_path, drop_tree, pick_device, result, save, sync, table, tree_bytes
 from cache import format as F
-from cache.atomic import atomic_write_bytes, fsync_paths
+from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
 from cache.manifest import settings_fingerprint, try_write_manifest
 from cache.progress import PartProgress
 from cache.prompt_store import (
     PromptRowWriter, create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows,
 )
 from cache.verify import verify_cache
-from cache.writer import ShardWriter
 from pipeline.config import TrainStudentConfig
+from stages.teacher_cache.blocks import BlockSink
+from stages.teacher_cache.trajectory import StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,11 +165,11 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
     final latents and the progress record; the manifest last. Returns {"write_s", "sync_s", "bytes"}: the
     time spent in the writer's calls (generating the inputs is not timed), then the time to flush to disk
     what the writer left unsynced (zarr's files are not fsynced); and the parts of the writer's time spent
-    in the encode phase (`encode_s`) and in ShardWriter (`shards_s`, for `shard_bytes`)."""
+    in the encode phase (`encode_s`) and in the blocks (`blocks_s`: shards of `shard_bytes` and final latents)."""
     gen = Tensors(seed, block=min(64, prompts))
     head = header(prompts, steps)
     blocks = [list(range(i, min(i + batch_size, prompts))) for i in range(0, prompts, batch_size)]
-    watch, shards = Stopwatch(), Stopwatch()
+    watch = Stopwatch()
     with watch:
         prog = PartProgress(part=0, num_parts=1, fingerprint=settings_fingerprint(head), prompts=prompts,
                             blocks=len(blocks), batch_size=batch_size, samples_per_shard=samples_per_shard,
@@ -176,7 +177,8 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
         prog.save(out)
     store = _encode_phase(out, prog, gen, seq_lens(prompts, seed), watch)
     encode_s = watch.s
-    _blocks_phase(out, prog, store, gen, head, blocks, steps, samples_per_shard, watch, shards)
+    _blocks_phase(out, prog, store, gen, head, blocks, steps, samples_per_shard, watch)
+    blocks_s = watch.s - encode_s
     with watch:
         prog.complete = True
         prog.save(out)
@@ -186,7 +188,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
     drop_tree(out)  # flush what the writer left dirty (and drop it all from the page cache)
     shard_bytes = sum(r[F.S_BYTES] for r in prog.shards)
     return {"write_s": watch.s, "sync_s": time.perf_counter() - t1, "bytes": tree_bytes(out), "encode_s": encode_s,
-            "shards_s": shards.s, "shard_bytes": shard_bytes}
+            "blocks_s": blocks_s, "shard_bytes": shard_bytes}
 
 
 def _encode_phase(out: Path, prog: PartProgress, gen: Tensors, lens: np.ndarray, watch: Stopwatch):
@@ -208,12 +210,14 @@ def _encode_phase(out: Path, prog: PartProgress, gen: Tensors, lens: np.ndarray,
         neg = st_save({F.NEG_EMBEDS: neg, F.NEG_SEQ_LEN: torch.tensor([int(lens[0])])})
         atomic_write_bytes(out / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE, neg)
         atomic_write_bytes(out / F.NEGATIVE, neg)
+    behind = WriteBehind()
     for lo in range(0, prompts, 64):
         rows = list(range(lo, min(lo + 64, prompts)))
         noise = gen.latents32_of(rows)
         with watch:
-            write_latent_rows(store, F.Z_INIT_NOISE, rows, [0] * len(rows), noise)
+            write_latent_rows(store, F.Z_INIT_NOISE, rows, [0] * len(rows), noise, behind)
     with watch:
+        behind.close()
         fsync_paths([prompt_store_path(out, 0)])  # as stage one, before the record says `encoded`
         prog.encoded = True
         prog.negative_sha256 = hashlib.sha256(neg).hexdigest()
@@ -221,36 +225,38 @@ def _encode_phase(out: Path, prog: PartProgress, gen: Tensors, lens: np.ndarray,
         return open_prompt_store(prompt_store_path(out, 0), mode="r+")
 
 
+class _Quiet:
+    """Stage one's progress figures, not shown (BlockSink reports each block and shard to it)."""
+
+    def block(self, samples: int) -> None:
+        pass
+
+    def shard(self, record: dict) -> None:
+        pass
+
+
 def _blocks_phase(out: Path, prog: PartProgress, store, gen: Tensors, head: dict, blocks: list[list[int]],
-                  steps: int, samples_per_shard: int, watch: Stopwatch, shards: Stopwatch) -> None:
-    """Stage one's blocks: samples into shards, each shard followed by its final latents (fsynced, as stage one) and
-    the progress record."""
-    writer, pending, index = None, [], 0
-    for b, block in enumerate(blocks):
-        with watch, shards:
-            if writer is None:
-                writer = ShardWriter(out, 0, index)
-                index += 1
-            for k in range(steps):
-                for p in block:
-                    meta = {F.M_PROMPT_IDX: p, F.M_SEED_IDX: 0, F.M_STEP: k, F.M_TIMESTEP: head[F.F_TIMESTEPS][k],
-                            F.M_SIGMA: head[F.F_SIGMAS][k], F.M_EXPERT: head[F.F_EXPERTS][k],
-                            F.M_GUIDANCE: head[F.F_GUIDANCE] if head[F.F_EXPERTS][k] == 1 else head[F.F_GUIDANCE_2]}
-                    writer.write(F.sample_key(p, 0, k), {F.T_X_T: gen.latent(p * steps + k),
-                                                         F.T_TARGET: gen.latent(p * steps + k + 7)}, meta)
-        pending.append((b, block))
-        if writer.samples >= samples_per_shard or b == len(blocks) - 1:
-            rows = [p for _, blk in pending for p in blk]
-            finals = torch.cat([gen.latents32_of(blk, 3).clone() for _, blk in pending])
-            with watch:
-                with shards:
-                    record = writer.close() | {F.S_BLOCKS: [bb for bb, _ in pending]}
-                writer = None
-                fsync_paths(write_latent_rows(store, F.Z_FINAL_LATENTS, rows, [0] * len(rows), finals))
-                prog.shards.append(record)
-                prog.done_blocks = sorted(set(prog.done_blocks) | {bb for bb, _ in pending})
-                prog.save(out)
-            pending = []
+                  steps: int, samples_per_shard: int, watch: Stopwatch) -> None:
+    """Stage one's blocks through its own writer (`stages.teacher_cache.blocks.BlockSink`): samples into shards,
+    each shard followed by its final latents (fsynced) and the progress record, committed in a thread of its own
+    while the next shard is written. All of it is timed, the drawing of each block's inputs from the pool included
+    (the commit thread works meanwhile)."""
+    sink = BlockSink(out, prog, store, samples_per_shard, 1, _Quiet())
+    with watch:
+        try:
+            for b, block in enumerate(blocks):
+                guide = [head[F.F_GUIDANCE] if e == 1 else head[F.F_GUIDANCE_2] for e in head[F.F_EXPERTS]]
+                records = [StepRecord(step=k, timestep=head[F.F_TIMESTEPS][k], sigma=head[F.F_SIGMAS][k],
+                                      expert=head[F.F_EXPERTS][k], guidance=guide[k],
+                                      x_t=torch.stack([gen.latent(p * steps + k) for p in block]),
+                                      target=torch.stack([gen.latent(p * steps + k + 7) for p in block]))
+                           for k in range(steps)]
+                sink.add(b, [(p, 0) for p in block], records, gen.latents32_of(block, 3).clone())
+            sink.flush()
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close()
 
 
 def raw_write(folder: Path, nbytes: int, file_bytes: int = 2 << 30) -> float:
@@ -409,8 +415,8 @@ def _writer_rows(args, writes: list[dict], raw_ws: list[float]) -> list[dict]:
     mibs = nbytes / min(took) / 2**20
     note = (f"{args.prompts} prompts x {args.steps} steps, {nbytes / 2**30:.2f} GiB cache (shards "
             f"{w['shard_bytes'] / 2**30:.2f} GiB); writer {' and '.join(f'{x:.1f}' for x in took)} s, the faster: "
-            f"{w['write_s']:.1f} s (encode phase {w['encode_s']:.1f} s, ShardWriter {w['shards_s']:.1f} s = "
-            f"{w['shard_bytes'] / w['shards_s'] / 2**20:.0f} MiB/s) + {w['sync_s']:.1f} s flushing what it left "
+            f"{w['write_s']:.1f} s (encode phase {w['encode_s']:.1f} s, blocks {w['blocks_s']:.1f} s: shards and final "
+            f"latents) + {w['sync_s']:.1f} s flushing what it left "
             f"unsynced; at the start and at the end of the run (written again, into a fresh folder)")
     raw = (f"raw sequential write + fsync of as many bytes, 1 MiB writes: {' and '.join(f'{x:.1f}' for x in raw_ws)} "
            "s, each right after a writer pass; the faster of each side")

@@ -152,11 +152,13 @@ class PromptRowWriter:
         self._small = {}
 
 
-def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int],
-                      latents: torch.Tensor) -> list[Path]:
+def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int], latents: torch.Tensor,
+                      behind: WriteBehind | None = None) -> list[Path]:
     """Write per-trajectory latents (`init_noise` or `final_latents`), one zarr write per run of consecutive rows (a
     row some of whose seeds are not given is read first, its chunk checked). Returns the files written, which the
-    caller fsyncs before anything records them as written (`atomic.fsync_paths`)."""
+    caller fsyncs before anything records them as written (`atomic.fsync_paths`). Each file is flushed and dropped
+    from the page cache at once, or with `behind` sent to the disk while the caller writes the next (the encode
+    phase's initial noise, a file per call: the writer 279 / 259 -> 296 / 303 MiB/s, `bench.real_size`)."""
     arr = g[name].with_config(_STORE_ALL)
     lat = latents.detach().float().cpu().numpy()
     given: dict[int, dict[int, int]] = {}  # row -> seed -> index into `lat`
@@ -176,16 +178,20 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
                 for s, j in given[r].items():
                     block[k, s] = lat[j]
         arr[span[0]:span[-1] + 1] = block
-    return _drop(g, dict.fromkeys(shard_file(arr, r) for r in order))
+    return _drop(g, dict.fromkeys(shard_file(arr, r) for r in order), behind)
 
 
-def _drop(g: zarr.Group, files) -> list[Path]:
+def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]:
     """The store's `files` ("<array>/<file>"), just written, flushed and dropped from the page cache
-    (`atomic.drop_behind`, as `writer._Checksummed`); their paths, which the caller fsyncs with their folders."""
+    (`atomic.drop_behind`, as `writer._Checksummed`), or handed to `behind`; their paths, which the caller fsyncs
+    with their folders."""
     root = Path(str(g.store.root)) / g.path
     paths = [root / f for f in files]
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
+        if behind is not None:
+            behind.add(fd, owned=True)
+            continue
         try:
             drop_behind(fd)
         finally:

@@ -3,6 +3,7 @@ blocks into shards (in the writer thread) before recording them as done."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from pathlib import Path
 
 import torch
@@ -35,7 +36,14 @@ class BlockSink:
 
     Order per shard: rename the tar into place (fsynced) → write its trajectories' final latents and fsync their
     chunk files and folder → rewrite progress.json. A crash (or a power loss) anywhere before the last step
-    leaves the blocks not done; they rerun.
+    leaves the blocks not done; they rerun (the tar is an orphan the next run deletes).
+
+    The last two steps (the shard's commit) run in a thread of their own while the writer thread goes on with the
+    next shard's samples: the commit is zarr's codec work (its own event-loop thread) and fsyncs, the shard is
+    tarfile and safetensors, so on two cores they overlap. At most one commit is in flight, commits happen in shard
+    order, and an error of one surfaces at the next `add` or `flush`. bench.real_size's writer (which runs this
+    class), 4,000 A14B-sized prompts, dev VM, each way twice: its blocks 28.2 / 24.7 s -> 20.5 / 22.2 s, the whole
+    writer 225 / 250 -> 279 / 259 MiB/s.
     """
 
     def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
@@ -44,11 +52,17 @@ class BlockSink:
         self.samples_per_shard = samples_per_shard
         self.num_parts = num_parts
         self.writer: ShardWriter | None = None
+        self.next_index = next_shard_index(prog)  # kept here: the commit in flight has not recorded its shard yet
         self.pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []
+        self._committer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-commit")
+        self._commit: cf.Future | None = None
 
     def add(self, block: int, traj: list[tuple[int, int]], records: list[StepRecord], final: torch.Tensor) -> None:
+        if self._commit is not None and self._commit.done():
+            self._wait_commit()  # an error of the last commit stops the run here, not a shard later
         if self.writer is None:
-            self.writer = ShardWriter(self.out, self.prog.part, next_shard_index(self.prog))
+            self.writer = ShardWriter(self.out, self.prog.part, self.next_index)
+            self.next_index += 1
         try:
             for rec in records:
                 for j, (p, s) in enumerate(traj):
@@ -70,33 +84,54 @@ class BlockSink:
         self.pending.append((block, traj, final))
         self.progress.block(len(records) * len(traj))
         if self.writer.samples >= self.samples_per_shard:
-            self.flush()
+            self.flush(wait=False)
 
-    def flush(self) -> None:
-        if self.writer is None:
-            return
-        record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
-        self.writer = None
-        fault_point("after_rename")
-        traj = [t for _, block_traj, _ in self.pending for t in block_traj]
+    def flush(self, wait: bool = True) -> None:
+        """Close the shard in progress and commit it; `wait`: return once every commit is done (the last shard)."""
+        if self.writer is not None:
+            record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
+            self.writer = None
+            fault_point("after_rename")
+            pending, self.pending = self.pending, []
+            self._wait_commit()  # one commit in flight at a time, in shard order
+            self._commit = self._committer.submit(self._commit_shard, record, pending)
+        if wait:
+            self._wait_commit()
+
+    def _wait_commit(self) -> None:
+        commit, self._commit = self._commit, None
+        if commit is not None:
+            commit.result()
+
+    def _commit_shard(self, record: dict, pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]]) -> None:
+        traj = [t for _, block_traj, _ in pending for t in block_traj]
         try:  # one call for the shard's blocks: each prompt-store file written once (a row shared with an earlier
             # block, or a file holding earlier rows, is read back first: its chunks are checked then)
             written = write_latent_rows(self.store, F.Z_FINAL_LATENTS, [p // self.num_parts for p, _ in traj],
-                                        [s for _, s in traj], torch.cat([final for _, _, final in self.pending]))
+                                        [s for _, s in traj], torch.cat([final for _, _, final in pending]))
         except ValueError as e:  # zarr's check of a chunk's crc32c, in a file of rows written before
-            raise damaged_part(self.out, self.prog.part, f"its prompt store's {F.Z_FINAL_LATENTS} do not read ({e})") from e
+            raise damaged_part(self.out, self.prog.part,
+                               f"its prompt store's {F.Z_FINAL_LATENTS} do not read ({e})") from e
         fsync_paths(written)  # durable before the progress record calls their blocks done
         fault_point("before_progress")
         self.prog.shards.append(record)
-        self.prog.done_blocks = sorted(set(self.prog.done_blocks) | {b for b, _, _ in self.pending})
+        self.prog.done_blocks = sorted(set(self.prog.done_blocks) | {b for b, _, _ in pending})
         self.prog.save(self.out)
-        self.pending = []
         self.progress.shard(record)
 
+    def close(self) -> None:
+        """After the last `flush`: end the commit thread."""
+        self._committer.shutdown(wait=True)
+
     def abort(self) -> None:
+        """After an error: drop the shard in progress; a commit in flight finishes (its shard is whole)."""
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
+        commit, self._commit = self._commit, None
+        if commit is not None:
+            cf.wait([commit])
+        self._committer.shutdown(wait=True)
 
 
 def denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs, neg: torch.Tensor):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from cache import format as F
-from cache.atomic import atomic_write_bytes, fsync_paths
+from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
 from pipeline import lock
 from cache.errors import CacheError
 from cache.features import matrix_sha256, projection_matrix, write_projection
@@ -318,10 +318,12 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     atomic_write_bytes(job.part_dir / F.NEGATIVE, neg_bytes)
     if job.part == 0:
         atomic_write_bytes(job.out / F.NEGATIVE, neg_bytes)
+    behind = WriteBehind()  # each file of noise goes to the disk while the next is drawn and written
     for lo in range(0, len(job.rows), NOISE_ROWS):  # a block of rows per call, not a zarr write per row
         pairs = [(r, s) for r in range(lo, min(lo + NOISE_ROWS, len(job.rows))) for s in range(cfg.seeds_per_prompt)]
         noise = torch.stack([initial_noise(cfg.seed, job.rows[r], s, job.latent_shape) for r, s in pairs])
-        write_latent_rows(store, F.Z_INIT_NOISE, [r for r, _ in pairs], [s for _, s in pairs], noise)
+        write_latent_rows(store, F.Z_INIT_NOISE, [r for r, _ in pairs], [s for _, s in pairs], noise, behind)
+    behind.close()
     # Every file of the store on disk before the record says `encoded`: a power loss must not leave rows the
     # record vouches for that never reached the disk (zarr's own writes are not fsynced).
     fsync_paths([prompt_store_path(job.out, job.part)])
@@ -362,6 +364,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
         progress.close()
         raise
     pool.shutdown(wait=True)
+    sink.close()
     bar.close()
     progress.close()
     if stopped:
