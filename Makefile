@@ -73,47 +73,62 @@ TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --npr
 train-student: $(STAMP)
 	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)
 
-# The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one -> stage two (a velocity
-# student, and a DEMO_FEW_STEPS-step segment student from the same cache) -> sample -> eval with the attribute
-# checker (minutes on a CPU).
+# The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one (two seeds per prompt) ->
+# stage two from the same cache (a velocity student; a DEMO_FEW_STEPS-step segment student; a DEMO_FEW_STEPS-step
+# LoRA of the teacher itself, exported in diffusers' LoRA format) -> sample -> eval with the attribute checker, the
+# velocity student sampled at DEMO_FEW_STEPS beside the few-step ones (README, "Few-step students": why K = 2 and
+# two seeds). About 25 minutes on 2 CPU cores.
 DEMO ?= $(RUNS)/demo
-DEMO_FEW_STEPS ?= 4
+DEMO_FEW_STEPS ?= 2
 DEMO_FEW := $(DEMO)/student-$(DEMO_FEW_STEPS)step
-DEMO_TRAIN_ARGS ?= --epochs 4 --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 \
-	--holdout-prompts 64 --eval-every 200 --init-from-teacher $(PRETRAINED_TEACHER) \
-	--val-every 256 --val-decode --val-max-prompts 8
+DEMO_LORA := $(DEMO)/lora-$(DEMO_FEW_STEPS)step
+DEMO_LORA_RANK ?= 16
+DEMO_CACHE_ARGS ?= --seeds-per-prompt 2
+# Each objective's weighting at K (scripts/measure_lora.sh measured them): K = 2 weights the states the sampler
+# queries, K = 4 adds the per-step velocity loss.
+DEMO_FEW_ARGS ?= --objective segment --student-steps $(DEMO_FEW_STEPS) \
+	$(if $(filter 2,$(DEMO_FEW_STEPS)),--segment-start-weight 4,$(if $(filter 4,$(DEMO_FEW_STEPS)),--segment-velocity-weight 1,))
+# 2 epochs of the 2-seed cache (2016 steps); the LoRA, whose step costs ~1.8x a compact one here, trains 1.
+DEMO_BASE_ARGS ?= --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 --holdout-prompts 64 \
+	--val-every 512 --val-decode --val-max-prompts 8
+DEMO_TRAIN_ARGS ?= $(DEMO_BASE_ARGS) --epochs 2 --init-from-teacher $(PRETRAINED_TEACHER)
+DEMO_LORA_ARGS ?= $(DEMO_BASE_ARGS) --epochs 1 --lora-of $(PRETRAINED_TEACHER) --lora-rank $(DEMO_LORA_RANK)
 # A new pretrained teacher (or new stage-one settings or captions) makes a cache left by an earlier demo stale,
 # and teacher-cache refuses it; start the cache again instead.
 $(DEMO)/cache.stamp: $(PRETRAINED_FILES) configs/shapes-teacher-cache.toml data/shapes-prompts.txt
 	rm -rf $(DEMO)/cache
-	mkdir -p $(DEMO) && touch $@
+	mkdir -p $(DEMO) && echo "$(DEMO_CACHE_ARGS)" > $@
 demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
+	@# a cache written with other stage-one flags (an earlier demo's one seed) is started again
+	@test "$$(cat $(DEMO)/cache.stamp)" = "$(DEMO_CACHE_ARGS)" || { rm -rf $(DEMO)/cache; echo "$(DEMO_CACHE_ARGS)" > $(DEMO)/cache.stamp; }
 	$(MAKE) --no-print-directory teacher-cache TEACHER=$(PRETRAINED_TEACHER) CONFIG=configs/shapes-teacher-cache.toml \
-		PROMPTS=data/shapes-prompts.txt CACHE=$(DEMO)/cache
-	rm -rf $(DEMO)/student $(DEMO_FEW)  # the demo trains afresh each time; the cache above is reused when complete
+		PROMPTS=data/shapes-prompts.txt CACHE=$(DEMO)/cache TEACHER_CACHE_ARGS="$(DEMO_CACHE_ARGS)"
+	rm -rf $(DEMO)/student $(DEMO_FEW) $(DEMO_LORA) $(DEMO_LORA)-export  # trained afresh; a complete cache is reused
 	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO)/student \
 		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS)"
 	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO_FEW) \
-		STUDENT_CONFIG=configs/student-shapes.json \
-		TRAIN_ARGS="$(DEMO_TRAIN_ARGS) --objective segment --student-steps $(DEMO_FEW_STEPS) \
-		--segment-velocity-weight 1"
-	$(BIN)/wandistiller sample --student $(DEMO)/student --compare $(DEMO_FEW) --teacher $(PRETRAINED_TEACHER) \
-		--prompts data/shapes-heldout.txt --out $(DEMO)/grid.png --max-prompts 8
-	$(BIN)/wandistiller eval --student $(DEMO)/student --compare $(DEMO_FEW) --cache $(DEMO)/cache \
-		--teacher $(PRETRAINED_TEACHER) --report $(DEMO)/eval.json --attributes data/shapes-heldout.txt \
-		--timing-runs 8
+		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS) $(DEMO_FEW_ARGS)"
+	$(BIN)/wandistiller train-student --cache $(DEMO)/cache --out $(DEMO_LORA) $(DEMO_LORA_ARGS) $(DEMO_FEW_ARGS)
+	$(BIN)/wandistiller export --student $(DEMO_LORA) --out $(DEMO_LORA)-export
+	$(BIN)/wandistiller sample --student $(DEMO)/student --compare $(DEMO_FEW) --compare $(DEMO_LORA) \
+		--teacher $(PRETRAINED_TEACHER) --prompts data/shapes-heldout.txt --out $(DEMO)/grid.png --max-prompts 8
+	$(BIN)/wandistiller eval --student $(DEMO)/student --student-steps $(DEMO_FEW_STEPS),8 --compare $(DEMO_FEW) \
+		--compare $(DEMO_LORA) --cache $(DEMO)/cache --teacher $(PRETRAINED_TEACHER) --report $(DEMO)/eval.json \
+		--attributes data/shapes-heldout.txt --timing-runs 8
 	@echo
 	@echo "demo done:"
 	@echo "  cache      $(DEMO)/cache        (wandistiller cache info $(DEMO)/cache)"
 	@echo "  student    $(DEMO)/student/student  (diffusers WanTransformer3DModel; loss curve $(DEMO)/student/loss.png)"
 	@echo "  few-step   $(DEMO_FEW)/student  ($(DEMO_FEW_STEPS)-step segment student from the same cache)"
+	@echo "  LoRA       $(DEMO_LORA)-export  ($(DEMO_FEW_STEPS)-step rank-$(DEMO_LORA_RANK) LoRA of the teacher, diffusers' LoRA"
+	@echo "                                  format: WanPipeline.from_pretrained(teacher) + load_lora_weights; its README)"
 	@echo "  curves     tensorboard --logdir $(DEMO)   (loss terms, lr, samples/s, held-out loss, validation"
-	@echo "                                  final-latent error and teacher|student image grids of both students)"
-	@echo "  grid       $(DEMO)/grid.png     (teacher | student | $(DEMO_FEW_STEPS)-step student, same noise, one row per"
-	@echo "                                  held-out caption)"
+	@echo "                                  final-latent error and teacher|student image grids of each run)"
+	@echo "  grid       $(DEMO)/grid.png     (teacher | student | $(DEMO_FEW_STEPS)-step student | LoRA, same noise, one"
+	@echo "                                  row per held-out caption)"
 	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; the printed table: final-latent error, attribute"
-	@echo "                                  accuracy, time per image of teacher and both students; images"
-	@echo "                                  $(DEMO)/eval-attributes.png)"
+	@echo "                                  accuracy, time per image of the teacher, the student at $(DEMO_FEW_STEPS) and 8"
+	@echo "                                  steps, the few-step student and the LoRA; images $(DEMO)/eval-attributes.png)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
