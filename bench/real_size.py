@@ -243,9 +243,9 @@ def _blocks_phase(out: Path, prog: PartProgress, store, gen: Tensors, head: dict
     (the commit thread works meanwhile)."""
     sink = BlockSink(out, prog, store, samples_per_shard, 1, _Quiet())
     with watch:
+        guide = [head[F.F_GUIDANCE] if e == 1 else head[F.F_GUIDANCE_2] for e in head[F.F_EXPERTS]]
         try:
             for b, block in enumerate(blocks):
-                guide = [head[F.F_GUIDANCE] if e == 1 else head[F.F_GUIDANCE_2] for e in head[F.F_EXPERTS]]
                 records = [StepRecord(step=k, timestep=head[F.F_TIMESTEPS][k], sigma=head[F.F_SIGMAS][k],
                                       expert=head[F.F_EXPERTS][k], guidance=guide[k],
                                       x_t=torch.stack([gen.latent(p * steps + k) for p in block]),

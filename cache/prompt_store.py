@@ -134,8 +134,7 @@ class PromptRowWriter:
         """The buffer into its file: one zarr write of whole chunks, but for the last file's last chunk."""
         if self._fill:
             self.emb[self._base:self._base + self._fill] = self._buf[:self._fill]
-            path = Path(str(self.g.store.root)) / self.g.path / shard_file(self.emb, self._base)
-            self._behind.add(os.open(path, os.O_RDONLY), owned=True)
+            _drop(self.g, [shard_file(self.emb, self._base)], self._behind)
         self._base, self._fill = self._base + self.per_file, 0
 
     def close(self) -> None:
