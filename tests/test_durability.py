@@ -117,14 +117,23 @@ def test_resolved_config_is_written_atomically(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_prompt_store_is_fsynced_before_progress_records_it(tiny_teacher, prompts_file, tmp_path, monkeypatch):
-    """At every progress.json write, nothing in the part's prompt store (nor a shard it lists, nor their folders)
-    has changed since it was last fsynced: files by size and mtime (by inode: a shard is fsynced under its
-    temporary name), folders by their mtime (an entry created, renamed or removed). Stage one in-process, with
+    """At every progress.json write, every file of the part's prompt store and every shard it lists is unchanged
+    since it was last fsynced (by size and mtime, by inode: a shard is fsynced under its temporary name), and the
+    folders holding them listed each of them when they were last fsynced. Folders are judged by their listing, not
+    their mtime: the writer thread starts the next shard's temporary file while the previous shard's progress is
+    recorded, which changes the folder without touching what the record vouches for. Stage one in-process, with
     os.fsync recording what it made durable."""
     synced: dict[tuple, tuple] = {}
+    listed: dict[tuple, set] = {}
     real_fsync = os.fsync
 
     def fsync(fd):
+        st = os.fstat(fd)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            names = set(os.listdir(f"/proc/self/fd/{fd}"))
+            real_fsync(fd)
+            listed[(st.st_dev, st.st_ino)] = names  # listed before the fsync: no later entry counted as durable
+            return
         real_fsync(fd)
         st = os.fstat(fd)
         synced[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
@@ -135,15 +144,21 @@ def test_prompt_store_is_fsynced_before_progress_records_it(tiny_teacher, prompt
 
     def save(prog, cache_dir):
         store = prompt_store_path(out, prog.part)
-        paths = [store, *store.rglob("*")] if store.exists() else []
-        paths += [out / F.SHARDS_DIR, *(out / s[F.S_PATH] for s in prog.shards)] if prog.shards else []
+        files = [p for p in store.rglob("*") if p.is_file()] if store.exists() else []
+        entries = [store, *store.rglob("*")] if store.exists() else []
+        shards = [out / s[F.S_PATH] for s in prog.shards]
+        entries += [out / F.SHARDS_DIR] if shards else []
         stale = []
-        for p in paths:
+        for p in [*files, *shards]:
             st = os.stat(p)
             if synced.get((st.st_dev, st.st_ino)) != (st.st_size, st.st_mtime_ns):
                 stale.append(str(p.relative_to(out)))
+        for p in [*entries, *shards]:
+            folder = os.stat(p.parent)
+            if p.name not in listed.get((folder.st_dev, folder.st_ino), ()):
+                stale.append(f"{p.relative_to(out)} (its folder not fsynced since it appeared)")
         assert not stale, f"progress.json (encoded={prog.encoded}, done {prog.done_blocks}) written before {stale[:5]}"
-        checked.append((prog.encoded, len(prog.done_blocks), len(paths)))
+        checked.append((prog.encoded, len(prog.done_blocks), len(files) + len(shards)))
         real_save(prog, cache_dir)
 
     monkeypatch.setattr(os, "fsync", fsync)
