@@ -26,8 +26,8 @@ SRUN = r"""#!/bin/bash
 echo "srun $*" >> "$FAKE_LOG"
 while [[ "$1" == -* ]]; do shift; done  # srun's own options
 if [ -n "${FAKE_SRUN_WAIT:-}" ]; then  # a step that runs until SIGTERM, then stops as a stage does (exit 143)
-    trap 'echo "step: SIGTERM" >> "$FAKE_LOG"; exit 143' TERM
-    sleep 60 & wait; exit 0
+    trap 'kill $sleeper; echo "step: SIGTERM" >> "$FAKE_LOG"; exit 143' TERM  # (the sleep holds the job's stdout)
+    sleep 60 & sleeper=$!; wait; exit 0
 fi
 if [ -n "${FAKE_SRUN_RC:-}" ]; then exit "$FAKE_SRUN_RC"; fi
 rc=0
