@@ -37,6 +37,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The fault-tolerance table (tests/test_faults.py; `python -m tests.faults` prints the same), from the rows
+    each scenario test put in its report: a pytest-xdist worker's own output never reaches the terminal."""
+    from faults import Row, render
+    from test_faults import FAULT_ROWS
+
+    rows = [Row(**r) for reports in terminalreporter.stats.values() for rep in reports
+            if getattr(rep, "when", None) == "call"
+            for name, value in getattr(rep, "user_properties", ()) if name == FAULT_ROWS for r in value]
+    if rows:
+        terminalreporter.write_sep("-", "fault-tolerance suite (python -m tests.faults prints the same table)")
+        terminalreporter.write_line(render(rows))
+
+
 _VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -14,101 +15,105 @@ from faults import SCENARIOS, Row, Workspace, render
 from faults.proc import cleanup
 from pipeline import faults
 
-ROWS: list[Row] = []
+FAULT_ROWS = "fault rows"  # each scenario test's rows, in its report: conftest prints them as one table
 
 
 @pytest.fixture(scope="module")
-def ws(tiny_teacher, tmp_path_factory, request):
+def ws(tiny_teacher, tmp_path_factory):
     yield Workspace(tmp_path_factory.mktemp("faults"), teacher=tiny_teacher)
     cleanup()
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    if ROWS and capture is not None:
-        with capture.global_and_fixture_disabled():
-            print("\n\nfault-tolerance suite (python -m tests.faults prints the same table)\n" + render(ROWS))
 
 
-def _survived(rows: list[Row]) -> None:
-    ROWS.extend(rows)
-    for r in rows:
-        assert r.ok, render([r], verbose=True)
-        assert r.lost == 0 and r.duplicated == 0
+@pytest.fixture
+def survived(record_property):
+    """Check a scenario's rows and put them in the test's report (under pytest-xdist too, where a worker's own
+    output never reaches the terminal); the session ends with their table (conftest)."""
+
+    def check(rows: list[Row]) -> list[Row]:
+        record_property(FAULT_ROWS, [asdict(r) for r in rows])
+        for r in rows:
+            assert r.ok, render([r], verbose=True)
+            assert r.lost == 0 and r.duplicated == 0
+        return rows
+
+    return check
 
 
 @pytest.mark.slow
-def test_stage_one_sigkilled_at_named_points_and_random_moments_resumes_to_the_same_cache(ws):
+def test_stage_one_sigkilled_at_named_points_and_random_moments_resumes_to_the_same_cache(ws, survived):
     rows = SCENARIOS["stage1-kill"](ws, random.Random(0))
-    _survived(rows)
+    survived(rows)
     assert sum(r.attempts for r in rows) >= 10
 
 
 @pytest.mark.slow
-def test_stage_one_full_disk_stops_with_one_line_lists_nothing_partial_and_resumes(ws):
-    _survived(SCENARIOS["stage1-disk"](ws, random.Random(0)))
+def test_stage_one_full_disk_stops_with_one_line_lists_nothing_partial_and_resumes(ws, survived):
+    survived(SCENARIOS["stage1-disk"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_stage_two_sigkilled_in_training_or_checkpointing_resumes_to_the_same_weights(ws):
-    _survived(SCENARIOS["stage2-kill"](ws, random.Random(0)))
+def test_stage_two_sigkilled_in_training_or_checkpointing_resumes_to_the_same_weights(ws, survived):
+    survived(SCENARIOS["stage2-kill"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_stage_two_full_disk_at_a_checkpoint_is_one_line_and_resumes(ws):
-    _survived(SCENARIOS["stage2-disk"](ws, random.Random(0)))
+def test_stage_two_full_disk_at_a_checkpoint_is_one_line_and_resumes(ws, survived):
+    survived(SCENARIOS["stage2-disk"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_stage_one_sigterm_records_the_finished_blocks_exits_143_and_reruns_to_the_same_cache(ws):
-    _survived(SCENARIOS["stage1-sigterm"](ws, random.Random(0)))
+def test_stage_one_sigterm_records_the_finished_blocks_exits_143_and_reruns_to_the_same_cache(ws, survived):
+    survived(SCENARIOS["stage1-sigterm"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_stage_two_sigterm_checkpoints_the_step_exits_143_and_resumes_to_the_same_weights(ws):
-    _survived(SCENARIOS["stage2-sigterm"](ws, random.Random(0)))
+def test_stage_two_sigterm_checkpoints_the_step_exits_143_and_resumes_to_the_same_weights(ws, survived):
+    survived(SCENARIOS["stage2-sigterm"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_to_the_same_result(ws):
-    _survived(SCENARIOS["sigterm-torchrun"](ws, random.Random(0)))
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_to_the_same_result(ws, survived):
+    survived(SCENARIOS["sigterm-torchrun"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_is_named_and_resume_falls_back_to_the_newest_sound_one(ws):
+def test_a_damaged_checkpoint_is_named_and_resume_falls_back_to_the_newest_sound_one(ws, survived):
     rows = SCENARIOS["checkpoint-corrupt"](ws, random.Random(0))
-    _survived(rows)
+    survived(rows)
     assert rows[0].attempts >= 7
 
 
 @pytest.mark.slow
-def test_corrupt_caches_are_named_refused_and_repaired_by_the_printed_remedy(ws):
-    _survived(SCENARIOS["corrupt"](ws, random.Random(0)))
+def test_corrupt_caches_are_named_refused_and_repaired_by_the_printed_remedy(ws, survived):
+    survived(SCENARIOS["corrupt"](ws, random.Random(0)))
 
 
 @pytest.mark.slow
-def test_bad_inputs_end_in_one_line_exit_2_and_change_nothing(ws):
+def test_bad_inputs_end_in_one_line_exit_2_and_change_nothing(ws, survived):
     rows = SCENARIOS["bad-input"](ws, random.Random(0))
-    _survived(rows)
+    survived(rows)
     assert rows[0].attempts >= 25
 
 
 @pytest.mark.slow
-def test_config_values_of_the_wrong_type_end_in_one_line_exit_2_and_change_nothing(ws):
+def test_config_values_of_the_wrong_type_end_in_one_line_exit_2_and_change_nothing(ws, survived):
     rows = SCENARIOS["config-types"](ws, random.Random(0))
-    _survived(rows)
+    survived(rows)
     assert rows[0].attempts >= 10
 
 
 @pytest.mark.slow
-def test_a_second_writer_on_one_out_is_refused_naming_the_holder_and_the_first_is_untouched(ws):
+def test_a_second_writer_on_one_out_is_refused_naming_the_holder_and_the_first_is_untouched(ws, survived):
     rows = SCENARIOS["concurrent"](ws, random.Random(0))
-    _survived(rows)
+    survived(rows)
     assert rows[0].attempts >= 4
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws):
-    _survived(SCENARIOS["rank-failure"](ws, random.Random(0)))
+def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws, survived):
+    survived(SCENARIOS["rank-failure"](ws, random.Random(0)))
 
 
 # -- the injection hook itself ----------------------------------------------------------------------

@@ -1,26 +1,23 @@
 """SIGTERM, what SLURM and Kubernetes send a grace period before they kill a job, in real CLI processes: each stage
 stops at its next boundary with exit 143 and one line saying how to continue, keeps everything it finished, and
-the rerun is bit-identical to an uninterrupted run. (tests/faults/sigterm.py counts the same at more moments.)"""
+the rerun is bit-identical to an uninterrupted run. (tests/faults/sigterm.py counts the same at more moments, and
+under torchrun.)"""
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cache import format as F
-from conftest import ROOT, TINY_CACHE_ARGS
+from conftest import TINY_CACHE_ARGS
 from faults.check import compare_caches, read_progress, temp_files
 from faults.proc import cleanup, run_cli
 from pipeline import signals
-from pipeline.faults import KILL_AT_ENV, KILL_RANK_ENV
+from pipeline.faults import KILL_AT_ENV
 from test_train_student import TINY, assert_same_students, metrics
 
 # Stage two's run: 24 training samples at batch 4, 6 steps an epoch; step 7 is in the second epoch.
@@ -150,41 +147,3 @@ def test_stage_two_ctrl_c_names_resume(tiny_cache, tmp_path):
     r = run_cli(_train_argv(tiny_cache, tmp_path / "run"), env={KILL_AT_ENV: "train_step:3:int"})
     assert r.code == 130, r.describe()
     assert r.error_lines == ["error: interrupted; rerun the same command with --resume to continue"], r.describe()
-
-
-# -- under torchrun ------------------------------------------------------------------------------------------
-
-def _rank_lines(log_dir: Path) -> dict[int, str]:
-    """rank -> the line it recorded for torchrun's summary (`exit_rank`: every rank that ends with an error)."""
-    out = {}
-    for p in log_dir.rglob("error.json"):
-        m = re.search(r"\[rank (\d+)\] error: (.*)", json.loads(p.read_text())["message"]["message"])
-        out[int(m.group(1))] = m.group(2)
-    return out
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.parametrize("rank", [None, "1"], ids=["every-rank", "rank-1"])
-def test_stage_two_under_torchrun_every_rank_stops_at_the_same_step_with_one_checkpoint(tiny_cache, tmp_path, rank):
-    out, logs = tmp_path / "run", tmp_path / "logs"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
-            str(logs), "-m", "pipeline.cli", *map(str, _train_argv(tiny_cache, out, batch_size=2, max_steps=6,
-                                                                    checkpoint_every=0))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
-           KILL_AT_ENV: "train_step:3:term"}
-    env.pop("TORCHELASTIC_ERROR_FILE", None)
-    if rank is not None:
-        env[KILL_RANK_ENV] = rank
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
-    line = ("terminated (SIGTERM) at step 3 of 6; checkpoint step-00000003 written; rerun the same command with "
-            "--resume to continue")
-    assert _rank_lines(logs) == {0: line, 1: line}, output[-3000:]  # both ranks, the same step
-    own = [ln for ln in output.splitlines() if ln.startswith("[rank") and "] error:" in ln]
-    assert own == [f"[rank 0] error: {line}"], output[-3000:]  # printed once; torchrun's summary quotes it indented
-    assert set(re.findall(r"exitcode\s*: (-?\d+)", output)) <= {"143"}, output[-3000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]
-    state = json.loads((out / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
-    assert state["step"] == 3 and len(state["rng"]) == 2  # every rank's RNG, gathered at that step

@@ -190,6 +190,9 @@ def rank_failure(ws: Workspace) -> Row:
         own = [ln for ln in output.splitlines() if ln.startswith(f"[rank {rank}] {cause}")]
         if len(own) != 1:
             problems.append(f"the cause is printed {len(own)} times by rank {rank}, expected once: {output[-3000:]}")
+        if fail_at.endswith("oom") and not ("memory: peak host RSS" in output
+                                            and "--gradient-checkpointing" in output):
+            problems.append(f"the out-of-memory line gives no memory figures or remedy: {output[-3000:]}")
         if (out / "student").exists():
             problems.append("a student was saved")
         if tree_digest(ws.ref_cache) != before:
