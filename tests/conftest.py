@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # The files with the most end-to-end (`slow`) tests first, each file's tests in their order: pytest-xdist hands
+    # out whole files in this order, and a long file handed out last would run alone at the end.
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])
 
 
 def pytest_terminal_summary(terminalreporter):
