@@ -71,44 +71,49 @@ def test_one_process_fsdp_equals_ddp_and_checkpoints_keep_their_strategy(tiny_ca
         train(tiny_cache, ddp, resume=True, strategy="fsdp", **kw)
 
 
+@pytest.fixture(scope="module")
+def fsdp_two(tiny_cache, tmp_path_factory):
+    """The uninterrupted two-process fsdp run (KILL's settings) that both tests below compare against."""
+    out = tmp_path_factory.mktemp("fsdp-two") / "run"
+    t0 = time.time()
+    proc = torchrun(tiny_cache, out, {}, 300, strategy="fsdp", **KILL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(f"fsdp two processes: {time.time() - t0:.0f}s")
+    return out
+
+
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_processes_fsdp_equal_one_process_and_checkpoints_are_sharded(tiny_cache, tmp_path):
-    out2, out1 = tmp_path / "two", tmp_path / "one"
-    t0 = time.time()
-    proc = torchrun(tiny_cache, out2, {}, 300, strategy="fsdp", **(ARGS | dict(checkpoint_every=2)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    t_two = time.time() - t0
-    train(tiny_cache, out1, **(ARGS | dict(batch_size=4)))  # one process, plain (no wrapping)
+def test_two_processes_fsdp_equal_one_process_and_checkpoints_are_sharded(fsdp_two, tiny_cache, tmp_path):
+    out2, out1 = fsdp_two, tmp_path / "one"
+    train(tiny_cache, out1, **(KILL | dict(batch_size=2, num_workers=0)))  # one process, plain (no wrapping)
 
     l2, l1 = [r["loss"] for r in metrics(out2)], [r["loss"] for r in metrics(out1)]
-    assert len(l2) == len(l1) == 6 and max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
+    assert len(l2) == len(l1) == 10 and max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
     diffs = {name: max_rel_diff(weights(out2 / name), weights(out1 / name)) for name in ("student", "student_ema")}
-    print(f"fsdp two processes ({t_two:.0f}s) vs one process, max relative difference: {diffs}")
-    assert max(diffs.values()) <= 1e-5
+    print(f"fsdp two processes vs one process, max relative difference: {diffs}")
+    assert max(diffs.values()) <= 2e-5  # 10 AdamW steps of two ranks' sums in another order: 1.2e-5 measured
     for name in ("student", "student_ema"):
         assert (out2 / name / "config.json").read_text() == (out1 / name / "config.json").read_text()
 
     # checkpoints: torch.distributed.checkpoint folders, one shard file per rank, every file in the digest record
     names = sorted(p.name for p in (out2 / "checkpoints").iterdir())
-    assert names == ["step-00000002", "step-00000004"]
+    assert names == ["step-00000006", "step-00000009"]  # the newest two kept
     ckpt = out2 / "checkpoints" / names[-1]
     assert sorted(p.name for p in ckpt.iterdir()) == ["digests.json", "sharded", "trainer_state.json"]
     assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     files = json.loads((ckpt / "digests.json").read_text())["files"]
     assert sorted(files) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "trainer_state.json"]
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["strategy"] == "fsdp" and state["world_size"] == 2 and state["step"] == 4
+    assert state["strategy"] == "fsdp" and state["world_size"] == 2 and state["step"] == 9
     assert checkpoint.sharded_keys(ckpt) == {"model", "optimizer", "ema"}
     assert checkpoint.pick(out2) == (ckpt, [])  # verified and trusted like a whole checkpoint
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_fsdp_kill_and_resume_is_bit_equal(tiny_cache, tmp_path):
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    proc = torchrun(tiny_cache, full, {}, 300, strategy="fsdp", **KILL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_fsdp_kill_and_resume_is_bit_equal(fsdp_two, tiny_cache, tmp_path):
+    full, cut = fsdp_two, tmp_path / "cut"
     # every rank SIGKILLs itself as optimizer step 8 begins: checkpoints 3 and 6 are on disk
     proc = torchrun(tiny_cache, cut, {"WANDISTILLER_KILL_AT": "train_step:8"}, 300, strategy="fsdp", **KILL)
     assert proc.returncode != 0 and not (cut / "student").exists()
