@@ -131,7 +131,7 @@ demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	@echo "                                  steps, the few-step student and the LoRA; images $(DEMO)/eval-attributes.png)"
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process), each test file whole on one worker so that a
-# module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 15 min instead of 22.
+# module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 14 min instead of 19-24.
 TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
