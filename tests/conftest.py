@@ -45,8 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     """The fault-tolerance table (tests/test_faults.py; `python -m tests.faults` prints the same), from the rows
     each scenario test put in its report: a pytest-xdist worker's own output never reaches the terminal."""
-    from faults import Row, render
-    from test_faults import FAULT_ROWS
+    from faults import FAULT_ROWS, Row, render
 
     rows = [Row(**r) for reports in terminalreporter.stats.values() for rep in reports
             if getattr(rep, "when", None) == "call"

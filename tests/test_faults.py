@@ -11,11 +11,9 @@ from dataclasses import asdict
 
 import pytest
 
-from faults import SCENARIOS, Row, Workspace, render
+from faults import FAULT_ROWS, SCENARIOS, Row, Workspace, render
 from faults.proc import cleanup
 from pipeline import faults
-
-FAULT_ROWS = "fault rows"  # each scenario test's rows, in its report: conftest prints them as one table
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 from . import bad_input, concurrent, corrupt, sigterm, stage_one, stage_two
 from .checkpoint import checkpoint_corruption
 from .proc import warm_up
-from .report import Row, render
+from .report import FAULT_ROWS, Row, render
 from .workspace import Workspace
 
 # name -> scenario(workspace, rng) -> rows. Each builds what it needs; the references are shared.
@@ -54,4 +54,4 @@ def run(names: list[str], root: Path, teacher: Path | None = None, seed: int = 0
     return rows
 
 
-__all__ = ["SCENARIOS", "Row", "Workspace", "render", "run"]
+__all__ = ["FAULT_ROWS", "SCENARIOS", "Row", "Workspace", "render", "run"]

@@ -40,6 +40,9 @@ class Row:
                 and not self.duplicated)
 
 
+# The key under which a pytest test puts its rows (as dicts) in its report; tests/conftest.py prints them as one table.
+FAULT_ROWS = "fault rows"
+
 HEADER = ("fault", "attempts", "survived", "samples lost", "samples duplicated", "wall s")
 
 
