@@ -45,6 +45,32 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, before_replace: Cal
     fsync_dir(path.parent)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (/proc/self/status), else by setting and
+    restoring it (a file another thread creates in between gets 077's modes: more private, never less)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | os.PathLike) -> None:
+    """Give the file `path`, or every `*.safetensors` below the folder `path` (symlinks left alone), the mode a plain
+    open() gives a new file: 0o666 less the umask. safetensors creates its files 0600 whatever the umask, which shuts
+    colleagues on shared storage out of weights (a student, a checkpoint, an export) they are meant to read."""
+    path = Path(path)
+    mode = 0o666 & ~umask()
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*.safetensors") if not p.is_symlink()]
+    for f in files:
+        os.chmod(f, mode)
+
+
 def atomic_write_json(path: str | os.PathLike, obj, before_replace: Callable[[], None] | None = None) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), before_replace)
 

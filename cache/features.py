@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import fsync_dir
+from .atomic import fsync_dir, honour_umask
 from .errors import CacheError
 from .format import FEATURE_PROJECTION, P_MATRIX, TMP_SUFFIX
 
@@ -38,6 +38,7 @@ def write_projection(cache_dir: str | os.PathLike, matrix: torch.Tensor) -> Path
     path = Path(cache_dir) / FEATURE_PROJECTION
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")  # parts on other processes write it too
     save_file({P_MATRIX: matrix.contiguous()}, tmp)
+    honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -337,7 +337,9 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
                                catch_exceptions=False)
         assert r.exit_code == 0, r.output
     card = (tmp_path / "lora" / "README.md").read_text()
-    for needle in (str(tiny_teacher), "guidance_scale=1.0", "num_inference_steps=2", "max_sequence_length=32",
+    assert str(tiny_teacher) not in card  # the base by its name: the card goes to the Hub (test_hostile_exports)
+    for needle in (f'from_pretrained("{tiny_teacher.name}"', "guidance_scale=1.0", "num_inference_steps=2",
+                   "max_sequence_length=32",
                    'weight_name="low_noise_model.safetensors", adapter_name="transformer_2", load_into_transformer_2'):
         assert needle in card, needle
     m = load_manifest(tiny_cache)

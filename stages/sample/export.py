@@ -18,6 +18,9 @@
 
 `--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub.push`).
 
+Every copy is of contents, not modes (`copy_contents`): the export's files and folders are created under the user's
+umask, whatever the modes of the teacher's files (a world-writable teacher folder) or the run's.
+
 diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
 A LoRA run (`train-student --lora-of`) is exported as its adapters in diffusers' LoRA format, or with --fuse merged
 into the teacher's pipeline: export_lora.py.
@@ -27,7 +30,6 @@ replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -36,7 +38,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from cache.atomic import publish_dir
-from pipeline.artifact import DISTILL, LORA_JSON, DistillRecord
+from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
@@ -134,9 +136,20 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 """
 
 
+def copy_contents(src: Path, dst: Path) -> None:
+    """Copy the folder `src` to `dst`: the bytes of every file (a symlink's target's, as a Hub cache snapshot's links
+    to its blobs), not their modes: every folder and file is created anew under the umask, so a teacher folder that
+    is world-writable, or weights saved 0600, do not hand their modes to the export (copytree copies them)."""
+    for root, _dirs, files in os.walk(src, followlinks=True):
+        here = dst / Path(root).relative_to(src)
+        here.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            shutil.copyfile(Path(root) / name, here / name)
+
+
 def _place(src: Path, dst: Path, copy: bool) -> None:
     if copy:
-        shutil.copytree(src, dst, symlinks=False)
+        copy_contents(src, dst)
     else:
         os.symlink(src.resolve(), dst, target_is_directory=True)
 
@@ -183,20 +196,10 @@ def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
     return teacher_name, tpath, index
 
 
-def _public_record(record: DistillRecord, teacher: str) -> dict:
-    """distill.json as the export carries it: the same record with the teacher named as the card names it and no
-    local path (the caches by fingerprint alone, files by their names)."""
-    name = lambda p: Path(p).name if p else p  # noqa: E731
-    return dataclasses.replace(record, teacher=teacher, teacher_path=None,
-                               caches=[{"fingerprint": c.get("fingerprint")} for c in record.caches],
-                               init_from_teacher=name(record.init_from_teacher),
-                               student_config=name(record.student_config)).to_json()
-
-
 def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: dict, hints: dict,
           own_scheduler: bool, teacher: str, card: str) -> None:
     """Write the pipeline folder's content into `tmp`."""
-    shutil.copytree(student.path, tmp / "transformer")
+    copy_contents(student.path, tmp / "transformer")
     for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
         if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
             student_scheduler(student.distill).save_pretrained(tmp / comp)
@@ -211,8 +214,9 @@ def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: di
                "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
     })
     (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    hub.drop_local_names(tmp)  # (a re-saved teacher's configs name the folder it was loaded from)
     if student.distill is not None:
-        (tmp / DISTILL).write_text(json.dumps(_public_record(student.distill, teacher), indent=2) + "\n")
+        (tmp / DISTILL).write_text(json.dumps(hub.public_record(student.distill, teacher), indent=2) + "\n")
     (tmp / "README.md").write_text(card)
 
 
@@ -234,8 +238,7 @@ def run(cfg: ExportConfig) -> dict:
 
         return _pushed(cfg, out, export_lora.run(cfg, student, hints, out))
     own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
-    base_model = cfg.base_model or hub.hub_id(teacher_name, tpath)
-    teacher = base_model or Path(teacher_name).name  # what the card calls it: a Hub id, else a name, never a path
+    base_model, teacher = hub.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
     card = (hub.front_matter(hub.teacher_license(tpath, base_model), base_model, own_scheduler)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")

@@ -9,6 +9,10 @@
                                      sigmas; else the teacher's)
       distill.json, README.md        the run's record, and the model card: base, steps, guidance 1, text length
 
+No local path is written anywhere (`--push-to-hub` uploads these files): the base is named by its Hub id, else its
+folder's name, and the folder itself by --push-to-hub's repo id, else its own name (`hub.public_teacher`,
+`hub.public_record`, as the compact export). Files are copies of contents, not modes, created under the umask.
+
 loaded as `WanPipeline.from_pretrained(BASE)` + `pipe.load_lora_weights(LORA_DIR, weight_name=...)` (transformer_2's
 with `load_into_transformer_2=True`). `--fuse` writes a standalone pipeline instead: the teacher with the adapters
 merged into its transformers (diffusers' `fuse_lora`, then `unload_lora_weights`) and the student's scheduler.
@@ -23,12 +27,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from cache.atomic import publish_dir
+from cache.atomic import honour_umask, publish_dir
 from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.faults import fault_point
+from pipeline.hub import is_hub_id
 from pipeline.sampling import student_scheduler
 
+from . import hub
 from .models import Student
 
 MARK = "_wandistiller"  # (export.MARK): the key that lets --overwrite replace an earlier export
@@ -42,19 +48,22 @@ def _load_calls(student: Student, where: str) -> str:
     return "\n".join(lines)
 
 
-def readme(student: Student, hints: dict, out: Path, fused: bool) -> str:
-    """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call."""
-    lora, steps, msl = student.lora, hints.get("num_inference_steps"), hints.get("max_sequence_length")
+def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> str:
+    """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call. `name`: what the
+    export is loaded as (its Hub id, or the folder's name), `base`: the teacher's public name; never a local path."""
+    steps, msl = hints.get("num_inference_steps"), hints.get("max_sequence_length")
+    lora = student.lora | {"teacher": base}
     call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")
                      if k in hints)
     experts = ", ".join(f"`{f}` ({c})" for c, f in lora["files"].items())
     if fused:
-        load = (f'pipe = WanPipeline.from_pretrained("{out}", torch_dtype=torch.bfloat16).to("cuda")  '
+        load = (f'pipe = WanPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")  '
                 "# adapters merged, scheduler included")
     else:
-        load = (f'pipe = WanPipeline.from_pretrained("{lora["teacher"]}", torch_dtype=torch.bfloat16).to("cuda")\n'
-                f'pipe.scheduler = UniPCMultistepScheduler.from_pretrained("{out}", subfolder="scheduler")\n'
-                + _load_calls(student, str(out)))
+        where = "" if is_hub_id(base) else "  # the base: where your copy of the teacher lies"
+        load = (f'pipe = WanPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda"){where}\n'
+                f'pipe.scheduler = UniPCMultistepScheduler.from_pretrained("{name}", subfolder="scheduler")\n'
+                + _load_calls(student, name))
     return f"""# WanDistiller LoRA: {steps}-step, guidance 1, on {lora['teacher']}
 
 Base: `{lora['teacher']}`{f" (revision {lora['revision']})" if lora.get('revision') else ''}. Rank {lora['rank']},
@@ -91,6 +100,8 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
     pipe.unload_lora_weights()  # the merged weights stay; the LoRA layers go
     pipe.scheduler = student_scheduler(student.distill)
     pipe.save_pretrained(tmp)
+    honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
+    hub.drop_local_names(tmp)  # (each config's _name_or_path: the teacher's folder)
 
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
@@ -101,7 +112,9 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
 
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    mark = {**hints, "student": str(student.path.resolve()), "weights": student.weights, "lora": student.lora,
+    _, base = hub.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
+    lora = student.lora | {"teacher": base}
+    mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
             "fused": cfg.fuse, "cache_fingerprints": student.fingerprints}
     try:
         if cfg.fuse:
@@ -110,12 +123,12 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
             (tmp / "model_index.json").write_text(json.dumps(index | {MARK: mark}, indent=2) + "\n")
         else:
             tmp.mkdir(parents=True)
-            for name in student.lora["files"].values():
-                shutil.copy2(student.path / name, tmp / name)
-            (tmp / LORA_JSON).write_text(json.dumps(student.lora | {MARK: mark}, indent=1) + "\n")
+            for name in student.lora["files"].values():  # the bytes, not the run's file modes
+                shutil.copyfile(student.path / name, tmp / name)
+            (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
-        (tmp / DISTILL).write_text(json.dumps(student.distill.to_json(), indent=2) + "\n")
-        (tmp / "README.md").write_text(readme(student, hints, out.resolve(), cfg.fuse))
+        (tmp / DISTILL).write_text(json.dumps(hub.public_record(student.distill, base), indent=2) + "\n")
+        (tmp / "README.md").write_text(readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
         publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
     except BaseException:

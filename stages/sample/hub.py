@@ -1,5 +1,6 @@
 """What makes an export ready for the Hugging Face Hub: the model card's metadata (YAML front matter the Hub reads
-for its license, base model, task and library), names without local paths, and the upload itself
+for its license, base model, task and library), names without local paths (`public_teacher`, `public_record`: the
+one place both exports, a compact student's pipeline and a LoRA run's adapters, strip them), and the upload itself
 (`export --push-to-hub REPO_ID`), all through huggingface_hub.
 
 A Hub card describes the model to strangers: it names the teacher by its Hub id and says nothing of the folders it
@@ -8,9 +9,13 @@ was trained from (an absolute path there leaks a user name and means nothing to 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 from pathlib import Path
 
+from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
 
@@ -29,6 +34,48 @@ def hub_id(teacher: str, folder: Path | None = None) -> str | None:
         if m:
             return f"{m.group(1)}/{m.group(2)}"
     return None
+
+
+def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
+    """(base_model, name): the teacher's Hub id for the card's metadata (`base_model` when the user gave one, else the
+    id it is known by, else None), and what an export calls the teacher: that id, else its folder's name; never a
+    local path."""
+    base = base_model or hub_id(teacher, folder)
+    return base, base or Path(teacher).name
+
+
+def public_record(record: DistillRecord, teacher: str) -> dict:
+    """distill.json as an export carries it: the same record with the teacher named as the card names it
+    (`public_teacher`) and no local path: the caches by fingerprint alone, files by their names, a LoRA run's base
+    by the teacher's public name."""
+    name = lambda p: Path(p).name if p else p  # noqa: E731
+    lora = record.lora if record.lora is None else record.lora | {"teacher": teacher}
+    return dataclasses.replace(record, teacher=teacher, teacher_path=None,
+                               caches=[{"fingerprint": c.get("fingerprint")} for c in record.caches],
+                               init_from_teacher=name(record.init_from_teacher),
+                               student_config=name(record.student_config), lora=lora).to_json()
+
+
+def drop_local_names(folder: Path) -> None:
+    """Remove from every JSON file below `folder` the `_name_or_path` (`name_or_path`) that diffusers and transformers
+    write into a config they save, where it is a local path: the folder a component was loaded from says nothing to
+    anyone else (its Hub id, when that is what it holds, stays). Symlinked folders (`--link`) are left alone."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = Path(root) / name
+            if not name.endswith(".json") or path.is_symlink():
+                continue
+            text = path.read_text(errors="replace")
+            if "name_or_path" not in text:
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                continue
+            local = [k for k in ("_name_or_path", "name_or_path") if isinstance(obj, dict) and
+                     isinstance(obj.get(k), str) and os.path.isabs(os.path.expanduser(obj[k]))]
+            if local:
+                path.write_text(json.dumps({k: v for k, v in obj.items() if k not in local}, indent=2) + "\n")
 
 
 def teacher_license(folder: Path, repo_id: str | None) -> str | None:

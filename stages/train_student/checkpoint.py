@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from cache.atomic import fsync_dir
+from cache.atomic import fsync_dir, honour_umask
 from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
@@ -141,6 +141,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     turns into one line, instead of a SafetensorError and a traceback."""
     try:
         save_file(tensors, path)
+        honour_umask(path)  # (safetensors writes 0600: colleagues could not read the checkpoint)
     except Exception as e:
         err = as_os_error(e, path)
         if err is None:

@@ -20,7 +20,7 @@ import torch
 
 from cache import format as F
 from pipeline import lock
-from cache.atomic import atomic_write_json, publish_dir
+from cache.atomic import atomic_write_json, honour_umask, publish_dir
 from cache.reader import open_caches
 from pipeline import signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord, RunLayout
@@ -163,6 +163,7 @@ def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
         publish_dir(tmp, dest, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
     except Exception as e:

@@ -14,6 +14,12 @@ time. Its cost: the weights (Wan 2.1's VAE, which the A14B and 1.3B/14B teachers
 480x832: about 3.3 GiB) on the device during validation, and the weights in host RAM the rest of the time.
 It decodes the teacher's cached final latents once and the student's at each validation into a
 teacher | student grid.
+
+Which VAE (`vae_folder`, settled before step 1): the teacher the user named (--lora-of, or --init-from-teacher
+when it is a pipeline), then the teacher's folder the cache's manifest names when it is on this machine, then the
+manifest's Hub id when the local Hub cache already holds its VAE. A cache's manifest is not covered by its
+fingerprint in its `teacher` fields, so nothing is downloaded because a cache says so: where none of these is
+here, the run is refused in one line that says how to name the teacher.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
 from pipeline.artifact import DistillRecord
+from pipeline.errors import UserError
+from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
 
 _GAP = 2  # pixels between grid cells
+VAE_FILES = ("vae/*.json", "vae/*.safetensors")  # what --val-decode reads of a teacher (huggingface_hub patterns)
 
 
 def trajectory_name(prompt_idx: int, seed_idx: int) -> str:
@@ -43,7 +52,7 @@ class Validator:
     """Samples the student on fixed held-out trajectories; `run` returns (metrics record, image grid or None)."""
 
     def __init__(self, record: DistillRecord, data, max_prompts: int, batch_size: int, device: torch.device,
-                 decode: bool):
+                 decode: bool, vae: tuple[Path, str] | None = None):
         self.record, self.device, self.batch_size, self.decode = record, device, batch_size, decode
         index = data.index
         self.manifest = index.manifest
@@ -63,6 +72,7 @@ class Validator:
         self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._neg: torch.Tensor | None = None
         self._vae = None
+        self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer when decode is on
         self._teacher_frames: np.ndarray | None = None
 
     def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -107,14 +117,13 @@ class Validator:
         """The teacher's VAE alone (diffusers AutoencoderKLWan from the teacher's vae/ subfolder), float32."""
         from diffusers import AutoencoderKLWan
 
-        m = self.manifest
-        path = m.get(F.F_TEACHER_PATH)
-        source = path if path and Path(path).is_dir() else m.get(F.F_TEACHER)
-        vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", revision=m.get(F.F_REVISION),
-                                               torch_dtype=torch.float32)
+        folder, named_by = self._vae_from or vae_folder(None, None, None, self.manifest)
+        # A local folder only (vae_folder fetched whatever was to be fetched), safetensors only: no pickle is read.
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32,
+                                               use_safetensors=True)
         vae = vae.eval().requires_grad_(False)  # on the CPU until it decodes
         self.vae_mib = sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**20
-        tqdm.write(f"validation: the teacher's VAE from {source} on rank 0 ({self.vae_mib:.1f} MiB of float32 "
+        tqdm.write(f"validation: the teacher's VAE from {named_by} on rank 0 ({self.vae_mib:.1f} MiB of float32 "
                    "weights; the teacher's transformers and text encoder stay unloaded)")
         return vae
 
@@ -144,6 +153,47 @@ class Validator:
         return (torch.cat(out).numpy() * 255).round().astype(np.uint8)
 
 
+def _has_vae(folder: Path) -> bool:
+    return (folder / "vae" / "config.json").is_file()
+
+
+def vae_folder(flag: str | None, teacher: str | None, revision: str | None, manifest: dict) -> tuple[Path, str]:
+    """The local folder whose vae/ --val-decode loads, and what named it: the teacher the user named (`flag`
+    `teacher`: a folder, or a Hub id fetched as every named teacher is), else the teacher's folder the manifest
+    records when it is on this machine, else the manifest's Hub id when the local Hub cache holds its VAE. Nothing is
+    fetched for a name that only the cache gives (its teacher fields are outside its fingerprint: anyone who can
+    write a cache could choose the repository); without any of these, one UserError line."""
+    if teacher is not None:
+        local = Path(teacher).expanduser()
+        if local.exists():
+            if _has_vae(local):
+                return local, f"{flag} {teacher}"
+        elif is_hub_id(teacher):
+            return teacher_folder(teacher, revision, files=VAE_FILES, flag=flag), f"{flag} {teacher}"
+    name, path, rev = manifest.get(F.F_TEACHER), manifest.get(F.F_TEACHER_PATH), manifest.get(F.F_REVISION)
+    for where in (path, name):
+        if isinstance(where, str) and where and Path(where).is_absolute() and _has_vae(Path(where)):
+            return Path(where), f"the cache's teacher folder {where}"
+    hub_name = name if isinstance(name, str) and is_hub_id(name) else None
+    if hub_name is not None:
+        from huggingface_hub import snapshot_download
+
+        try:  # the local Hub cache only: what the user downloaded, never a download
+            snap = Path(snapshot_download(hub_name, revision=rev, allow_patterns=list(VAE_FILES),
+                                          local_files_only=True))
+            if _has_vae(snap):
+                return snap, f"the local Hub cache's {hub_name}"
+        except Exception:  # noqa: BLE001 -- not cached (or a malformed name or revision): refused below
+            pass
+    named = (f"as the Hub id {hub_name}{f' at revision {rev}' if rev else ''}, whose VAE is not in the local Hub "
+             "cache" if hub_name else f"by the folder {path or name}, which holds no vae/ on this machine")
+    get = (f"download its VAE yourself (`hf download {hub_name}{f' --revision {rev}' if rev else ''} --include "
+           "'vae/*'`), " if hub_name else "")
+    raise UserError(f"--val-decode needs the teacher's VAE, and the cache names its teacher only {named}; nothing is "
+                    f"downloaded because a cache says so: {get}name the teacher with --lora-of or --init-from-teacher "
+                    "(a pipeline folder or Hub id), or drop --val-decode")
+
+
 def image_grid(teacher: np.ndarray, student: np.ndarray) -> np.ndarray:
     """One row per trajectory: teacher | student, separated by white gaps. [N, H, W, 3] x2 -> HxWx3 uint8."""
     n, h, w, _ = teacher.shape
@@ -162,4 +212,8 @@ def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torc
     rank 0 alone decodes and logs."""
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
-    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, cfg.val_decode and is_main)
+    decode, vae = cfg.val_decode and is_main, None
+    if decode:  # settled before step 1: a refusal costs no training
+        flag, teacher = ("--lora-of", cfg.lora_of) if cfg.lora_of else ("--init-from-teacher", cfg.init_from_teacher)
+        vae = vae_folder(flag, teacher, cfg.revision, data.index.manifest)
+    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, decode, vae)
