@@ -109,6 +109,13 @@ def test_a_second_writer_on_one_out_is_refused_naming_the_holder_and_the_first_i
 
 
 @pytest.mark.slow
+def test_hostile_inputs_run_nothing_touch_nothing_outside_never_hang_and_end_in_one_line(ws, survived):
+    rows = SCENARIOS["hostile"](ws, random.Random(0))
+    survived(rows)
+    assert len(rows) >= 20 and sum(r.attempts for r in rows) >= 40
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws, survived):
     survived(SCENARIOS["rank-failure"](ws, random.Random(0)))

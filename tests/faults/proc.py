@@ -94,7 +94,8 @@ class Result:
         return f"`wandistiller {' '.join(self.argv)}` -> exit {self.code}\n{tail}"
 
 
-def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, fsize: int | None) -> None:
+def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, fsize: int | None,
+           umask: int | None = None) -> None:
     for k in FAULT_ENV:
         os.environ.pop(k, None)
     os.environ.update(env)
@@ -110,6 +111,8 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    if umask is not None:  # the user's umask (the server's is the suite's own)
+        os.umask(umask)
     if fsize is not None:  # stands in for a full disk: writes past `fsize` bytes fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     import torch
@@ -131,9 +134,10 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
 
 
 def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
-            kill_after_s: float | None = None, timeout_s: float = 300.0, sig: int = signal.SIGKILL) -> Result:
+            kill_after_s: float | None = None, timeout_s: float = 300.0, sig: int = signal.SIGKILL,
+            umask: int | None = None) -> Result:
     """Run `wandistiller argv...` in a fresh process; send it `sig` (SIGKILL) after `kill_after_s` if given."""
-    return start_cli(argv, env, fsize).wait(timeout_s, kill_after_s, sig)
+    return start_cli(argv, env, fsize, umask).wait(timeout_s, kill_after_s, sig)
 
 
 @dataclass
@@ -175,7 +179,8 @@ class Running:
         return Result(self.argv, code, out, err, wall)
 
 
-def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None) -> Running:
+def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
+              umask: int | None = None) -> Running:
     """Start `wandistiller argv...` in a fresh process and return at once (`.wait()` for its Result)."""
     ctx = _context()
     argv = [str(a) for a in argv]
@@ -183,7 +188,8 @@ def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | N
     os.close(fd)
     err_path = out_path[:-4] + ".err"
     t0 = time.perf_counter()
-    p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize), daemon=True)
+    p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize, umask),
+                    daemon=True)
     p.start()
     return Running(argv, p, out_path, err_path, t0)
 
