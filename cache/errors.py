@@ -16,3 +16,8 @@ class UnfinishedCacheError(CacheError):
     def __init__(self, cache_dir, message: str):
         super().__init__(message)
         self.cache_dir = cache_dir
+
+
+class UnsafeFileError(CacheError):
+    """A path of a cache that is a symbolic link, or a file that is not a regular file (a FIFO, a device): refused
+    whole, by every reader and `cache verify` alike (`safe_open`), never followed or read."""

@@ -14,11 +14,12 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from .atomic import fsync_dir, honour_umask
-from .errors import CacheError
+from .errors import CacheError, UnsafeFileError
 from .format import FEATURE_PROJECTION, P_MATRIX, TMP_SUFFIX
+from .safe_open import read_bytes
 
 POOLS = ("none", "mean")
 
@@ -50,7 +51,9 @@ def read_projection(cache_dir: str | os.PathLike, sha256: str) -> torch.Tensor:
     """The cache's projection matrix; CacheError if it is missing or is not the one the manifest records."""
     path = Path(cache_dir) / FEATURE_PROJECTION
     try:
-        matrix = load_file(path)[P_MATRIX]
+        matrix = load(read_bytes(cache_dir, FEATURE_PROJECTION))[P_MATRIX]
+    except UnsafeFileError:
+        raise
     except (OSError, KeyError, Exception) as e:  # missing file, foreign or corrupt safetensors
         raise CacheError(f"{path} is unreadable ({type(e).__name__}); rerun the same `wandistiller teacher-cache` "
                          "command to rewrite it") from e

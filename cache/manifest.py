@@ -5,6 +5,11 @@ records. Separate processes (`--part/--num-parts`) each try once their part is c
 finishes last writes it. Under torchrun every rank waits at a barrier until all parts are complete, then
 rank 0 writes it. Two writers finishing together write identical content to distinct temporary files,
 and the rename makes one of them win whole.
+
+Readers take a manifest as untrusted: it is opened through `safe_open` (no link, no FIFO), its fields are checked
+against `schema.record_problem` (types, ranges, required keys; every shard path `shards/part-PPPPP-SSSSSS.tar` of
+one of its parts) before any is used, so that no reader opens a file outside the cache because the manifest says so,
+and a malformed one ends in one line.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
@@ -24,10 +29,11 @@ from .errors import CacheError, UnfinishedCacheError
 from .format import (
     F_BYTES, F_CREATED, F_DTYPE, F_FINGERPRINT, F_FORMAT_VERSION, F_LATENT_SHAPE, F_NEGATIVE_SHA256, F_NUM_PARTS,
     F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
-    FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES, T_FEATURES, part_dirname,
+    FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_SAMPLES, T_FEATURES, part_dirname,
 )
 from .progress import PartProgress, check_version
-from .schema import declared_fields, recorded_steps, sample_bytes, sample_fields
+from .safe_open import read_bytes
+from .schema import declared_fields, record_problem, recorded_steps, sample_bytes, sample_fields
 from .size import measured_inputs, project
 
 # Header fields that say where the teacher was found, not what it is: left out of the fingerprint (its content
@@ -37,6 +43,7 @@ NOT_FINGERPRINTED = (F_TEACHER, F_REVISION, F_TEACHER_PATH)
 # field of a manifest is a setting, and the settings less NOT_FINGERPRINTED hash to its fingerprint.
 MANIFEST_FIELDS = (F_FORMAT_VERSION, F_FINGERPRINT, F_SAMPLE_FIELDS, F_NUM_PARTS, F_SAMPLES, F_BYTES, F_PARTS,
                    F_SHARDS, F_CREATED, F_NEGATIVE_SHA256)
+OWN_NEGATIVE = f"{PARTS_DIR}/{part_dirname(0)}/{NEGATIVE}"  # part 0's copy, which the root's is restored from
 # What a user told to fix the manifest does (stage one rewrites it from the parts' progress records).
 REWRITE = (f"rerun the same `wandistiller teacher-cache` command: it rewrites {MANIFEST} from the parts' progress "
            "records (or restore the manifest)")
@@ -52,9 +59,12 @@ def settings_fingerprint(header: dict) -> str:
     return fingerprint({k: v for k, v in header.items() if k not in NOT_FINGERPRINTED})
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _sha256(cache_dir: str | os.PathLike, rel: str) -> str | None:
+    """sha256 of the cache's file `rel` (opened by `safe_open`), None where it is not there."""
+    try:
+        return hashlib.sha256(read_bytes(cache_dir, rel)).hexdigest()
+    except FileNotFoundError:
+        return None
 
 
 def _settings(m: dict) -> dict:
@@ -105,36 +115,28 @@ def check_settings(cache_dir: str | os.PathLike, m: dict) -> None:
         raise CacheError(problem)
 
 
-def shard_path_problem(rel, cache_dir: str | os.PathLike) -> str | None:
-    """Why a shard path recorded in a manifest is not a path inside the cache folder (absolute, `..`), or None."""
-    if not isinstance(rel, str) or not rel:
-        return f"shard path {rel!r} is not a path"
-    p = PurePosixPath(rel)
-    if p.is_absolute() or PureWindowsPath(rel).drive or ".." in p.parts or "\\" in rel:
-        return f"shard path {rel!r} is outside the cache folder {cache_dir}"
-    return None
-
-
 def _negative_sha256(cache_dir: Path, written: str) -> str | None:
     """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
     (written together): a missing root copy, or one that no longer matches what the previous manifest recorded
     while part 0's still does, is restored from part 0's first, so that rerunning stage one repairs it. Part 0's
     copy must still be what part 0's progress record says it wrote (`written`)."""
     root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
-    if not own.is_file():
-        return sha256_file(root) if root.is_file() else None
-    data = own.read_bytes()
+    try:
+        data = read_bytes(cache_dir, OWN_NEGATIVE)
+    except FileNotFoundError:
+        return _sha256(cache_dir, NEGATIVE)
     sha = hashlib.sha256(data).hexdigest()
     if sha != written:
         raise CacheError(f"{own} changed after stage one wrote it (its progress record says sha256 {written[:12]}); "
                          f"delete {own.parent} and rerun the same `wandistiller teacher-cache` command (that part is "
                          "computed again), or rerun it with --overwrite (the whole cache)")
     try:
-        recorded = json.loads(manifest_path(cache_dir).read_text()).get(F_NEGATIVE_SHA256)
-    except (OSError, ValueError, AttributeError):  # no previous manifest, or a torn one
+        recorded = json.loads(read_bytes(cache_dir, MANIFEST)).get(F_NEGATIVE_SHA256)
+    except (OSError, ValueError, AttributeError, RecursionError):  # no previous manifest, a torn one, or a FIFO
         recorded = None
-    same = root.is_file() and sha256_file(root) == sha
-    if (same and recorded not in (None, sha)) or (root.is_file() and not same and recorded != sha):
+    on_disk = _sha256(cache_dir, NEGATIVE)
+    same = on_disk == sha
+    if (same and recorded not in (None, sha)) or (on_disk is not None and not same and recorded != sha):
         raise CacheError(f"{root} or {own} changed after stage one wrote them (the manifest recorded sha256 "
                          f"{str(recorded)[:12]}); rebuild the cache with the same `wandistiller teacher-cache` command "
                          "and --overwrite")
@@ -151,14 +153,14 @@ def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = Fal
     """Why the cache's negative.safetensors is not the file the manifest recorded (missing, or another sha256),
     with the fix (the file named relative to the cache with `relative`); None when it is."""
     cache_dir = Path(cache_dir)
-    root, own = cache_dir / NEGATIVE, cache_dir / PARTS_DIR / part_dirname(0) / NEGATIVE
-    recorded = m.get(F_NEGATIVE_SHA256)
-    if root.is_file() and sha256_file(root) == recorded:
+    recorded, on_disk = m.get(F_NEGATIVE_SHA256), _sha256(cache_dir, NEGATIVE)
+    if on_disk is not None and on_disk == recorded:
         return None
-    what = "is missing" if not root.is_file() else "fails its sha256 check (changed after stage one wrote it)"
-    name = f"{NEGATIVE}:" if relative else str(root)
-    if own.is_file() and (not root.is_file() or sha256_file(own) == recorded):  # what `_negative_sha256` restores
-        fix = f"rerun the same `wandistiller teacher-cache` command: it restores it from {own.relative_to(cache_dir)}"
+    what = "is missing" if on_disk is None else "fails its sha256 check (changed after stage one wrote it)"
+    name = f"{NEGATIVE}:" if relative else str(cache_dir / NEGATIVE)
+    own = _sha256(cache_dir, OWN_NEGATIVE)
+    if own is not None and (on_disk is None or own == recorded):  # what `_negative_sha256` restores
+        fix = f"rerun the same `wandistiller teacher-cache` command: it restores it from {OWN_NEGATIVE}"
     else:
         fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
     return f"{name} {what}; {fix}"
@@ -167,14 +169,16 @@ def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = Fal
 def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
     """The negative prompt's embedding [L, D], padded like the prompts'; CacheError if the file is not the one the
     manifest recorded."""
-    path = Path(cache_dir) / NEGATIVE
-    if not path.is_file():
-        raise CacheError(f"{path} is missing; rerun the same `wandistiller teacher-cache` command")
+    try:
+        data = read_bytes(cache_dir, NEGATIVE)
+    except FileNotFoundError:
+        raise CacheError(f"{Path(cache_dir) / NEGATIVE} is missing; rerun the same `wandistiller teacher-cache` "
+                         "command") from None
     if manifest_path(cache_dir).exists():
         problem = negative_problem(cache_dir, load_manifest(cache_dir))
         if problem:
             raise CacheError(problem)
-    return st_load(path.read_bytes())[NEG_EMBEDS]
+    return st_load(data)[NEG_EMBEDS]
 
 
 def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
@@ -217,28 +221,24 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
     if not cache_dir.is_dir():
         raise CacheError(f"cache directory {cache_dir} does not exist; create it with `wandistiller teacher-cache`")
     path = manifest_path(cache_dir)
-    if not path.exists():
+    if not os.path.lexists(path):
         if not (cache_dir / PARTS_DIR).is_dir():
             raise CacheError(f"{cache_dir} has no {MANIFEST} and no {PARTS_DIR}/: it is not a cache; pass the "
                              "CACHE_DIR that `wandistiller teacher-cache --out` wrote")
         raise UnfinishedCacheError(cache_dir, f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
                                    "(rerun the same `wandistiller teacher-cache` command to complete it)")
     try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        m = json.loads(read_bytes(cache_dir, MANIFEST))
+    except CacheError:
+        raise  # a link or a FIFO (`safe_open`)
+    except (ValueError, RecursionError) as e:  # (JSON, UTF-8)
         raise CacheError(f"{path} is not valid JSON ({e}); rerun `wandistiller teacher-cache` to rewrite it") from e
     if not isinstance(m, dict):
         raise CacheError(f"{path} is not a manifest (a JSON object); rerun `wandistiller teacher-cache` to rewrite it")
     check_version(path, m)
-    for key in (F_FINGERPRINT, F_SHARDS, F_SAMPLES, F_NUM_PARTS):
-        if key not in m:
-            raise CacheError(f"{path} lacks the field {key!r}; rebuild the cache with `wandistiller teacher-cache`")
-    if not isinstance(m[F_SHARDS], list) or not all(isinstance(r, dict) for r in m[F_SHARDS]):
-        raise CacheError(f"{path}: its field {F_SHARDS!r} is not a list of shard records; {REWRITE}")
-    for rec in m[F_SHARDS]:
-        problem = shard_path_problem(rec.get(S_PATH), cache_dir)
-        if problem:  # a reader must never open a file outside the cache because the manifest says so
-            raise CacheError(f"{path}: {problem}; {REWRITE}")
+    problem = record_problem(m, "manifest", cache_dir)  # a reader never opens a file outside the cache because of it
+    if problem is not None:
+        raise CacheError(f"{path}: {problem}; {REWRITE}")
     return m
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from .atomic import atomic_write_json
 from .errors import CacheError, FormatVersionError
 from .format import F_FORMAT_VERSION, FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
+from .safe_open import read_bytes
+from .schema import record_problem
 
 
 def check_version(path: Path, record: dict) -> None:
@@ -60,16 +62,27 @@ class PartProgress:
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike, part: int) -> PartProgress | None:
-        p = cls.path(cache_dir, part)
-        if not p.exists():
-            return None
+        """The part's record, None where it has none; CacheError for one that is not a sound record (`safe_open`,
+        `schema.record_problem`)."""
+        p, rel = cls.path(cache_dir, part), f"{PARTS_DIR}/{part_dirname(part)}/{PROGRESS}"
         try:
-            record = json.loads(p.read_text())
-            if isinstance(record, dict):
-                check_version(p, record)
-            return cls(**record)
-        except (json.JSONDecodeError, TypeError) as e:
+            record = json.loads(read_bytes(cache_dir, rel))
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError, RecursionError) as e:
+            if isinstance(e, CacheError):
+                raise
             raise CacheError(f"{p} is unreadable ({e}); delete the part folder or rerun with --overwrite") from e
+        if isinstance(record, dict):
+            check_version(p, record)
+        try:
+            problem = record_problem(record, "progress", cache_dir)
+            if problem is None:
+                return cls(**record)
+        except TypeError as e:  # a field no record has
+            problem = str(e).replace("__init__() ", "")
+        raise CacheError(f"{p}: {problem}; delete {p.parent} and rerun the same `wandistiller teacher-cache` command "
+                         "(that part is computed again), or rerun it with --overwrite")
 
 
 def list_parts(cache_dir: str | os.PathLike) -> list[int]:

@@ -10,6 +10,7 @@ each row's real tokens' crc32c: a chunk or file that is gone, which zarr reads a
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections import OrderedDict
@@ -22,17 +23,22 @@ import torch
 import zarr
 from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.core.buffer.core import default_buffer_prototype
+from zarr.core.common import concurrent_map
+from zarr.storage import LocalStore
 
 from .atomic import WriteBehind, drop_behind
 from .checksum import crc32c
-from .errors import CacheError
+from .errors import CacheError, UnsafeFileError
 from .format import (
     EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
     Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,
     Z_TOKEN_START, part_dirname, part_prompts, prompt_location, storage_numpy_dtype, storage_to_torch,
     torch_to_storage,
 )
+from .safe_open import open_fd, read_bytes
 
 UNWRITTEN_SEQ_LEN = -1
 EMBEDS_CRC32C = f"{Z_ROW_CRC32C}/{Z_EMBEDS}"  # crc32c of each row's real tokens (format.Z_ROW_CRC32C)
@@ -84,7 +90,48 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
     return g
 
 
+class _ReadStore(LocalStore):
+    """zarr's LocalStore, read-only, opening every file it reads through `safe_open` from the cache folder down: no
+    link followed out of the cache, no FIFO waited on."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, read_only=True)
+        # a prompt store's own cache folder (CACHE/parts/part-P/prompts.zarr), else the folder holding it
+        self.base = path.parents[2] if path.parent.parent.name == PARTS_DIR else path.parent
+        self.rel = path.relative_to(self.base).as_posix()
+
+    def _read(self, key: str, prototype, byte_range):
+        try:
+            fd = open_fd(self.base, f"{self.rel}/{key}")
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # (zarr: a chunk never written reads as the fill value)
+        with os.fdopen(fd, "rb") as f:
+            if isinstance(byte_range, RangeByteRequest):
+                f.seek(byte_range.start)
+                data = f.read(byte_range.end - byte_range.start)
+            else:
+                if isinstance(byte_range, OffsetByteRequest):
+                    f.seek(byte_range.offset)
+                elif isinstance(byte_range, SuffixByteRequest):
+                    f.seek(max(0, os.fstat(fd).st_size - byte_range.suffix))
+                data = f.read()
+        return prototype.buffer.from_bytes(data)
+
+    def get_sync(self, key, *, prototype=None, byte_range=None):
+        return self._read(key, prototype or default_buffer_prototype(), byte_range)
+
+    async def get(self, key, prototype=None, byte_range=None):
+        return await asyncio.to_thread(self._read, key, prototype or default_buffer_prototype(), byte_range)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return await concurrent_map([(k, prototype, r) for k, r in key_ranges],
+                                    lambda *a: asyncio.to_thread(self._read, *a))
+
+
 def open_prompt_store(path: str | os.PathLike, mode: str = "r") -> zarr.Group:
+    """A part's prompt store; read-only (`mode` "r") every file is opened by `safe_open`."""
+    if mode == "r":
+        return zarr.open_group(store=_ReadStore(Path(path)), mode="r")
     return zarr.open_group(str(path), mode=mode)
 
 
@@ -408,6 +455,8 @@ def _store_rows(cache_dir, part: int, prompts: int, num_parts: int, checksums: b
         seq, idx = rows.seq_lens, rows.g[Z_PROMPT_IDX][:]
         if checksums:
             rows.g[Z_TEXT][:], rows.crcs, rows.token_start, rows._latents  # zarr checks each chunk's crc32c
+    except UnsafeFileError:
+        raise  # a link or a FIFO in the store: refused whole
     except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
         return None, [f"{rel}: unreadable ({type(e).__name__}: {e})"]
     want = part_prompts(part, prompts, num_parts)
@@ -455,6 +504,8 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))
             idx, seq, text = g[Z_PROMPT_IDX][:], g[Z_SEQ_LENS][:], g[Z_TEXT][:]
+        except UnsafeFileError:
+            raise
         except Exception as e:  # a missing or unreadable store (or a chunk failing its crc32c) is a broken cache
             raise CacheError(f"prompt store of part {part} in {cache_dir} is unreadable ({type(e).__name__}); "
                              "run `wandistiller cache verify`") from e
@@ -482,7 +533,7 @@ def part_negative(cache_dir: str | os.PathLike, part: int, sha256: str) -> torch
     its progress record holds; CacheError (`damaged_part`)."""
     rel = f"{PARTS_DIR}/{part_dirname(part)}/{NEGATIVE}"
     try:
-        data = (Path(cache_dir) / rel).read_bytes()
+        data = read_bytes(cache_dir, rel)
     except FileNotFoundError:
         raise damaged_part(cache_dir, part, f"{rel} is missing") from None
     if hashlib.sha256(data).hexdigest() != sha256:
@@ -552,8 +603,49 @@ def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: i
         path = prompt_store_path(cache_dir, part)
         try:
             arr = open_prompt_store(path)[Z_FINAL_LATENTS]
+        except UnsafeFileError:
+            raise
         except Exception as e:  # a missing store or array, whatever zarr raises for it
             return f"{path} has no {Z_FINAL_LATENTS} array ({type(e).__name__})"
         if tuple(arr.shape[1:]) != want:
             return f"{path}/{Z_FINAL_LATENTS} is {list(arr.shape[1:])} per prompt, expected {list(want)}"
+    return None
+
+
+def store_problem(cache_dir: str | os.PathLike, manifest: dict) -> str | None:
+    """Why a part's prompt store is not what the manifest says it holds: an array of another shape, dtype or chunk
+    (each chunk no larger than its array or file: what a read allocates), or a store that does not open; None when
+    every array is as stage one creates it. Metadata only (a `zarr.json` each): every reader checks it before reading
+    a row (`reader.open_caches`), so that no edited shape makes one allocate terabytes, nor an edited dtype read
+    other numbers. Rows themselves are checked as they are read, and by `cache verify`."""
+    prompts, num_parts, dtype = int(manifest["prompts"]), int(manifest["num_parts"]), manifest.get("dtype")
+    seeds, latent = manifest.get("seeds_per_prompt"), manifest.get("latent_shape")
+    max_len, dim = manifest.get("max_sequence_length"), manifest.get("text_dim")
+    for part in range(num_parts):
+        rows = len(part_prompts(part, prompts, num_parts))
+        want = {Z_PROMPT_IDX: ((rows,), "int64"), Z_SEQ_LENS: ((rows,), "int32"), Z_TOKEN_START: ((rows,), "int64"),
+                EMBEDS_CRC32C: ((rows,), "int64"), Z_TEXT: ((rows,), None),
+                Z_EMBEDS: ((max(1, rows * max_len) if max_len else None, dim),
+                           storage_numpy_dtype(dtype) if dtype else None),
+                Z_INIT_NOISE: ((rows, seeds, *(latent or ())), "float32"),
+                Z_FINAL_LATENTS: ((rows, seeds, *(latent or ())), "float32")}
+        rel = store_relpath(part)
+        try:
+            g = open_prompt_store(prompt_store_path(cache_dir, part))
+            for name, (shape, np_dtype) in want.items():
+                arr = g[name]
+                blocks = [tuple(arr.chunks), *([tuple(arr.shards)] if arr.shards else [])]
+                if (len(arr.shape) != len(shape) or any(w is not None and w != h for w, h in zip(shape, arr.shape))
+                        or (np_dtype and str(arr.dtype) != np_dtype)
+                        or any(c > max(h, TOKENS_PER_FILE) for b in blocks for c, h in zip(b, arr.shape))):
+                    return (f"prompt store {Path(cache_dir) / rel}: {name} is {arr.dtype} {list(arr.shape)} in chunks "
+                            f"of {list(arr.chunks)}, its manifest makes it {np_dtype or ''} "
+                            f"{['?' if w is None else w for w in shape]}; {REBUILD}")
+            if dtype and g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE) != dtype:
+                return (f"prompt store {Path(cache_dir) / rel}: {Z_EMBEDS} holds "
+                        f"{g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE)!r} values, its manifest says {dtype}; {REBUILD}")
+        except UnsafeFileError:
+            raise
+        except Exception as e:  # a missing store or array, whatever zarr raises for it
+            return f"prompt store {Path(cache_dir) / rel} does not open ({type(e).__name__}: {e}); {REBUILD}"
     return None

@@ -25,8 +25,10 @@ import webdataset as wds
 
 from . import format as F
 from .checksum import crc32c
-from .errors import CacheError
+from .errors import CacheError, UnsafeFileError
 from .manifest import check_settings, load_manifest
+from .prompt_store import store_problem
+from .safe_open import open_fd
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 
 # Columns of an index table (int64): one row per sample.
@@ -38,13 +40,14 @@ SCAN_COLS = (C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TEN
 _CHUNK = 1 << 20
 
 # Why a shard failed its check; small integers so ranks can exchange them in a tensor.
-SHARD_OK, SHARD_MISSING, SHARD_SIZE, SHARD_CHECKSUM, SHARD_TAR, SHARD_MEMBERS = range(6)
+SHARD_OK, SHARD_MISSING, SHARD_SIZE, SHARD_CHECKSUM, SHARD_TAR, SHARD_MEMBERS, SHARD_UNSAFE = range(7)
 SHARD_PROBLEMS = {
     SHARD_MISSING: "is missing",
     SHARD_SIZE: "has another size than the manifest records (truncated or replaced)",
     SHARD_CHECKSUM: "fails its checksum (content changed after it was written)",
     SHARD_TAR: "is not a readable tar",
     SHARD_MEMBERS: "holds other samples than the manifest records (count or members)",
+    SHARD_UNSAFE: "is a symbolic link or no regular file, or lies below one (a cache holds its own files)",
 }
 
 
@@ -81,7 +84,8 @@ class CacheInfo:
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, shard paths
     outside a cache (`load_manifest`) and settings that no longer hash to their fingerprint (edited by hand: an
-    edited `guidance` would reach the student's distill.json)."""
+    edited `guidance` would reach the student's distill.json) or prompt stores whose arrays are not of the shapes and
+    dtypes the manifest says (`prompt_store.store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -102,6 +106,9 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
                          f"{listed}; train on caches that share one fingerprint")
     for c in caches:
         check_settings(c.path, c.manifest)
+        problem = store_problem(c.path, c.manifest)
+        if problem is not None:
+            raise CacheError(problem)
     return caches
 
 
@@ -126,17 +133,26 @@ class _HashingReader:
 def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -> np.ndarray:
     """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded. With
     `checksum` one sequential pass checksums it and collects the member offsets; without, tar headers only (seeks)."""
-    path = Path(cache_dir) / rec[F.S_PATH]
-    if not path.is_file():
-        raise ShardError(shard_problem(cache_dir, rec, SHARD_MISSING), SHARD_MISSING)
-    if path.stat().st_size != rec[F.S_BYTES]:
-        raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
+    try:
+        fd = open_fd(cache_dir, rec[F.S_PATH])
+    except FileNotFoundError:
+        raise ShardError(shard_problem(cache_dir, rec, SHARD_MISSING), SHARD_MISSING) from None
+    except UnsafeFileError as e:
+        raise ShardError(str(e), SHARD_UNSAFE) from e
     members: dict[str, dict[str, tuple[int, int]]] = {}
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size != rec[F.S_BYTES]:
+            raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
         reader = _HashingReader(f) if checksum else None
         try:
             with tarfile.open(fileobj=reader, mode="r|") if reader else tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:
+                    # a header claiming more bytes than the shard holds: tarfile's stream mode would skip to its end
+                    # a block at a time, for ever (10^15 bytes: 10^11 reads of nothing)
+                    if info.offset_data + info.size > size:
+                        raise ShardError(shard_problem(cache_dir, rec, SHARD_TAR) + f" (member {info.name!r} claims "
+                                         f"{info.size} bytes, past the shard's {size})", SHARD_TAR)
                     if not info.isfile():
                         continue
                     key, _, ext = info.name.partition(".")
@@ -172,12 +188,12 @@ class ShardStream:
     tarfile.TarError for an unreadable shard."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
-        self.path = Path(cache_dir) / rec[F.S_PATH]
+        self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec[F.S_PATH]
         self.rec = rec
         self._read: _HashingReader | None = None
 
     def __iter__(self):
-        with open(self.path, "rb") as f:
+        with os.fdopen(open_fd(self.cache_dir, self.rec[F.S_PATH]), "rb") as f:
             self._read = _HashingReader(f)
             files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(self._read))
             yield from wds.tariterators.group_by_keys(files)
@@ -369,7 +385,7 @@ class SampleReader:
         if fd is None:
             _, cache_dir, rec, _ = self.index.shards[shard]
             try:
-                fd = os.open(cache_dir / rec[F.S_PATH], os.O_RDONLY)
+                fd = open_fd(cache_dir, rec[F.S_PATH])
             except OSError as e:
                 raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
                                  "it was moved or deleted after training started") from e

@@ -13,8 +13,10 @@ the fingerprint, so a cache with a field and one without can never be mixed in t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
 
@@ -178,3 +180,107 @@ def meta_problems(key: str, meta: Mapping, manifest: Mapping, identity: bool = T
         problems.append(f"sample {key} is of step {meta[F.M_STEP]}, which the cache does not record (its "
                         f"{F.F_RECORDED_STEPS}: {','.join(map(str, recorded))})")
     return problems
+
+
+# -- records: the manifest and each part's progress record -----------------------------------------------------
+# Every field a reader relies on, with its type and range, checked once when a record is read (`record_problem`):
+# what a hand (or an attacker) wrote there must end in one line, never in a traceback, a hang or a read outside the
+# cache. The upper bounds are the format's own: the names hold 5 digits of part, 6 of shard, 8 of prompt, 2 of seed
+# and 3 of step (`format.sample_key`, `format.shard_relpath`), so no cache can have more.
+MAX_PARTS, MAX_PROMPTS, MAX_SEEDS, MAX_STEPS = 10**5, 10**8, 100, 1000
+_SHARD_RE = re.compile(r"^shards/part-(\d{5})-\d{6}\.tar$")
+
+
+def _int(lo: int = 0, hi: int | None = None) -> tuple[Callable, str]:
+    return ((lambda v: type(v) is int and v >= lo and (hi is None or v <= hi)),
+            f"a whole number >= {lo}" if hi is None else f"a whole number in {lo}..{hi}")
+
+
+def _list(item: tuple[Callable, str], what: str) -> tuple[Callable, str]:
+    return (lambda v: type(v) is list and all(item[0](x) for x in v)), f"a list of {what}"
+
+
+_STR = (lambda v: isinstance(v, str)), "a string"
+_BOOL = (lambda v: type(v) is bool), "true or false"
+_NUMBER = (lambda v: type(v) in (int, float)), "a number"
+# The header (stage one's settings, in the manifest and in every progress record): the fields readers compute with.
+HEADER_FIELDS = {
+    F.F_PROMPTS: _int(1, MAX_PROMPTS), F.F_SEEDS_PER_PROMPT: _int(1, MAX_SEEDS), F.F_STEPS: _int(1, MAX_STEPS),
+    F.F_RECORDED_STEPS: _list(_int(0, MAX_STEPS - 1), "step numbers"), F.F_LATENT_SHAPE: _list(_int(1), "sizes"),
+    F.F_DTYPE: ((lambda v: v in F.DTYPES), f"one of {', '.join(F.DTYPES)}"), F.F_MAX_SEQUENCE_LENGTH: _int(1),
+    F.F_TEXT_DIM: _int(1), F.F_TIMESTEPS: _list(_NUMBER, "numbers"), F.F_SAMPLE_FIELDS: _list(_STR, "names"),
+}
+SHARD_FIELDS = {F.S_PATH: _STR, F.S_PART: _int(0, MAX_PARTS - 1), F.S_SAMPLES: _int(0), F.S_BYTES: _int(0),
+                F.S_CRC32C: _int(0, 2**32 - 1), F.S_BLOCKS: _list(_int(0), "block numbers")}
+MANIFEST_FIELDS = {F.F_FINGERPRINT: _STR, F.F_NUM_PARTS: _int(1, MAX_PARTS), F.F_SAMPLES: _int(0),
+                   F.F_BYTES: _int(0), F.F_SHARDS: ((lambda v: type(v) is list), "a list of shard records"),
+                   F.F_PARTS: ((lambda v: type(v) is list), "a list"), **HEADER_FIELDS}
+PROGRESS_FIELDS = {
+    "part": _int(0, MAX_PARTS - 1), F.F_NUM_PARTS: _int(1, MAX_PARTS), F.F_FINGERPRINT: _STR, F.F_PROMPTS: _int(0),
+    "blocks": _int(0), "batch_size": _int(1), "samples_per_shard": _int(1), "encoded": _BOOL, "complete": _BOOL,
+    "done_blocks": _list(_int(0), "block numbers"), F.F_SHARDS: ((lambda v: type(v) is list), "a list of shard records"),
+    "header": ((lambda v: type(v) is dict), "an object"), F.F_NEGATIVE_SHA256: ((lambda v: v is None or
+                                                                                 isinstance(v, str)), "a string"),
+}
+REQUIRED = {"manifest": (F.F_FINGERPRINT, F.F_NUM_PARTS, F.F_SAMPLES, F.F_BYTES, F.F_SHARDS, F.F_PROMPTS, F.F_STEPS),
+            "progress": ("part", F.F_NUM_PARTS, F.F_FINGERPRINT, F.F_PROMPTS, "blocks", "batch_size",
+                         "samples_per_shard", "done_blocks", F.F_SHARDS, "header")}
+
+
+def _fields_problem(record, spec: Mapping, required, where: str = "") -> str | None:
+    if not isinstance(record, dict):
+        return f"{where or 'it'} is not a JSON object"
+    for key in required:
+        if key not in record:
+            return f"{where}lacks the field {key!r}"
+    for key, (ok, what) in spec.items():
+        if key in record and not ok(record[key]):
+            return f"{where}its field {key!r} is {_short(record[key])}, expected {what}"
+    return None
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def shard_path_problem(rel, cache_dir) -> str | None:
+    """Why a shard path recorded in a manifest or progress record is not `shards/part-PPPPP-SSSSSS.tar` inside the
+    cache folder, or None."""
+    if not isinstance(rel, str) or not rel:
+        return f"shard path {rel!r} is not a path"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or PureWindowsPath(rel).drive or ".." in p.parts or "\\" in rel:
+        return f"shard path {rel!r} is outside the cache folder {cache_dir}"
+    if not _SHARD_RE.match(rel):
+        return f"shard path {rel!r} is not of the form {F.SHARDS_DIR}/part-PPPPP-SSSSSS.tar"
+    return None
+
+
+def record_problem(record, kind: str, cache_dir) -> str | None:
+    """What is wrong with a manifest (`kind` "manifest") or a part's progress record ("progress") as read from
+    `cache_dir`: a required field missing, a field of another type or out of its range, a shard record that is not
+    one (its path `shards/part-PPPPP-SSSSSS.tar` of its own part), done blocks past the part's; None when sound."""
+    progress = kind == "progress"
+    problem = _fields_problem(record, PROGRESS_FIELDS if progress else MANIFEST_FIELDS, REQUIRED[kind])
+    if problem is None and progress:
+        problem = _fields_problem(record["header"], HEADER_FIELDS, (), "its header: ")
+    if problem is not None:
+        return problem
+    num_parts, header = record[F.F_NUM_PARTS], record["header"] if progress else record
+    if F.F_PROMPTS in header and num_parts > header[F.F_PROMPTS]:
+        return f"its field {F.F_NUM_PARTS!r} is {num_parts}, more parts than its {header[F.F_PROMPTS]} prompts"
+    if progress and record["part"] >= num_parts:
+        return f"its part {record['part']} is not below its field {F.F_NUM_PARTS!r} {num_parts}"
+    if progress and any(b >= record["blocks"] for b in record["done_blocks"]):
+        return f"its field 'done_blocks' lists blocks past its {record['blocks']} blocks"
+    for rec in record[F.F_SHARDS]:
+        problem = (_fields_problem(rec, SHARD_FIELDS, (F.S_PATH, F.S_SAMPLES, F.S_BYTES), "a shard record: ")
+                   or shard_path_problem(rec[F.S_PATH], cache_dir))
+        if problem is None:
+            part = int(_SHARD_RE.match(rec[F.S_PATH]).group(1))
+            if part >= num_parts or (progress and part != record["part"]) or rec.get(F.S_PART, part) != part:
+                problem = f"shard path {rec[F.S_PATH]!r} is not one of {'its part' if progress else 'its parts'}"
+        if problem is not None:
+            return problem
+    return None

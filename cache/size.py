@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from . import format as F
-from .errors import CacheError
+from .errors import CacheError, UnsafeFileError
 from .progress import PartProgress
 from .prompt_store import open_prompt_store, prompt_store_path
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
@@ -173,6 +173,8 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
         path = prompt_store_path(cache_dir, part)
         try:
             lens = np.asarray(open_prompt_store(path)[F.Z_SEQ_LENS][:], dtype=np.int64)
+        except UnsafeFileError:
+            raise
         except Exception as e:  # zarr's errors for a missing or damaged store are of many kinds
             raise CacheError(f"{path} is unreadable ({type(e).__name__}: {e}); run `wandistiller cache verify "
                              f"{cache_dir}`") from e

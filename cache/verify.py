@@ -19,21 +19,24 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 
 from . import format as F
-from .errors import CacheError, FormatVersionError
+from .errors import CacheError, FormatVersionError, UnsafeFileError
 from .features import read_projection
 from .manifest import load_manifest, negative_problem, settings_problem
-from .prompt_store import prompt_row_problems
+from .prompt_store import prompt_row_problems, store_problem
 from .reader import ShardStream, decode_sample
+from .safe_open import open_fd, read_bytes
 from .schema import recorded_steps, sample_problems
 
 
 def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[str]:
     rel = rec[F.S_PATH]
-    path = cache_dir / rel
-    if not path.is_file():
+    try:  # (a link or a FIFO: UnsafeFileError, the whole cache refused)
+        fd = open_fd(cache_dir, rel)
+    except FileNotFoundError:
         return [f"{rel}: missing"]
     problems = []
-    size = path.stat().st_size
+    size = os.fstat(fd).st_size
+    os.close(fd)
     if size != rec[F.S_BYTES]:
         problems.append(f"{rel}: {size} bytes on disk, manifest says {rec[F.S_BYTES]} (truncated or replaced)")
     stream, count = ShardStream(cache_dir, rec), 0
@@ -54,6 +57,8 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
             if key in seen:
                 problems.append(f"{rel}: sample {key} appears in more than one place")
             seen.add(key)
+    except UnsafeFileError:
+        raise
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         return problems + [f"{rel}: unreadable tar ({e})"]
     if size == rec[F.S_BYTES] and not stream.matches():
@@ -68,11 +73,12 @@ def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[st
     cache_dir = Path(cache_dir)
     try:
         m = load_manifest(cache_dir)  # (refuses shard paths outside the cache)
-    except FormatVersionError:
-        raise  # not a problem of this cache's bytes: the whole cache is of another version (exit 2)
+    except (FormatVersionError, UnsafeFileError):
+        raise  # not a problem of this cache's bytes: another version, or links and FIFOs, refused whole (exit 2)
     except CacheError as e:
         return [str(e)]
-    problems = [p for p in [settings_problem(cache_dir, m)] if p is not None]
+    store = store_problem(cache_dir, m)  # (the rows of a store of another shape are not read: terabytes)
+    problems = [p for p in [settings_problem(cache_dir, m), store] if p is not None]
     seen: set[str] = set()
     for rec in tqdm(m[F.F_SHARDS], desc="verify shards", unit="shard", disable=not progress):
         problems += _check_shard(cache_dir, rec, m, seen)
@@ -89,19 +95,22 @@ def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[st
             read_projection(cache_dir, m.get(F.F_FEATURE_PROJECTION_SHA256))
         except CacheError as e:
             problems.append(f"{F.FEATURE_PROJECTION}: {e}")
+    if store is not None:
+        return problems
     return problems + prompt_row_problems(cache_dir, m[F.F_NUM_PARTS], m[F.F_PROMPTS], checksums=True,
                                           progress=progress)
 
 
 def _check_negative(cache_dir: Path, m: dict) -> list[str]:
-    path = cache_dir / F.NEGATIVE
-    if not path.is_file():
+    try:
+        data = read_bytes(cache_dir, F.NEGATIVE)
+    except FileNotFoundError:
         return [f"{F.NEGATIVE}: missing"]
     problem = negative_problem(cache_dir, m, relative=True)
     if problem is not None:
         return [problem]
     try:
-        if F.NEG_EMBEDS not in st_load(path.read_bytes()):
+        if F.NEG_EMBEDS not in st_load(data):
             return [f"{F.NEGATIVE}: holds no {F.NEG_EMBEDS!r} tensor"]
     except Exception as e:  # any parse failure is corruption
         return [f"{F.NEGATIVE}: does not decode ({type(e).__name__}: {e})"]

@@ -58,12 +58,25 @@ def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartSt
     seeds = int(prog.header.get(F_SEEDS_PER_PROMPT, 1))
     total = prog.prompts * seeds * len(recorded_steps(prog.header))
     samples = sum(int(s[S_SAMPLES]) for s in prog.shards)
-    done = set(prog.done_blocks)
-    prompts_done = prog.prompts if prog.complete else sum(
-        all((r * seeds + s) // prog.batch_size in done for s in range(seeds)) for r in range(prog.prompts))
+    prompts_done = prog.prompts if prog.complete else _prompts_done(prog, seeds)
     state = FINISHED if prog.complete else RUNNING if writer is not None else STOPPED
     return PartStatus(part, state, prog.prompts, prompts_done, len(prog.shards), samples, total,
                       sum(int(s[S_BYTES]) for s in prog.shards), holder=writer if state == RUNNING else None)
+
+
+def _prompts_done(prog: PartProgress, seeds: int) -> int:
+    """Prompts whose every trajectory (row r's are r * seeds .. r * seeds + seeds - 1) is in a done block (block b
+    holds trajectories b * batch_size ..): work in the done blocks alone, whatever counts the record claims."""
+    done, spans = 0, []
+    for b in sorted(set(prog.done_blocks)):  # runs of consecutive done blocks: [first trajectory, end)
+        lo, hi = b * prog.batch_size, (b + 1) * prog.batch_size
+        if spans and spans[-1][1] == lo:
+            spans[-1][1] = hi
+        else:
+            spans.append([lo, hi])
+    for lo, hi in spans:
+        done += max(0, min(hi, prog.prompts * seeds) // seeds - -(-lo // seeds))
+    return done
 
 
 def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from cache import format as F
 from cache.atomic import atomic_write_json
-from cache.manifest import check_settings, load_manifest
+from cache.reader import open_caches
 from cache.prompt_store import EmbeddingCache
 from cache.schema import recorded_steps
 from pipeline.config import EvalConfig
@@ -409,8 +409,9 @@ class _Setup:
 def _setup(cfg: EvalConfig) -> _Setup:
     """Cache, student, teacher and selection, checked before the long part (not after it)."""
     cache_dir = Path(cfg.cache)
-    manifest = load_manifest(cache_dir)
-    check_settings(cache_dir, manifest)  # an edited `guidance` or `steps` would mislabel every figure of the report
+    # stage two's checks of a cache it opens: its fingerprint (an edited `guidance` or `steps` would mislabel every
+    # figure of the report) and its prompt stores' shapes and dtypes (an edited one would allocate terabytes)
+    manifest = open_caches([cache_dir])[0].manifest
     student = find_student(cfg.student, cfg.weights)
     report_path = Path(cfg.report) if cfg.report else student.root / REPORT_NAME
     if report_path.is_dir():
