@@ -64,8 +64,3 @@ def read_bytes(cache_dir: str | os.PathLike, rel: str) -> bytes:
     with os.fdopen(open_fd(cache_dir, rel), "rb") as f:
         return f.read()
 
-
-def is_file(cache_dir: str | os.PathLike, rel: str) -> bool:
-    """Whether CACHE_DIR/`rel` is there (a stat, nothing opened); a link or special file there is `open_fd`'s to
-    refuse, so it counts as there."""
-    return os.path.lexists(Path(cache_dir, rel))
