@@ -1,10 +1,22 @@
-# WanDistiller. Every target creates/updates the virtual environment itself.
+# WanDistiller. Every target creates/updates the virtual environment itself (the stage targets use an activated
+# environment instead where wandistiller is installed in it: ACTIVE_ENV below).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU wheel of torch 2.13.0 lies on this project's machines; on a GPU box pip picks the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The stage targets (tiny-teacher, teacher-cache, train-student) run the environment you activated ($VIRTUAL_ENV,
+# else $CONDA_PREFIX) as it is, installing nothing, when it holds wandistiller installed from this checkout (`pip
+# install -e .`); otherwise, as test, demo and the others always do, this $(VENV), built on first use.
+# ACTIVE_ENV= forces the latter.
+ACTIVE_ENV ?= $(or $(VIRTUAL_ENV),$(CONDA_PREFIX))
+# (the checkout the activated environment imports wandistiller from: -I, not this folder's pipeline/ by chance)
+ACTIVE_SRC := $(if $(filter-out $(abspath $(VENV)),$(ACTIVE_ENV)),$(shell test -x "$(ACTIVE_ENV)/bin/wandistiller" \
+	&& "$(ACTIVE_ENV)/bin/python" -I -c \
+	"import os, pipeline; print(os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__))))" 2> /dev/null),)
+STAGE_BIN := $(if $(filter $(CURDIR),$(ACTIVE_SRC)),$(ACTIVE_ENV)/bin,$(BIN))
+STAGE_DEPS := $(if $(filter $(CURDIR),$(ACTIVE_SRC)),,$(STAMP))
 
 RUNS ?= runs
 TINY_TEACHER := $(RUNS)/tiny-teacher
@@ -33,8 +45,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(TINY_TEACHER)/model_index.json: | $(STAMP)
-	$(BIN)/wandistiller tiny-teacher --out $(TINY_TEACHER) --variant wan2.2
+$(TINY_TEACHER)/model_index.json: | $(STAGE_DEPS)
+	$(STAGE_BIN)/wandistiller tiny-teacher --out $(TINY_TEACHER) --variant wan2.2
 
 tiny-teacher: $(TINY_TEACHER)/model_index.json
 
@@ -53,8 +65,8 @@ TRAIN_TEACHER_ARGS ?=
 tiny-teacher-train: $(STAMP)
 	$(BIN)/python scripts/train_tiny_teacher.py --out $(TRAIN_TEACHER_OUT) $(TRAIN_TEACHER_ARGS)
 
-teacher-cache: $(STAMP) $(if $(filter $(TINY_TEACHER),$(TEACHER)),$(TINY_TEACHER)/model_index.json,)
-	$(BIN)/wandistiller teacher-cache $(CONFIG_FLAG) --teacher $(TEACHER) --prompts $(PROMPTS) \
+teacher-cache: $(STAGE_DEPS) $(if $(filter $(TINY_TEACHER),$(TEACHER)),$(TINY_TEACHER)/model_index.json,)
+	$(STAGE_BIN)/wandistiller teacher-cache $(CONFIG_FLAG) --teacher $(TEACHER) --prompts $(PROMPTS) \
 		--out $(CACHE) --placement $(PLACEMENT) $(TEACHER_CACHE_ARGS)
 
 # Stage two. NPROC > 1 runs torchrun on this node (one rank per GPU, or per CPU process with gloo);
@@ -68,9 +80,9 @@ TRAIN_ARGS ?= --epochs 3 --batch-size 32 --lr 2e-3 --warmup-steps 10 --holdout-p
 endif
 TRAIN_ARGS ?=
 # (--no-python runs the installed command: a pipeline.py in the working folder cannot shadow the CLI)
-TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) --no-python $(BIN)/wandistiller,$(BIN)/wandistiller)
+TRAIN_LAUNCH := $(if $(filter-out 1,$(NPROC)),$(STAGE_BIN)/torchrun --standalone --nproc-per-node $(NPROC) --no-python $(STAGE_BIN)/wandistiller,$(STAGE_BIN)/wandistiller)
 
-train-student: $(STAMP)
+train-student: $(STAGE_DEPS)
 	$(TRAIN_LAUNCH) train-student --cache $(CACHE) --student-config $(STUDENT_CONFIG) --out $(OUT) $(TRAIN_ARGS)
 
 # The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one (two seeds per prompt) ->
@@ -101,12 +113,12 @@ $(DEMO)/cache.stamp: $(PRETRAINED_FILES) configs/shapes-teacher-cache.toml data/
 demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	@# a cache written with other stage-one flags (an earlier demo's one seed) is started again
 	@test "$$(cat $(DEMO)/cache.stamp)" = "$(DEMO_CACHE_ARGS)" || { rm -rf $(DEMO)/cache; echo "$(DEMO_CACHE_ARGS)" > $(DEMO)/cache.stamp; }
-	$(MAKE) --no-print-directory teacher-cache TEACHER=$(PRETRAINED_TEACHER) CONFIG=configs/shapes-teacher-cache.toml \
+	$(MAKE) --no-print-directory teacher-cache ACTIVE_ENV= TEACHER=$(PRETRAINED_TEACHER) CONFIG=configs/shapes-teacher-cache.toml \
 		PROMPTS=data/shapes-prompts.txt CACHE=$(DEMO)/cache TEACHER_CACHE_ARGS="$(DEMO_CACHE_ARGS)"
 	rm -rf $(DEMO)/student $(DEMO_FEW) $(DEMO_LORA) $(DEMO_LORA)-export  # trained afresh; a complete cache is reused
-	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO)/student \
+	$(MAKE) --no-print-directory train-student ACTIVE_ENV= CACHE=$(DEMO)/cache OUT=$(DEMO)/student \
 		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS)"
-	$(MAKE) --no-print-directory train-student CACHE=$(DEMO)/cache OUT=$(DEMO_FEW) \
+	$(MAKE) --no-print-directory train-student ACTIVE_ENV= CACHE=$(DEMO)/cache OUT=$(DEMO_FEW) \
 		STUDENT_CONFIG=configs/student-shapes.json TRAIN_ARGS="$(DEMO_TRAIN_ARGS) $(DEMO_FEW_ARGS)"
 	$(BIN)/wandistiller train-student --cache $(DEMO)/cache --out $(DEMO_LORA) $(DEMO_LORA_ARGS) $(DEMO_FEW_ARGS)
 	$(BIN)/wandistiller export --student $(DEMO_LORA) --out $(DEMO_LORA)-export

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # each dry run starts the CLI and imports the sta
 
 SRUN = r"""#!/bin/bash
 echo "srun $*" >> "$FAKE_LOG"
+echo "env HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-}" >> "$FAKE_LOG"  # what the job's steps see
 while [[ "$1" == -* ]]; do shift; done  # srun's own options
 if [ -n "${FAKE_SRUN_WAIT:-}" ]; then  # a step that runs until SIGTERM, then stops as a stage does (exit 143)
     trap 'kill $sleeper; echo "step: SIGTERM" >> "$FAKE_LOG"; exit 143' TERM  # (the sleep holds the job's stdout)
@@ -46,6 +47,11 @@ if [ "$1 $2" = "show hostnames" ]; then printf '%s\n' $FAKE_HOSTS; fi
 TORCHRUN = r"""#!{python}
 import json, os, subprocess, sys
 from torch.distributed.run import get_args_parser
+if os.environ.get("FAKE_TORCHRUN_OLD"):  # the torchrun of torch < 2.12: no --shutdown-timeout
+    if "--help" in sys.argv:
+        sys.exit(print("usage: torchrun [-h] [--nnodes NNODES] [--nproc-per-node NPROC_PER_NODE] ..."))
+    if any(a.startswith("--shutdown") for a in sys.argv):
+        sys.exit("torchrun: error: unrecognized arguments: --shutdown-timeout")
 args = get_args_parser().parse_args(sys.argv[1:])  # torchrun's own parser: a bad flag fails here as it would there
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write("torchrun " + json.dumps({{k: v for k, v in vars(args).items()}}) + "\n")
@@ -93,6 +99,8 @@ def test_teacher_cache_array_task_runs_its_part(slurm, tiny_teacher, prompts_fil
     (srun,) = _calls(log, "srun")
     assert srun.startswith("wandistiller teacher-cache --config configs/tiny-teacher-cache.toml")
     assert "--part 1 --num-parts 2" in srun
+    # a replica on the task's GPU, as `plan` prints for an array; the teacher was downloaded before the array
+    assert "--placement cuda " in srun and _calls(log, "env") == ["HF_HUB_OFFLINE=1"]
     assert "teacher-cache --dry-run: the command is valid" in r.stdout + r.stderr
     assert "part 1 of 2: 3 prompts" in r.stdout + r.stderr and _calls(log, "scontrol") == []
     assert not (tmp_path / "cache").exists()  # the dry run wrote nothing
@@ -103,6 +111,17 @@ def test_teacher_cache_array_task_runs_its_part(slurm, tiny_teacher, prompts_fil
     env["FAKE_SRUN_RC"] = "2"  # a user error: no requeue
     r = _run("teacher-cache.sbatch", env)
     assert r.returncode == 2 and _calls(log, "scontrol") == ["requeue 7001"]
+
+
+@pytest.mark.parametrize("script", ["teacher-cache.sbatch", "train-student.sbatch"])
+def test_every_sbatch_option_is_read_and_memory_is_asked_for(script):
+    """sbatch reads #SBATCH lines up to the first command only: each must come before it; --mem is among them (a
+    cluster's default memory per job can be far below what a stage holds)."""
+    lines = (ROOT / "examples" / "slurm" / script).read_text().splitlines()
+    first = next(i for i, line in enumerate(lines[1:], 1) if line.strip() and not line.startswith("#"))
+    options = [line.split()[1] for line in lines if line.startswith("#SBATCH")]
+    assert all(not line.startswith("#SBATCH") for line in lines[first:])
+    assert any(o.startswith("--mem=") for o in options), options
 
 
 def _train_env(env: dict, tiny_cache: Path, out: Path) -> dict:
@@ -138,6 +157,32 @@ def test_train_student_job_runs_one_torchrun_per_node(slurm, tiny_cache, tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     runs = [json.loads(c) for c in _calls(log, "torchrun")][2:]
     assert [a["training_script_args"][a["training_script_args"].index("--verify") + 1] for a in runs] == ["size"] * 2
+
+
+def test_train_student_job_trains_a_lora_of_the_teacher(slurm, tiny_cache, tiny_teacher, tmp_path):
+    """LORA_OF chooses LoRA adapters on the teacher (--lora-of) instead of a STUDENT_CONFIG student: the command is
+    valid (train-student refuses --student-config beside --lora-of)."""
+    env, log = slurm
+    env = _train_env(env, tiny_cache, tmp_path / "run") | {"LORA_OF": str(tiny_teacher)}
+    r = _run("train-student.sbatch", env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for a in (json.loads(c) for c in _calls(log, "torchrun")):
+        args = a["training_script_args"]
+        assert args[args.index("--lora-of") + 1] == str(tiny_teacher) and "--student-config" not in args
+    assert "train-student --dry-run: nothing trained, nothing written to --out" in r.stdout + r.stderr
+    assert set(_calls(log, "env")) == {"HF_HUB_OFFLINE=1"}  # every rank reads the teacher: no download each
+
+
+def test_train_student_job_runs_on_a_torchrun_without_shutdown_timeout(slurm, tiny_cache, tmp_path):
+    """torchrun's --shutdown-timeout came with torch 2.12 (pyproject allows torch >= 2.4): an older one runs the job
+    without it and the log says what that costs."""
+    env, log = slurm
+    env = _train_env(env, tiny_cache, tmp_path / "run") | {"FAKE_TORCHRUN_OLD": "1", "FAKE_TORCHRUN_LOG_ONLY": "1"}
+    r = _run("train-student.sbatch", env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [json.loads(c) for c in _calls(log, "torchrun")]
+    assert len(runs) == 2 and all(a["shutdown_timeout"] is None for a in runs)
+    assert "warning: this torchrun has no --shutdown-timeout (torch < 2.12)" in r.stderr
 
 
 def test_train_student_job_stops_and_requeues_before_its_time_limit(slurm, tiny_cache, tmp_path):
