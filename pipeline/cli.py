@@ -246,7 +246,7 @@ def train_student_cmd(config_file, **flags):
 
 
 @main.command("plan")
-@option_like(TeacherCacheConfig, "teacher", required=True,
+@option_like(TeacherCacheConfig, "teacher",
              help="Wan pipeline folder or Hub id; configs alone are enough (a Hub id fetches only its configs, or "
                   "finds them in the local Hub cache).")
 @option_like(TeacherCacheConfig, "revision")
@@ -260,13 +260,16 @@ def train_student_cmd(config_file, **flags):
 @option_like(TeacherCacheConfig, "max_memory")
 @option_like(TeacherCacheConfig, "expert_order")
 @option_like(TeacherCacheConfig, "offload_dir", help="Where disk offload would go (for free space).")
-@option_like(TeacherCacheConfig, "seeds_per_prompt", type=click.IntRange(min=1))
-@option_like(TeacherCacheConfig, "steps", type=click.IntRange(min=1))
-@option_like(TeacherCacheConfig, "record_steps", type=click.IntRange(min=1))
+@option_like(TeacherCacheConfig, "seeds_per_prompt")
+@option_like(TeacherCacheConfig, "steps")
+@option_like(TeacherCacheConfig, "record_steps")
 @config_options(PlanSettings)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="teacher-cache's TOML file: the run's settings as teacher-cache reads them, flags on top; the "
+                   "printed command passes it on.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors("plan")
-def plan_cmd(as_json, **flags):
+def plan_cmd(as_json, config_file, **flags):
     """Where the teacher's weights would live, what each device holds, and (auto) why; how stage one uses every GPU
     of the machine (the torchrun or SLURM array command); the bytes of the cache it would write and, for
     --prompts N, its GPU-hours and wall time. From configs alone, unless --measure.
@@ -276,15 +279,18 @@ def plan_cmd(as_json, **flags):
       wandistiller plan --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers --gpus-per-node 8 --nodes 4 --gpu-memory 80GiB \\
         --prompts 200000
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
+      wandistiller plan --config configs/wan2.2-t2v-a14b.toml --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers
     """
     own = {f.name for f in dataclasses.fields(PlanSettings)}
     settings = load_config(PlanSettings, None, {k: v for k, v in flags.items() if k in own})
+    given = {k: v for k, v in flags.items() if k not in own and v is not None}
     _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
-    from stages.teacher_cache.plan import NoPlacement
+    from stages.teacher_cache.plan import PLACEHOLDERS, NoPlacement
 
+    run = load_config(TeacherCacheConfig, config_file, given | PLACEHOLDERS)  # checked as teacher-cache checks it
     try:
-        plan = plan_from_flags(settings, **{k: v for k, v in flags.items() if k not in own})
+        plan = plan_from_flags(settings, run, given=tuple(given), config_file=config_file)
     except NoPlacement as e:
         if not as_json:
             raise

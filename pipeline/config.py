@@ -26,8 +26,8 @@ from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, stage_one_trackers,
 )
 from .settings import (
-    at_least, check_settings, declared, in_range, int_list, merged, name_of, non_empty, one_of, positive,
-    refuse_foreign, required, setting, settings_of, str_tuple,
+    at_least, byte_size, check_settings, declared, gpu_sizes, in_range, int_in, int_list, merged, name_of, non_empty,
+    one_of, positive, refuse_foreign, required, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -38,6 +38,12 @@ DTYPE_DEFAULT = "bfloat16 on CUDA, float32 on CPU"
 DEFAULT_HEIGHT = 480
 DEFAULT_WIDTH = 832
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # text tokens (padding length)
+# The most text tokens a prompt may be padded to: 8x the 512 Wan's UMT5 was trained and run with. Beyond Wan's 512 the
+# DiT's cross-attention sees lengths it never saw; 4096 still leaves room to try longer captions (UMT5's relative
+# positions take them; an A14B embedding of 4096 tokens is 32 MiB), and the tokenizer is never asked for a
+# padding of 10^8 tokens, which aborts the whole process in its Rust code (exit 134) instead of raising.
+MAX_SEQUENCE_LENGTH = 4096
+_SEQUENCE_LENGTH = int_in(1, MAX_SEQUENCE_LENGTH, f" (Wan's text encoder reads {DEFAULT_MAX_SEQUENCE_LENGTH} tokens)")
 DEFAULT_STEPS = 40
 DEFAULT_GUIDANCE = 4.0
 
@@ -66,6 +72,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
             if key not in names:
                 raise UserError(f"config file {p}: unknown key {k!r}; valid keys: {', '.join(sorted(names))}")
             values[key] = v
+    in_file = set(values)
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
     _refuse_missing(cls, values, toml_path)
@@ -76,7 +83,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     try:
         cfg = cls(**values)
     except ValueError as e:  # a range check names the range too: its message wins
-        raise UserError(f"{e}{where}") from e
+        raise UserError(f"{e}{_source(cls, str(e), given, in_file, toml_path)}") from e
     except TypeError as e:  # missing required field, or a value of the wrong type
         raise UserError(problem or f"incomplete configuration: {e}") from e
     except Exception as e:  # a wrong type that __post_init__ tripped over
@@ -88,6 +95,22 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     return cfg
 
 
+def _source(cls, message: str, given: dict[str, Any], in_file: set[str], toml_path) -> str:
+    """Where the settings a refusal names came from, as the end of its line: the config file, the command line, or
+    each its own. Without a config file every value is a flag (or a default), and the message's flags say so."""
+    if not toml_path:
+        return ""
+    words = {w.rstrip("-") for w in re.findall(r"[A-Za-z][\w-]*", message)}
+    named = [f for f in declared(cls) if name_of(f) in words]
+    flags = [name_of(f) for f in named if f.name in given]
+    from_file = [name_of(f) for f in named if f.name in in_file and f.name not in given]
+    if not flags:  # every setting it names is the file's (or a default), or it names none: the file, as ever
+        return f" (config file {toml_path})"
+    if not from_file:
+        return " (given on the command line)"
+    return f" ({', '.join(from_file)} from config file {toml_path}, {', '.join(flags)} from the command line)"
+
+
 def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
     """A required setting given neither as a flag nor in the config file: one line naming each flag (the dataclass's
     own TypeError speaks of keyword arguments)."""
@@ -96,7 +119,10 @@ def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
         return
     flags = [f"--{name_of(f)}" for f in missing]
     if len(missing) == 1:
-        what = f"{flags[0]} is required ({missing[0].metadata['help'].split(';')[0].rstrip('.')})"
+        gist = missing[0].metadata["help"].split(";")[0]
+        if gist.count("(") > gist.count(")"):  # the ';' was inside a parenthesis: the words before it
+            gist = gist[:gist.rfind("(")]
+        what = f"{flags[0]} is required ({gist.strip().rstrip('.')})"
     else:
         what = f"{', '.join(flags[:-1])} and {flags[-1]} are required"
     keys = ", ".join(f.name for f in missing)
@@ -163,7 +189,7 @@ class TeacherCacheConfig(PlacementSettings):
     seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
     negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty")
     max_sequence_length: int = setting(DEFAULT_MAX_SEQUENCE_LENGTH, help="Text tokens (padding length), as "
-                                                                         "WanPipeline's.", check=at_least(1))
+                                                                         "WanPipeline's.", check=_SEQUENCE_LENGTH)
     batch_size: int = setting(4, help="Trajectories run together (CFG doubles the forward batch).", check=at_least(1))
     samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
                                                 "past this many).", check=at_least(1))
@@ -223,8 +249,8 @@ class TeacherCacheConfig(PlacementSettings):
             if self.num_parts < 1:
                 raise ValueError(f"num-parts must be >= 1, got {self.num_parts}")
             if not 0 <= self.part < self.num_parts:
-                raise ValueError(f"part must be in [0, num-parts); got part {self.part} with num-parts "
-                                 f"{self.num_parts}")
+                raise ValueError(f"part must be in [0, num-parts): got --part {self.part} with --num-parts "
+                                 f"{self.num_parts}; parts are numbered 0 to {self.num_parts - 1}")
 
 
 def _check_record_steps(cfg: TeacherCacheConfig) -> None:
@@ -245,6 +271,26 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
     if len(keep) > n:
         raise ValueError(f"keep-steps {','.join(map(str, keep))} (step 0 always included) are {len(keep)} steps, more "
                          f"than --record-steps {n}; record at least {len(keep)}")
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on (its affinity: what taskset, cgroups or SLURM's --cpus-per-task left
+    it), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
+def _workers(name, v) -> None:
+    """At most one DataLoader worker per core. A worker's work is CPU work (each sample's pread, crc32c, safetensors
+    decode and collate; the reads ahead are its prefetch_factor's): more workers than cores only wait for each other,
+    each with its own embedding LRU, and 500 of them on 2 cores fork 500 processes."""
+    at_least(0)(name, v)
+    cores = _cores()
+    if v > cores:
+        raise ValueError(f"{name} {v} is more than the {cores} CPU core(s) this machine gives the process; use at most "
+                         f"{cores} (or leave it out: cores per rank - 2, at most 4)")
 
 
 def _default_workers() -> int:
@@ -293,7 +339,7 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
     gradient_checkpointing: bool = setting(False, help="Recompute block activations in the backward pass (less "
                                                        "memory, ~30% slower).")
     num_workers: int | None = setting(None, help="DataLoader worker processes per rank reading shards.",
-                                      check=at_least(0), default_text="CPU cores per rank - 2, at most 4")
+                                      check=_workers, default_text="CPU cores per rank - 2, at most 4")
     seed: int = setting(0, help="Student init and epoch order seed (the order is a function of seed and epoch).",
                         check=at_least(0))
     checkpoint_every: int = setting(500, help="Optimizer steps between checkpoints; 0 = none.", check=at_least(0))
@@ -461,7 +507,7 @@ class SampleConfig(_Inference):
                                  default_text=f"the training resolution, else {DEFAULT_HEIGHT}")
     width: int | None = setting(None, help="Image width.", check=at_least(1),
                                 default_text=f"the training resolution, else {DEFAULT_WIDTH}")
-    max_sequence_length: int | None = setting(None, help="Text tokens.", check=at_least(1),
+    max_sequence_length: int | None = setting(None, help="Text tokens.", check=_SEQUENCE_LENGTH,
                                               default_text=f"distill.json's, else {DEFAULT_MAX_SEQUENCE_LENGTH}")
     max_prompts: int = setting(8, help="Use the first K prompts of the file (one grid row each).", check=at_least(1))
     student_steps: int | None = setting(None, help="The student's sampling steps.", check=at_least(1),
@@ -568,14 +614,14 @@ class PlanSettings:
     nodes: int = setting(1, check=at_least(1), help="Nodes stage one would run on, each with --gpus-per-node GPUs.")
     gpus_per_node: int | None = setting(None, check=at_least(0), help="GPUs per node (0: none).",
                                         default_text="this machine's count (1 if it has none)")
-    gpu_memory: str | None = setting(None, check=non_empty, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
+    gpu_memory: str | None = setting(None, check=byte_size, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
                                                                  "= 10^9).", default_text="this machine's free memory")
-    assume_gpus: str | None = setting(None, check=non_empty, help="A node's GPUs when they differ: 4x24GiB, "
+    assume_gpus: str | None = setting(None, check=gpu_sizes, help="A node's GPUs when they differ: 4x24GiB, "
                                                                   "80GiB,40GiB or none (instead of --gpus-per-node and "
                                                                   "--gpu-memory).")
-    assume_ram: str | None = setting(None, check=non_empty, help="Available RAM of a node (e.g. 256GiB).",
+    assume_ram: str | None = setting(None, check=byte_size, help="Available RAM of a node (e.g. 256GiB).",
                                      default_text="this machine's")
-    assume_disk: str | None = setting(None, check=non_empty, help="Free disk under --offload-dir (e.g. 2TiB).",
+    assume_disk: str | None = setting(None, check=byte_size, help="Free disk under --offload-dir (e.g. 2TiB).",
                                       default_text="this machine's")
     ranks_per_node: int | None = setting(None, check=at_least(1), help="torchrun processes per node.",
                                          default_text="one per GPU when a replica fits one GPU, else 1")

@@ -30,9 +30,11 @@ def is_hub_id(name: str) -> bool:
 
 
 def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, ...] = PIPELINE,
-                   flag: str = "--teacher") -> Path:
+                   flag: str = "--teacher", hint_files: tuple[str, ...] | None = None) -> Path:
     """The local folder of teacher `name`: the path itself, or the Hub snapshot of `name` at `revision` holding at
-    least `files` (patterns). A UserError (one line naming the teacher and what to do) when neither works."""
+    least `files` (patterns). A UserError (one line naming the teacher and what to do) when neither works; its
+    `hf download` names `hint_files` (default `files`): what the command will need, where it looks at less first
+    (`teacher-cache --dry-run` checks the configs of a teacher its run downloads whole)."""
     p = Path(name).expanduser()
     if p.exists():
         if revision is not None:
@@ -42,10 +44,10 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
     if not is_hub_id(name):
         raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like {EXAMPLE_ID} "
                         "(build a tiny one with `wandistiller tiny-teacher`)")
-    return _snapshot(name, revision, files, flag)
+    return _snapshot(name, revision, files, flag, files if hint_files is None else hint_files)
 
 
-def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str) -> Path:
+def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str, hint: tuple[str, ...]) -> Path:
     """snapshot_download, its failures turned into one line each."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
@@ -64,7 +66,7 @@ def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str
                         f"({_first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
     except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
-        include = " --include " + " ".join(f"'{f}'" for f in files) if files != PIPELINE else ""
+        include = " --include " + " ".join(f"'{f}'" for f in hint) if hint != PIPELINE else ""
         raise UserError(f"{flag} {repo}{at} is not in the local Hub cache ({constants.HF_HUB_CACHE}) and {why}; "
                         f"download it where the Hub is reachable (`hf download {repo}{include}`) into that cache "
                         "(or set HF_HOME to one that holds it), or pass a local folder") from e

@@ -30,10 +30,10 @@ def _default_text(f: dataclasses.Field) -> str | None:
     return f"{d:g}" if isinstance(d, float) else str(d)
 
 
-def help_of(f: dataclasses.Field) -> str:
-    """The field's help with its default appended, as `--help` shows it; `[required]` for a setting without one
-    (not click's `required=True`: the value may come from the --config file instead)."""
-    text, default = f.metadata["help"], _default_text(f)
+def help_of(f: dataclasses.Field, text: str | None = None) -> str:
+    """The field's help (or `text`) with its default appended, as `--help` shows it; `[required]` for a setting
+    without one (not click's `required=True`: the value may come from the --config file instead)."""
+    text, default = text or f.metadata["help"], _default_text(f)
     if required(f):
         return f"{text}  [required]"
     return f"{text}  [default: {default}]" if default is not None else text
@@ -85,12 +85,12 @@ def config_options(cls):
 
 
 def option_like(cls, name: str, help: str | None = None, **kw):
-    """The option of setting `name` of config `cls` for a command that takes it without a config file (`plan`): the
-    field's flag, type and help, and its default as the option's own default."""
+    """The option of setting `name` of config `cls` for another command that takes it (`plan` borrows teacher-cache's
+    run settings): the field's flag, type and help; None when not given, as every generated option (a --config file's
+    value stands unless the flag overrides it)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     tp = hints(cls)[name]
-    default = None if f.default is dataclasses.MISSING else f.default
-    opts = {"default": default, "help": help_of(f) if help is None else help}
+    opts = {"default": None, "help": help_of(f, help)}
     if tp is not bool:
         opts["type"] = _type(f, tp)
     opts.update(kw)

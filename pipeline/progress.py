@@ -23,7 +23,10 @@ class LineBar(tqdm):
         self._line_t = -float("inf")  # when the last line was written (the first refresh writes one at once)
         self._line_n = None  # the count that line showed: close() does not repeat it
         kwargs.setdefault("mininterval", LOG_INTERVAL_S)
-        kwargs.update(ascii=True, dynamic_ncols=False, ncols=100)
+        # No width: a log has none to fit, and tqdm cuts a line at `ncols`, its figures (the postfix) first: at 100
+        # columns stage one's bar lost `cache=~...` and half of `written=...`. Without one the bar is 10 characters
+        # and the line is whole.
+        kwargs.update(ascii=True, dynamic_ncols=False, ncols=None)
         super().__init__(*args, **kwargs)
 
     def refresh(self, nolock=False, lock_args=None):

@@ -1,13 +1,36 @@
-"""Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`."""
+"""Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`.
+
+Lines are numbered as an editor numbers them: a line ends at `\\n` (a `\\r\\n` ending is one too), and nowhere else
+(`str.splitlines` would also split at a form feed, `\\x1c`-`\\x1e`, NEL, U+2028 and U+2029, and every error's line
+number after one would be off). A control character in a prompt (NUL, a lone `\\r`, ESC, ...) is refused with
+its line, and so is a prompt longer than MAX_PROMPT_CHARS, before anything tokenizes it.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 from .errors import UserError
+
+# A prompt's length, in characters. UMT5 (Wan's text encoder) reads max_sequence_length tokens, 512 by default and at
+# most config.MAX_SEQUENCE_LENGTH (4096); English text runs ~4-5 characters a token, so 64 Ki characters hold any
+# real caption many times over, even at that cap, and still refuse a megabyte pasted by mistake (a 10 MB line took
+# 65 s and 6.45 GiB in the tokenizer) before anything tokenizes it.
+MAX_PROMPT_CHARS = 65_536
+# A line's length in bytes, checked while reading, before a line is decoded or parsed: a .jsonl line holds its
+# prompt with JSON escapes (up to 12 bytes a character) and other fields, so the bound on bytes is looser.
+MAX_LINE_BYTES = 1 << 20
+# Unicode's control characters (category Cc: U+0000-001F, U+007F-009F) but the whitespace that may sit inside a
+# prompt, which the tokenizer reads as a space: tab, vertical tab, form feed. (A line feed ends the line.)
+_CONTROL = re.compile("[\x00-\x08\x0d-\x1f\x7f-\x9f]")
+_CONTROL_NAMES = {"\x00": "NUL", "\r": "CARRIAGE RETURN", "\x1b": "ESCAPE", "\x7f": "DELETE", "\x85": "NEXT LINE"}
+# Files that hold a table, not one prompt a line: their header and columns would become prompts.
+_TABLES = {".csv": "a CSV table", ".tsv": "a TSV table", ".json": "a JSON document", ".parquet": "a Parquet table"}
 
 
 def read_prompt_file(path: str | os.PathLike) -> list[str]:
@@ -15,31 +38,73 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"prompt file {p} does not exist; pass a .txt or .jsonl file to --prompts")
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UserError(f"prompt file {p} is not UTF-8 (line {line}, byte {e.start}); re-save it as UTF-8") from e
+    suffix = p.suffix.lower()
+    if suffix in _TABLES:
+        raise UserError(f"prompt file {p} is {_TABLES[suffix]} ({suffix}), which would be read as one prompt a line "
+                        "(its header too); write the prompts to a .txt file, one a line, or a .jsonl file of "
+                        '{"prompt": "..."} lines')
+    jsonl = suffix == ".jsonl"
     prompts: list[str] = []
-    jsonl = p.suffix.lower() == ".jsonl"
-    for n, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not s or (not jsonl and s.startswith("#")):
-            continue
-        if jsonl:
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise UserError(f"prompt file {p} line {n}: not valid JSON ({e.msg}); "
-                                'each line must be {"prompt": "..."}') from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                raise UserError(f'prompt file {p} line {n}: expected {{"prompt": "<non-empty text>"}}')
-            s = obj["prompt"].strip()
-        prompts.append(s)
+    with open(p, "rb") as f:
+        for n, text in _lines(p, f):
+            s = text.strip()
+            if not s or (not jsonl and s.startswith("#")):
+                continue
+            if jsonl:
+                s = _json_prompt(p, n, s)
+            _check_prompt(p, n, s)
+            prompts.append(s)
     if not prompts:
         raise UserError(f"prompt file {p} holds no prompts (only blank or comment lines); add one prompt per line")
     return prompts
+
+
+def _lines(p: Path, f):
+    """(line number, decoded line without its ending) for each line of the binary file `f`, read a line at a time:
+    a line past MAX_LINE_BYTES is refused before it is read whole."""
+    offset = 0
+    for n in itertools.count(1):
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES:
+            raise UserError(f"prompt file {p} line {n} is longer than {MAX_LINE_BYTES:,} bytes (a prompt holds at most "
+                            f"{MAX_PROMPT_CHARS:,} characters); shorten that line, or check that the file is one "
+                            "prompt a line")
+        body = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {p} is not UTF-8 (line {n}, byte {offset + e.start}); re-save it as "
+                            "UTF-8") from e
+        offset += len(raw)
+        yield n, text
+
+
+def _json_prompt(p: Path, n: int, line: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"prompt file {p} line {n}: not valid JSON ({e.msg}); "
+                        'each line must be {"prompt": "..."}') from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+        raise UserError(f'prompt file {p} line {n}: expected {{"prompt": "<non-empty text>"}}')
+    return obj["prompt"].strip()
+
+
+def _check_prompt(p: Path, n: int, s: str) -> None:
+    """A prompt is text of at most MAX_PROMPT_CHARS characters, without control characters (_CONTROL)."""
+    if len(s) > MAX_PROMPT_CHARS:
+        raise UserError(f"prompt file {p} line {n}: the prompt is {len(s):,} characters long, more than the "
+                        f"{MAX_PROMPT_CHARS:,} a prompt may hold; shorten it (the text encoder reads at most "
+                        "--max-sequence-length tokens of it anyway)")
+    bad = _CONTROL.search(s)
+    if bad is not None:
+        ch = bad.group()
+        what = _CONTROL_NAMES.get(ch, "a control character")
+        fix = ("save the file with \\n (or \\r\\n) line endings: a lone carriage return ends no line"
+               if ch == "\r" else "remove it: a prompt is text")
+        raise UserError(f"prompt file {p} line {n} holds the control character U+{ord(ch):04X} ({what}); {fix}")
 
 
 def dedupe(prompts: list[str]) -> tuple[list[str], int]:
@@ -49,4 +114,5 @@ def dedupe(prompts: list[str]) -> tuple[list[str], int]:
 
 
 def prompt_set_sha256(prompts: list[str]) -> str:
+    """The prompt set's identity in the cache's fingerprint."""
     return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()

@@ -116,6 +116,16 @@ def in_range(low: float, high: float, high_open: bool = False, note: str = "") -
     return check
 
 
+def int_in(low: int, high: int, why: str = "") -> Check:
+    """An integer in [low, high]; `why` says where the upper bound comes from."""
+
+    def check(name, v):
+        if not _is_int(v) or not low <= v <= high:
+            raise ValueError(f"{name} must be an integer from {low} to {high:,}{why}, got {v!r}")
+
+    return check
+
+
 def non_empty(name, v) -> None:
     if not isinstance(v, str) or not v:
         raise ValueError(f"{name} must be a non-empty string")
@@ -203,3 +213,50 @@ def refuse_foreign(cfg, chosen: str, what: str) -> None:
         if owner is not None and owner != chosen and getattr(cfg, f.name) != f.default:
             raise ValueError(f"{name_of(f)} applies to --{what} {owner} only, and this run's --{what} is {chosen}; "
                              f"drop it or choose --{what} {owner}")
+
+
+# -- byte sizes ("80GiB") ---------------------------------------------------------------------------------------
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text, what: str = "the size") -> int:
+    """'24GiB', '80GB', '512MiB', '2TiB', '123B' -> bytes (GB = 10^9, GiB = 2^30, as accelerate); ValueError naming
+    `what` otherwise. A number without a unit is refused (0 aside): `--gpu-memory 80` means 80 GiB to a person and
+    80 bytes to a parser."""
+    t = str(text).strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit == "" and value > 0:
+        raise ValueError(f"{what} {text!r} has no unit; write {num}GiB (GiB = 2^30 bytes) or {num}GB (10^9 bytes)")
+    if (unit not in _UNITS and not (unit == "" and value == 0)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"cannot read {what} {text!r}; write it like 24GiB, 80GB, 512MiB or 2TiB")
+    return int(value * _UNITS.get(unit, 1))
+
+
+def parse_gpus(text: str, what: str = "--assume-gpus") -> tuple[int, ...]:
+    """A node's GPUs, each one's memory in bytes: '4x24GiB', '80GiB,40GiB' or 'none'; ValueError otherwise."""
+    t = str(text).strip().lower()
+    if t in ("", "none", "0"):
+        return ()
+    if "x" in t and "," not in t:
+        n, size = t.split("x", 1)
+        if not n.strip().isdigit():
+            raise ValueError(f"cannot read {what} {text!r}; write e.g. 4x24GiB or 80GiB,40GiB")
+        return (parse_bytes(size, f"{what} {text!r}: the size"),) * int(n)
+    return tuple(parse_bytes(s, f"{what} {text!r}: the size") for s in t.split(","))
+
+
+def byte_size(name, v) -> None:
+    """A size with its unit, e.g. 80GiB (a check)."""
+    parse_bytes(v, f"--{name}")
+
+
+def gpu_sizes(name, v) -> None:
+    """A node's GPUs as parse_gpus reads them (a check)."""
+    parse_gpus(v, f"--{name}")

@@ -1,10 +1,13 @@
 """`teacher-cache --dry-run`: check a stage-one command without running it, and say what it would do.
 
-Everything a run checks before its first weight loads that does not need this machine's GPUs: the settings, the
-prompt file and this part's share of it, the teacher's configs (a local folder; a Hub id is fetched when it runs),
+Everything a run checks before its first weight loads that does not need this machine's GPUs, through the run's own
+functions: the settings, the prompt file and this part's share of it, the teacher (a local folder checked whole; a
+Hub id resolved as the run resolves it, `hub.teacher_folder`, its configs alone: found in the local Hub cache or
+fetched, a few kilobytes, and refused in the run's words when neither works), a device-map placement's JSON and
+module names (`read_device_map`, `check_device_map`; which GPUs exist is checked where it runs) and --max-memory,
 and what is in --out already (a new cache, a part to resume, a finished part, or another run's cache, refused as
-the run would refuse it). Nothing is written, no lock taken, no device touched: a login node can check the command
-a SLURM array task will run (examples/slurm/teacher-cache.sbatch).
+the run would refuse it). Nothing is written to --out, no lock taken, no device touched: a login node can check
+the command a SLURM array task will run (examples/slurm/teacher-cache.sbatch).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from cache.progress import PartProgress, list_parts
 from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
-from pipeline.hub import is_hub_id
+from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.runtime import dist_env, print0
 
+from .offload import meta_transformer
 from .outdir import refuse_foreign
-from .teacher import resolve_teacher
+from .placements.device_map import check_device_map, parse_max_memory, read_device_map
+from .plan import configs_spec
+from .teacher import TeacherSpec, resolve_teacher
 from .trajectory import choose_recorded_steps
 
 
@@ -33,18 +39,37 @@ def _parts(cfg: TeacherCacheConfig) -> tuple[int, int]:
     return (cfg.part, cfg.num_parts) if cfg.num_parts is not None else (env.rank, env.world_size)
 
 
-def _teacher(cfg: TeacherCacheConfig) -> str:
-    """The teacher in words, its configs checked when it is a local folder (a Hub id is fetched when it runs: a dry
-    run downloads nothing)."""
-    if not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher):
-        at = f" at revision {cfg.revision}" if cfg.revision else ""
-        return f"{cfg.teacher}{at} (a Hub id: fetched when the run starts)"
-    spec = resolve_teacher(cfg.teacher, cfg.revision)
+def _teacher(cfg: TeacherCacheConfig) -> tuple[TeacherSpec, str]:
+    """The teacher's spec and the teacher in words: a local folder checked whole, as the run checks it; a Hub id
+    resolved by the run's resolver, its configs alone (found in the local Hub cache, or fetched: a few kilobytes),
+    so that an id that is nowhere is refused now, in the run's words, not when the run starts."""
+    hub = not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher)
+    if hub:
+        root = teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE)
+        spec = configs_spec(root, cfg.teacher)
+    else:
+        spec = resolve_teacher(cfg.teacher, cfg.revision)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
     c, f, h, w = spec.latent_shape(cfg.height, cfg.width, cfg.frames)
-    return f"{cfg.teacher} ({len(spec.experts)} expert(s), latent {c}x{f}x{h}x{w}; configs checked)"
+    what = (f"a Hub id at revision {cfg.revision or 'main'}: configs from {spec.path} checked, weights fetched when "
+            "the run starts" if hub else "configs checked")
+    return spec, f"{cfg.teacher} ({len(spec.experts)} expert(s), latent {c}x{f}x{h}x{w}; {what})"
+
+
+def _placement(cfg: TeacherCacheConfig, spec: TeacherSpec) -> str:
+    """The placement's checks that need no GPU, by the functions the run calls: a device map's JSON and its module
+    names against the teacher's transformers, --max-memory's sizes. Which GPUs exist is checked where it runs."""
+    if cfg.max_memory is not None:
+        parse_max_memory(cfg.max_memory)
+    if not cfg.placement.endswith(".json"):
+        return f"{cfg.placement} (checked against the GPUs where it runs)"
+    dmap, main = read_device_map(cfg.placement, check_devices=False)
+    for comp in spec.experts:
+        check_device_map(meta_transformer(spec.path, comp, real_buffers=False), dmap, cfg.placement)
+    return (f"{cfg.placement} (a device map of {len(dmap)} entries, computing on {main}; its devices checked against "
+            "the GPUs where it runs)")
 
 
 def _out_state(cfg: TeacherCacheConfig, part: int, num_parts: int) -> str:
@@ -90,18 +115,20 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
     seed = cfg.seed if cfg.record_seed is None else cfg.record_seed
     steps = len(choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ()))
     trajectories = rows * cfg.seeds_per_prompt
+    spec, teacher = _teacher(cfg)
+    placement = _placement(cfg, spec)
     summary = {
         "part": part, "num_parts": num_parts, "prompts": len(prompts), "duplicates_dropped": dropped,
         "part_prompts": rows, "trajectories": trajectories, "samples": trajectories * steps,
-        "blocks": -(-trajectories // cfg.batch_size), "teacher": _teacher(cfg), "out": _out_state(cfg, part, num_parts),
-        "placement": cfg.placement,
+        "blocks": -(-trajectories // cfg.batch_size), "teacher": teacher, "placement": cfg.placement,
+        "out": _out_state(cfg, part, num_parts),
     }
     print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
            f"  prompts    {len(prompts)} unique ({dropped} duplicates dropped); part {part} of {num_parts}: {rows} "
            f"prompts, {trajectories} trajectories in {summary['blocks']} blocks of {cfg.batch_size}, "
            f"{summary['samples']} samples ({steps} of {cfg.steps} steps recorded)\n"
            f"  teacher    {summary['teacher']}\n"
-           f"  placement  {cfg.placement} (checked against the GPUs where it runs)\n"
+           f"  placement  {placement}\n"
            f"  --out      {cfg.out}: {summary['out']}")
     return summary
 

@@ -19,9 +19,10 @@ from pipeline.hub import CONFIGS, teacher_folder
 from . import costs, launch, placements
 from .placements.device_map import parse_max_memory, read_device_map
 from .planner import (
-    DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, teacher_sizes,
-    tokens_per_sample,
+    DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, read_json,
+    teacher_sizes, tokens_per_sample,
 )
+from .teacher import TeacherSpec
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
 NO_STEP_TIME = ("no measured step time for this teacher and placement: run `plan --measure` on the machine that "
@@ -201,18 +202,26 @@ def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     return []
 
 
-# The run settings `plan` takes from teacher-cache, and the flag each is given back with in the printed command.
+# The run settings `plan` takes from teacher-cache (flags or --config), and gives back in the printed command.
 RUN_FLAGS = ("dtype", "batch_size", "height", "width", "frames", "max_sequence_length", "seeds_per_prompt", "steps",
              "record_steps", "max_memory", "offload_dir", "expert_order")
+# What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
+PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
 
 
-def plan_from_flags(settings: PlanSettings, *, teacher: str, revision: str | None = None, placement: str = "auto",
-                    **run) -> Plan:
+def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: tuple[str, ...] = (),
+                    config_file: str | None = None) -> Plan:
     """`wandistiller plan`: the plan for this machine, or for the one `settings` describes (nodes, GPUs per node and
     their memory, RAM, disk; what is not given is measured here, this machine's GPUs only if none are given), with
     the processes of stage one and their command, the bytes of the cache it would write (`cache_projection`) and,
-    for `settings.prompts`, its GPU-hours and wall time. `run`: teacher-cache's settings (RUN_FLAGS)."""
-    run = {f: getattr(TeacherCacheConfig, f) for f in RUN_FLAGS} | run  # (the defaults: what the CLI sends)
+    for `settings.prompts`, its GPU-hours and wall time.
+
+    `cfg`: the teacher-cache config of the run planned (from `config_file` and the flags, PLACEHOLDERS for its prompts
+    and --out), checked as teacher-cache checks it; `given`: its settings given as flags. The printed command passes
+    `config_file` on, and every flag given (without a config file, those off their default), so that it writes the
+    cache planned: the file's other settings (guidance, the negative prompt) change the cache too."""
+    run = {f: getattr(cfg, f) for f in RUN_FLAGS}
+    teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, run["offload_dir"])
     dmap = read_device_map(placement, check_devices=not _assumed_gpus(settings))[0] \
@@ -220,14 +229,18 @@ def plan_from_flags(settings: PlanSettings, *, teacher: str, revision: str | Non
     plan = make_plan(str(root), placement, run["dtype"], run["batch_size"], run["height"], run["width"], run["frames"],
                      run["max_sequence_length"], inventory=inv, max_memory=parse_max_memory(run["max_memory"]),
                      device_map=dmap, expert_order=run["expert_order"])
+    # teacher-cache's own check of the sizes (frames 1 or 4k+1, VAE and patch multiples, the rotary table), so that
+    # plan does not print a command the run refuses
+    configs_spec(root, teacher).check_sizes(run["height"], run["width"], run["frames"])
     if root != Path(teacher).expanduser():  # a Hub id
         plan.teacher, plan.source = teacher, f"revision {revision or 'main'}, configs from {root}"
     plan.cache = cache_projection(str(root), plan.dtype, run["height"], run["width"], run["frames"],
                                   run["max_sequence_length"], settings.prompts, run["seeds_per_prompt"], run["steps"],
                                   run["record_steps"], run["batch_size"])
-    given = {f"--{k.replace('_', '-')}": v for k, v in run.items()
-             if v is not None and v != getattr(TeacherCacheConfig, k)}
-    words = launch.teacher_cache_words(teacher, revision, plan.placement, given)
+    flags = {"--config": config_file} if config_file else {}
+    flags |= {f"--{k.replace('_', '-')}": v for k, v in run.items()
+              if k in given and (config_file or v != getattr(TeacherCacheConfig, k))}
+    words = launch.teacher_cache_words(teacher, revision, plan.placement, flags)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
     step = _step_time(settings, plan, root, teacher, revision, run)
@@ -252,7 +265,7 @@ def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
             if not torch.cuda.is_available():
                 raise UserError(f"--gpus-per-node {count} takes the memory of this machine's GPUs, and it has none; "
                                 "give --gpu-memory too (e.g. 80GiB)")
-            memory = str(torch.cuda.mem_get_info(0)[0])
+            memory = f"{torch.cuda.mem_get_info(0)[0]}B"
         gpus = f"{count}x{memory}" if count else "none"
     ranks = s.ranks_per_node or 1
     measured = Inventory.measure(offload_dir, ranks, gpus=gpus is None)
@@ -281,15 +294,7 @@ def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: 
     """The bytes of the cache this run would write (plain samples: x_t and target; `cache.size`), per sample and
     per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length tokens, the
     bound (only a prompt's real tokens are stored)."""
-    from .teacher import TeacherSpec
-
-    root = Path(teacher)
-    mi = json.loads((root / "model_index.json").read_text())
-    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
-    configs = {c: json.loads((root / c / "config.json").read_text()) for c in experts}
-    vae = root / "vae" / "config.json"
-    configs["vae"] = json.loads(vae.read_text()) if vae.is_file() else {}  # Wan's factors (8, 4) by default
-    spec = TeacherSpec(name=teacher, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
+    spec = configs_spec(Path(teacher), teacher)
     recorded = min(record_steps or steps, steps)
     settings = {F.F_DTYPE: dtype, F.F_LATENT_SHAPE: list(spec.latent_shape(height, width, frames)),
                 F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: max_sequence_length,
@@ -303,6 +308,19 @@ def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: 
             "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
             "bytes_per_prompt": round(per_prompt), "prompts": prompts,
             "total_bytes": size.total if prompts else None}
+
+
+def configs_spec(root: Path, name: str) -> TeacherSpec:
+    """The teacher's shapes from its configs alone (model_index.json, the experts' and the VAE's configs; no weights,
+    no tokenizer): what `plan` and a dry run of a Hub id check the run's sizes with (`TeacherSpec.check_sizes`)."""
+    mi = read_json(root / "model_index.json")
+    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
+    if not experts:
+        raise UserError(f"teacher {name!r}: {root / 'model_index.json'} names no transformer; pass a Wan pipeline")
+    configs = {c: read_json(root / c / "config.json") for c in experts}
+    vae = root / "vae" / "config.json"
+    configs["vae"] = read_json(vae) if vae.is_file() else {}  # Wan's factors (8, 4) by default
+    return TeacherSpec(name=name, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
 
 
 def _render_cache(c: dict) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
+from pipeline.settings import parse_bytes, parse_gpus
 
 GiB = 2**30
 # Kept free on every GPU: CUDA context, allocator fragmentation, cuBLAS workspaces.
@@ -44,22 +45,13 @@ def gib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str) -> int:
-    """'24GiB', '80GB', '512MiB', '2TiB' or a byte count -> bytes (GB = 10^9, GiB = 2^30, as accelerate)."""
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
+    """'24GiB', '80GB', '512MiB' or '2TiB' -> bytes (GB = 10^9, GiB = 2^30, as accelerate); a number needs its unit
+    (settings.parse_bytes, which the settings' own checks use too)."""
     try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value < 0:
-        raise UserError(f"cannot read the size {text!r}; write it like 24GiB, 80GB, 512MiB or 2TiB")
-    return int(value * _UNITS[unit])
+        return parse_bytes(text)
+    except ValueError as e:
+        raise UserError(f"{e}") from None
 
 
 # --- the machine ---------------------------------------------------------------------------------------------
@@ -121,15 +113,10 @@ class Inventory:
 
 
 def _parse_gpus(text: str) -> tuple[int, ...]:
-    text = text.strip().lower()
-    if text in ("", "none", "0"):
-        return ()
-    if "x" in text and "," not in text:
-        n, size = text.split("x", 1)
-        if not n.strip().isdigit():
-            raise UserError(f"cannot read --assume-gpus {text!r}; write e.g. 4x24GiB or 80GiB,40GiB")
-        return (parse_size(size),) * int(n)
-    return tuple(parse_size(s) for s in text.split(","))
+    try:
+        return parse_gpus(text)
+    except ValueError as e:
+        raise UserError(f"{e}") from None
 
 
 def _available_ram() -> int:
@@ -183,7 +170,8 @@ class TeacherSizes:
     vae_temporal: int
 
 
-def _read_json(p: Path) -> dict:
+def read_json(p: Path) -> dict:
+    """A teacher's JSON config, or a UserError naming the file (missing, or not JSON)."""
     try:
         return json.loads(p.read_text())
     except FileNotFoundError as e:
@@ -219,7 +207,7 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
     from .offload import largest_layer_bytes, meta_transformer, weight_bytes
 
     root = Path(path)
-    mi = _read_json(root / "model_index.json")
+    mi = read_json(root / "model_index.json")
     if mi.get("_class_name") != "WanPipeline":
         raise UserError(f"{root} is a {mi.get('_class_name')!r}, not a WanPipeline")
     tdtype = getattr(torch, dtype)
@@ -228,7 +216,7 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
     if not experts:
         raise UserError(f"{root}/model_index.json names no transformer")
     for comp in experts:
-        _read_json(root / comp / "config.json")
+        read_json(root / comp / "config.json")
         model = meta_transformer(root, comp, real_buffers=False)
         blocks = list(getattr(model, "blocks", []))
         block_bytes = max((weight_bytes(b, tdtype) for b in blocks), default=0)
@@ -240,7 +228,7 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         import transformers
 
         cls = getattr(transformers, mi["text_encoder"][1])
-        config = cls.config_class.from_dict(_read_json(root / "text_encoder" / "config.json"))
+        config = cls.config_class.from_dict(read_json(root / "text_encoder" / "config.json"))
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
             enc = cls(config)
         enc.tie_weights()  # init_empty_weights unties shared embeddings; the loaded model shares them
@@ -254,14 +242,14 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         import diffusers
 
         cls = getattr(diffusers, mi["vae"][1])
-        vae_cfg = _read_json(root / "vae" / "config.json")
+        vae_cfg = read_json(root / "vae" / "config.json")
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
             vae = cls.from_config(vae_cfg)
         n = sum(p.numel() for p in vae.parameters())
         ck, ckd = _checkpoint(root / "vae")
         comps["vae"] = Component("vae", cls.__name__, n, n * DTYPE_BYTES[dtype], checkpoint_bytes=ck,
                                  checkpoint_dtype=ckd)
-    return TeacherSizes(str(root), dtype, comps, experts, _read_json(root / experts[0] / "config.json"),
+    return TeacherSizes(str(root), dtype, comps, experts, read_json(root / experts[0] / "config.json"),
                         int(vae_cfg.get("scale_factor_spatial") or 8), int(vae_cfg.get("scale_factor_temporal") or 4))
 
 

@@ -59,7 +59,11 @@ class StageOneProgress:
         """A block's samples were packed into the open shard."""
         self.samples_run += samples
         self.bar.update(samples)
-        f = self.figures()
+        self._postfix(self.figures())
+
+    def _postfix(self, f: dict[str, float]) -> None:
+        """The bar's figures. Set again at every shard: the bytes count shards in place, and a part whose one shard
+        closes after its last block would otherwise end its bar (the last line of a log) on `written=0 B`."""
         post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": _size(f["bytes_written"])}
         if "projected_cache_bytes" in f:
             post["cache"] = "~" + _size(f["projected_cache_bytes"])
@@ -70,6 +74,7 @@ class StageOneProgress:
         self.bytes += int(record[F.S_BYTES])
         self.samples_written += int(record[F.S_SAMPLES])
         f = self.figures()
+        self._postfix(f)
         eta = f.get("eta_s")
         print0(f"part {self.part}: {record[F.S_PATH]} written ({record[F.S_SAMPLES]} samples, "
                f"{_size(record[F.S_BYTES])}); {_size(self.bytes)} so far, cache ~{_size(self.projected)}, "
