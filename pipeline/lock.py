@@ -11,6 +11,14 @@ when its lease expires (NFSv4: about 90 s), which the refusal says when the hold
 Stage one locks each part (`locks/part-NNNNN.lock` in the cache), so parts on several nodes still run side
 by side; stage two locks its run folder (rank 0). The lock file is removed on release (the holder checks
 after locking that the file it holds is still the one at the path, so a removal never lets two in).
+
+A lock file sits in a folder someone else may have handed us, so it is untrusted until opened: `open_regular`
+opens it without following a symbolic link and without blocking, and keeps it only if it is a regular file with
+one link. A link (or a hard link) to a user's file would otherwise have that file truncated and replaced by the
+lock record; a FIFO would hang every reader's liveness probe. The writer refuses such a lock in one line naming
+it (delete it and rerun); the probe (`live_writer`) takes it for what it is, no lock a live writer holds (a writer
+refuses to take one), and opens nothing through it. The cache's `locks/` folder itself must be a real folder:
+a link to elsewhere is refused rather than written through.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -30,6 +40,72 @@ from .errors import UserError
 
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
 PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (`live_writer`)
+_PART_LOCK = re.compile(r"part-(\d{1,9})\.lock")  # the names `part_lock_path` gives; anything else in locks/ is no lock
+
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+class UnsafeFile(UserError):
+    """A path where we expect a plain file of ours holds something else: a link, a FIFO, a device, a folder, or a
+    file with more than one name. The message names it and says to delete it."""
+
+
+def file_kind(mode: int) -> str:
+    """`mode` (st_mode) in words: "a symbolic link", "a FIFO", ... ("a regular file" for one)."""
+    return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", mode: int = 0o644,
+                 single_link: bool = True) -> int:
+    """os.open(`path`, `flags`) that neither follows a symbolic link nor blocks (O_NOFOLLOW, O_NONBLOCK: a FIFO opens
+    at once), and returns the fd only when it is a regular file (with `single_link`, one whose bytes have no other
+    name). Else UnsafeFile: "`what` PATH is a FIFO, not a file WanDistiller wrote; delete it and rerun".
+    lstat first, so that a FIFO or a device is refused without being opened at all; fstat after, for the instant
+    between the two. FileNotFoundError (without O_CREAT) and other OSErrors pass through."""
+    path = Path(path)
+
+    def refuse(kind: str) -> UnsafeFile:
+        return UnsafeFile(f"{what} {path} is {kind}, not a file WanDistiller wrote; delete it (nothing was read or "
+                          "written through it) and rerun")
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse(file_kind(st.st_mode))
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:  # replaced since the lstat
+        if e.errno == errno.ELOOP:
+            raise refuse("a symbolic link") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a socket, a FIFO without reader; a folder
+            raise refuse("a folder" if e.errno == errno.EISDIR else "a FIFO or socket") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (single_link and st.st_nlink != 1):
+        os.close(fd)
+        if stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{what} {path} has {st.st_nlink} hard links: its bytes are another file's too, which "
+                             "the lock record would overwrite; delete it (nothing was written to it) and rerun")
+        raise refuse(file_kind(st.st_mode))
+    return fd
+
+
+def _check_locks_dir(folder: Path) -> bool:
+    """Whether the folder of stage-one locks exists; UnsafeFile when it is a link (to a folder elsewhere, whose files
+    a lock would create or overwrite) or anything else but a folder."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFile(f"{folder} is {file_kind(st.st_mode)}, not the cache's folder of lock files; remove it "
+                         "(nothing was written through it) and rerun")
+    return True
 
 
 def part_lock_path(cache_dir: str | os.PathLike, part: int) -> Path:
@@ -54,18 +130,23 @@ def acquire(path: str | os.PathLike, what: str) -> None:
     made_dir = None
     while True:
         try:
-            if not path.parent.exists():
+            # A stage-one lock's folder is the cache's own `locks/`: never a link to elsewhere. (Stage two's folder
+            # is --out itself, which the user may well give as a link.)
+            exists = _check_locks_dir(path.parent) if path.parent.name == LOCKS_DIR else path.parent.is_dir()
+            if not exists:
                 made_dir = path.parent
                 path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT)  # UnsafeFile (a UserError) passes through
         except OSError as e:
             raise UserError(f"cannot write to {path.parent} ({e.strerror}); choose a writable --out") from e
         if not _lock_exclusive(fd):
+            holder = _describe_holder(fd)
             os.close(fd)
-            raise UserError(f"{what} is being written by another process ({_describe_holder(path)}; lock {path}); "
+            raise UserError(f"{what} is being written by another process ({holder}; lock {path}); "
                             "wait for it to finish, or use another --out") from None
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            held, there = os.fstat(fd), os.lstat(path)
+            same = (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
         except FileNotFoundError:
             same = False
         if same:
@@ -111,16 +192,17 @@ def release(path: str | os.PathLike) -> None:
             pass
 
 
-def _record(path: Path) -> dict:
+def _record(fd: int) -> dict:
+    """The holder's record, read through the fd the lock was probed with (never the path again: it may be replaced)."""
     try:
-        rec = json.loads(path.read_text() or "{}")
+        rec = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
     except (OSError, ValueError):
         rec = {}
     return rec if isinstance(rec, dict) else {}
 
 
-def _describe_holder(path: Path) -> str:
-    rec = _record(path)
+def _describe_holder(fd: int) -> str:
+    rec = _record(fd)
     if not rec:
         return "its record is not written yet"
     who = f"pid {rec.get('pid')} on {rec.get('host')} since {rec.get('since')}"
@@ -136,11 +218,19 @@ def _describe_holder(path: Path) -> str:
 
 def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
     """{part: the lock record of the live process writing it}, for each stage-one lock in LOCKS_DIR held now."""
+    folder = Path(cache_dir) / LOCKS_DIR
+    try:
+        if not _check_locks_dir(folder):
+            return {}
+        names = sorted(os.listdir(folder))
+    except (UnsafeFile, OSError):  # a link to elsewhere or no folder at all: no writer can hold a lock in it
+        return {}
     live = {}
-    for path in sorted((Path(cache_dir) / LOCKS_DIR).glob("part-*.lock")):
-        record = live_writer(path)
+    for name in names:
+        m = _PART_LOCK.fullmatch(name)
+        record = live_writer(folder / name) if m else None
         if record is not None:
-            live[int(path.stem.split("-")[1])] = record
+            live[int(m.group(1))] = record
     return live
 
 
@@ -148,10 +238,13 @@ def live_writer(path: str | os.PathLike) -> dict | None:
     """The record of the live process holding the stage-one lock `path` (pid, host, since, started, command, as
     `acquire` writes it; {} if not written yet), or None when no process holds it: a lock file a killed writer
     left behind is not a live run. Probed with a shared flock taken and dropped at once (which sees holders on other
-    NFS clients too), never by the file's existence or a pid, which say nothing across hosts."""
+    NFS clients too), never by the file's existence or a pid, which say nothing across hosts.
+
+    A lock path that holds no regular file (a link, a FIFO, a folder: see `open_regular`) is junk, not a lock a
+    live writer holds (`acquire` refuses to take one): None, without opening it, and without failing the reader."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = open_regular(path, os.O_RDONLY, single_link=False)  # the probe writes nothing: a second name is harmless
+    except (FileNotFoundError, UnsafeFile):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -160,10 +253,6 @@ def live_writer(path: str | os.PathLike) -> dict | None:
     except OSError as e:
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise
-        try:
-            record = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
-        except ValueError:
-            record = {}
-        return record if isinstance(record, dict) else {}
+        return _record(fd)
     finally:
         os.close(fd)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import lock
 from pipeline.errors import UserError
 from pipeline.teacher_files import hash_json, sample_file
 
@@ -294,13 +295,18 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock file: the ranks of one node build a folder once, the others wait and reuse it."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """An exclusive lock file: the ranks of one node build a folder once, the others wait and reuse it. Opened as
+    every lock is (`pipeline.lock.open_regular`): never through a link, never a FIFO, never a file with a second
+    name; such a file is refused in one line saying to delete it. Nothing is written to it."""
+    fd = lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,

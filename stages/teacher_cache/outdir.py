@@ -1,11 +1,26 @@
 """Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left.
 
-Only names the cache owns are ever deleted (cache/format.py defines them)."""
+--out may be a folder someone else handed over, so nothing in it is trusted before it is checked (`refuse_foreign`,
+before anything is written, `--dry-run` too):
+
+- it must be new, empty, or demonstrably a cache of ours: a `manifest.json`, a `parts/part-N/progress.json` or a
+  part's resolved `config.json` that parses as stage one writes it, or nothing but what a run leaves before (or
+  without) any record: empty part folders, its lock files, temporary files, shards whose first member is a sample
+  of ours, the root's safetensors files. Names alone (`shards/`, `offload/`) prove nothing: a folder of someone
+  else's that holds them is refused, and `--overwrite` never deletes in it.
+- nothing inside it may be a symbolic link, a FIFO, a socket or a device: stage one would write (or delete, or
+  hang) through it, into a folder outside the cache. Each is refused in one line naming it.
+
+Only names the cache owns are ever deleted (cache/format.py defines them), never through a link, and a deletion
+that fails is an error, not skipped."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 from cache import format as F
@@ -13,22 +28,180 @@ from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
 from cache.progress import PartProgress
 from pipeline.errors import UserError
+from pipeline.lock import UnsafeFile, file_kind, open_regular
 from pipeline.runtime import print0
 
+OFFLOAD_DIR = "offload"  # --placement disk's default --offload-dir (placements/base.py)
 # What a cache directory may hold: anything else means --out is someone else's folder.
-CACHE_ENTRIES = {F.MANIFEST, F.PARTS_DIR, F.SHARDS_DIR, F.NEGATIVE, F.FEATURE_PROJECTION, F.RESOLVED_CONFIG, "offload",
-                 LOCKS_DIR}
+CACHE_ENTRIES = {F.MANIFEST, F.PARTS_DIR, F.SHARDS_DIR, F.NEGATIVE, F.FEATURE_PROJECTION, F.RESOLVED_CONFIG,
+                 OFFLOAD_DIR, LOCKS_DIR}
+_PART_DIR = re.compile(r"part-\d{5,}")
+_PART_LOCK = re.compile(r"part-\d{5,}\.lock")
+_SHARD = re.compile(r"part-\d{5,}-\d{6,}\.tar")
+# The fields that make a JSON file one of ours (any format version: an older cache is still ours to --overwrite).
+_MANIFEST_KEYS = {F.F_FINGERPRINT, F.F_SHARDS}
+_PROGRESS_KEYS = {"part", "num_parts", "fingerprint", "done_blocks"}
+_CONFIG_KEYS = {"teacher", "prompts", "out", "steps", "seeds_per_prompt"}
 
 
 def refuse_foreign(out: Path) -> None:
-    """One clear error unless `out` is new, empty, or a cache (checked without writing: `--dry-run` too)."""
+    """One clear error unless `out` is new, empty, or a cache of ours holding no link and no special file (checked
+    without writing: `--dry-run` too)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
-    if out.is_dir():
-        foreign = [p.name for p in out.iterdir() if p.name not in CACHE_ENTRIES and not p.name.endswith(F.TMP_SUFFIX)]
-        if foreign:
-            raise UserError(f"output {out} is not empty and is not a WanDistiller cache (found {foreign[0]!r}); "
-                            "choose a new or empty directory")
+    if not out.is_dir():
+        return
+    entries = sorted(os.listdir(out))
+    foreign = [n for n in entries if n not in CACHE_ENTRIES and not n.endswith(F.TMP_SUFFIX)]
+    if foreign:
+        raise UserError(f"output {out} is not empty and is not a WanDistiller cache (found {foreign[0]!r}); "
+                        "choose a new or empty directory")
+    unsafe = _first_unsafe_entry(out)
+    if unsafe is not None:
+        path, mode = unsafe
+        if stat.S_ISLNK(mode):
+            raise UserError(f"{path} is a symbolic link inside the cache {out}; remove the link (stage one never "
+                            "writes or deletes through one: nothing was) and rerun")
+        raise UserError(f"{path} is {file_kind(mode)} inside the cache {out}, not a file stage one wrote; delete it "
+                        "and rerun")
+    if entries and not _holds_a_cache(out):
+        held = ", ".join(repr(n) for n in entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise UserError(f"output {out} is not empty and is not a WanDistiller cache (it holds {held}, but no "
+                        f"{F.MANIFEST} or {F.PARTS_DIR}/part-N/{F.PROGRESS} of one); choose a new or empty directory")
+
+
+def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
+    """(path, st_mode) of the first entry below `out` that is neither a folder nor a regular file (a symbolic link,
+    a FIFO, a socket, a device), or None. Links are never followed. Entries that vanish while we look (a concurrent
+    part's temporary files) are skipped."""
+    todo = [out]
+    while todo:
+        folder = todo.pop()
+        try:
+            it = os.scandir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):  # d_type: no system call per entry
+                        todo.append(Path(e.path))
+                    elif not e.is_file(follow_symlinks=False):
+                        return Path(e.path), e.stat(follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+    return None
+
+
+def _read_json(path: Path):
+    """The JSON value of the regular file `path` (never through a link, never blocking), or None."""
+    try:
+        fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
+    except (OSError, UnsafeFile):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _ours(value, keys: set[str]) -> bool:
+    return isinstance(value, dict) and keys <= value.keys()
+
+
+def _part_dirs(out: Path) -> list[Path]:
+    try:
+        return [out / F.PARTS_DIR / n for n in sorted(os.listdir(out / F.PARTS_DIR)) if _PART_DIR.fullmatch(n)]
+    except OSError:
+        return []
+
+
+def _holds_a_cache(out: Path) -> bool:
+    """Whether `out` (not empty, only cache names in it) is demonstrably a cache stage one wrote: see the module
+    docstring. The skeleton a refused or killed first run leaves (empty `shards/`, `parts/part-N/`, its lock file,
+    temporary files) counts too, or a rerun after a refusal would be refused."""
+    if _ours(_read_json(manifest_path(out)), _MANIFEST_KEYS):
+        return True
+    for d in _part_dirs(out):
+        if _ours(_read_json(d / F.PROGRESS), _PROGRESS_KEYS) or _ours(_read_json(d / F.RESOLVED_CONFIG), _CONFIG_KEYS):
+            return True
+    return _is_skeleton(out)
+
+
+def _is_skeleton(out: Path) -> bool:
+    """Only what stage one leaves before (or without) any record: empty part folders, its lock files, temporary
+    files, shards whose first member is a sample of ours, the root's safetensors files (a part folder deleted as a
+    damaged part's refusal advises, from a cache whose manifest is not written yet, leaves these)."""
+    def only(folder: Path, ok) -> bool:
+        try:
+            with os.scandir(folder) as it:
+                return all(ok(e) for e in it)
+        except OSError:
+            return False
+
+    def tmp_file(e) -> bool:
+        return e.is_file(follow_symlinks=False) and e.name.endswith(F.TMP_SUFFIX)
+
+    def root_entry(e) -> bool:
+        if tmp_file(e):
+            return True
+        if e.name in (F.NEGATIVE, F.FEATURE_PROJECTION):
+            return e.is_file(follow_symlinks=False) and _is_safetensors(Path(e.path))
+        if not e.is_dir(follow_symlinks=False):
+            return False
+        if e.name == F.SHARDS_DIR:
+            return only(Path(e.path), lambda f: tmp_file(f) or f.is_file(follow_symlinks=False)
+                        and _SHARD.fullmatch(f.name) is not None and _is_our_shard(Path(f.path)))
+        if e.name == LOCKS_DIR:
+            return only(Path(e.path), lambda f: tmp_file(f) or f.is_file(follow_symlinks=False)
+                        and _PART_LOCK.fullmatch(f.name) is not None)
+        if e.name == F.PARTS_DIR:
+            return only(Path(e.path), lambda p: p.is_dir(follow_symlinks=False) and _PART_DIR.fullmatch(p.name)
+                        is not None and only(Path(p.path), tmp_file))
+        return False
+
+    return only(out, root_entry)
+
+
+def _head(path: Path, n: int) -> bytes:
+    """The first `n` bytes of the regular file `path` (never through a link, never blocking), or b""."""
+    try:
+        fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
+    except (OSError, UnsafeFile):
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _is_our_shard(path: Path) -> bool:
+    """A tar whose first member is `<sample key>.safetensors` or `.json` (its ustar header: the name, then the magic)."""
+    head = _head(path, 512)
+    name = head[:100].split(b"\0", 1)[0].decode("ascii", "replace")
+    stem, _, ext = name.rpartition(".")
+    if head[257:262] != b"ustar" or ext not in (F.EXT_TENSORS, F.EXT_META):
+        return False
+    try:
+        F.parse_key(stem)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then that many bytes of a JSON object."""
+    head = _head(path, 8)
+    size = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if not 0 < size <= 1 << 20:
+        return False
+    try:
+        return isinstance(json.loads(_head(path, 8 + size)[8:]), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def check_out_dir(out: Path) -> None:
@@ -37,25 +210,76 @@ def check_out_dir(out: Path) -> None:
     try:
         (out / F.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}{F.TMP_SUFFIX}"
-        probe.write_bytes(b"")
+        probe.unlink(missing_ok=True)  # a leftover (or a link planted under the name) is replaced, never written through
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
         probe.unlink()
     except OSError as e:
         raise UserError(f"cannot write to output directory {out} ({e.strerror}); choose a writable --out") from e
 
 
 def clear(out: Path, part: int | None) -> None:
-    """Remove cache files: all of them (part None) or one part's. Only names the cache owns are touched."""
-    manifest_path(out).unlink(missing_ok=True)
+    """Remove cache files: all of them (part None) or one part's. Only names the cache owns are touched, in a folder
+    `refuse_foreign` accepted; a link among them is removed, never followed, and a removal that fails is one line.
+
+    The order keeps the folder a cache at every instant, for a part or rank that checks it meanwhile (and after a
+    kill): the manifest first (it must never outlive its shards), each part's progress record last of its part."""
+    _remove(manifest_path(out))
     if part is None:
-        for name in (F.PARTS_DIR, F.SHARDS_DIR, "offload"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        (out / F.NEGATIVE).unlink(missing_ok=True)
-        (out / F.FEATURE_PROJECTION).unlink(missing_ok=True)
+        for name in (F.SHARDS_DIR, OFFLOAD_DIR, F.NEGATIVE, F.FEATURE_PROJECTION):
+            _remove(out / name)
+        for d in _part_dirs(out):
+            _remove_part(d)
+        _remove(out / F.PARTS_DIR)
         (out / F.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
         return
-    shutil.rmtree(out / F.PARTS_DIR / F.part_dirname(part), ignore_errors=True)
     for f in (out / F.SHARDS_DIR).glob(f"part-{part:05d}-*"):
-        f.unlink()
+        _remove(f)
+    _remove_part(out / F.PARTS_DIR / F.part_dirname(part))
+
+
+def _remove_part(d: Path) -> None:
+    """A part's folder, its progress record (the proof that the folder is ours) and resolved config last."""
+    if not d.is_dir() or d.is_symlink():
+        _remove(d)
+        return
+    last = (F.RESOLVED_CONFIG, F.PROGRESS)
+    for name in sorted(os.listdir(d)):
+        if name not in last:
+            _remove(d / name)
+    for name in last:
+        _remove(d / name)
+    _remove(d)
+
+
+def _remove(path: Path) -> None:
+    """Delete `path`: a folder with everything in it, anything else (a link included) as the one name. shutil.rmtree
+    never follows a link inside the tree (it unlinks it). What vanished meanwhile is fine; any other failure is a
+    UserError naming what could not be removed."""
+
+    def failed(e: BaseException, where) -> UserError:
+        why = getattr(e, "strerror", None) or e
+        return UserError(f"--overwrite cannot remove {where} ({why}); remove it by hand (or make it writable) and "
+                         "rerun")
+
+    def onerror(_func, where, exc_info):
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise failed(exc_info[1], where) from exc_info[1]
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise failed(e, path) from e
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, onerror=onerror)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass  # gone meanwhile
+    except OSError as e:
+        raise failed(e, e.filename or path) from e
 
 
 def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
