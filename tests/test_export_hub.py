@@ -188,6 +188,28 @@ def test_push_to_hub_uploads_the_folder(run_dir, cached_teacher, hub, tmp_path):
     assert 'from_pretrained("you/wan-student"' in local["README.md"].decode()
 
 
+def test_a_lora_export_pushed_names_the_hub_ids_and_no_local_path(tiny_cache, cached_teacher, hub, tmp_path):
+    """A LoRA run of the teacher as the local Hub cache holds it: the card loads the base by its Hub id and the adapters
+    by the repo pushed to, and no uploaded file names a path of this machine."""
+    run = tmp_path / "lora-run"
+    r = invoke(["train-student", "--cache", tiny_cache, "--lora-of", cached_teacher, "--out", run, "--max-steps", 1,
+                "--batch-size", 4, "--warmup-steps", 0, "--device", "cpu", "--report-to", "none"])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "lora"
+    r = _export(["--student", run, "--out", out, "--push-to-hub", "you/wan-lora"], hub)
+    assert r.returncode == 0, r.stderr
+    uploaded = {path: data.decode(errors="replace") for (repo, path), data in _Hub.files.items()
+                if repo == "you/wan-lora" and not path.endswith(".safetensors")}
+    assert {"README.md", "lora.json", "distill.json"} <= set(uploaded)
+    card = uploaded["README.md"]
+    meta = front_matter(card)
+    assert meta["base_model"] == TEACHER_ID and meta["license"] == "apache-2.0" and "lora" in meta["tags"]
+    assert f'WanPipeline.from_pretrained("{TEACHER_ID}"' in card
+    assert 'load_lora_weights("you/wan-lora", weight_name="high_noise_model.safetensors"' in card
+    assert json.loads(uploaded["lora.json"])["teacher"] == json.loads(uploaded["distill.json"])["teacher"] == TEACHER_ID
+    assert local_paths(out, tmp_path, cached_teacher, tiny_cache, ROOT) == []
+
+
 def test_a_push_that_fails_is_one_line_and_keeps_the_export(run_dir, hub, tmp_path, monkeypatch):
     _Hub.refuse = True
     out = tmp_path / "pipe"

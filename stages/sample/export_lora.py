@@ -7,7 +7,8 @@
       lora.json                      which file is which expert, the base, rank, alpha, targets
       scheduler/                     the schedule to sample with (a K-step student's Euler steps on the teacher's
                                      sigmas; else the teacher's)
-      distill.json, README.md        the run's record, and the model card: base, steps, guidance 1, text length
+      distill.json, README.md        the run's record, and the model card: the Hub's YAML metadata (as the
+                                     compact export's, tagged `lora`), base, steps, guidance 1, text length
 
 No local path is written anywhere (`--push-to-hub` uploads these files): the base is named by its Hub id, else its
 folder's name, and the folder itself by --push-to-hub's repo id, else its own name (`hub.public_teacher`,
@@ -32,7 +33,7 @@ from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.faults import fault_point
 from pipeline.hub import is_hub_id
-from pipeline.sampling import student_scheduler
+from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
 from . import hub
 from .models import Student
@@ -112,7 +113,10 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
 
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    _, base = hub.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
+    base_model, base = hub.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
+    card = (hub.front_matter(hub.teacher_license(student.teacher_path, base_model), base_model,
+                             (student.distill.objective_settings or {}).get(SAMPLER) == EULER, lora=not cfg.fuse)
+            + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
     lora = student.lora | {"teacher": base}
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
             "fused": cfg.fuse, "cache_fingerprints": student.fingerprints}
@@ -128,7 +132,7 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
             (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
         (tmp / DISTILL).write_text(json.dumps(hub.public_record(student.distill, base), indent=2) + "\n")
-        (tmp / "README.md").write_text(readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
+        (tmp / "README.md").write_text(card)
         publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
     except BaseException:

@@ -100,11 +100,12 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
     return license_ if isinstance(license_, str) and license_ else None
 
 
-def front_matter(license_: str | None, base_model: str | None, few_step: bool) -> str:
-    """The model card's YAML metadata block: what the Hub indexes the model by."""
+def front_matter(license_: str | None, base_model: str | None, few_step: bool, lora: bool = False) -> str:
+    """The model card's YAML metadata block: what the Hub indexes the model by (a LoRA export's adapters under
+    their base model)."""
     from huggingface_hub import ModelCardData
 
-    tags = TAGS + (["few-step"] if few_step else [])
+    tags = TAGS + (["few-step"] if few_step else []) + (["lora"] if lora else [])
     data = ModelCardData(license=license_, base_model=base_model, pipeline_tag="text-to-image",
                          library_name="diffusers", tags=tags)
     return f"---\n{data.to_yaml()}\n---\n"
