@@ -17,6 +17,12 @@ names. The record is a dataclass: a key is written and read under one name only.
       tensorboard/        TensorBoard event files (--report-to tensorboard, the default)
       wandb/              W&B's own run folders (--report-to wandb, unless WANDB_DIR says elsewhere)
       wandb-run.json      the W&B run id a --resume continues
+      writer.lock         the flock of the run's one writer (pipeline/lock.py)
+      eval.json           `eval`'s report, by default
+
+`RunLayout.foreign` tells a folder of ours from anyone else's: `train-student` writes into an --out that is empty
+or holds only these names, each of its kind (a folder or a file; a JSON file that reads as ours), and their
+temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happens to hold a `config.json`.
 """
 
 from __future__ import annotations
@@ -74,6 +80,80 @@ class RunLayout:
     def holds_run(self) -> list[str]:
         """Names of the run outputs already present (a finished or checkpointed run)."""
         return [p.name for p in (self.student, self.student_ema, self.checkpoints) if p.exists()]
+
+    def foreign(self, limit: int = 3) -> list[str]:
+        """What in this folder is not a train-student run's, in words (at most `limit`, then how many more); [] for
+        an empty or missing folder or one holding only what a run writes (`_RUN_ENTRIES`). Links count as foreign:
+        a run never makes one, and writing through it would write elsewhere."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            why = _not_ours(entry)
+            if why is not None:
+                found.append(f"{entry.name}{why}")
+        return found[:limit] + ([f"{len(found) - limit} more"] if len(found) > limit else [])
+
+
+RUN_LOCK = "writer.lock"  # pipeline/lock.py's name for it (lock.RUN_LOCK); spelled here for foreign()
+EVAL_REPORT = "eval.json"  # what `eval` writes into the run folder by default (stages/sample/evaluate.py REPORT_NAME)
+# Every name a run folder holds, and whether it is a folder.
+_RUN_ENTRIES = {STUDENT: True, STUDENT_EMA: True, STUDENT_INIT: True, CHECKPOINTS: True, TENSORBOARD: True,
+                WANDB: True, DISTILL: False, RESOLVED_CONFIG: False, METRICS: False, LOSS_PNG: False,
+                WANDB_RUN: False, RUN_LOCK: False, EVAL_REPORT: False}
+# The settings every resolved train-student config.json holds (pipeline/config.py `save_resolved`).
+_CONFIG_KEYS = {"cache", "out", "resume", "checkpoint_every", "strategy"}
+
+
+def _base_name(name: str) -> str | None:
+    """The run entry a name is, or is a temporary sibling of (`student.123.tmp`, `config.json.123.tmp`,
+    `loss.png.tmp.png`, `student.123.old.tmp`); None for a name a run never writes."""
+    if name in _RUN_ENTRIES:
+        return name
+    for base in _RUN_ENTRIES:
+        if name.startswith(base + ".") and (name.endswith(".tmp") or name == f"{LOSS_PNG}.tmp.png"):
+            return base
+    return None
+
+
+def _not_ours(entry: Path) -> str | None:
+    """Why `entry` (in a would-be run folder) is not what train-student writes there, as a suffix to its name
+    (`" (not a train-student config)"`, `""` for a name a run never writes); None when it is a run's."""
+    base = _base_name(entry.name)
+    if base is None:
+        return ""
+    if entry.is_symlink():
+        return " (a link)"
+    if _RUN_ENTRIES[base] != entry.is_dir():
+        return " (a folder)" if entry.is_dir() else " (a file)"
+    if entry.name != base or entry.is_dir():
+        return None  # a temporary sibling, or one of the run's folders
+    if base == LOSS_PNG:
+        with open(entry, "rb") as f:
+            return None if f.read(8) in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
+    if base in (RESOLVED_CONFIG, DISTILL, WANDB_RUN, EVAL_REPORT):
+        try:
+            obj = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            return " (not readable JSON)"
+        if base == RESOLVED_CONFIG and not (isinstance(obj, dict) and _CONFIG_KEYS <= obj.keys()):
+            return " (not a train-student config)"
+        if base == DISTILL:
+            try:
+                if not isinstance(obj, dict):
+                    raise ValueError(obj)
+                DistillRecord.from_json(obj)
+            except (ValueError, TypeError):
+                return " (not a train-student record)"
+        return None
+    if base == METRICS:  # one JSON record per line, each with its `type`: the first one tells
+        with open(entry, "rb") as f:
+            first = f.readline()
+        try:
+            return None if not first.strip() or "type" in json.loads(first) else " (not train-student metrics)"
+        except (ValueError, TypeError):
+            return " (not train-student metrics)"
+    return None
 
 
 @dataclass(frozen=True)

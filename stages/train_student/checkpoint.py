@@ -3,7 +3,10 @@
 A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed to `step-NNNNNNNN/` once every file in
 it is complete and fsynced, so a checkpoint folder without the suffix was whole when it was written;
 `latest` only looks at those. The optimizer state is a `torch.save` of tensors and numbers only and is
-read back with `weights_only=True` (no pickled objects are executed).
+read back with `weights_only=True`: tensors, numbers and containers only. A checkpoint is a file anyone with
+write access to --out (or who hands over a run folder) can replace, digest record and all, so no byte of it is
+ever unpickled freely: a file that references anything else (a planted `os.system`) is refused in one line naming
+it, before anything of it is used (`untrusted`).
 
 Whole when written is not whole when read: a disk, a copy or a person can truncate, empty or flip bits
 in a checkpoint later, and safetensors is not a checksum (a flipped bit in tensor data still loads). So
@@ -20,13 +23,21 @@ folder is renamed aside first, so a kill never leaves a half-deleted checkpoint 
 `prune` does not count checkpoints past the step being saved, so a skipped one never pushes a sound one
 out. A checkpoint of an earlier version (no record and no `digests` key in its trainer state) is
 accepted unverified when all of its files load; one with the key but no record is damaged. When there
-are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy.
+are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy. A file
+that matches its record but references code (the record rewritten with it) is not damage to step past: `pick` or
+`load` refuses the run in one line naming the file (`untrusted`).
 
 Sharded checkpoints (`--strategy fsdp`, stages/train_student/strategy.py) hold no weights file of their own:
 the model, optimizer and EMA tensors are in `sharded/`, a torch.distributed.checkpoint (DCP) folder in which
 every rank writes its own shards (`__R_0.distcp`) and rank 0 the index (`.metadata`). Each rank hashes the
 files it wrote, rank 0 records them all in `digests.json` (as `sharded/<name>`) beside `trainer_state.json`,
 and the folder is renamed into place and trusted exactly as above. DCP reads back into any number of ranks.
+DCP's own reader unpickles the index with plain `pickle.load` and each non-tensor value (the optimizer's
+param_groups) with `torch.load(weights_only=False)`, so neither is let near a checkpoint: `read_index` unpickles the
+index with `_IndexUnpickler`, which resolves only the classes DCP writes there (INDEX_GLOBALS, listed from a real
+checkpoint of torch 2.13), checks that every entry points at a file of SHARDED/ itself, and hands DCP that object
+(`_CheckedReader`); the values go through `weights_only=True` (`_SafeLoadPlanner`). `pick` reads the index of a
+sharded checkpoint when it checks it, so a planted one is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -34,7 +45,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import io
 import os
+import pickle
 import random
 import re
 import shutil
@@ -306,20 +319,159 @@ def save_sharded(out: str | os.PathLike, step: int, state_dict: dict, trainer_st
     barrier(device)
 
 
-def sharded_keys(path: Path) -> set[str]:
-    """The top-level keys (DCP_MODEL, DCP_OPTIMIZER, DCP_EMA) held by sharded checkpoint `path`."""
+# Everything a DCP index (`.metadata`) of ours references, listed from a real sharded checkpoint written with torch
+# 2.13 (pickletools over its `.metadata`): DCP's metadata dataclasses, the path it records its folder as, torch.Size,
+# the layout lookup torch pickles `torch.strided` as, and any torch dtype (INDEX_DTYPES: a shard may be of any).
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+INDEX_GLOBALS = frozenset({
+    *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                          "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                          "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+def _is_dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """pickle's Unpickler resolving INDEX_GLOBALS and torch dtypes only: anything else a pickle names (a function to
+    call, a class to build) raises `Untrusted` before it is imported, so nothing of it runs."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in INDEX_GLOBALS or _is_dtype(module, name):
+            return super().find_class(module, name)
+        raise Untrusted(f"{module}.{name}")
+
+
+class Untrusted(Exception):
+    """A checkpoint file that references code train-student never writes there (the name of what it references)."""
+
+
+def untrusted(ckpt: Path, name: str, reference: str, holds: str) -> UserError:
+    """The one-line refusal of checkpoint `ckpt`, whose file `name` references `reference` where train-student writes
+    `holds` only. Raised alike by every rank (each reads the same file): rank 0 prints it."""
+    err = UserError(f"checkpoint {ckpt}: {name} references {reference}, but train-student writes {holds} there: "
+                    "it was planted or made by another program, and reading it could run code, so the run stops here, "
+                    f"before using it; delete {ckpt} and resume only from checkpoints train-student wrote (or start "
+                    "without --resume in a new --out)")
+    err.all_ranks = True
+    return err
+
+
+_INDEX_HOLDS = "only the index classes of torch.distributed.checkpoint"
+_VALUES_HOLDS = "only tensors, numbers and containers"
+
+
+def read_index(path: Path):
+    """The DCP index (`Metadata`) of sharded checkpoint `path`, unpickled by `_IndexUnpickler` and checked: every
+    stored item is a file directly in SHARDED/ with a plain offset and length, and no stream transform (DCP's
+    extensions, which train-student never uses). UserError (`untrusted`) for a reference to anything else; ValueError
+    with the reason for an index that does not read as one (damage)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    name = f"{SHARDED}/{SHARDED_INDEX}"
+    try:
+        with open(path / SHARDED / SHARDED_INDEX, "rb") as f:
+            index = _IndexUnpickler(f).load()
+    except Untrusted as e:
+        raise untrusted(path, name, str(e), _INDEX_HOLDS) from None
+    except Exception as e:  # noqa: BLE001 - any other failure to unpickle is damage
+        raise ValueError(f"{name}: unreadable ({_first_line(e)})") from e
+    if not isinstance(index, Metadata) or not isinstance(index.state_dict_metadata, dict) \
+            or not isinstance(index.storage_data, dict):
+        raise ValueError(f"{name}: not a torch.distributed.checkpoint index")
+    files = {p.name for p in (path / SHARDED).iterdir()}
+    for info in index.storage_data.values():
+        where = getattr(info, "relative_path", None)
+        if not (isinstance(info, _StorageInfo) and _is_shard_name(f"{SHARDED}/{where}") and where in files
+                and type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
+                and not info.transform_descriptors):
+            raise untrusted(path, name, f"{str(where)[:80]!r} as a place of its data",
+                            f"only names of the files in {SHARDED}/ itself")
+    return index
+
+
+def sharded_keys(path: Path, index=None) -> set[str]:
+    """The top-level keys (DCP_MODEL, DCP_OPTIMIZER, DCP_EMA) held by sharded checkpoint `path` (its `read_index`)."""
+    index = read_index(path) if index is None else index
+    return {k.split(".", 1)[0] for k in index.state_dict_metadata}
+
+
+def _dcp_reader(path: Path, index):
+    """A FileSystemReader of SHARDED/ that hands DCP `index` (read_index's, checked) instead of unpickling the file."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    metadata = dcp.FileSystemReader(path / SHARDED).read_metadata()
-    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    class _CheckedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(index, "storage_meta", None) is None:
+                index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    return _CheckedReader(path / SHARDED)
 
 
-def load_sharded(path: Path, state_dict: dict) -> None:
+def _safe_planner():
+    """DCP's DefaultLoadPlanner with its non-tensor values (the optimizer's param_groups: numbers, tuples) read with
+    `weights_only=True`; DCP's own reads them with `torch.load(weights_only=False)`."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                where = self.metadata.storage_data[read_item.storage_index].relative_path
+                raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return _SafeLoadPlanner()
+
+
+def load_sharded(path: Path, state_dict: dict, index=None) -> None:
     """Fill `state_dict` in place from sharded checkpoint `path`; every rank calls this with its own tensors
-    (DTensors laid out as they are trained: DCP reads each rank's slice, whatever world size wrote it)."""
+    (DTensors laid out as they are trained: DCP reads each rank's slice, whatever world size wrote it). The index is
+    `read_index`'s (given, or read here) and every value is read without running pickled code; a shard file that
+    holds any is refused (`untrusted`) on every rank."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path / SHARDED))
+    index = read_index(path) if index is None else index
+    try:
+        dcp.load(state_dict, storage_reader=_dcp_reader(path, index), planner=_safe_planner())
+    except CheckpointException as e:  # DCP gathers every rank's failure into this one
+        for failure, _ in e.failures.values():
+            if isinstance(failure, Untrusted):
+                name, reference = str(failure).split("\0", 1)
+                raise untrusted(path, name, reference, _VALUES_HOLDS) from None
+            if isinstance(failure, pickle.UnpicklingError):  # a tensor item's torch.load (DCP's, weights_only)
+                raise untrusted(path, f"a shard file of {SHARDED}/", _pickled_global(failure), _VALUES_HOLDS) \
+                    from None
+        raise
+
+
+_GLOBAL = re.compile(r"GLOBAL (\S+)")  # how torch's weights_only unpickler names what it refused
+
+
+def _pickled_global(e: Exception) -> str:
+    """What a refused weights_only load references, from torch's message (which also advises weights_only=False:
+    never passed on)."""
+    m = _GLOBAL.search(str(e))
+    return m.group(1).rstrip(".,;") if m else "a pickled object"
 
 
 def complete(out: str | os.PathLike) -> list[Path]:
@@ -425,12 +577,23 @@ def _check_loads(path: Path) -> str | None:
             return f"{name}: empty"
         try:
             if name == OPTIMIZER:
-                torch.load(f, map_location="cpu", weights_only=True)
+                _load_optimizer(path, "cpu")
             else:
                 load_file(f)
+        except UserError:
+            raise  # pickled code: refused, never passed over as damage
         except Exception as e:  # noqa: BLE001 - any failure to load is the damage we look for
             return f"{name}: unreadable ({_first_line(e)})"
     return None
+
+
+def _load_optimizer(path: Path, device) -> dict:
+    """`optimizer.pt` of checkpoint `path`, read with weights_only=True; one that references anything but tensors,
+    numbers and containers is refused (`untrusted`), without torch's advice to load it with weights_only=False."""
+    try:
+        return torch.load(path / OPTIMIZER, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise untrusted(path, OPTIMIZER, _pickled_global(e), _VALUES_HOLDS) from None
 
 
 def check(path: Path) -> tuple[str | None, bool]:
@@ -457,6 +620,11 @@ def check(path: Path) -> tuple[str | None, bool]:
         read_state(path)
     except (ValueError, OSError) as e:
         return f"{STATE}: unreadable ({_first_line(e)})", False
+    if f"{SHARDED}/{SHARDED_INDEX}" in files:  # the index is a pickle: read safely now (a UserError if planted)
+        try:
+            read_index(path)
+        except ValueError as e:
+            return str(e), False
     return None, True
 
 
@@ -493,6 +661,6 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, d
     load_model_state(model, load_file(path / MODEL))
     if heads is not None:
         heads.load_state_dict(load_file(path / HEADS), strict=True)
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location=device, weights_only=True))
+    optimizer.load_state_dict(_load_optimizer(path, device))
     ema = load_file(path / EMA) if (path / EMA).is_file() else None
     return read_state(path), ema

@@ -256,7 +256,7 @@ class Trainer:
             self.tracker.flush()  # before the checkpoint: what it covers is on disk, so a resume leaves no gap
         state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
                                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                                      "strategy": self.strategy.name}
+                                      "strategy": self.strategy.name, "total": self.total}  # (the run's length)
         state["extra"] = self.checkpoint_extra
         # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
         ema = ema_tensors(self.ema, self.model) if self.ema else None

@@ -26,6 +26,7 @@ from pipeline import signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord, RunLayout
 from pipeline.config import TrainStudentConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
+from pipeline.settings import OWNER, SOURCE
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
 
@@ -103,8 +104,15 @@ def _mixed_precision(cfg: TrainStudentConfig, device: torch.device) -> torch.dty
 
 
 def _check_out(out: Path, resume: bool) -> None:
+    """--out is a run folder of ours (or empty, or new) that no one else is writing; refused before anything in it is
+    written (the lock file included)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
+    foreign = RunLayout(out).foreign()
+    if foreign:  # a project folder: its config.json and metrics.jsonl would be overwritten by the run's
+        raise UserError(f"--out {out} is not a train-student run folder: it holds {', '.join(foreign)}, and the run "
+                        "would write its own config.json, metrics.jsonl and checkpoints among them; choose a new or "
+                        "empty folder for --out")
     if dist_env().is_main:  # one writer per run folder: a second run would collide on checkpoints and metrics
         lock.acquire(out / lock.RUN_LOCK, f"run folder {out}")
     if out.is_dir() and not resume:
@@ -112,6 +120,25 @@ def _check_out(out: Path, resume: bool) -> None:
         if done:
             raise UserError(f"{out} already holds a training run ({done[0]}/); add --resume to continue it or "
                             "choose a new --out")
+
+
+def _check_apart(out: Path, caches: tuple[str, ...]) -> None:
+    """--out neither is, nor is inside, nor holds a --cache folder: the run's files would land in the cache stage one
+    wrote (and `teacher-cache --overwrite` or a cleanup of either would take the other with it). Real paths: a link
+    does not hide it."""
+    where = out.resolve()
+    for c in caches:
+        cache = Path(c).resolve()
+        if where == cache:
+            how = "is"
+        elif where.is_relative_to(cache):
+            how = "is inside"
+        elif cache.is_relative_to(where):
+            how = "holds"
+        else:
+            continue
+        raise UserError(f"--out {out} {how} the --cache folder {c}: the run would write its checkpoints, metrics and "
+                        "student into a cache folder (or around it); choose an --out outside every --cache folder")
 
 
 def _plan(cfg: TrainStudentConfig, data: DataSplit, env: DistEnv) -> tuple[EpochPlan, int]:
@@ -224,6 +251,7 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
     """Student config, objective, the caches checked against both and indexed, the exact epoch plan."""
     mixed = _mixed_precision(cfg, device)
     layout = RunLayout(cfg.out)
+    _check_apart(layout.root, cfg.cache)
     if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (dry_run.py)
         _check_out(layout.root, cfg.resume)
     student_cfg = load_student_config(cfg.student_config) if cfg.lora_of is None else None
@@ -244,6 +272,7 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
     identity = {"fingerprints": sorted({c.fingerprint for c in data.index.caches}), "data": data.digest(),
                 "seed": cfg.seed, "global_batch": plan.global_batch, "grad_accum": cfg.grad_accum,
                 "student_config": student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))}}
+    identity[SETTINGS] = {k: _setting(cfg, k, device) for k in KEPT_SETTINGS}
     if spec is not None:
         identity["lora"] = spec.identity()
     if objective.name != "velocity" or objective.record():  # runs from before objectives resume unchanged
@@ -305,21 +334,171 @@ def _pick_checkpoint(env: DistEnv, s: _Setup) -> Path | None:
     return s.layout.checkpoints / choice["name"] if choice["name"] else None
 
 
-def _resume(ckpt: Path, env: DistEnv, s: _Setup, optimizer, scaler) -> tuple[TrainState, dict | None]:
-    """Restore checkpoint `ckpt` after checking it belongs to this run; returns (state, EMA tensors)."""
-    saved = checkpoint.read_state(ckpt)
+# -- what a resume may change ------------------------------------------------------------------------------------
+# A resume continues the run its checkpoint holds, and ends bit-equal to that run uninterrupted. So it keeps every
+# setting that changes what is computed: the run identity (`_Setup.identity`, in every checkpoint's trainer state),
+# checked by `_resume_problem`, the one place that decides. A setting outside it may change: how long the run is
+# (--max-steps, --epochs: said in one line, `_length_note`, since the learning-rate schedule follows the new length;
+# never below the checkpoint's step), and what does not touch the weights (--checkpoint-every, --keep-checkpoints,
+# --eval-every, --log-every, --val-*, --report-to, --num-workers, --verify, --device, --gradient-checkpointing,
+# --collective-timeout-s, the number of ranks at the same global batch). --strategy is the checkpoint's format.
+SETTINGS = "settings"  # the identity's entry of the settings below, by field name
+KEPT_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "ema_decay", "mixed_precision",
+                 "train_steps", "holdout_prompts")
+# The identity's other entries: what each is, in the refusal's words, and the flags that set it.
+_IDENTITY_WORDS = {
+    "fingerprints": ("caches", "--cache"), "data": ("data selection", "--cache, --train-steps and --holdout-prompts"),
+    "seed": ("seed", "--seed"), "global_batch": ("global batch", "--batch-size x ranks"),
+    "grad_accum": ("gradient accumulation", "--grad-accum"), "student_config": ("student config", "--student-config"),
+    "lora": ("lora student", "--lora-of and --lora-*"), "objective": ("objective", "--objective and its settings"),
+    "order": ("order", "--order and --embedding-cache-size"),
+}
+_LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets", "trained": "--lora-experts",
+               "weights": "--lora-of (its weight files)", "configs": "--lora-of (its configs)"}
+
+
+def _setting(cfg: TrainStudentConfig, name: str, device: torch.device | None):
+    """A kept setting's value as the identity records it (mixed precision resolved: auto is bf16 on CUDA)."""
+    if name == "mixed_precision":
+        return cfg.mixed_precision or ("bf16" if device.type == "cuda" else "no")
+    value = getattr(cfg, name)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _with(flag: str, v) -> str:
+    """How to pass value `v` of `flag` again (`--lr 0.001`; `no --train-steps` for one that was not given)."""
+    return f"no {flag}" if v is None else f"{flag} {_show(v)}"
+
+
+def _show(v) -> str:
+    if v is None:
+        return "unset"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v))
+    return f"{v!r:.60}" if isinstance(v, dict) else str(v)
+
+
+def _flag(cfg: TrainStudentConfig, key: str, objective: str) -> str:
+    """The flag of an objective's recorded setting `key` (its merged field), or `its <key>` for a derived one."""
+    for f in dataclasses.fields(cfg):
+        if f.metadata.get(SOURCE) == key and f.metadata.get(OWNER) == objective:
+            return "--" + f.name.replace("_", "-")
+    return f"its {key.replace('_', ' ')}"
+
+
+def _difference(key: str, old, new, saved: dict, cfg: TrainStudentConfig) -> tuple[str, str]:
+    """(what differs, in words naming the flag; the values to resume with) of identity entry `key`."""
+    if key == "global_batch" and isinstance(old, int) and isinstance(new, int):
+        world = saved.get("world_size") or 1
+        now = new // cfg.batch_size
+        return (f"--batch-size x ranks {old // world} x {world} = {old} then, {cfg.batch_size} x {now} = {new} now",
+                f"--batch-size x ranks = {old}")
+    if key in ("seed", "grad_accum"):
+        flag = _IDENTITY_WORDS[key][1]
+        return f"{flag} {_show(old)} then, {_show(new)} now", f"{flag} {_show(old)}"
+    if isinstance(old, dict) and isinstance(new, dict):
+        differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        if key == "objective" and "name" in differ:
+            return f"--objective {old.get('name')} then, {new.get('name')} now", f"--objective {old.get('name')}"
+        name = (lambda k: _flag(cfg, k, str(new.get("name")))) if key == "objective" else \
+            (lambda k: _LORA_FLAGS.get(k, k)) if key == "lora" else (lambda k: k.replace("_", " "))
+        shown = [f"{name(k)} {_show(old.get(k))} then, {_show(new.get(k))} now" for k in differ[:2]]
+        return ", ".join(shown) + (f" and {len(differ) - 2} more" if len(differ) > 2 else ""), \
+            f"the same {_IDENTITY_WORDS.get(key, (key, key))[1]}"
+    flags = _IDENTITY_WORDS.get(key, (key, key))[1]
+    if key == "fingerprints":
+        return f"fingerprint {_show(old)[:12]}… then, {_show(new)[:12]}… now", f"the same {flags}"
+    if key == "data":  # name the selection flag that changed, if one did (else the caches' rows did)
+        kept, now = (saved.get("extra") or {}).get(SETTINGS) or {}, {k: _setting(cfg, k, None) for k in
+                                                                    ("train_steps", "holdout_prompts")}
+        for k, v in now.items():
+            if k in kept and kept[k] != v:
+                flag = "--" + k.replace("_", "-")
+                return f"{flag} {_show(kept[k])} then, {_show(v)} now", _with(flag, kept[k])
+        return "other rows to train on or hold out", f"the same {flags}"
+    return f"{_show(old)} then, {_show(new)} now", f"the same {flags}"
+
+
+def _resume_problem(ckpt: Path, saved: dict, s: _Setup, cfg: TrainStudentConfig) -> str | None:
+    """Why checkpoint `ckpt` (its trainer state `saved`) cannot be continued by this run, in one line naming the flag,
+    the checkpoint's value and this run's, and the fix; None when it can. What the run is first (caches, data, student,
+    objective, ...), then the kept settings, a flag each (a kept setting the checkpoint lacks, written before it was
+    kept, is not compared)."""
     written_by = saved.get("strategy", "ddp")  # checkpoints from before --strategy are ddp's
     if written_by != s.strategy.name:
-        raise UserError(f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
-                        f"{'sharded' if written_by == 'fsdp' else 'whole'}); resume with --strategy {written_by}, "
-                        "or use a new --out")
-    for k in sorted(s.identity.keys() | saved["extra"].keys()):
-        v = s.identity.get(k)
-        if saved["extra"].get(k) != v:
-            raise UserError(f"checkpoint {ckpt} was made with another {k.replace('_', ' ')} "
-                            f"({saved['extra'].get(k)!r:.80} vs {v!r:.80}); resume with the same caches, seed, "
-                            "--batch-size x ranks, --grad-accum, data selection, student config, --objective and "
-                            "--order (with --embedding-cache-size), or use a new --out")
+        return (f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
+                f"{'sharded' if written_by == 'fsdp' else 'whole'}); resume with --strategy {written_by}, "
+                "or use a new --out")
+    extra = saved.get("extra") or {}
+    found = None
+    for k in sorted((s.identity.keys() | extra.keys()) - {SETTINGS}):
+        if extra.get(k) != s.identity.get(k):
+            found = _IDENTITY_WORDS.get(k, (k.replace("_", " "),))[0], *_difference(k, extra.get(k), s.identity.get(k),
+                                                                                    saved, cfg)
+            break
+    kept, now = extra.get(SETTINGS) or {}, s.identity[SETTINGS]
+    for k in [] if found else KEPT_SETTINGS:
+        if k in kept and kept[k] != now[k]:
+            flag = "--" + k.replace("_", "-")
+            found = flag, f"{flag} {_show(kept[k])} then, {_show(now[k])} now", _with(flag, kept[k])
+            break
+    if found is None:
+        return None
+    what, detail, fix = found
+    return (f"checkpoint {ckpt} was made with another {what} ({detail}); a resume continues the run its checkpoint "
+            f"holds, to end as that run would have: rerun with {fix} to continue it, or train with the new value in a "
+            "new --out")
+
+
+def _length_flag(cfg: TrainStudentConfig, total: int) -> str:
+    """The flag that sets the run's length `total`: --max-steps N, or --epochs E when they end it first."""
+    if cfg.max_steps is not None and total == cfg.max_steps:
+        return f"--max-steps {cfg.max_steps}"
+    return f"--epochs {cfg.epochs or 1}"
+
+
+def _check_resumable(ckpt: Path, s: _Setup, cfg: TrainStudentConfig) -> dict:
+    """The trainer state of checkpoint `ckpt` once this run may continue it (every rank checks alike): the same
+    identity (`_resume_problem`) and a run that does not end before the checkpoint's step."""
+    saved = checkpoint.read_state(ckpt)
+    problem = _resume_problem(ckpt, saved, s, cfg)
+    if problem is None and saved["step"] > s.total:
+        problem = (f"--resume: the newest sound checkpoint, {ckpt.name}, is at step {saved['step']}, past this run's "
+                   f"end at step {s.total} ({_length_flag(cfg, s.total)}); pass --max-steps {saved['step']} or more "
+                   "to continue that run, or use a new --out to train a shorter one")
+    if problem is not None:
+        err = UserError(problem)
+        err.all_ranks = True  # every rank reads the same state: rank 0 alone prints it
+        raise err
+    return saved
+
+
+def _length_note(saved: dict, s: _Setup, cfg: TrainStudentConfig) -> str | None:
+    """One line when this resume ends the run at another step than the checkpoint's run would have (a checkpoint
+    records its run's length since the note exists)."""
+    before = saved.get("total")
+    if before is None or before == s.total:
+        return None
+    return (f"note: --resume: the run now ends at step {s.total} ({_length_flag(cfg, s.total)}), not {before}: "
+            f"from step {saved['step'] + 1} the learning rate follows the schedule of {s.total} steps, so the "
+            f"student is neither the {before}-step run's nor that of {s.total} steps uninterrupted")
+
+
+def _finished(saved: dict, s: _Setup) -> bool:
+    """A run that already ended where this one would: its student/ is in place (renamed in last) and its
+    distill.json says it trained this run's steps; resumed from a checkpoint of the same identity, nothing is left."""
+    if not s.layout.student.is_dir() or saved["step"] > s.total:
+        return False
+    try:
+        return DistillRecord.read(s.layout.distill).optimizer_steps == s.total
+    except (ValueError, TypeError):
+        return False
+
+
+def _resume(ckpt: Path, saved: dict, env: DistEnv, s: _Setup, optimizer, scaler) -> tuple[TrainState, dict | None]:
+    """Restore checkpoint `ckpt` (its state `saved` checked by `_check_resumable`); returns (state, EMA tensors)."""
     saved, ema_state = s.strategy.load_checkpoint(ckpt, optimizer)
     state = TrainState(**{k: saved[k] for k in ("step", "epoch", "epoch_step", "samples", "wall_s")})
     rngs = saved.get("rng") or []
@@ -358,12 +537,19 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     require_backend(cfg.report_to)  # a missing tracker package is refused before anything slow
     s = _setup(cfg, env, device)
     ckpt = _pick_checkpoint(env, s) if cfg.resume and not cfg.dry_run else None
+    saved = _check_resumable(ckpt, s, cfg) if ckpt is not None else None  # before anything is built
+    if saved is not None and _finished(saved, s):  # (the SLURM script passes --resume to every start)
+        print0(f"train-student: {s.layout.root} is finished ({s.total} steps, {s.layout.student} written); nothing "
+               "to do (to train longer, rerun with --resume and a larger --max-steps)")
+        return {"out": str(s.layout.root), "steps": s.total, "finished": True}
+    if saved is not None and (note := _length_note(saved, s, cfg)):
+        print0(note)
     model, heads, optimizer, scaler, wrapped = _build_student(cfg, env, s, fresh=ckpt is None)
     if cfg.dry_run:  # two measured steps and a report instead of training (dry_run.py)
         return dry_run.measure(cfg, env, s, model, heads, optimizer, scaler, wrapped)
     state, ema_state = TrainState(), None
     if ckpt is not None:
-        state, ema_state = _resume(ckpt, env, s, optimizer, scaler)
+        state, ema_state = _resume(ckpt, saved, env, s, optimizer, scaler)
     elif cfg.resume:
         print0(f"--resume: no complete checkpoint in {s.layout.checkpoints}; starting from step 0")
     if env.is_main:  # only now: a refused --resume leaves the run as it was

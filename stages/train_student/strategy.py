@@ -15,7 +15,8 @@ by element), and the run artifact (fsdp gathers the full weights on rank 0 and w
 differs is one method each below: how the model is placed and wrapped, when gradients are reduced during
 accumulation (ddp: on the last micro-step; fsdp: every micro-step, so gradients stay sharded), how the gradient
 norm is taken, how checkpoints are written and read (fsdp: sharded, through torch.distributed.checkpoint, see
-checkpoint.py; a checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
+checkpoint.py, whose `read_index` and `load_sharded` read DCP's pickles without running any code they name; a
+checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
 weights are swapped in, and how the full weights are had for the artifact.
 
 A LoRA student (`--lora-of`) under fsdp: its frozen base and its adapters are sharded alike (lora.py `shard`: a unit
@@ -332,9 +333,10 @@ class FSDP(Strategy):
         model_state, optim_state = get_state_dict(self.container, optimizer, options=options)  # the shards to fill
         state = {checkpoint.DCP_MODEL: model_state, checkpoint.DCP_OPTIMIZER: optim_state}
         ema = None
-        if checkpoint.DCP_EMA in checkpoint.sharded_keys(path):
+        index = checkpoint.read_index(path)  # unpickled safely, once: DCP is handed this object, never the file
+        if checkpoint.DCP_EMA in checkpoint.sharded_keys(path, index):
             ema = state[checkpoint.DCP_EMA] = {k: p.detach().clone() for k, p in trained_parameters(self.model)}
-        checkpoint.load_sharded(path, state)
+        checkpoint.load_sharded(path, state, index)
         set_state_dict(self.container, optimizer, model_state_dict=state[checkpoint.DCP_MODEL],
                        optim_state_dict=state[checkpoint.DCP_OPTIMIZER], options=options)
         return checkpoint.read_state(path), ema
