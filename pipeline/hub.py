@@ -30,11 +30,16 @@ def is_hub_id(name: str) -> bool:
 
 
 def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, ...] = PIPELINE,
-                   flag: str = "--teacher", hint_files: tuple[str, ...] | None = None) -> Path:
+                   flag: str = "--teacher", hint_files: tuple[str, ...] | None = None,
+                   recorded_in: str | None = None) -> Path:
     """The local folder of teacher `name`: the path itself, or the Hub snapshot of `name` at `revision` holding at
     least `files` (patterns). A UserError (one line naming the teacher and what to do) when neither works; its
     `hf download` names `hint_files` (default `files`): what the command will need, where it looks at less first
-    (`teacher-cache --dry-run` checks the configs of a teacher its run downloads whole)."""
+    (`teacher-cache --dry-run` checks the configs of a teacher its run downloads whole).
+
+    `recorded_in` names the file the name came from when the user did not give it (a cache's manifest, a run's
+    distill.json or lora.json): such a Hub id is taken from the local Hub cache only, never downloaded, since a file
+    handed over by someone else must not choose what this machine fetches."""
     p = Path(name).expanduser()
     if p.exists():
         if revision is not None:
@@ -44,17 +49,19 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
     if not is_hub_id(name):
         raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like {EXAMPLE_ID} "
                         "(build a tiny one with `wandistiller tiny-teacher`)")
-    return _snapshot(name, revision, files, flag, files if hint_files is None else hint_files)
+    return _snapshot(name, revision, files, flag, files if hint_files is None else hint_files, recorded_in)
 
 
-def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str, hint: tuple[str, ...]) -> Path:
+def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str, hint: tuple[str, ...],
+              recorded_in: str | None = None) -> Path:
     """snapshot_download, its failures turned into one line each."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
     at = f" at revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(files)))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(files),
+                                      local_files_only=recorded_in is not None))
     except hf.RevisionNotFoundError as e:
         raise UserError(f"{flag} {repo}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
                         "that exists (or leave --revision out for main)") from e
@@ -65,6 +72,10 @@ def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str
         raise UserError(f"{flag} {repo}{at}: the cached copy is incomplete and the Hub cannot be reached "
                         f"({_first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
     except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
+        if recorded_in is not None:
+            raise UserError(f"{recorded_in} names the teacher {repo}{at}, a Hub id that is not in the local Hub cache "
+                            f"({constants.HF_HUB_CACHE}); nothing is downloaded because a file says so: pass "
+                            f"{flag} {repo} to fetch it (or a local folder)") from e
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
         include = " --include " + " ".join(f"'{f}'" for f in hint) if hint != PIPELINE else ""
         raise UserError(f"{flag} {repo}{at} is not in the local Hub cache ({constants.HF_HUB_CACHE}) and {why}; "

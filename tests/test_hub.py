@@ -75,6 +75,22 @@ def test_a_hub_id_resolves_to_its_snapshot_and_revision(offline):
         teacher_folder("wandistiller-test/absent")
 
 
+def test_a_hub_id_a_file_names_is_taken_from_the_local_cache_and_never_fetched(offline, monkeypatch):
+    """A cache's manifest or a run's distill.json/lora.json may come from someone else: the Hub id it names is used
+    when this machine already holds it, and refused in one line, with no request made, when it does not (online
+    here, the Hub at a closed port: a request would have said it cannot be reached)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    snap = offline / "hub" / f"models--{TINY_ID.replace('/', '--')}" / "snapshots"
+    assert teacher_folder(TINY_ID, recorded_in="cache/manifest.json") == snap / MAIN
+    with pytest.raises(UserError, match=r"cache/manifest.json names the teacher attacker/evil-vae, a Hub id that is "
+                                        r"not in the local Hub cache .* nothing is downloaded because a file says so: "
+                                        r"pass --teacher attacker/evil-vae"):
+        teacher_folder("attacker/evil-vae", recorded_in="cache/manifest.json")
+
+
 def test_plan_takes_a_hub_id_and_its_revision(offline):
     r = invoke("plan", "--teacher", TINY_ID, "--assume-gpus", "none", "--height", "64", "--width", "64", "--json")
     assert r.exit_code == 0, r.output

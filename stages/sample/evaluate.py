@@ -419,9 +419,10 @@ def _setup(cfg: EvalConfig) -> _Setup:
     _check_against_cache(student, manifest, cache_dir)
     teacher_path = None
     if cfg.teacher_timing or cfg.attributes:
-        name, revision = named_teacher(cfg.teacher, cfg.revision, manifest[F.F_TEACHER], manifest.get(F.F_REVISION))
+        name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, manifest[F.F_TEACHER],
+                                                    manifest.get(F.F_REVISION), f"{cache_dir}/{F.MANIFEST}")
         try:
-            teacher_path = teacher_dir(name, revision)
+            teacher_path = teacher_dir(name, revision, recorded_in)
         except UserError as e:
             raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
                             f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e

@@ -181,10 +181,11 @@ def _vae_spatial(tpath: Path) -> int:
 
 def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
     """The teacher's name, folder and model_index, checked to hold what the pipeline borrows and to fit the student."""
-    teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
+    teacher_name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, student.teacher,
+                                                        student.setting("revision"), f"{cfg.student}'s distill.json")
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    tpath = teacher_dir(teacher_name, revision)
+    tpath = teacher_dir(teacher_name, revision, recorded_in)
     index = json.loads((tpath / "model_index.json").read_text())
     missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
     if missing:

@@ -165,7 +165,7 @@ def _lora_student(p: Path, run: RunLayout, weights: str) -> Student:
     if missing or not run.distill.is_file():
         raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the same "
                         "train-student command with --resume")
-    teacher = teacher_dir(record["teacher"], record.get("revision"))
+    teacher = teacher_dir(record["teacher"], record.get("revision"), recorded_in=str(chosen / LORA_JSON))
     return Student(root=p, path=chosen, weights=kind, config=teacher_transformer_config(teacher),
                    distill=_read_distill(run.distill), lora=record, teacher_path=teacher)
 
@@ -263,17 +263,19 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
 
 
 def named_teacher(teacher: str | None, revision: str | None, recorded: str | None,
-                  recorded_revision: str | None) -> tuple[str | None, str | None]:
-    """The teacher a command runs, and its Hub revision: --teacher (with --revision), else the one the run recorded
-    (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
+                  recorded_revision: str | None, record: str) -> tuple[str | None, str | None, str | None]:
+    """The teacher a command runs, its Hub revision, and the file that named it (None when the user did): --teacher
+    (with --revision), else the one the run recorded in `record` (distill.json, or the cache's manifest) at its
+    recorded revision, unless --revision says another."""
     if teacher:
-        return teacher, revision
-    return recorded, revision or recorded_revision
+        return teacher, revision, None
+    return recorded, revision or recorded_revision, record
 
 
-def teacher_dir(name: str, revision: str | None = None) -> Path:
-    """Local folder of a Wan teacher pipeline (a Hub id is found in the local Hub cache or fetched: pipeline.hub)."""
-    p = teacher_folder(name, revision)
+def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:
+    """Local folder of a Wan teacher pipeline (a Hub id is found in the local Hub cache or fetched: pipeline.hub;
+    one that `recorded_in` named, not the user, is never fetched)."""
+    p = teacher_folder(name, revision, recorded_in=recorded_in)
     mi = p / "model_index.json"
     if not mi.is_file():
         raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")

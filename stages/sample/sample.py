@@ -197,12 +197,13 @@ def run(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     student = find_student(cfg.student, cfg.weights)
-    teacher_name, revision = named_teacher(cfg.teacher, cfg.revision, student.teacher, student.setting("revision"))
+    teacher_name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, student.teacher,
+                                                        student.setting("revision"), f"{cfg.student}'s distill.json")
     if teacher_name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
     device, dtype = pick_device(cfg.device, cfg.dtype)
 
-    teacher = load_teacher(teacher_dir(teacher_name, revision), dtype, device)
+    teacher = load_teacher(teacher_dir(teacher_name, revision, recorded_in), dtype, device)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
