@@ -633,7 +633,11 @@ def store_problem(cache_dir: str | os.PathLike, manifest: dict) -> str | None:
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))
             for name, (shape, np_dtype) in want.items():
-                arr = g[name]
+                try:
+                    arr = g[name]
+                except KeyError:
+                    return (f"prompt store {Path(cache_dir) / rel} lacks its {name.replace('_', ' ')} array ({name}); "
+                            f"{REBUILD}")
                 blocks = [tuple(arr.chunks), *([tuple(arr.shards)] if arr.shards else [])]
                 if (len(arr.shape) != len(shape) or any(w is not None and w != h for w, h in zip(shape, arr.shape))
                         or (np_dtype and str(arr.dtype) != np_dtype)
