@@ -22,12 +22,12 @@ def _refuse(cache_dir, parts: tuple[str, ...], st: os.stat_result, folder: bool)
     path = Path(cache_dir, *parts)
     if stat.S_ISLNK(st.st_mode):
         return UnsafeFileError(f"{path} is a symbolic link (to {os.readlink(path)}), and a cache's readers never "
-                               "follow one: replace the link with a copy of what it points to, or rebuild the cache "
-                               "with the same `wandistiller teacher-cache` command and --overwrite")
+                               "follow one: replace the link with a copy of what it points to, or remove it and "
+                               "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite")
     want = "a folder" if folder else "a regular file"
     return UnsafeFileError(f"{path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'a special file')}, not {want}; delete it "
                            "and rerun the same `wandistiller teacher-cache` command (it writes what is missing), or "
-                           "rebuild the cache with --overwrite")
+                           "rebuild the cache with it and --overwrite")
 
 
 def open_fd(cache_dir: str | os.PathLike, rel: str) -> int:
