@@ -27,10 +27,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def tree_digest(root: Path) -> str:
-    """One hash over every file's relative path, mode and bytes below `root` (and the empty folders)."""
+def tree_digest(root: Path, skip: str | None = None) -> str:
+    """One hash over every file's relative path, mode and bytes below `root` (and the empty folders); files whose
+    name matches the glob `skip` left out."""
     h = hashlib.sha256()
     for p in sorted(Path(root).rglob("*")):
+        if skip is not None and p.match(skip):
+            continue
         rel = p.relative_to(root).as_posix()
         if p.is_dir():
             h.update(f"D {rel}\n".encode())

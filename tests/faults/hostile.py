@@ -390,7 +390,8 @@ def artifacts(h: Hostile) -> list[tuple[str, list[Case]]]:
                  check=_no_abs_paths(lora_export, [str(ws.root), str(Path(ws.teacher).resolve())])),
         ]),
         ("D13 a cache choosing the Hub repo --val-decode fetches", [
-            Case("train-student --val-decode", ws.train(h.path("run"), cache=c_hub, val_every=2) + ["--val-decode"],
+            Case("train-student --val-decode", ws.train(h.path("run"), cache=c_hub, val_every=2, holdout_prompts=2)
+                 + ["--val-decode"],
                  ("someone/evil-vae",), env=OFFLINE),
         ]),
         ("D17 export copying a world-writable teacher's modes", [
@@ -426,7 +427,7 @@ def road(h: Hostile) -> list[tuple[str, list[Case]]]:
     csv = h.path("prompts.csv")
     csv.write_text("prompt,seed\na red circle,1\n")
     finished = h.path("finished-run")
-    shutil.copytree(ws.ref_run, finished)
+    shutil.copytree(ws.ref_run, finished, ignore=shutil.ignore_patterns("debug"))
     killed = h.killed_run("road-killed")
     lr, below = h.path("road-lr"), h.path("road-below")
     for copy in (lr, below):
@@ -462,9 +463,16 @@ def road(h: Hostile) -> list[tuple[str, list[Case]]]:
 GROUPS = (code_execution, locks_and_folders, cache_readers, outs, user_inputs, artifacts, road)
 
 
+def _digest(h: Hostile, root: Path) -> str:
+    """tree_digest of `root`; of an input, less its writers' lock files: a lock file only records its last holder, and
+    a refused writer may take the lock (rewriting a dead holder's record) and remove it on its way out. The victim's
+    folder is hashed whole: a lock file appearing in it is what a linked locks/ would do."""
+    return tree_digest(root) if root == h.home else tree_digest(root, skip="*.lock")
+
+
 def _attempt(h: Hostile, row: Row, case: Case) -> None:
     protected = [h.home, *case.protect]
-    before = {p: tree_digest(p) for p in protected}
+    before = {p: _digest(h, p) for p in protected}
     r = run_cli(case.argv, env=case.env, timeout_s=HANG_S, umask=case.umask)
     said = r.error_lines
     problems = []
@@ -486,7 +494,7 @@ def _attempt(h: Hostile, row: Row, case: Case) -> None:
         problems.append("the planted payload ran")
         h.marker.unlink()
     problems += [f"printed {w!r}" for w in case.forbid if w in r.out + r.err]
-    problems += [f"changed {p}" for p in protected if tree_digest(p) != before[p]]
+    problems += [f"changed {p}" for p in protected if _digest(h, p) != before[p]]
     if case.check is not None and r.code is not None:
         problems += case.check(r)
     row.notes.append(f"{case.what}: exit {r.code}, {r.wall_s:.1f}s: {said[0] if said else '(no error line)'}")
