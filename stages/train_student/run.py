@@ -448,8 +448,8 @@ def _resume_problem(ckpt: Path, saved: dict, s: _Setup, cfg: TrainStudentConfig)
         return None
     what, detail, fix = found
     return (f"checkpoint {ckpt} was made with another {what} ({detail}); a resume continues the run its checkpoint "
-            f"holds, to end as that run would have: rerun with {fix} to continue it, or train with the new value in a "
-            "new --out")
+            f"holds, to end as that run would have: rerun with {fix} to continue it, or use a new --out to train "
+            "with the new value")
 
 
 def _length_flag(cfg: TrainStudentConfig, total: int) -> str:
