@@ -116,6 +116,26 @@ def _base_name(name: str) -> str | None:
     return None
 
 
+# What `_not_ours` reads of a file at most: a run's records are kilobytes (an eval.json of 128 captions ~50 KB, of
+# thousands a few MB), and a file someone else left there is not read whole whatever its size.
+_HEAD_BYTES = 64 << 20
+
+
+def _head(path: Path) -> bytes:
+    """The first _HEAD_BYTES of the regular file `path`, opened without following a link or waiting on a FIFO; b""
+    where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, _HEAD_BYTES, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
 def _not_ours(entry: Path) -> str | None:
     """Why `entry` (in a would-be run folder) is not what train-student writes there, as a suffix to its name
     (`" (not a train-student config)"`, `""` for a name a run never writes); None when it is a run's."""
@@ -124,17 +144,19 @@ def _not_ours(entry: Path) -> str | None:
         return ""
     if entry.is_symlink():
         return " (a link)"
+    if not (entry.is_dir() or entry.is_file()):  # a FIFO would hang the read below, a device feed it for ever
+        return " (neither a file nor a folder)"
     if _RUN_ENTRIES[base] != entry.is_dir():
         return " (a folder)" if entry.is_dir() else " (a file)"
     if entry.name != base or entry.is_dir():
         return None  # a temporary sibling, or one of the run's folders
+    head = _head(entry)
     if base == LOSS_PNG:
-        with open(entry, "rb") as f:
-            return None if f.read(8) in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
+        return None if head[:8] in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
     if base in (RESOLVED_CONFIG, DISTILL, WANDB_RUN, EVAL_REPORT):
         try:
-            obj = json.loads(entry.read_text())
-        except (OSError, ValueError):
+            obj = json.loads(head)
+        except (ValueError, RecursionError):  # (one past _HEAD_BYTES is cut, so no JSON: not a record of ours)
             return " (not readable JSON)"
         if base == RESOLVED_CONFIG and not (isinstance(obj, dict) and _CONFIG_KEYS <= obj.keys()):
             return " (not a train-student config)"
@@ -147,8 +169,7 @@ def _not_ours(entry: Path) -> str | None:
                 return " (not a train-student record)"
         return None
     if base == METRICS:  # one JSON record per line, each with its `type`: the first one tells
-        with open(entry, "rb") as f:
-            first = f.readline()
+        first = head.split(b"\n", 1)[0]
         try:
             return None if not first.strip() or "type" in json.loads(first) else " (not train-student metrics)"
         except (ValueError, TypeError):

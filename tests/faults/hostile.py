@@ -234,6 +234,10 @@ def locks_and_folders(h: Hostile) -> list[tuple[str, list[Case]]]:
     run_fifo = h.path("run-fifo-lock")
     shutil.copytree(ws.ref_run, run_fifo, ignore=shutil.ignore_patterns("debug"))
     os.mkfifo(run_fifo / "writer.lock")
+    run_fifo_metrics = h.path("run-fifo-metrics")  # what --out's check reads to tell a run of ours
+    shutil.copytree(ws.ref_run, run_fifo_metrics, ignore=shutil.ignore_patterns("debug"))
+    (run_fifo_metrics / "metrics.jsonl").unlink()
+    os.mkfifo(run_fifo_metrics / "metrics.jsonl")
     fifo_cmds = lambda c: [  # noqa: E731
         ("cache info", ["cache", "info", c]), ("cache verify", ["cache", "verify", c]),
         ("train-student", ws.train(h.path("run"), cache=c, max_steps=2)),
@@ -250,9 +254,11 @@ def locks_and_folders(h: Hostile) -> list[tuple[str, list[Case]]]:
             Case("teacher-cache --overwrite", ws.stage_one(c_part_ow) + ["--overwrite"], ("part-00000",),
                  expect="no-hang"),
         ]),
-        ("D5 FIFO as a lock file", [
+        ("D5 FIFO as a lock file or a run folder's record", [
             Case(f"{what}: locks/part-00000.lock", argv, expect="no-hang") for what, argv in fifo_cmds(c_fifo_lock)
-        ] + [Case("train-student --resume: writer.lock", ws.train(run_fifo) + ["--resume"], ("writer.lock",))]),
+        ] + [Case("train-student --resume: writer.lock", ws.train(run_fifo) + ["--resume"], ("writer.lock",)),
+             Case("train-student --resume: metrics.jsonl", ws.train(run_fifo_metrics) + ["--resume"],
+                  ("metrics.jsonl",))]),
         ("D5 FIFO as manifest.json", [
             Case(f"{what}: manifest.json", argv, (F.MANIFEST,)) for what, argv in fifo_cmds(c_fifo_manifest)
         ]),
