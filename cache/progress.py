@@ -69,9 +69,9 @@ class PartProgress:
             record = json.loads(read_bytes(cache_dir, rel))
         except FileNotFoundError:
             return None
+        except CacheError:
+            raise  # a link or a FIFO (`safe_open`): its own line
         except (ValueError, OSError, RecursionError) as e:
-            if isinstance(e, CacheError):
-                raise
             raise CacheError(f"{p} is unreadable ({e}); delete the part folder or rerun with --overwrite") from e
         if isinstance(record, dict):
             check_version(p, record)

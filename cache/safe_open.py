@@ -14,8 +14,14 @@ from pathlib import Path, PurePosixPath
 from .errors import UnsafeFileError
 
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder", stat.S_IFREG: "a file"}
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder",
+          stat.S_IFREG: "a regular file"}
+
+
+def file_kind(mode: int) -> str:
+    """`mode` (an st_mode) in words: "a FIFO", "a symbolic link", "a regular file", ..."""
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
 def _refuse(cache_dir, parts: tuple[str, ...], st: os.stat_result, folder: bool) -> UnsafeFileError:
@@ -25,7 +31,7 @@ def _refuse(cache_dir, parts: tuple[str, ...], st: os.stat_result, folder: bool)
                                "follow one: replace the link with a copy of what it points to, or remove it and "
                                "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite")
     want = "a folder" if folder else "a regular file"
-    return UnsafeFileError(f"{path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'a special file')}, not {want}; delete it "
+    return UnsafeFileError(f"{path} is {file_kind(st.st_mode)}, not {want}; delete it "
                            "and rerun the same `wandistiller teacher-cache` command (it writes what is missing), or "
                            "rebuild the cache with it and --overwrite")
 

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from cache.format import LOCKS_DIR
+from cache.safe_open import file_kind
 
 from .errors import UserError
 
@@ -42,18 +43,11 @@ RUN_LOCK = "writer.lock"  # stage two: in the run folder
 PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (`live_writer`)
 _PART_LOCK = re.compile(r"part-(\d{1,9})\.lock")  # the names `part_lock_path` gives; anything else in locks/ is no lock
 
-_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
-          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
 
 class UnsafeFile(UserError):
     """A path where we expect a plain file of ours holds something else: a link, a FIFO, a device, a folder, or a
     file with more than one name. The message names it and says to delete it."""
-
-
-def file_kind(mode: int) -> str:
-    """`mode` (st_mode) in words: "a symbolic link", "a FIFO", ... ("a regular file" for one)."""
-    return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
 def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", mode: int = 0o644,

@@ -27,8 +27,9 @@ from cache import format as F
 from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
 from cache.progress import PartProgress
+from cache.safe_open import file_kind
 from pipeline.errors import UserError
-from pipeline.lock import UnsafeFile, file_kind, open_regular
+from pipeline.lock import UnsafeFile, open_regular
 from pipeline.runtime import print0
 
 OFFLOAD_DIR = "offload"  # --placement disk's default --offload-dir (placements/base.py)
