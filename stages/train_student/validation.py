@@ -174,16 +174,14 @@ def vae_folder(flag: str | None, teacher: str | None, revision: str | None, mani
     for where in (path, name):
         if isinstance(where, str) and where and Path(where).is_absolute() and _has_vae(Path(where)):
             return Path(where), f"the cache's teacher folder {where}"
-    hub_name = name if isinstance(name, str) and is_hub_id(name) else None
+    # (a name that is a folder here is no Hub id: teacher_folder would take it as it is, relative to wherever we run)
+    hub_name = name if isinstance(name, str) and is_hub_id(name) and not Path(name).expanduser().exists() else None
     if hub_name is not None:
-        from huggingface_hub import snapshot_download
-
-        try:  # the local Hub cache only: what the user downloaded, never a download
-            snap = Path(snapshot_download(hub_name, revision=rev, allow_patterns=list(VAE_FILES),
-                                          local_files_only=True))
+        try:  # the local Hub cache only (`recorded_in`): what the user downloaded, never a download
+            snap = teacher_folder(hub_name, rev, files=VAE_FILES, recorded_in="the cache's manifest")
             if _has_vae(snap):
                 return snap, f"the local Hub cache's {hub_name}"
-        except Exception:  # noqa: BLE001 -- not cached (or a malformed name or revision): refused below
+        except UserError:  # not cached (or a revision it lacks): refused below, naming the flags that name a teacher
             pass
     named = (f"as the Hub id {hub_name}{f' at revision {rev}' if rev else ''}, whose VAE is not in the local Hub "
              "cache" if hub_name else f"by the folder {path or name}, which holds no vae/ on this machine")
