@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .lock import RUN_LOCK, read_head
+
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
 STUDENT_INIT = "student_init"
@@ -95,7 +97,6 @@ class RunLayout:
         return found[:limit] + ([f"{len(found) - limit} more"] if len(found) > limit else [])
 
 
-RUN_LOCK = "writer.lock"  # pipeline/lock.py's name for it (lock.RUN_LOCK); spelled here for foreign()
 EVAL_REPORT = "eval.json"  # what `eval` writes into the run folder by default (stages/sample/evaluate.py REPORT_NAME)
 # Every name a run folder holds, and whether it is a folder.
 _RUN_ENTRIES = {STUDENT: True, STUDENT_EMA: True, STUDENT_INIT: True, CHECKPOINTS: True, TENSORBOARD: True,
@@ -121,21 +122,6 @@ def _base_name(name: str) -> str | None:
 _HEAD_BYTES = 64 << 20
 
 
-def _head(path: Path) -> bytes:
-    """The first _HEAD_BYTES of the regular file `path`, opened without following a link or waiting on a FIFO; b""
-    where it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return b""
-    try:
-        return os.pread(fd, _HEAD_BYTES, 0)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
-
-
 def _not_ours(entry: Path) -> str | None:
     """Why `entry` (in a would-be run folder) is not what train-student writes there, as a suffix to its name
     (`" (not a train-student config)"`, `""` for a name a run never writes); None when it is a run's."""
@@ -150,7 +136,7 @@ def _not_ours(entry: Path) -> str | None:
         return " (a folder)" if entry.is_dir() else " (a file)"
     if entry.name != base or entry.is_dir():
         return None  # a temporary sibling, or one of the run's folders
-    head = _head(entry)
+    head = read_head(entry, _HEAD_BYTES)  # (never through a link, never waiting on a FIFO)
     if base == LOSS_PNG:
         return None if head[:8] in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
     if base in (RESOLVED_CONFIG, DISTILL, WANDB_RUN, EVAL_REPORT):

@@ -89,6 +89,22 @@ def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", m
     return fd
 
 
+def read_head(path: str | os.PathLike, n: int) -> bytes:
+    """The first `n` bytes of the regular file `path`, opened by `open_regular` (never through a link, never waiting on
+    a FIFO); b"" where there is no such file or it cannot be read. How a folder someone else handed over is looked
+    into: its files' names and sizes prove nothing, and none is read whole."""
+    try:
+        fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
+    except (OSError, UnsafeFile):
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
 def _check_locks_dir(folder: Path) -> bool:
     """Whether the folder of stage-one locks exists; UnsafeFile when it is a link (to a folder elsewhere, whose files
     a lock would create or overwrite) or anything else but a folder."""

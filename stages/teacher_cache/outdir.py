@@ -29,7 +29,7 @@ from cache.manifest import manifest_path
 from cache.progress import PartProgress
 from cache.safe_open import file_kind
 from pipeline.errors import UserError
-from pipeline.lock import UnsafeFile, open_regular
+from pipeline.lock import UnsafeFile, open_regular, read_head
 from pipeline.runtime import print0
 
 OFFLOAD_DIR = "offload"  # --placement disk's default --offload-dir (placements/base.py)
@@ -165,23 +165,9 @@ def _is_skeleton(out: Path) -> bool:
     return only(out, root_entry)
 
 
-def _head(path: Path, n: int) -> bytes:
-    """The first `n` bytes of the regular file `path` (never through a link, never blocking), or b""."""
-    try:
-        fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
-    except (OSError, UnsafeFile):
-        return b""
-    try:
-        return os.pread(fd, n, 0)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
-
-
 def _is_our_shard(path: Path) -> bool:
     """A tar whose first member is `<sample key>.safetensors` or `.json` (its ustar header: the name, then the magic)."""
-    head = _head(path, 512)
+    head = read_head(path, 512)
     name = head[:100].split(b"\0", 1)[0].decode("ascii", "replace")
     stem, _, ext = name.rpartition(".")
     if head[257:262] != b"ustar" or ext not in (F.EXT_TENSORS, F.EXT_META):
@@ -195,12 +181,12 @@ def _is_our_shard(path: Path) -> bool:
 
 def _is_safetensors(path: Path) -> bool:
     """A safetensors file: an 8-byte little-endian header length, then that many bytes of a JSON object."""
-    head = _head(path, 8)
+    head = read_head(path, 8)
     size = int.from_bytes(head, "little") if len(head) == 8 else 0
     if not 0 < size <= 1 << 20:
         return False
     try:
-        return isinstance(json.loads(_head(path, 8 + size)[8:]), dict)
+        return isinstance(json.loads(read_head(path, 8 + size)[8:]), dict)
     except (ValueError, RecursionError):
         return False
 
