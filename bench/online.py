@@ -66,7 +66,7 @@ class Online:
         from stages.train_student.student import build_student, load_student_config
         from pipeline.prompts import read_prompt_file
 
-        TR = importlib.import_module("stages.train_student.run")  # the package re-exports run() under this name
+        TR = importlib.import_module("stages.train_student.train")  # the package re-exports run() under this name
         self.device, self.batch_size = device, batch_size
         spec = resolve_teacher(teacher)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[default_dtype(device)]
@@ -97,7 +97,7 @@ class Online:
 
     def step(self) -> None:
         from cache import format as F
-        from stages.train_student.objectives import Batch, Velocity
+        from stages.train_student.objective_velocity import Batch, Velocity
 
         b, dev = self.batch_size, self.device
         prompts = torch.randint(len(self.cond), (b,), generator=self.gen)

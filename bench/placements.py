@@ -153,7 +153,7 @@ def rss_child(args: dict) -> dict:
     from stages import teacher_cache
     import importlib
 
-    run_mod = importlib.import_module("stages.teacher_cache.run")  # the package re-exports run() under this name
+    run_mod = importlib.import_module("stages.teacher_cache.make_cache")  # the package re-exports run() under this name
     from stages.teacher_cache.trajectory import TrajectoryRunner
 
     marks: dict = {}

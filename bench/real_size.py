@@ -56,7 +56,7 @@ from bench.common import cli_results_path, drop_tree, pick_device, result, save,
 from cache import format as F
 from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
 from cache.manifest import settings_fingerprint, try_write_manifest
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.prompt_store import (
     PromptRowWriter, create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows,
 )

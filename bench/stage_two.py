@@ -59,11 +59,11 @@ class StepBench:
         from stages.train_student.collate import collate
         from stages.train_student.epoch import EpochPlan, RankBatches
         from stages.train_student.index import prepare
-        from stages.train_student.objectives import Velocity
+        from stages.train_student.objective_velocity import Velocity
         from stages.train_student.student import build_student, load_student_config
 
         # the package re-exports run() under the module's name
-        TR = importlib.import_module("stages.train_student.run")
+        TR = importlib.import_module("stages.train_student.train")
 
         self.device, self.num_workers = device, num_workers
         self.cfg = TrainStudentConfig(cache=(str(cache),), student_config=str(student_json), out=str(out),

@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import load as st_load
 
 from .atomic import atomic_write_bytes, atomic_write_json
-from .errors import CacheError, UnfinishedCacheError
+from .cache_error import CacheError, UnfinishedCacheError
 from .format import (
     F_BYTES, F_CREATED, F_DTYPE, F_FINGERPRINT, F_FORMAT_VERSION, F_LATENT_SHAPE, F_NEGATIVE_SHA256, F_NUM_PARTS,
     F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
     FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_SAMPLES, T_FEATURES, part_dirname,
 )
-from .progress import PartProgress, check_version
+from .part_progress import PartProgress, check_version
 from .safe_open import read_bytes
 from .schema import declared_fields, record_problem, recorded_steps, sample_bytes, sample_fields
 from .size import measured_inputs, project

@@ -31,7 +31,7 @@ from zarr.storage import LocalStore
 
 from .atomic import WriteBehind, drop_behind
 from .checksum import crc32c
-from .errors import CacheError, UnsafeFileError
+from .cache_error import CacheError, UnsafeFileError
 from .format import (
     EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
     Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,

@@ -25,7 +25,7 @@ import webdataset as wds
 
 from . import format as F
 from .checksum import crc32c
-from .errors import CacheError, UnsafeFileError
+from .cache_error import CacheError, UnsafeFileError
 from .manifest import check_settings, load_manifest
 from .prompt_store import store_problem
 from .safe_open import open_fd

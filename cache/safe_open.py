@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from .errors import UnsafeFileError
+from .cache_error import UnsafeFileError
 
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",

@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from . import format as F
-from .errors import CacheError, UnsafeFileError
-from .progress import PartProgress
+from .cache_error import CacheError, UnsafeFileError
+from .part_progress import PartProgress
 from .prompt_store import open_prompt_store, prompt_store_path
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
 

@@ -19,8 +19,8 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 
 from . import format as F
-from .errors import CacheError, FormatVersionError, UnsafeFileError
-from .features import read_projection
+from .cache_error import CacheError, FormatVersionError, UnsafeFileError
+from .feature_projection import read_projection
 from .manifest import load_manifest, negative_problem, settings_problem
 from .prompt_store import prompt_row_problems, store_problem
 from .reader import ShardStream, decode_sample

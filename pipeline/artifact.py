@@ -200,7 +200,7 @@ class DistillRecord:
     optimizer_steps: int = 0
     samples_seen: int = 0
     epochs_completed: int = 0
-    # The objective trained (stages/train_student/objectives.py) and its settings.
+    # The objective trained (stages/train_student/objective_velocity.py) and its settings.
     objective: str = "velocity"
     objective_settings: dict = field(default_factory=dict)
     # Sampling steps the student is meant to use; None: the teacher's `steps`.

@@ -1,7 +1,7 @@
 """Where a cache stage one has not finished stands: each part's prompts done, shards, samples and bytes, who writes
 it and, while a live process does, its ETA; and what finishes it.
 
-It is read from what stage one keeps anyway: each part's progress record (`cache.progress.PartProgress`) and its
+It is read from what stage one keeps anyway: each part's progress record (`cache.part_progress.PartProgress`) and its
 stage-one lock (`lock.live_writers`: a lock a live process holds, probed without taking it). `cache info`
 prints it (`summarize_unfinished`, `lines`), and every reader's refusal of such a cache says it in one line
 (`unfinished_problem`: `load_manifest` raises `UnfinishedCacheError`, which `errors.classify` words with it). The
@@ -17,7 +17,7 @@ from pathlib import Path
 from cache.format import (
     F_BYTES, F_NUM_PARTS, F_SAMPLES, F_SEEDS_PER_PROMPT, MANIFEST, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES,
 )
-from cache.progress import PartProgress, list_parts
+from cache.part_progress import PartProgress, list_parts
 from cache.schema import recorded_steps
 from cache.size import human
 

@@ -239,7 +239,7 @@ def train_student_cmd(config_file, **flags):
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
     """
     cfg = load_config(TrainStudentConfig, config_file, flags)
-    _start(cfg.cpu_only)  # (a dry run too: it measures steps on the device it names, stages/train_student/dry_run.py)
+    _start(cfg.cpu_only)  # (a dry run too: it measures steps on the device it names, stages/train_student/train_dry_run.py)
     from stages import train_student
 
     train_student.run(cfg)
@@ -286,7 +286,7 @@ def plan_cmd(as_json, config_file, **flags):
     given = {k: v for k, v in flags.items() if k not in own and v is not None}
     _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
-    from stages.teacher_cache.plan import PLACEHOLDERS, NoPlacement
+    from stages.teacher_cache.plan_report import PLACEHOLDERS, NoPlacement
 
     run = load_config(TeacherCacheConfig, config_file, given | PLACEHOLDERS)  # checked as teacher-cache checks it
     try:
@@ -349,7 +349,7 @@ def cache_verify_cmd(cache_dir):
     """
     _start(cpu_only=True)
     from cache import format as F
-    from cache.errors import CacheError
+    from cache.cache_error import CacheError
     from cache.manifest import load_manifest
     from cache.verify import verify_cache
 

@@ -200,7 +200,7 @@ class TeacherCacheConfig(PlacementSettings):
     overwrite: bool = setting(False, help="Replace a cache made with other settings.")
     save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")
     # Feature distillation: the outputs of these teacher blocks on the conditional branch, times a fixed seeded
-    # projection to feature_dim, pooled over tokens when feature_pool is "mean" (cache/features.py).
+    # projection to feature_dim, pooled over tokens when feature_pool is "mean" (cache/feature_projection.py).
     record_features: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Teacher blocks (each expert's) whose projected outputs every sample stores, e.g. "
                                    "0,20: for `train-student --objective velocity+feature`.")

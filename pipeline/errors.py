@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cache.errors import CacheError, UnfinishedCacheError
+from cache.cache_error import CacheError, UnfinishedCacheError
 
 if TYPE_CHECKING:
     from .runtime import DistEnv

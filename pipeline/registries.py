@@ -4,10 +4,10 @@ Each registry lists its entries' names, one-line help and, where an entry takes 
 torchtitan's `Configurable.Config`). The implementations register against these declarations, in the stages:
 
     stages/teacher_cache/placements/   @register class Cpu(PlacementKind): name = "cpu"         (PLACEMENTS)
-    stages/train_student/objectives.py @register class Segment(Objective): Config = SegmentSettings (OBJECTIVES)
+    stages/train_student/objective_velocity.py @register class Segment(Objective): Config = SegmentSettings (OBJECTIVES)
     stages/train_student/strategy.py   @register class DDP(Strategy): name = "ddp"              (STRATEGIES)
     stages/train_student/tracking.py   TensorBoardTracker.name = "tensorboard"                  (TRACKERS)
-    cache/features.py                  POOLS (the projection's pooling; the cache cannot import us) (FEATURE_POOLS)
+    cache/feature_projection.py                  POOLS (the projection's pooling; the cache cannot import us) (FEATURE_POOLS)
 
 and each `register` refuses a name not declared here, so the list the CLI shows (`--help`, the choices, the checks of
 the configs) is the list the stages run. The declarations live here, not beside the implementations, because the CLI
@@ -117,7 +117,7 @@ class PlacementSettings:
                                      "cache); auto picks expert when both do not fit.")
 
 
-# -- LoRA students (stages/train_student/lora.py, docs/lora.md) ---------------------------------------------------
+# -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ---------------------------------------------------
 
 # Every block's attention (self and cross) and FFN projections, in diffusers' WanTransformer3DModel names; peft
 # matches each name as a suffix of a module's path. The same set Wan's few-step LoRAs in use train.
@@ -145,7 +145,7 @@ class LoraSettings:
                                      "samples, with only that expert in memory.")
 
 
-# -- objectives (stages/train_student/objectives.py, feature.py) -------------------------------------------------
+# -- objectives (stages/train_student/objective_velocity.py, feature.py) -------------------------------------------------
 
 OBJECTIVES = Registry("objective")
 
@@ -203,7 +203,7 @@ def stage_one_trackers() -> list[str]:
     return [e.name for e in TRACKERS.entries() if e.stage_one]
 
 
-# -- feature pools (cache/features.py POOLS) ---------------------------------------------------------------------
+# -- feature pools (cache/feature_projection.py POOLS) ---------------------------------------------------------------------
 
 FEATURE_POOLS = Registry("feature pool")
 FEATURE_POOLS.declare("none", "one feature row per latent token")

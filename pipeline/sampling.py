@@ -21,7 +21,7 @@ Stable API (another stage imports it; add keyword arguments, never change these)
   - `student_steps(source) -> int`: the steps the student is meant to sample with.
   - `scheduler_from_config(config)`, `euler_config(config)`, `segment_boundaries(config, steps, k)`.
 
-The few-step schedule. A `segment` student (stages/train_student/objectives.py) learns, at each cached state
+The few-step schedule. A `segment` student (stages/train_student/objective_velocity.py) learns, at each cached state
 of the teacher's trajectory, the average velocity to the end of its segment: K segments whose boundaries are
 cached steps, the last ending at the final latent. It is sampled with K Euler steps that land exactly on those
 boundaries: `x <- x + (sigma_next - sigma) * v`. Wan's teachers sample with `UniPCMultistepScheduler` on flow

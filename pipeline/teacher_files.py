@@ -2,7 +2,7 @@
 
 Stage one fingerprints the teacher with these (`TeacherSpec.identity`, written to the manifest as
 `teacher_identity`), and stage two's LoRA student checks with the same functions that the base it loads is the
-teacher the cache was made with (stages/train_student/lora.py), so neither stage imports the other.
+teacher the cache was made with (stages/train_student/lora_student.py), so neither stage imports the other.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cache import format as F
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.prompt_store import create_prompt_store, open_prompt_store, prompt_store_path
 from stages.teacher_cache import blocks
 from stages.teacher_cache.trajectory import StepRecord

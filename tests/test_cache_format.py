@@ -12,9 +12,9 @@ import torch
 from cache import format as F
 from cache.atomic import atomic_write_json
 from cache.checksum import crc32c
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from cache.manifest import fingerprint, load_manifest, try_write_manifest
-from cache.progress import PartProgress, list_parts
+from cache.part_progress import PartProgress, list_parts
 from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path
 from cache.reader import decode_sample
 from cache.writer import ShardWriter

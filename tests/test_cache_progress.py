@@ -11,7 +11,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from conftest import make_cache
 from pipeline import faults, lock
 from pipeline.cache_status import eta_s, parts_status

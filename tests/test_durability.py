@@ -21,7 +21,7 @@ import pytest
 
 from cache import atomic
 from cache import format as F
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.prompt_store import prompt_store_path
 from conftest import make_cache
 
@@ -225,7 +225,7 @@ def test_a_killed_student_save_leaves_no_half_folder(tmp_path, monkeypatch):
     fsync) leaves the old student/ untouched and no temporary folder."""
     import importlib
 
-    run_mod = importlib.import_module("stages.train_student.run")  # (the package's `run` is the function)
+    run_mod = importlib.import_module("stages.train_student.train")  # (the package's `run` is the function)
     dest = _student_folder(tmp_path / "student", 0)
     old = tree(dest)
     model = run_mod.build_student(run_mod.load_student_config(str(TINY)), str(TINY), 1)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from click.testing import CliRunner
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from pipeline import errors
 from pipeline.errors import UserError, classify, exit_rank, user_errors
 from pipeline.runtime import DistEnv

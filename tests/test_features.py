@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache import format as F
-from cache.features import matrix_sha256, projection_matrix, read_projection
+from cache.feature_projection import matrix_sha256, projection_matrix, read_projection
 from cache.manifest import load_manifest, summarize
 from cache.schema import sample_bytes
 from cache.verify import verify_cache

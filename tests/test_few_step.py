@@ -23,7 +23,7 @@ from pipeline.sampling import (
     euler_config, sample_latents, scheduler_from_config, segment_boundaries, student_scheduler, student_steps,
 )
 from stages.train_student.data import SEGMENT_VELOCITY
-from stages.train_student.objectives import Segment, check_cache
+from stages.train_student.objective_velocity import Segment, check_cache
 from test_train_student import TINY, assert_same_students, metrics, train, weights
 
 SEG = dict(objective="segment", student_steps=2)
@@ -80,7 +80,7 @@ def test_segment_targets_are_average_velocities_of_the_cached_states(tiny_cache)
 
 
 def test_segment_start_weight_weighs_the_states_the_sampler_queries(tiny_cache):
-    from stages.train_student.objectives import Batch, Outputs
+    from stages.train_student.objective_velocity import Batch, Outputs
 
     m = load_manifest(tiny_cache)
     plain, weighted = Segment({"student_steps": 2}), Segment({"student_steps": 2, "start_weight": 4.0})

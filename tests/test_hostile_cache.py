@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from cache import format as F
 from cache.checksum import crc32c
-from cache.errors import CacheError, UnsafeFileError
+from cache.cache_error import CacheError, UnsafeFileError
 from cache.manifest import load_manifest
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.reader import ShardError, open_caches, open_index, scan_shard
 from cache.safe_open import open_fd
 from pipeline.cli import main

@@ -16,7 +16,7 @@ import pytest
 from cache import format as F
 from pipeline import lock
 from pipeline.errors import UserError
-from stages.teacher_cache import offload, outdir
+from stages.teacher_cache import group_offload, outdir
 from test_teacher_cache_cli import _args, assert_one_line_error, invoke
 
 pytestmark = pytest.mark.timeout(120)  # a FIFO opened the old way blocks forever: fail instead
@@ -118,10 +118,10 @@ def test_a_sound_lock_still_works_after_the_checks(tmp_path):
 def test_offload_lock_is_opened_the_same_safe_way(tmp_path, home):
     (tmp_path / ".transformer-0123456789abcdef.lock").symlink_to(home / "thesis.tex")
     with pytest.raises(UserError, match="offload lock file .* is a symbolic link"):
-        with offload._locked(tmp_path / ".transformer-0123456789abcdef.lock"):
+        with group_offload._locked(tmp_path / ".transformer-0123456789abcdef.lock"):
             pass
     assert (home / "thesis.tex").read_text() == "precious"
-    with offload._locked(tmp_path / ".transformer-fedcba9876543210.lock"):  # a new one is made and locked
+    with group_offload._locked(tmp_path / ".transformer-fedcba9876543210.lock"):  # a new one is made and locked
         assert (tmp_path / ".transformer-fedcba9876543210.lock").is_file()
 
 

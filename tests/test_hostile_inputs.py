@@ -187,8 +187,8 @@ def test_part_out_of_range_names_where_it_came_from(tiny_teacher, prompts_file, 
 
 def test_a_one_shard_part_ends_its_bar_on_the_bytes_written():
     from cache import format as F
-    from pipeline.progress import progress_bar
-    from stages.teacher_cache.progress import StageOneProgress
+    from pipeline.progress_bar import progress_bar
+    from stages.teacher_cache.throughput import StageOneProgress
 
     log = io.StringIO()  # a log file: one whole line per state
     bar = progress_bar(total=24, desc="teacher-cache part 0", unit="sample", file=log)

@@ -16,7 +16,7 @@ from cache.manifest import load_manifest
 from conftest import read_all_samples
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
-from stages.train_student import checkpoint, lora
+from stages.train_student import checkpoint, lora_student
 from stages.train_student.strategy import state_sha
 from test_train_student import invoke, metrics, train
 
@@ -28,18 +28,18 @@ def lora_train(cache, teacher, out, **kw) -> dict:
     return train(cache, out, **(LORA | {"lora_of": str(teacher)} | kw))
 
 
-def spec_of(teacher, cache, **kw) -> lora.LoraSpec:
+def spec_of(teacher, cache, **kw) -> lora_student.LoraSpec:
     cfg = TrainStudentConfig(**({"cache": (str(cache),), "out": "o", "lora_of": str(teacher)} | LORA | kw))
-    return lora.LoraSpec.from_config(cfg, load_manifest(cache))
+    return lora_student.LoraSpec.from_config(cfg, load_manifest(cache))
 
 
-def with_adapters(spec: lora.LoraSpec, folder: Path, seed: int = 0) -> lora.LoraExperts:
+def with_adapters(spec: lora_student.LoraSpec, folder: Path, seed: int = 0) -> lora_student.LoraExperts:
     """The LoRA student rebuilt from the teacher and a run's student/ files (diffusers' key names mapped back)."""
-    model = lora.build(spec, seed, torch.float32)
+    model = lora_student.build(spec, seed, torch.float32)
     params = dict(model.named_parameters())
     for comp in spec.trained:
         for k, v in load_file(folder / spec.record()["files"][comp]).items():
-            name = k.removeprefix("transformer.").replace(".weight", f".{lora.ADAPTER}.weight")
+            name = k.removeprefix("transformer.").replace(".weight", f".{lora_student.ADAPTER}.weight")
             with torch.no_grad():
                 params[f"experts.{comp}.{name}"].copy_(v)
     return model
@@ -68,13 +68,13 @@ def test_each_sample_reaches_the_expert_that_produced_it(tiny_teacher, tiny_cach
     by_expert = {e: [s for s in samples if s[1][F.M_EXPERT] == e][:2] for e in (1, 2)}
     assert all(len(v) == 2 for v in by_expert.values())
     mixed = [by_expert[2][0], by_expert[1][0], by_expert[2][1], by_expert[1][1]]
-    model = lora.build(spec, 0, torch.float32)
+    model = lora_student.build(spec, 0, torch.float32)
     b = _batch(mixed, tiny_cache)
     with torch.no_grad():
         got = model(**b)[0]
         for expert, rows in ((1, [1, 3]), (2, [0, 2])):  # each expert's rows, run as the router runs them
             assert [mixed[j][1][F.M_EXPERT] for j in rows] == [expert, expert]
-            comp = lora.COMPONENTS[expert - 1]
+            comp = lora_student.COMPONENTS[expert - 1]
             teacher = WanTransformer3DModel.from_pretrained(tiny_teacher / comp).eval()
             own = teacher(**{k: v[rows] for k, v in b.items()}, return_dict=False)[0]
             assert torch.equal(got[rows], own), comp
@@ -400,7 +400,7 @@ def test_cuda_bf16_base_with_float32_adapters_and_checkpointing(tiny_teacher, ti
 
 def test_dry_run_counts_the_adapters_apart_from_the_frozen_base(tiny_teacher, tiny_cache, tmp_path):
     r = lora_train(tiny_cache, tiny_teacher, tmp_path / "dry", dry_run=True, max_steps=4)
-    base = sum(v.numel() * 4 for c in lora.COMPONENTS  # float32 on the CPU
+    base = sum(v.numel() * 4 for c in lora_student.COMPONENTS  # float32 on the CPU
                for v in load_file(tiny_teacher / c / "diffusion_pytorch_model.safetensors").values())
     assert r["frozen_bytes"] == base and 0 < r["trained_params"] < r["params"]
     assert r["training_state_bytes_per_gpu"] == r["trained_params"] * 16 + base

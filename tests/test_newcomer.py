@@ -67,7 +67,7 @@ def test_click_refusals_say_error_like_every_other_message(args, message):
 def test_a_log_file_gets_whole_lines_not_carriage_returns():
     from tqdm import tqdm
 
-    from pipeline.progress import LineBar, progress_bar
+    from pipeline.progress_bar import LineBar, progress_bar
 
     log = io.StringIO()  # not a TTY, as a SLURM job's output file
     bar = progress_bar(total=30, desc="train-student", unit="step", file=log, mininterval=0.05)

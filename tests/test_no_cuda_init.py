@@ -186,7 +186,7 @@ def two_ranks_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for name in ("_lazy_init", "set_device", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, touched)
-    stage_one = importlib.import_module("stages.teacher_cache.run")  # the package re-exports run() as `run`
+    stage_one = importlib.import_module("stages.teacher_cache.make_cache")  # the package re-exports run() as `run`
     monkeypatch.setattr(stage_one, "init_distributed", touched)
 
 
@@ -215,7 +215,7 @@ def test_stage_one_on_the_cpu_is_not_refused(two_ranks_one_gpu, tiny_teacher, pr
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_stage_two_refuses_more_ranks_than_gpus(two_ranks_one_gpu, device):
-    from stages.train_student.run import _device
+    from stages.train_student.train import _device
 
     cfg = TrainStudentConfig(cache=("c",), student_config="s.json", out="o", device=device)
     with pytest.raises(UserError, match=r"2 torchrun ranks on this node but 1 GPU\(s\) visible") as e:

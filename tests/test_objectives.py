@@ -21,7 +21,7 @@ from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from stages import train_student
 from stages.train_student.checkpoint import HEADS, latest
-from stages.train_student.objectives import (
+from stages.train_student.objective_velocity import (
     OBJECTIVES, Batch, Objective, Outputs, Velocity, block_output, mse, registered,
 )
 

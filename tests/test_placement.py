@@ -20,7 +20,7 @@ from cache.prompt_store import open_prompt_store, prompt_store_path
 from conftest import ROOT, TINY_CACHE_ARGS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.errors import UserError
-from stages.teacher_cache import blocks, offload, placements
+from stages.teacher_cache import blocks, group_offload, placements
 from pipeline.legacy_flags import legacy_flags
 from stages.teacher_cache.placements.device_map import check_device_map, parse_max_memory, read_device_map
 from stages.teacher_cache.teacher import ExpertSet, resolve_teacher
@@ -120,7 +120,7 @@ def test_disk_expert_streams_its_own_weights(spec, tmp_path):
     cpu = torch.device("cpu")
     for comp in spec.experts:
         ref = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp).eval()
-        disk = offload.load_disk_expert(spec, comp, torch.float32, cpu, tmp_path, log=lambda m: None)
+        disk = group_offload.load_disk_expert(spec, comp, torch.float32, cpu, tmp_path, log=lambda m: None)
         assert torch.equal(_forward(ref), _forward(disk)), comp
         assert torch.equal(_forward(ref, 1), _forward(disk, 1)), comp  # second pass: reloaded from the folder
     folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
@@ -130,25 +130,25 @@ def test_disk_expert_streams_its_own_weights(spec, tmp_path):
 def test_disk_folder_is_reused_only_when_it_matches(spec, tmp_path):
     cpu, f32 = torch.device("cpu"), torch.float32
     quiet = lambda m: None  # noqa: E731
-    folder = offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet)
+    folder = group_offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet)
     stamps = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
-    assert offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet) == folder
+    assert group_offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet) == folder
     assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == stamps  # reused as is
 
     group = next(f for f in folder.glob("group_*.safetensors"))
     group.write_bytes(group.read_bytes()[:-10])  # truncated: incomplete
-    assert offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet) == folder
-    assert group.stat().st_size == json.loads((folder / offload.MARKER).read_text())["files"][group.name]
+    assert group_offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet) == folder
+    assert group.stat().st_size == json.loads((folder / group_offload.MARKER).read_text())["files"][group.name]
 
-    marker = json.loads((folder / offload.MARKER).read_text())
-    (folder / offload.MARKER).write_text(json.dumps(marker | {"fingerprint": "0" * 64}))  # made for other weights
-    offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet)
-    assert json.loads((folder / offload.MARKER).read_text())["fingerprint"] == marker["fingerprint"]
+    marker = json.loads((folder / group_offload.MARKER).read_text())
+    (folder / group_offload.MARKER).write_text(json.dumps(marker | {"fingerprint": "0" * 64}))  # made for other weights
+    group_offload.prepare_disk_folder(spec, "transformer", f32, cpu, tmp_path, quiet)
+    assert json.loads((folder / group_offload.MARKER).read_text())["fingerprint"] == marker["fingerprint"]
 
     stale = tmp_path / "transformer-0123456789abcdef"  # another teacher's (or dtype's) folder for this expert
     stale.mkdir()
     (stale / "group_x.safetensors").write_bytes(b"old")
-    bf16 = offload.prepare_disk_folder(spec, "transformer", torch.bfloat16, cpu, tmp_path, quiet)
+    bf16 = group_offload.prepare_disk_folder(spec, "transformer", torch.bfloat16, cpu, tmp_path, quiet)
     assert bf16 != folder and not stale.exists() and not folder.exists()
 
 
@@ -156,7 +156,7 @@ def test_hollow_model_has_from_pretrained_dtypes_and_buffers(spec):
     from diffusers import WanTransformer3DModel
 
     ref = WanTransformer3DModel.from_pretrained(spec.path, subfolder="transformer", torch_dtype=torch.bfloat16)
-    hollow = offload.hollow_transformer(spec.path, "transformer", torch.bfloat16)
+    hollow = group_offload.hollow_transformer(spec.path, "transformer", torch.bfloat16)
     assert {n: p.dtype for n, p in hollow.named_parameters()} == {n: p.dtype for n, p in ref.named_parameters()}
     assert any(p.dtype == torch.float32 for p in ref.parameters())  # _keep_in_fp32_modules is exercised
     rb = dict(ref.named_buffers())
@@ -186,7 +186,7 @@ def test_bad_device_map_is_one_clear_error(content, needle, spec, tmp_path):
     path = _write_map(tmp_path, content)
     with pytest.raises(UserError, match="device map") as e:
         dmap, _ = read_device_map(path)
-        check_device_map(offload.meta_transformer(spec.path, "transformer"), dmap, path)
+        check_device_map(group_offload.meta_transformer(spec.path, "transformer"), dmap, path)
     assert needle in str(e.value)
 
 

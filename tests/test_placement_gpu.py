@@ -13,7 +13,7 @@ import torch
 from cache import format as F
 from cache.manifest import load_manifest
 from conftest import make_cache, read_all_samples
-from stages.teacher_cache import offload
+from stages.teacher_cache import group_offload
 from stages.teacher_cache.placements import Placement, choose_placement
 from stages.teacher_cache.teacher import resolve_teacher
 
@@ -74,8 +74,8 @@ def test_gpu_placements_match_cuda(over, cuda_cache, tiny_teacher, prompts_file,
 def test_offload_prefetches_on_a_cuda_stream(spec):
     """Leaf level: every Linear / Conv3d is a group of its own, prefetched on the side stream from pinned RAM."""
     dev = torch.device("cuda", 0)
-    model = offload.load_ram_expert(spec, "transformer", torch.float32, dev)
-    groups = [g for g in offload._groups(model) if g.modules or g.parameters or g.buffers]
+    model = group_offload.load_ram_expert(spec, "transformer", torch.float32, dev)
+    groups = [g for g in group_offload._groups(model) if g.modules or g.parameters or g.buffers]
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d))]
     assert len([g for g in groups if g.modules]) == len(layers)  # one group per layer, not per block
     assert all(g.stream is not None and g.record_stream for g in groups)
@@ -88,7 +88,7 @@ def test_offload_prefetches_on_a_cuda_stream(spec):
 def test_disk_streams_to_the_gpu(spec, tmp_path):
     dev = torch.device("cuda", 0)
     for comp in spec.experts:
-        model = offload.load_disk_expert(spec, comp, torch.float32, dev, tmp_path, log=lambda m: None)
+        model = group_offload.load_disk_expert(spec, comp, torch.float32, dev, tmp_path, log=lambda m: None)
         ref = _reference(spec, comp, dev)
         for seed in (0, 1):
             torch.testing.assert_close(_forward(model, dev, seed), _forward(ref, dev, seed), **SAME_GPU)

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.errors import UserError
-from stages.teacher_cache import placements, planner
+from stages.teacher_cache import placement_choice, placements
 from stages.teacher_cache.placements.device_map import device_map_for, map_bytes
-from stages.teacher_cache.plan import make_plan
-from stages.teacher_cache.planner import GiB, Inventory, Needs, decide
+from stages.teacher_cache.plan_report import make_plan
+from stages.teacher_cache.placement_choice import GiB, Inventory, Needs, decide
 
 A14B = Path(__file__).parent / "data" / "wan22-a14b-configs"
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers: transformer/diffusion_pytorch_model.safetensors.index.json lists
@@ -23,12 +23,12 @@ A14B_EXPERT_PARAMS = 57_153_966_336 // 4
 
 @pytest.fixture(scope="module")
 def a14b_bf16():
-    return planner.teacher_sizes(A14B, "bfloat16")
+    return placement_choice.teacher_sizes(A14B, "bfloat16")
 
 
 @pytest.fixture(scope="module")
 def a14b_needs(a14b_bf16):
-    act = planner.activation_bytes(a14b_bf16, 4, 480, 832, 1)
+    act = placement_choice.activation_bytes(a14b_bf16, 4, 480, 832, 1)
     return Needs.of(a14b_bf16, act)
 
 
@@ -47,7 +47,7 @@ def test_a14b_sizes_from_configs_alone(a14b_bf16):
     # umt5-xxl encoder: the embedding is shared with the encoder stack (counted once), 5.68 B parameters
     assert s.components["text_encoder"].params == 5_680_910_336
     assert 120e6 < s.components["vae"].params < 135e6
-    assert planner.tokens_per_sample(s, 480, 832, 1) == 30 * 52
+    assert placement_choice.tokens_per_sample(s, 480, 832, 1) == 30 * 52
 
 
 def _inv(gpus=(), ram=0, disk=0, ranks=1):
@@ -74,8 +74,8 @@ def test_decide_on_made_up_machines(a14b_needs, inv, placement, order):
 
 @pytest.fixture(scope="module")
 def a14b_fp32_needs():
-    s = planner.teacher_sizes(A14B, "float32")
-    return Needs.of(s, planner.activation_bytes(s, 4, 480, 832, 1))
+    s = placement_choice.teacher_sizes(A14B, "float32")
+    return Needs.of(s, placement_choice.activation_bytes(s, 4, 480, 832, 1))
 
 
 @pytest.mark.parametrize("ram, placement, order", [(256, "cpu", "step"), (128, "cpu", "expert"), (32, "disk", "step")])
@@ -105,7 +105,7 @@ def test_expert_order_for_explicit_placements(a14b_needs):
 def test_balanced_map_never_splits_a_block(a14b_needs):
     import torch
 
-    from stages.teacher_cache.offload import meta_transformer
+    from stages.teacher_cache.group_offload import meta_transformer
 
     model = meta_transformer(A14B, "transformer", real_buffers=False)
     cap = 20 * GiB
@@ -154,10 +154,10 @@ def test_plan_cli_text_on_tiny_teacher(tiny_teacher):
 
 
 def test_sizes_and_gpus_parse():
-    assert planner.parse_size("24GiB") == 24 * GiB and planner.parse_size("80GB") == 80 * 10**9
-    assert planner.parse_size("2TiB") == 2 * 2**40 and planner.parse_size("1.5GiB") == int(1.5 * GiB)
+    assert placement_choice.parse_size("24GiB") == 24 * GiB and placement_choice.parse_size("80GB") == 80 * 10**9
+    assert placement_choice.parse_size("2TiB") == 2 * 2**40 and placement_choice.parse_size("1.5GiB") == int(1.5 * GiB)
     with pytest.raises(UserError, match="cannot read the size"):
-        planner.parse_size("big")
-    assert planner._parse_gpus("4x24GiB") == (24 * GiB,) * 4
-    assert planner._parse_gpus("80GiB,40GiB") == (80 * GiB, 40 * GiB)
-    assert planner._parse_gpus("none") == ()
+        placement_choice.parse_size("big")
+    assert placement_choice._parse_gpus("4x24GiB") == (24 * GiB,) * 4
+    assert placement_choice._parse_gpus("80GiB,40GiB") == (80 * GiB, 40 * GiB)
+    assert placement_choice._parse_gpus("none") == ()

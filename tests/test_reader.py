@@ -13,7 +13,7 @@ import torch
 import webdataset as wds
 
 from cache import format as F
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from cache.reader import (
     SHARD_MEMBERS, SHARD_CHECKSUM, SHARD_SIZE, CacheIndex, SampleReader, ShardError, empty_table,
     fill_table, open_caches, scan_shard, shard_list,

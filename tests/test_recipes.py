@@ -30,7 +30,7 @@ CACHE_FIELD = [
     ("pipeline/config.py",
      '    save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")\n',
      '    record_x0: bool = setting(False, help="Toy: also store x_t - sigma * target.")\n'),
-    ("stages/teacher_cache/run.py", "        F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,\n",
+    ("stages/teacher_cache/make_cache.py", "        F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,\n",
      "        F.F_RECORD_X0: cfg.record_x0,\n"),
     ("stages/teacher_cache/blocks.py", "                        tensors[F.T_FEATURES] = rec.features[j]\n",
      "                    if self.prog.header.get(F.F_RECORD_X0):\n"
@@ -42,7 +42,7 @@ OBJECTIVE = [
      "@dataclass(frozen=True, kw_only=True)\n"
      "class ToyX0Settings:\n"
      '    x0_weight: float = setting(1.0, check=positive(), help="toy-x0: weight of its one term.")\n'),
-    ("stages/train_student/objectives.py", None,
+    ("stages/train_student/objective_velocity.py", None,
      "\n\nfrom pipeline.registries import ToyX0Settings  # noqa: E402\n\n\n"
      "@register\n"
      "class ToyX0(Objective):\n"

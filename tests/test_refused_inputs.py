@@ -244,7 +244,7 @@ def test_resume_refuses_a_changed_part_negative(tiny_teacher, prompts_file, cach
 def test_part_negative_is_checked_against_its_sha256(cache_copy):
     import hashlib
 
-    from cache.errors import CacheError
+    from cache.cache_error import CacheError
     from cache.prompt_store import part_negative
 
     path = cache_copy / F.PARTS_DIR / F.part_dirname(0) / F.NEGATIVE

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_declared_name_is_implemented_and_nothing_else():
-    from cache.features import POOLS
+    from cache.feature_projection import POOLS
     from stages.teacher_cache.placements import REGISTRY
     from stages.train_student import tracking
-    from stages.train_student.objectives import OBJECTIVES
+    from stages.train_student.objective_velocity import OBJECTIVES
     from stages.train_student.strategy import STRATEGIES
 
     assert set(REGISTRY) == {e.name for e in R.PLACEMENTS.entries()}

@@ -60,7 +60,7 @@ def test_stage_one_waiting_for_the_other_parts_stops_as_terminated_when_a_sigter
     """Under torchrun a rank whose part is complete waits at a barrier for the others. torchrun forwards a SIGTERM to
     every rank: the others stop and leave, the barrier fails with a lost peer, and this rank reports the SIGTERM
     (exit 143, rerun to finish), not the loss of a rank. Without a SIGTERM a lost peer is what it is."""
-    run = importlib.import_module("stages.teacher_cache.run")  # (the package's `run` is the stage's function)
+    run = importlib.import_module("stages.teacher_cache.make_cache")  # (the package's `run` is the stage's function)
 
     def barrier_after_sigterm():
         signal.raise_signal(signal.SIGTERM)  # arrives while the collective blocks; its handler runs after it

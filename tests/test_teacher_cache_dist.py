@@ -71,4 +71,4 @@ def test_an_unexpected_exception_keeps_its_traceback_and_reaches_the_summary(tin
         assert n == 1 or re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\n\s*exitcode\s*: (-15|143)", summary), \
             output[-3000:]
     assert "exitcode  : 1" in output and "To enable traceback" not in output, output[-3000:]
-    assert "stages/teacher_cache/run.py" in output.split("Root Cause")[1]  # the rank's traceback, quoted
+    assert "stages/teacher_cache/make_cache.py" in output.split("Root Cause")[1]  # the rank's traceback, quoted

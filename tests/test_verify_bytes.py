@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from cache import format as F
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load_manifest
 from cache.manifest import negative_embeds
 from cache.prompt_store import (
@@ -160,7 +160,7 @@ def test_a_cache_of_an_older_format_is_refused_in_one_line(cache_copy, tmp_path,
         r = _verify(cache_copy)
         assert r.exit_code == 2 and said in r.stderr and "Traceback" not in r.stderr
     else:
-        from cache.progress import PartProgress
+        from cache.part_progress import PartProgress
         with pytest.raises(CacheError, match="format 1"):
             PartProgress.load(cache_copy, 0)
 

@@ -134,7 +134,7 @@ def compare(teacher, students, captions: list[str], settings, device, batch_size
     images (uint8; teacher first) under "images"."""
     import torch
 
-    from pipeline.progress import progress_bar
+    from pipeline.progress_bar import progress_bar
     from pipeline.sampling import decode_latents
 
     common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,

@@ -34,7 +34,7 @@ from cache.prompt_store import EmbeddingCache
 from cache.schema import recorded_steps
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.wan_inputs import model_timestep
 

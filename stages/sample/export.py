@@ -12,11 +12,11 @@
                          reproduces the schedule it was trained on
       distill.json       the student's, when it has one, without local paths (caches by fingerprint)
       README.md          the model card: YAML metadata for the Hub (license from the teacher's card, base_model =
-                         the teacher's Hub id, pipeline_tag, library_name, tags; stages/sample/hub.py), then the
+                         the teacher's Hub id, pipeline_tag, library_name, tags; stages/sample/hub_card.py), then the
                          recommended steps, guidance, resolution and text length, with a copy-paste call; no
                          local path anywhere
 
-`--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub.push`).
+`--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub_card.push`).
 
 Every copy is of contents, not modes (`copy_contents`): the export's files and folders are created under the user's
 umask, whatever the modes of the teacher's files (a world-writable teacher folder) or the run's.
@@ -42,10 +42,10 @@ from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
-from . import hub
+from . import hub_card
 from .models import (
     BORROWED, Student, check_compatible, find_student, named_teacher, teacher_dir, teacher_transformer_config,
 )
@@ -215,16 +215,16 @@ def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: di
                "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
     })
     (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    hub.drop_local_names(tmp)  # (a re-saved teacher's configs name the folder it was loaded from)
+    hub_card.drop_local_names(tmp)  # (a re-saved teacher's configs name the folder it was loaded from)
     if student.distill is not None:
-        (tmp / DISTILL).write_text(json.dumps(hub.public_record(student.distill, teacher), indent=2) + "\n")
+        (tmp / DISTILL).write_text(json.dumps(hub_card.public_record(student.distill, teacher), indent=2) + "\n")
     (tmp / "README.md").write_text(card)
 
 
 def run(cfg: ExportConfig) -> dict:
     """Write the pipeline folder (and upload it with --push-to-hub); returns the summary."""
     if cfg.push_to_hub:
-        hub.check_online(cfg.push_to_hub)
+        hub_card.check_online(cfg.push_to_hub)
     student = find_student(cfg.student, cfg.weights)
     if cfg.fuse and student.lora is None:
         raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
@@ -239,8 +239,8 @@ def run(cfg: ExportConfig) -> dict:
 
         return _pushed(cfg, out, export_lora.run(cfg, student, hints, out))
     own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
-    base_model, teacher = hub.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
-    card = (hub.front_matter(hub.teacher_license(tpath, base_model), base_model, own_scheduler)
+    base_model, teacher = hub_card.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
+    card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -263,6 +263,6 @@ def run(cfg: ExportConfig) -> dict:
 def _pushed(cfg: ExportConfig, out: Path, summary: dict) -> dict:
     """`summary`, once the folder at `out` is uploaded where --push-to-hub says (nothing to do without it)."""
     if cfg.push_to_hub:
-        summary["hub"] = hub.push(out, cfg.push_to_hub, cfg.private)
+        summary["hub"] = hub_card.push(out, cfg.push_to_hub, cfg.private)
         tqdm.write(f"pushed to the Hub: {summary['hub']}")
     return summary

@@ -11,8 +11,8 @@
                                      compact export's, tagged `lora`), base, steps, guidance 1, text length
 
 No local path is written anywhere (`--push-to-hub` uploads these files): the base is named by its Hub id, else its
-folder's name, and the folder itself by --push-to-hub's repo id, else its own name (`hub.public_teacher`,
-`hub.public_record`, as the compact export). Files are copies of contents, not modes, created under the umask.
+folder's name, and the folder itself by --push-to-hub's repo id, else its own name (`hub_card.public_teacher`,
+`hub_card.public_record`, as the compact export). Files are copies of contents, not modes, created under the umask.
 
 loaded as `WanPipeline.from_pretrained(BASE)` + `pipe.load_lora_weights(LORA_DIR, weight_name=...)` (transformer_2's
 with `load_into_transformer_2=True`). `--fuse` writes a standalone pipeline instead: the teacher with the adapters
@@ -35,7 +35,7 @@ from pipeline.faults import fault_point
 from pipeline.hub import is_hub_id
 from pipeline.sampling import EULER, SAMPLER, student_scheduler
 
-from . import hub
+from . import hub_card
 from .models import Student
 
 MARK = "_wandistiller"  # (export.MARK): the key that lets --overwrite replace an earlier export
@@ -102,7 +102,7 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
     pipe.scheduler = student_scheduler(student.distill)
     pipe.save_pretrained(tmp)
     honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
-    hub.drop_local_names(tmp)  # (each config's _name_or_path: the teacher's folder)
+    hub_card.drop_local_names(tmp)  # (each config's _name_or_path: the teacher's folder)
 
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
@@ -113,8 +113,8 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
 
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    base_model, base = hub.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
-    card = (hub.front_matter(hub.teacher_license(student.teacher_path, base_model), base_model,
+    base_model, base = hub_card.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
+    card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              (student.distill.objective_settings or {}).get(SAMPLER) == EULER, lora=not cfg.fuse)
             + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
     lora = student.lora | {"teacher": base}
@@ -131,7 +131,7 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
                 shutil.copyfile(student.path / name, tmp / name)
             (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
-        (tmp / DISTILL).write_text(json.dumps(hub.public_record(student.distill, base), indent=2) + "\n")
+        (tmp / DISTILL).write_text(json.dumps(hub_card.public_record(student.distill, base), indent=2) + "\n")
         (tmp / "README.md").write_text(card)
         publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))

@@ -5,7 +5,7 @@ Stage two writes the run artifact of pipeline/artifact.py: OUT/student/ (a WanTr
 format), OUT/student_ema/ when EMA is on, and OUT/distill.json (a DistillRecord). A bare student folder works
 too, and then the student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
 A LoRA run (`train-student --lora-of`) holds adapters in student/ instead (diffusers' LoRA format and lora.json):
-its student is the teacher's transformers with them loaded (pipeline/lora.py), called like one transformer.
+its student is the teacher's transformers with them loaded (pipeline/lora_experts.py), called like one transformer.
 """
 
 from __future__ import annotations
@@ -190,9 +190,9 @@ def load_transformer(student: Student, dtype: torch.dtype, device: torch.device)
     from diffusers import WanTransformer3DModel
 
     if student.lora is not None:
-        from pipeline import lora
+        from pipeline import lora_experts
 
-        return lora.load(student.teacher_path, student.path, student.lora, dtype, device)
+        return lora_experts.load(student.teacher_path, student.path, student.lora, dtype, device)
     try:
         model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
     except (OSError, ValueError, RuntimeError) as e:
@@ -225,9 +225,9 @@ def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype
 
     exact = init_exact(student, seed)
     if student.lora is not None:
-        from pipeline import lora
+        from pipeline import lora_experts
 
-        return (lora.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device),
+        return (lora_experts.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device),
                 {"source": f"the teacher {student.lora['teacher']} (LoRA adapters start at zero)", "exact": True})
     if seed is None and _has_init_dir(student):
         model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)

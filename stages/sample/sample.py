@@ -25,7 +25,7 @@ from pipeline.config import (
     DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH, SampleConfig,
 )
 from pipeline.errors import UserError
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents
 from pipeline.prompts import dedupe, read_prompt_file
 

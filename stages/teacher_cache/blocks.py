@@ -10,14 +10,14 @@ import torch
 
 from cache import format as F
 from cache.atomic import fsync_paths
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.prompt_store import damaged_part, write_latent_rows
 from cache.writer import ShardWriter
 from pipeline import signals
 from pipeline.faults import fault_point
 
 from .outdir import next_shard_index
-from .progress import StageOneProgress
+from .throughput import StageOneProgress
 from .trajectory import StepRecord, TrajectoryRunner
 
 # Expert-major order holds a window of blocks' records in RAM until the low-noise expert has run them;

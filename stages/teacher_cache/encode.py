@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 
 
 def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,

@@ -26,7 +26,7 @@ from pathlib import Path
 from cache import format as F
 from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.safe_open import file_kind
 from pipeline.errors import UserError
 from pipeline.lock import UnsafeFile, open_regular, read_head

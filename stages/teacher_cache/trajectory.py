@@ -19,7 +19,7 @@ import torch
 
 from pipeline.wan_inputs import model_timestep
 
-from .features import FeatureRecorder
+from .feature_hooks import FeatureRecorder
 
 
 def noise_seed(base_seed: int, prompt_idx: int, seed_idx: int) -> int:

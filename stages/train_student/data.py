@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from cache import format as F
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from cache.prompt_store import ROW_LATENT_UNWRITTEN, EmbeddingCache, PartRows, RowCache
 from cache.reader import C_CACHE, C_PROMPT, C_SEED, C_STEP, CacheIndex, SampleReader, sample_code
 from pipeline import signals

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cache import format as F
-from cache.errors import CacheError
+from cache.cache_error import CacheError
 from cache.format import prompt_location
 from cache.manifest import negative_problem
 from cache.prompt_store import REBUILD, ROW_UNREADABLE, PartRows, check_prompt_rows, store_relpath

@@ -31,7 +31,7 @@ from pipeline import signals
 from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 from pipeline.runtime import DistEnv, barrier
 from pipeline.wan_inputs import model_timestep
 
@@ -41,7 +41,7 @@ from .comm import all_gather_bytes, all_reduce
 from .data import make_loader
 from .epoch import EpochPlan, RankBatches, eval_batches
 from .index import DataSplit
-from .objectives import Batch, Objective
+from .objective_velocity import Batch, Objective
 from .strategy import DDP, Strategy
 from .student import trained_parameters
 from .tracking import NullTracker, Tracker

@@ -19,7 +19,7 @@ checkpoint.py, whose `read_index` and `load_sharded` read DCP's pickles without 
 checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
 weights are swapped in, and how the full weights are had for the artifact.
 
-A LoRA student (`--lora-of`) under fsdp: its frozen base and its adapters are sharded alike (lora.py `shard`: a unit
+A LoRA student (`--lora-of`) under fsdp: its frozen base and its adapters are sharded alike (lora_student.py `shard`: a unit
 per block of each expert), every expert runs in every forward, checkpoints hold the adapters' shards and their
 optimizer state alone (`ignore_frozen_params`), and the artifact is the adapters gathered on rank 0 (docs/lora.md).
 
@@ -44,13 +44,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from pipeline.lora import LoraExperts
+from pipeline.lora_experts import LoraExperts
 from pipeline.registries import STRATEGIES as DECLARED
 from pipeline.runtime import DistEnv
 
-from . import checkpoint, lora
+from . import checkpoint, lora_student
 from .comm import all_gather_bytes
-from .objectives import WithHeads
+from .objective_velocity import WithHeads
 from .student import empty_student, trained_parameters
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -237,7 +237,7 @@ class FSDP(Strategy):
         # what FSDP2 warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         if self.is_lora:
-            lora.shard(model, **kw)  # a unit per block of each expert, one per expert for the rest
+            lora_student.shard(model, **kw)  # a unit per block of each expert, one per expert for the rest
         else:
             for block in model.blocks:
                 fully_shard(block, **kw)

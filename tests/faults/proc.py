@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Imported once in the server; everything a command needs before its first output.
-PRELOAD = ["torch", "pipeline.cli", "stages.teacher_cache.run", "stages.train_student.run", "stages.sample.sample",
+PRELOAD = ["torch", "pipeline.cli", "stages.teacher_cache.make_cache", "stages.train_student.train", "stages.sample.sample",
            "stages.sample.export", "stages.sample.evaluate"]
 # Variables a command inherits only when the scenario sets them.
 FAULT_ENV = ("WANDISTILLER_KILL_AT", "WANDISTILLER_KILL_RANK", "WANDISTILLER_FAIL_AT", "WANDISTILLER_DEBUG_DIR")

@@ -1,4 +1,4 @@
-"""`--placement auto` (the default): the planner's pick for this machine (planner.decide, explained by
+"""`--placement auto` (the default): the planner's pick for this machine (placement_choice.decide, explained by
 `wandistiller plan`). It looks at the GPUs only when CUDA reports some."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pipeline.errors import UserError
 from pipeline.runtime import dist_env
 
-from .. import planner
+from .. import placement_choice
 from .base import REGISTRY, Layout, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, measure, register
 
 
@@ -25,7 +25,7 @@ class Auto(PlacementKind):
         device = self.execution_device(cfg)
         dtype = cfg.dtype or default_dtype(device)
         needs, inv = measure(cfg, spec, dtype, gpus=device.type == "cuda")
-        d = planner.decide(needs, inv)
+        d = placement_choice.decide(needs, inv)
         kind = d.placement
         if dist_env().world_size > 1 and kind == "balanced":  # one rank per node: still one teacher per rank
             kind = "offload"
@@ -36,4 +36,4 @@ class Auto(PlacementKind):
                                reason="; ".join(d.reasons))
 
     def layout(self, x: PlanInput) -> Layout:
-        raise RuntimeError("auto has no layout of its own: plan the placement planner.decide picks")
+        raise RuntimeError("auto has no layout of its own: plan the placement placement_choice.decide picks")

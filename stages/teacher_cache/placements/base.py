@@ -18,8 +18,8 @@ from pipeline.errors import UserError
 from pipeline.registries import PLACEMENTS as DECLARED
 from pipeline.runtime import dist_env
 
-from .. import planner
-from ..planner import Inventory, Needs, TeacherSizes
+from .. import placement_choice
+from ..placement_choice import Inventory, Needs, TeacherSizes
 
 if TYPE_CHECKING:
     from ..teacher import TeacherSpec
@@ -235,8 +235,8 @@ class PlacementKind:
 def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inventory]:
     """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked:
     querying their free memory initialises CUDA)."""
-    sizes = planner.teacher_sizes(spec.path, dtype)
-    act = planner.activation_bytes(sizes, cfg.batch_size, cfg.height, cfg.width, cfg.frames, cfg.guidance > 1.0,
+    sizes = placement_choice.teacher_sizes(spec.path, dtype)
+    act = placement_choice.activation_bytes(sizes, cfg.batch_size, cfg.height, cfg.width, cfg.frames, cfg.guidance > 1.0,
                                    cfg.max_sequence_length)
     offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
     return Needs.of(sizes, act), Inventory.measure(offload_dir, ranks_per_node(), gpus=gpus)

@@ -3,7 +3,7 @@ teacher; it never touches CUDA."""
 
 from __future__ import annotations
 
-from ..planner import Inventory, Needs
+from ..placement_choice import Inventory, Needs
 from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident, register
 
 

@@ -20,8 +20,8 @@ import torch
 from pipeline.errors import UserError
 from pipeline.runtime import dist_env, print0
 
-from ..offload import meta_transformer, param_dtypes
-from ..planner import Inventory, Needs, expert_pieces, fits_across, gib, parse_size
+from ..group_offload import meta_transformer, param_dtypes
+from ..placement_choice import Inventory, Needs, expert_pieces, fits_across, gib, parse_size
 from .base import ENCODER_FREED, Layout, Placement, PlacementKind, PlanInput, register
 
 

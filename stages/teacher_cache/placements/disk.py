@@ -5,7 +5,7 @@ prefetched on a CUDA stream. The text encoder is offloaded at model level."""
 
 from __future__ import annotations
 
-from ..offload import load_disk_expert
+from ..group_offload import load_disk_expert
 from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, register
 
 

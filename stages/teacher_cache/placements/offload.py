@@ -5,8 +5,8 @@ Without a GPU it computes on the CPU where the weights already are (as `cpu`: no
 
 from __future__ import annotations
 
-from ..offload import load_ram_expert
-from ..planner import Inventory, Needs, gib
+from ..group_offload import load_ram_expert
+from ..placement_choice import Inventory, Needs, gib
 from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, register
 
 

@@ -20,10 +20,10 @@ from safetensors.torch import save as st_save
 from cache import format as F
 from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
 from pipeline import lock
-from cache.errors import CacheError
-from cache.features import matrix_sha256, projection_matrix, write_projection
+from cache.cache_error import CacheError
+from cache.feature_projection import matrix_sha256, projection_matrix, write_projection
 from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
-from cache.progress import PartProgress, list_parts
+from cache.part_progress import PartProgress, list_parts
 from cache.prompt_store import (
     PartRows, PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
     prompt_store_path, store_relpath, write_latent_rows,
@@ -33,16 +33,16 @@ from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
-from pipeline.progress import progress_bar
+from pipeline.progress_bar import progress_bar
 from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
-from . import disk, outdir, placements
+from . import disk_space, outdir, placements
 from .blocks import BlockSink, denoise, expert_window
 from .encode import encode_prompts, iter_encoded
-from .features import FeatureRecorder
+from .feature_hooks import FeatureRecorder
 from .placements import Placement
-from .progress import StageOneProgress
+from .throughput import StageOneProgress
 from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
 
@@ -254,7 +254,7 @@ def _open_part(job: _Part) -> PartProgress:
         # Shard boundaries are part of the cache's bytes: another value would not equal an uninterrupted run.
         raise UserError(f"part {part} of {out} was started with --samples-per-shard {prog.samples_per_shard}; "
                         "resume with that value or add --overwrite to start again")
-    disk.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
+    disk_space.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
                     job.torchrun)
     save_resolved(cfg, job.part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
     if prog is None:

@@ -4,7 +4,7 @@ The outputs of the chosen blocks of whichever expert runs a step are read by for
 (they return nothing, so the block's output and every later computation are untouched: the cached targets
 are bit-identical to a cache made without features), during the same forward that makes the targets (no
 second teacher pass). With CFG the batch is [conditional; unconditional]: the first half is kept. Each is
-projected through the cache's fixed matrix on the device that holds the block (cache/features.py), pooled
+projected through the cache's fixed matrix on the device that holds the block (cache/feature_projection.py), pooled
 over tokens on request, and handed back on the CPU in the cache's dtype, per trajectory of the batch.
 """
 
@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from cache.features import project
+from cache.feature_projection import project
 from pipeline.errors import UserError
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .atomic import atomic_write_json
-from .errors import CacheError, FormatVersionError
+from .cache_error import CacheError, FormatVersionError
 from .format import F_FORMAT_VERSION, FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
 from .safe_open import read_bytes
 from .schema import record_problem

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from cache import format as F
-from cache.progress import PartProgress
+from cache.part_progress import PartProgress
 from cache.schema import recorded_steps
 from cache.size import embed_tokens_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
 from pipeline.errors import UserError

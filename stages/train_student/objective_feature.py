@@ -1,7 +1,7 @@
 """`velocity+feature`: the teacher's prediction plus its hidden states (feature distillation, offline).
 
 Stage one stored, for every sample, the outputs of chosen teacher blocks on the conditional branch, times a
-fixed projection to `feature_dim` (cache/features.py), optionally pooled over tokens. Each pair S:T of
+fixed projection to `feature_dim` (cache/feature_projection.py), optionally pooled over tokens. Each pair S:T of
 `--feature-pairs` maps student block S onto recorded teacher block T through a learned linear head from the
 student's width to `feature_dim` (pooled like the cache), and adds `--feature-weight` x the mean over pairs
 of the MSE between the two to the velocity loss. The heads are checkpointed and resumed with the student
@@ -19,7 +19,7 @@ from cache import format as F
 from pipeline.errors import UserError
 from pipeline.registries import FeatureSettings
 
-from .objective import Batch, Objective, Outputs, block_output, mse, register
+from .objective_base import Batch, Objective, Outputs, block_output, mse, register
 
 
 def parse_pairs(text) -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load, save_file
 
 from .atomic import fsync_dir, honour_umask
-from .errors import CacheError, UnsafeFileError
+from .cache_error import CacheError, UnsafeFileError
 from .format import FEATURE_PROJECTION, P_MATRIX, TMP_SUFFIX
 from .safe_open import read_bytes
 

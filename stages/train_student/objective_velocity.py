@@ -20,7 +20,7 @@ from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.registries import SegmentSettings, VelocitySettings
 
-from .objective import (  # noqa: F401 (the objectives' API, importable from here)
+from .objective_base import (  # noqa: F401 (the objectives' API, importable from here)
     OBJECTIVES, PREDICTION, Batch, Objective, Outputs, WithHeads, block_output, check_cache, get_objective, mse,
     register, registered, student_forward,
 )
@@ -154,4 +154,4 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
 
 
 # Objectives that live in modules of their own register themselves on import (they import objective.py, not this).
-from . import feature  # noqa: E402,F401
+from . import objective_feature  # noqa: E402,F401

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cache.manifest import manifest_path
-from cache.progress import PartProgress, list_parts
+from cache.part_progress import PartProgress, list_parts
 from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
@@ -23,10 +23,10 @@ from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.runtime import dist_env, print0
 
-from .offload import meta_transformer
+from .group_offload import meta_transformer
 from .outdir import refuse_foreign
 from .placements.device_map import check_device_map, parse_max_memory, read_device_map
-from .plan import configs_spec
+from .plan_report import configs_spec
 from .teacher import TeacherSpec, resolve_teacher
 from .trajectory import choose_recorded_steps
 

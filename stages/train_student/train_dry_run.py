@@ -29,7 +29,7 @@ from .student import trained_parameters
 if TYPE_CHECKING:
     from pipeline.config import TrainStudentConfig
 
-    from .run import _Setup
+    from .train import _Setup
 
 TRAINING_BYTES, EMA_BYTES = 16, 4  # per parameter: fp32 weights, gradients, AdamW's two moments; an EMA copy
 

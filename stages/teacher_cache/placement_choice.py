@@ -204,7 +204,7 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
     """Parameters and bytes of every component of the Wan pipeline at `path`, from configs alone."""
     from accelerate import init_empty_weights
 
-    from .offload import largest_layer_bytes, meta_transformer, weight_bytes
+    from .group_offload import largest_layer_bytes, meta_transformer, weight_bytes
 
     root = Path(path)
     mi = read_json(root / "model_index.json")

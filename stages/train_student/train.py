@@ -30,14 +30,14 @@ from pipeline.settings import OWNER, SOURCE
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
 
-from . import checkpoint, dry_run
+from . import checkpoint, train_dry_run
 from .comm import all_gather_bytes
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
 from .loop import TrainState, Trainer, lr_at, make_ema, plot_losses, truncate_metrics
-from .objectives import Objective, check_cache, get_objective
+from .objective_velocity import Objective, check_cache, get_objective
 from .strategy import Strategy, get_strategy
-from . import lora
+from . import lora_student
 from .student import build_student, check_compatible, init_from_teacher, load_student_config, trained_parameters
 from .tracking import open_tracker, require_backend
 from .validation import make_validator
@@ -202,7 +202,7 @@ def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
 
 
 def _distill_record(cfg: TrainStudentConfig, data: DataSplit, state: TrainState, ema: bool,
-                    objective: Objective, lora_spec: lora.LoraSpec | None = None) -> DistillRecord:
+                    objective: Objective, lora_spec: lora_student.LoraSpec | None = None) -> DistillRecord:
     """What the sampling commands need to know about the targets this student learned and how to sample it."""
     m = data.index.manifest
     steps = list(data.train_steps)
@@ -240,7 +240,7 @@ class _Setup:
     total: int  # optimizer steps of the run
     identity: dict  # what a checkpoint must match to be resumed
     strategy: Strategy  # how the student is laid over the ranks (strategy.py)
-    lora: lora.LoraSpec | None = None  # a LoRA student's teacher and adapters (--lora-of)
+    lora: lora_student.LoraSpec | None = None  # a LoRA student's teacher and adapters (--lora-of)
 
     @property
     def manifest(self) -> dict:
@@ -252,14 +252,14 @@ def _setup(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> _Setu
     mixed = _mixed_precision(cfg, device)
     layout = RunLayout(cfg.out)
     _check_apart(layout.root, cfg.cache)
-    if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (dry_run.py)
+    if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (train_dry_run.py)
         _check_out(layout.root, cfg.resume)
     student_cfg = load_student_config(cfg.student_config) if cfg.lora_of is None else None
     objective = get_objective(cfg.objective).from_config(cfg)
     caches = open_caches(list(cfg.cache))
     manifest, train_steps, spec = caches[0].manifest, cfg.train_steps, None
     if cfg.lora_of is not None:  # the student is the teacher itself: its transformer config, checked against the cache
-        spec = lora.LoraSpec.from_config(cfg, manifest)
+        spec = lora_student.LoraSpec.from_config(cfg, manifest)
         spec.check(manifest, str(caches[0].path))
         student_cfg, train_steps = spec.config, spec.train_steps(manifest, cfg.train_steps)
     check_compatible(student_cfg, manifest, cfg.student_config or cfg.lora_of)  # before the (slower) shard check
@@ -289,7 +289,7 @@ def _build_student(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, fresh: bool
     strategy, the objective's heads, the optimizer and the fp16 scaler, and the module the loop runs (the DDP
     wrapper, or None: the student itself)."""
     if s.lora is not None:  # the teacher's experts, frozen in the autocast dtype (float32 without), and the adapters
-        model = lora.build(s.lora, cfg.seed, s.mixed or torch.float32)
+        model = lora_student.build(s.lora, cfg.seed, s.mixed or torch.float32)
     else:
         model = build_student(s.student_cfg, cfg.student_config, cfg.seed)
     if cfg.init_from_teacher and fresh and (env.is_main or not s.strategy.syncs_init):
@@ -545,8 +545,8 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     if saved is not None and (note := _length_note(saved, s, cfg)):
         print0(note)
     model, heads, optimizer, scaler, wrapped = _build_student(cfg, env, s, fresh=ckpt is None)
-    if cfg.dry_run:  # two measured steps and a report instead of training (dry_run.py)
-        return dry_run.measure(cfg, env, s, model, heads, optimizer, scaler, wrapped)
+    if cfg.dry_run:  # two measured steps and a report instead of training (train_dry_run.py)
+        return train_dry_run.measure(cfg, env, s, model, heads, optimizer, scaler, wrapped)
     state, ema_state = TrainState(), None
     if ckpt is not None:
         state, ema_state = _resume(ckpt, saved, env, s, optimizer, scaler)

@@ -31,7 +31,7 @@ from cache.schema import recorded_steps
 from pipeline.artifact import lora_file
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
-from pipeline.lora import ADAPTER, COMPONENTS, LoraExperts, add_adapter
+from pipeline.lora_experts import ADAPTER, COMPONENTS, LoraExperts, add_adapter
 from pipeline.teacher_files import hash_json, sample_file
 
 _MODEL_FILES = ("model_index.json", "transformer*/*.json", "transformer*/*.safetensors")

@@ -18,7 +18,7 @@ from pipeline.hub import CONFIGS, teacher_folder
 
 from . import costs, launch, placements
 from .placements.device_map import parse_max_memory, read_device_map
-from .planner import (
+from .placement_choice import (
     DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, read_json,
     teacher_sizes, tokens_per_sample,
 )

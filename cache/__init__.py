@@ -1,0 +1,1 @@
+"""The cache format, shared by both stages and importing nothing of theirs (docs/architecture.md, "The cache")."""
