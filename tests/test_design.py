@@ -1,0 +1,35 @@
+"""The redesign's figures held to their bounds (tests/design_figures.py measures them; `python -m tests.design_figures`
+prints them with the files they come from)."""
+
+from __future__ import annotations
+
+import pytest
+
+import design_figures as D
+
+SRC = D.sources()
+
+
+def test_no_file_name_is_used_twice():
+    assert D.repeated_file_names(SRC) == []
+
+
+def test_records_are_read_by_attribute_outside_the_modules_that_define_them():
+    assert D.record_lookups(SRC) == {}
+
+
+def test_no_registry_entry_is_chosen_by_its_name_outside_the_registry():
+    assert D.name_comparisons(SRC) == {}
+
+
+def test_only_the_student_kind_modules_tell_compact_from_lora():
+    assert D.student_kind_branches(SRC) == {}
+
+
+def test_the_readme_is_a_front_door():
+    assert D.readme_lines() <= 250
+
+
+@pytest.mark.parametrize("bound", [15_000])
+def test_the_packages_stay_within_their_line_budget(bound):
+    assert D.lines(SRC) <= bound
