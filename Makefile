@@ -88,8 +88,8 @@ train-student: $(STAGE_DEPS)
 # The whole pipeline on the pretrained tiny teacher and the shapes captions: stage one (two seeds per prompt) ->
 # stage two from the same cache (a velocity student; a DEMO_FEW_STEPS-step segment student; a DEMO_FEW_STEPS-step
 # LoRA of the teacher itself, exported in diffusers' LoRA format) -> sample -> eval with the attribute checker, the
-# velocity student sampled at DEMO_FEW_STEPS beside the few-step ones (README, "Few-step students": why K = 2 and
-# two seeds). About 25 minutes on 2 CPU cores.
+# velocity student sampled at DEMO_FEW_STEPS beside the few-step ones (why K = 2 and two seeds: docs/results.md,
+# "Few-step students"). About 25 minutes on 2 CPU cores.
 DEMO ?= $(RUNS)/demo
 DEMO_FEW_STEPS ?= 2
 DEMO_FEW := $(DEMO)/student-$(DEMO_FEW_STEPS)step
@@ -161,10 +161,10 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
-# On a GPU box, as is (README, "On a GPU"): the suite with the GPU visible, then the benchmarks on CUDA, within 9
-# minutes; results into bench/results-cuda.json, logs into $(RUNS)/gpu-check. It installs nothing (no network needed):
-# GPU_PYTHON is the Python whose packages it uses (this venv's if there is one, else python3), and what that Python
-# lacks, a GPU included, is said in one line (exit 2).
+# On a GPU box, as is (docs/benchmarks.md, "On a GPU"): the suite with the GPU visible, then the benchmarks on CUDA,
+# within 9 minutes; results into bench/results-cuda.json, logs into $(RUNS)/gpu-check. It installs nothing (no network
+# needed): GPU_PYTHON is the Python whose packages it uses (this venv's if there is one, else python3), and what that
+# Python lacks, a GPU included, is said in one line (exit 2).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 gpu-check:
 	@$(GPU_PYTHON) scripts/gpu_check.py --logs $(RUNS)/gpu-check

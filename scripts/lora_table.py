@@ -1,4 +1,4 @@
-"""The README's LoRA table from a `scripts/measure_lora.sh` run: the `eval` report's rows (final-latent error,
+"""The LoRA table of docs/results.md from a `scripts/measure_lora.sh` run: the `eval` report's rows (final-latent error,
 attribute scores, time per image) beside each model's training: trained parameters (train-student's first line),
 optimizer steps, wall time (`/usr/bin/time`) and the time at the run's median rate (the median of its logged
 samples/s: the 2-core VM is shared, and another job slows some stretches of a run, not the model).
@@ -36,7 +36,7 @@ def name_of(path: str) -> str:
 
 
 def label(name: str) -> str:
-    """measure_lora.sh's run names, as the README says them."""
+    """measure_lora.sh's run names, as docs/results.md says them."""
     if m := re.fullmatch(r"lora(\d+)-r(\d+)", name):
         return f"LoRA of the teacher, rank {m[2]}, K = {m[1]}"
     if m := re.fullmatch(r"seg(\d+)", name):

@@ -41,4 +41,4 @@ $BIN/wandistiller eval --student "$OUT/velocity" --student-steps 1,2,4 "${compar
     --teacher $T --report "$OUT/eval-lora.json" --attributes data/shapes-heldout.txt --timing-runs 8 \
     | tee "$OUT/eval-lora.log"
 grep -h " s$" "$OUT"/*.log | sort
-$BIN/python scripts/lora_table.py "$OUT" | tee "$OUT/table.md"  # the README's table
+$BIN/python scripts/lora_table.py "$OUT" | tee "$OUT/table.md"  # the table of docs/results.md

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's few-step and feature-distillation tables (issues 18 and 19), measured on the shapes demo:
+# The few-step and feature-distillation tables of docs/results.md (issues 18 and 19), measured on the shapes demo:
 # one stage-one run that also records teacher features, then students trained with the demo's settings
 # (make demo's DEMO_TRAIN_ARGS without validation), then one `eval` per table (same noise for every model).
 #   bash scripts/measure_students.sh [OUT]      # default runs/m; about two hours on 2 CPU cores
