@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -294,6 +295,14 @@ def rescore(out: Path, held: list[str], seed: int) -> None:
     log(f"held-out score {heldout} ({EVAL}); updated {path}")
 
 
+
+def _portable(value):
+    """A recipe value as the record keeps it: a path inside the project relative to it, so no machine's folder is
+    written into a file the repository ships."""
+    if isinstance(value, str) and value.startswith(str(ROOT) + os.sep):
+        return os.path.relpath(value, ROOT)
+    return value
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="Pipeline folder to write (diffusers format).")
@@ -372,7 +381,7 @@ def main(argv=None) -> None:
     t = time.time()
     heldout = score_saved(out, held, args.seed)
     report = {
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("out",)}, "expert_config": EXPERT,
+        "recipe": {k: _portable(v) for k, v in vars(args).items() if k not in ("out",)}, "expert_config": EXPERT,
         "eval_settings": EVAL, "heldout_captions": len(held), "heldout_score": heldout,
         "vae_reconstruction_score": vae_score,
         "wall_s": {"vae": round(vae_s, 1), "pool": round(pool_s, 1), "experts": round(exp_s, 1),
