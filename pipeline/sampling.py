@@ -20,6 +20,8 @@ Stable API (another stage imports it; add keyword arguments, never change these)
     instance; `sample_latents` calls its `set_timesteps`).
   - `student_steps(source) -> int`: the steps the student is meant to sample with.
   - `scheduler_from_config(config)`, `euler_config(config)`, `segment_boundaries(config, steps, k)`.
+  - `mse(a, b) -> Tensor [B]`: the per-sample distance of a student's output to the teacher's (stage two's loss
+    terms, eval's errors).
 
 The few-step schedule. A `segment` student (stages/train_student/objective_velocity.py) learns, at each cached state
 of the teacher's trajectory, the average velocity to the end of its segment: K segments whose boundaries are
@@ -203,3 +205,8 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
 def copy_scheduler(scheduler):
     """An independent copy (sampling mutates a scheduler's step state)."""
     return copy.deepcopy(scheduler)
+
+
+def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean squared error in float32: [B, ...] x [B, ...] -> [B]."""
+    return (a.float() - b).pow(2).flatten(1).mean(1)

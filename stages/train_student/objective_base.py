@@ -25,6 +25,7 @@ from cache import format as F
 from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
 from pipeline.errors import UserError
 from pipeline.registries import OBJECTIVES as DECLARED
+from pipeline.sampling import mse  # noqa: F401 (every objective's loss term, here with the rest of the base)
 
 PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
 
@@ -87,11 +88,6 @@ def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, bl
         for h in handles:
             h.remove()
     return Outputs(pred, captured)
-
-
-def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean squared error in float32: [B, ...] x [B, ...] -> [B]."""
-    return (a.float() - b).pow(2).flatten(1).mean(1)
 
 
 class Objective:
