@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.errors import UserError
+from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.shapes import COLOURS, POSITIONS, SIZE, parse_caption
 
 NAMES = list(COLOURS)
@@ -24,8 +26,6 @@ PALETTE = np.array([COLOURS[n] for n in NAMES], dtype=np.float32)
 ANCHORS = np.array([POSITIONS[p] for p in POSITIONS], dtype=np.float32)
 ANCHOR_NAMES = list(POSITIONS)
 MIN_PIXELS = 12
-# Scores whose student / teacher ratio `compare` reports ("colour": background and every shape colour right).
-KEPT = ("background", "shape_colour", "position", "colour")
 
 
 def _as_array(img) -> np.ndarray:
@@ -96,6 +96,18 @@ def score(images, captions) -> dict:
             "by_shapes": {str(k): _rates([c for c in checks if len(c[1]) == k]) for k in counts}}
 
 
+def attribute_captions(path: str, max_prompts: int | None) -> list[str]:
+    """The shapes captions of a prompt file (eval's --attributes); refuse text the checker cannot read."""
+    captions = dedupe(read_prompt_file(path))[0][:max_prompts]
+    for c in captions:
+        try:
+            parse_caption(c)
+        except ValueError as e:
+            raise UserError(f"--attributes {path}: {e}; the attribute checker reads captions of pipeline/shapes.py's "
+                            "grammar, e.g. data/shapes-heldout.txt") from e
+    return captions
+
+
 def first_frames_u8(frames) -> list[np.ndarray]:
     """WanPipeline 'np' frames [B, F, H, W, 3] in [0, 1] -> first frames as uint8 [H, W, 3]."""
     return [(np.clip(f[0], 0.0, 1.0) * 255).round().astype(np.uint8) for f in frames]
@@ -122,48 +134,3 @@ def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> 
         lat = caption_noise(pipe, seed, s, len(caps), call["height"], call["width"])
         out += first_frames_u8(pipe(prompt=caps, latents=lat, output_type="np", **call).frames)
     return out
-
-
-def compare(teacher, students, captions: list[str], settings, device, batch_size: int = 16, keep: int = 0) -> dict:
-    """Draw every caption with the teacher (its experts, its CFG, its steps) and each student from the same initial
-    noise (caption i: seed + i, as `wandistiller sample` draws row i) and score them all. `settings` is a
-    `sample.SamplingSettings`; `students` maps a name to `draw(prompt_embeds, latents, negative_embeds) -> final
-    latents` (`sample.student_sampler`: its own schedule, steps and guidance), decoded with the teacher's VAE.
-    Returns each one's score under its name, "student" and "student_vs_teacher" for the first student, each
-    student's share of the teacher's accuracy per attribute under "vs_teacher", and the first `keep` rows of
-    images (uint8; teacher first) under "images"."""
-    import torch
-
-    from pipeline.progress_bar import progress_bar
-    from pipeline.sampling import decode_latents
-
-    common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
-                  max_sequence_length=settings.max_sequence_length, output_type="np")
-    teacher_kw = dict(guidance_scale=settings.guidance)
-    if settings.guidance_2 is not None:
-        teacher_kw["guidance_scale_2"] = settings.guidance_2
-    images = {"teacher": [], **{name: [] for name in students}}
-    bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
-    for s in range(0, len(captions), batch_size):
-        caps = captions[s:s + batch_size]
-        latents = caption_noise(teacher, settings.seed, s, len(caps), settings.height, settings.width)
-        with torch.inference_mode():
-            embeds, neg = teacher.encode_prompt(caps, negative_prompt=[settings.negative_prompt] * len(caps),
-                                                do_classifier_free_guidance=True,
-                                                max_sequence_length=settings.max_sequence_length, device=device)
-            images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                                         latents=latents.clone(), **common, **teacher_kw).frames)
-            for name, draw in students.items():
-                frames = decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy()
-                images[name] += first_frames_u8(frames)
-        bar.update(len(caps))
-    bar.close()
-    result = {name: score(imgs, captions) for name, imgs in images.items()}
-    t = result["teacher"]
-    result["vs_teacher"] = {name: {k: round(result[name][k] / t[k], 4) if t[k] else None for k in KEPT + ("all",)}
-                            for name in students}
-    first = next(iter(students))
-    result["student"] = result[first]
-    result["student_vs_teacher"] = {k: result["vs_teacher"][first][k] for k in KEPT}
-    result["images"] = [tuple(images[name][i] for name in images) for i in range(min(keep, len(captions)))]
-    return result

@@ -1,0 +1,224 @@
+"""What `wandistiller eval` resolves before it samples anything (`setup`: the cache, the student, the teacher, the
+trajectories it uses, every check that can fail) and what it samples (`Entry`: one student at its steps; `entries`).
+The cache is read through `cache/`'s readers only."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cache import format as F
+from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
+from cache.reader import open_caches
+from pipeline.artifact import EVAL_REPORT as REPORT_NAME
+from pipeline.config import EvalConfig
+from pipeline.errors import UserError
+from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.sampling import scheduler_from_config
+
+from .attributes import attribute_captions
+from .models import (
+    Student, check_compatible, find_student, init_exact, load_transformer, named_teacher, pick_device, teacher_dir,
+)
+
+# distill.json fields whose value should match the cache's for the comparison to mean what it says.
+COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shape", "steps", "negative_prompt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One (prompt, seed) of the cache."""
+
+    prompt_idx: int
+    seed_idx: int
+    text: str
+
+
+@dataclasses.dataclass
+class Setup:
+    """What `setup` resolved: every check that can fail has run."""
+
+    cache_dir: Path
+    manifest: dict
+    student: Student
+    report_path: Path
+    teacher_path: Path | None
+    captions: list[str] | None  # --attributes' shapes captions
+    trajs: list[Trajectory]
+    selection: dict
+    in_training: bool | None  # whether the cache is the student's training cache (None: unknown)
+    device: torch.device
+    dtype: torch.dtype
+    target_key: str  # the cached target the student learned
+    guided_cache: bool
+    warnings: list[str]
+
+    def embeddings(self) -> EmbeddingCache:
+        return EmbeddingCache(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]))
+
+    def latents(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""
+        return read_latents(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]), [(t.prompt_idx, t.seed_idx)
+                                                                                 for t in trajs])
+
+
+@dataclasses.dataclass
+class Entry:
+    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds)` -> final latents, through the
+    one sampler (pipeline/sampling.py) with the student's own schedule at `steps`."""
+
+    label: str
+    student: Student
+    model: torch.nn.Module
+    steps: int
+    guidance: float
+    draw: Callable
+
+    def describe(self) -> dict:
+        return {"label": self.label, "path": str(self.student.path), "objective": self.student.setting("objective"),
+                "trained_steps": self.student.setting("student_steps"), "steps": self.steps, "guidance": self.guidance}
+
+
+def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
+    """`student` sampled at `steps`, else its own (a few-step student's distill.json's), else the cache's; at
+    guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
+    from .sample import SamplingSettings, student_sampler
+
+    d = student.distill
+    steps = steps or (d.sampling_steps if d is not None and d.sampling_steps else int(manifest[F.F_STEPS]))
+    guidance = 1.0 if student.guided else float(manifest[F.F_GUIDANCE])
+    settings = SamplingSettings(steps=steps, guidance=guidance, guidance_2=None, student_guidance=guidance,
+                                negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
+                                student_steps=steps)
+    draw = student_sampler(student, model, settings, scheduler_from_config(manifest[F.F_SCHEDULER]),
+                           bool(manifest.get(F.F_EXPAND_TIMESTEPS, False)))
+    return Entry(label, student, model, steps, guidance, draw)
+
+
+def _settings_warnings(student: Student, manifest: dict) -> list[str]:
+    notes = []
+    for key in COMPARED:
+        mine, theirs = student.setting(key), manifest.get(key)
+        if mine is not None and theirs is not None and mine != theirs:
+            notes.append(f"student trained with {key}={mine!r}, the cache has {theirs!r}")
+    try:
+        scheduler = scheduler_from_config(manifest.get(F.F_SCHEDULER) or {})
+    except ValueError as e:
+        raise UserError(f"the cache's {e}") from e
+    scheduler.set_timesteps(int(manifest[F.F_STEPS]))
+    if [float(t) for t in scheduler.timesteps.tolist()] != [float(t) for t in manifest[F.F_TIMESTEPS]]:
+        notes.append("the cache's scheduler config does not reproduce its recorded timesteps")
+    return notes
+
+
+def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: int | None,
+           only: list[int] | None = None) -> tuple[list[Trajectory], dict]:
+    """All seeds of the cache's prompts, first `max_prompts`: those whose text is listed in the file `heldout`,
+    else those whose index is in `only` (stage two's held-out prompts), else all."""
+    texts = prompt_texts(cache_dir, int(manifest[F.F_NUM_PARTS]))  # (rows never written are left out)
+    info: dict = {"cache_prompts": len(texts), "source": "all prompts of the cache"}
+    if heldout is not None:
+        wanted, _ = dedupe(read_prompt_file(heldout))
+        by_text = {t: i for i, t in texts.items()}
+        chosen = [by_text[t] for t in wanted if t in by_text]
+        info.update(source=f"prompts of {heldout}", heldout_file=str(heldout), heldout_prompts=len(wanted),
+                    heldout_not_in_cache=len(wanted) - len(chosen))
+        if not chosen:
+            raise UserError(f"none of the {len(wanted)} prompts of {heldout} is in the cache {cache_dir}; build a "
+                            "cache of the held-out prompts with `wandistiller teacher-cache` and evaluate on it")
+    elif only:
+        chosen = [p for p in sorted(set(only)) if p in texts]
+        info["source"] = "heldout_prompts of distill.json"
+        if not chosen:
+            raise UserError(f"distill.json's held-out prompts {sorted(only)[:5]} are not in the cache {cache_dir}")
+    else:
+        chosen = list(texts)
+    chosen = chosen[:max_prompts] if max_prompts else chosen
+    info["prompts"] = len(chosen)
+    seeds = int(manifest[F.F_SEEDS_PER_PROMPT])
+    return [Trajectory(p, s, texts[p]) for p in chosen for s in range(seeds)], info
+
+
+def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> None:
+    shape = manifest[F.F_LATENT_SHAPE]
+    check_compatible(student, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
+                     text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
+                     expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
+
+
+def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | None:
+    """The cache's teacher (or --teacher), when timing or --attributes needs it."""
+    if not (cfg.teacher_timing or cfg.attributes):
+        return None
+    name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, manifest[F.F_TEACHER],
+                                                manifest.get(F.F_REVISION), f"{cache_dir}/{F.MANIFEST}")
+    try:
+        return teacher_dir(name, revision, recorded_in)
+    except UserError as e:
+        raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
+                        f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e
+
+
+def setup(cfg: EvalConfig) -> Setup:
+    """Cache, student, teacher and selection, checked before the long part (not after it)."""
+    cache_dir = Path(cfg.cache)
+    # stage two's checks of a cache it opens: its fingerprint (an edited `guidance` or `steps` would mislabel every
+    # figure of the report) and its prompt stores' shapes and dtypes (an edited one would allocate terabytes)
+    manifest = open_caches([cache_dir])[0].manifest
+    student = find_student(cfg.student, cfg.weights)
+    report_path = Path(cfg.report) if cfg.report else student.root / REPORT_NAME
+    if report_path.is_dir():
+        raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
+    _check_against_cache(student, manifest, cache_dir)
+    teacher_path = _teacher_path(cfg, manifest, cache_dir)
+    captions = attribute_captions(cfg.attributes, cfg.attribute_max_prompts) if cfg.attributes else None
+    # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
+    in_training = (manifest[F.F_FINGERPRINT] in student.fingerprints) if student.fingerprints else None
+    kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
+    trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
+    device, dtype = pick_device(cfg.device, cfg.dtype)
+    guided_cache = bool(manifest.get("cfg", float(manifest[F.F_GUIDANCE]) > 1.0))
+    warnings = _settings_warnings(student, manifest)
+    if in_training:
+        seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
+        if seen:
+            warnings.append(f"{len(seen)} of the {selection['prompts']} prompts evaluated were trained on (this is "
+                            "the student's training cache): they are not held out")
+    if student.setting("init_from_teacher") and not init_exact(student, cfg.init_seed):
+        warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
+                        "random initialisation, not its starting point (save student_init/ to compare with that)")
+    return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, trajs, selection, in_training,
+                 device, dtype, F.T_TARGET_COND if guided_cache and not student.guided else F.T_TARGET, guided_cache,
+                 warnings)
+
+
+def _label(path: str, taken: set[str]) -> str:
+    p = Path(path)
+    name = p.name if p.name not in ("student", "student_ema") else p.parent.name
+    label, i = name, 2
+    while label in taken:
+        label, i = f"{name}-{i}", i + 1
+    return label
+
+
+def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
+    """What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
+    its own steps, all from the same noise."""
+    steps_list = list(cfg.student_steps or (None,))
+    labels = ["student"] if len(steps_list) == 1 else [f"student@{k}" for k in steps_list]
+    out = [make_entry(lab, su.student, model, su.manifest, k) for lab, k in zip(labels, steps_list)]
+    taken = set(labels) | {"teacher", "untrained"}
+    for path in cfg.compare:
+        other = find_student(path, cfg.weights)
+        _check_against_cache(other, su.manifest, su.cache_dir)
+        if other.fingerprints and su.manifest[F.F_FINGERPRINT] in other.fingerprints:
+            seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
+            if seen:
+                su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
+        label = _label(path, taken)
+        taken.add(label)
+        out.append(make_entry(label, other, load_transformer(other, su.dtype, su.device), su.manifest))
+    return out

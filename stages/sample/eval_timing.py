@@ -1,0 +1,107 @@
+"""eval's timing: seconds per image of the teacher (its steps, its CFG) and of every entry (its steps) on the same
+latents, batch 1: the denoising alone, and, when the teacher carries its text encoder and VAE, the whole pipeline."""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+
+import torch
+
+from cache import format as F
+from pipeline.progress_bar import progress_bar
+from pipeline.sampling import decode_latents, mse
+
+from .eval_setup import Entry, Setup
+
+
+def _timed(fn, device: torch.device) -> tuple:
+    """(fn(), its seconds), the device synchronised on both sides so that queued kernels count where they run."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _denoisers(entries: list[Entry], pipe, emb, lat, neg, kw: dict) -> dict:
+    """name -> one denoising of the trajectory: the teacher's WanPipeline (its experts, its steps; its final latent
+    float32 on the CPU), then every entry."""
+    teacher_kw = {**kw, "negative_prompt_embeds": neg.expand(emb.shape[0], -1, -1)} if kw["guidance_scale"] > 1 else kw
+    return {"teacher": lambda: pipe(prompt_embeds=emb, latents=lat.clone(), **teacher_kw).frames.float().cpu(),
+            **{e.label: (lambda e=e: e.draw(emb, lat.clone(), neg)) for e in entries}}
+
+
+def _pipelines(entries: list[Entry], pipe, text: str, lat, kw: dict, negative: str, device) -> dict:
+    """name -> one caption through the whole pipeline (encode, denoise, decode): the teacher's WanPipeline, then
+    every entry with the teacher's text encoder and VAE."""
+    def student(e: Entry):
+        pe, ne = pipe.encode_prompt(text, negative_prompt=negative, do_classifier_free_guidance=e.guidance > 1.0,
+                                    max_sequence_length=kw["max_sequence_length"], device=device)
+        return decode_latents(pipe.vae, e.draw(pe, lat.clone(), ne)).numpy()
+
+    return {"teacher": lambda: pipe(text, negative_prompt=negative, latents=lat.clone(), **{**kw, "output_type": "np"}
+                                    ).frames, **{e.label: (lambda e=e: student(e)) for e in entries}}
+
+
+def _per_image(entries: list[Entry], denoise: dict[str, list[float]], pipeline: dict[str, list[float]]) -> dict:
+    """Median seconds per image of the teacher and every entry, and each entry's speed-up over the teacher."""
+    per = {name: {"denoise_s_per_image": median(denoise[name]),
+                  "pipeline_s_per_image": median(pipeline[name]) if pipeline[name] else None} for name in denoise}
+    t = per["teacher"]
+    for e in entries:
+        p = per[e.label]
+        p.update(steps=e.steps, forwards_per_step=2 if e.guidance > 1.0 else 1,
+                 speedup_denoise=t["denoise_s_per_image"] / max(p["denoise_s_per_image"], 1e-9),
+                 speedup_pipeline=(t["pipeline_s_per_image"] / max(p["pipeline_s_per_image"], 1e-9)
+                                   if p["pipeline_s_per_image"] else None))
+    return per
+
+
+def time_sampling(su: Setup, entries: list[Entry], pipe, neg: torch.Tensor, runs: int) -> dict:
+    """Seconds per image, the median over `runs` trajectories after one warm-up each; also the teacher's re-run
+    final latent against the cache (~0: checks that this path reproduces stage one)."""
+    manifest, device = su.manifest, su.device
+    embeds = su.embeddings()
+    kw = dict(num_inference_steps=int(manifest[F.F_STEPS]), height=int(manifest[F.F_HEIGHT]),
+              width=int(manifest[F.F_WIDTH]), num_frames=int(manifest[F.F_FRAMES]), output_type="latent",
+              max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), guidance_scale=float(manifest[F.F_GUIDANCE]))
+    if pipe.config.boundary_ratio is not None and manifest.get(F.F_GUIDANCE_2) is not None:
+        kw["guidance_scale_2"] = float(manifest[F.F_GUIDANCE_2])
+    whole = pipe.text_encoder is not None and pipe.vae is not None
+    negative = str(manifest.get(F.F_NEGATIVE_PROMPT) or "")
+    denoise = {n: [] for n in ("teacher", *(e.label for e in entries))}
+    pipeline = {n: [] for n in denoise}
+    teacher_err, n = [], min(runs, len(su.trajs))
+    init, final = su.latents(su.trajs[:n])
+    for j in progress_bar(range(-1, n), desc="eval timing", unit="traj", dynamic_ncols=True):  # j == -1: warm-up
+        t = su.trajs[max(j, 0)]
+        emb, lat = embeds.get(t.prompt_idx)[None].to(device), init[max(j, 0)][None].to(device)
+        fns = _denoisers(entries, pipe, emb, lat, neg.to(device), kw)
+        timed = {name: _timed(fn, device) for name, fn in fns.items()}
+        if whole:
+            with torch.inference_mode():
+                whole_s = {name: _timed(fn, device)[1]
+                           for name, fn in _pipelines(entries, pipe, t.text, lat, kw, negative, device).items()}
+        if j < 0:
+            continue
+        teacher_err.append(mse(timed["teacher"][0], final[j][None]).item())
+        for name, (_, sec) in timed.items():
+            denoise[name].append(sec)
+            if whole:
+                pipeline[name].append(whole_s[name])
+    per = _per_image(entries, denoise, pipeline)
+    first = per[entries[0].label]
+    return {
+        "runs": n, "steps": int(manifest[F.F_STEPS]), "statistic": "median over runs, batch 1",
+        "student_steps": entries[0].steps, "student_s_per_image": first["denoise_s_per_image"],
+        "teacher_s_per_image": per["teacher"]["denoise_s_per_image"], "speedup": first["speedup_denoise"],
+        "teacher_pipeline_s_per_image": per["teacher"]["pipeline_s_per_image"],
+        "student_forwards_per_step": first["forwards_per_step"],
+        "teacher_forwards_per_step": 2 if kw["guidance_scale"] > 1.0 else 1,
+        "student_params": sum(p.numel() for p in entries[0].model.parameters()),
+        "teacher_params_per_expert": sum(p.numel() for p in pipe.transformer.parameters()),
+        "teacher_final_mse": sum(teacher_err) / len(teacher_err),
+        "entries": {e.label: per[e.label] for e in entries}, "teacher": per["teacher"],
+    }

@@ -1,0 +1,79 @@
+"""eval's velocity errors: every model's prediction at each cached x_t against the teacher's cached target, per
+step, on the prompt embeddings the cache stores (the untrained twin alongside as the baseline)."""
+
+from __future__ import annotations
+
+import torch
+
+from cache import format as F
+from cache.reader import SampleReader, open_index, prompt_rows
+from cache.schema import recorded_steps
+from pipeline.errors import UserError
+from pipeline.progress_bar import progress_bar
+from pipeline.sampling import mse
+from pipeline.wan_inputs import model_timestep
+
+from .eval_setup import Setup
+
+
+def _batches(su: Setup, size: int):
+    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories, read by row
+    through the cache's index (tar headers are scanned, only the selected samples' bytes are read), each checked
+    against the schema."""
+    seeds = {(t.prompt_idx, t.seed_idx) for t in su.trajs}
+    index = open_index([su.cache_dir])
+    reader, batch = SampleReader(index), []
+    try:
+        for row in prompt_rows(index, {p for p, _ in seeds}):
+            tensors, meta = reader.read(int(row))
+            if (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX]) not in seeds:
+                continue
+            if su.target_key not in tensors:
+                raise UserError(f"the cache has no {su.target_key!r} tensors, which this student learned (conditional "
+                                "predictions); rebuild the cache with --save-cond-uncond")
+            batch.append((tensors, meta))
+            if len(batch) == size:
+                yield batch
+                batch = []
+    finally:
+        reader.close()
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
+    """Per-step mean of the per-sample MSE of every model against the student's target, over the selected
+    trajectories' samples (at the steps the cache records); where stage two trained on some of the steps only, each
+    step says whether it was one of them."""
+    manifest, device, dtype = su.manifest, su.device, su.dtype
+    steps, recorded = int(manifest[F.F_STEPS]), recorded_steps(manifest)
+    shape, expand = manifest[F.F_LATENT_SHAPE], bool(manifest.get(F.F_EXPAND_TIMESTEPS, False))
+    embeds = su.embeddings()
+    sums, counts = {name: [0.0] * steps for name in models}, [0] * steps
+    bar = progress_bar(total=len(su.trajs) * len(recorded), desc="eval velocity", unit="sample", dynamic_ncols=True)
+    for batch in _batches(su, batch_size):
+        x = torch.stack([s[F.T_X_T] for s, _ in batch]).to(device, dtype)
+        t = model_timestep(torch.tensor([m[F.M_TIMESTEP] for _, m in batch], device=device), shape[1:], expand,
+                           tuple(manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)))
+        enc = torch.stack([embeds.get(m[F.M_PROMPT_IDX]) for _, m in batch]).to(device, dtype)
+        target = torch.stack([s[su.target_key] for s, _ in batch]).to(device)
+        for name, model in models.items():
+            pred = model(hidden_states=x, timestep=t, encoder_hidden_states=enc, return_dict=False)[0]
+            for (_, m), e in zip(batch, mse(pred, target).tolist()):
+                sums[name][m[F.M_STEP]] += e
+        for _, m in batch:
+            counts[m[F.M_STEP]] += 1
+        bar.update(len(batch))
+    bar.close()
+    if sum(counts) != len(su.trajs) * len(recorded):
+        raise UserError(f"the cache holds {sum(counts)} samples of the selected trajectories, expected "
+                        f"{len(su.trajs) * len(recorded)}; run `wandistiller cache verify {su.cache_dir}`")
+    sigmas, experts = manifest.get(F.F_SIGMAS) or [None] * steps, manifest.get(F.F_EXPERTS) or [1] * steps
+    per_step = [{"step": k, "timestep": manifest[F.F_TIMESTEPS][k], "sigma": sigmas[k], "expert": experts[k],
+                 "samples": counts[k], **{name: sums[name][k] / counts[k] for name in models}} for k in recorded]
+    trained_steps = su.student.setting("train_steps")
+    if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps
+        for row in per_step:
+            row["trained_step"] = row["step"] in trained_steps
+    return {"per_step": per_step, "mean": {name: sum(sums[name]) / sum(counts) for name in models}}
