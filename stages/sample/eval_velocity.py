@@ -17,28 +17,21 @@ from .eval_setup import Setup
 
 
 def _batches(su: Setup, size: int):
-    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories, read by row
-    through the cache's index (tar headers are scanned, only the selected samples' bytes are read), each checked
-    against the schema."""
-    seeds = {(t.prompt_idx, t.seed_idx) for t in su.trajs}
+    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories (all seeds of
+    their prompts), read by row through the cache's index (tar headers are scanned, only the selected samples' bytes
+    are read), each checked against the schema."""
     index = open_index([su.cache_dir])
-    reader, batch = SampleReader(index), []
+    rows = prompt_rows(index, {t.prompt_idx for t in su.trajs})
+    reader = SampleReader(index)
     try:
-        for row in prompt_rows(index, {p for p, _ in seeds}):
-            tensors, meta = reader.read(int(row))
-            if (meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX]) not in seeds:
-                continue
-            if su.target_key not in tensors:
+        for i in range(0, len(rows), size):
+            batch = [reader.read(int(r)) for r in rows[i:i + size]]
+            if su.target_key not in batch[0][0]:
                 raise UserError(f"the cache has no {su.target_key!r} tensors, which this student learned (conditional "
                                 "predictions); rebuild the cache with --save-cond-uncond")
-            batch.append((tensors, meta))
-            if len(batch) == size:
-                yield batch
-                batch = []
+            yield batch
     finally:
         reader.close()
-    if batch:
-        yield batch
 
 
 @torch.inference_mode()
