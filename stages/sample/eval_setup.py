@@ -23,6 +23,7 @@ from .attributes import attribute_captions
 from .models import (
     Student, check_compatible, find_student, init_exact, load_transformer, named_teacher, pick_device, teacher_dir,
 )
+from .sample import SamplingSettings, student_sampler
 
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
 COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shape", "steps", "negative_prompt")
@@ -85,8 +86,6 @@ class Entry:
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
     """`student` sampled at `steps`, else its own (a few-step student's distill.json's), else the cache's; at
     guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
-    from .sample import SamplingSettings, student_sampler
-
     d = student.distill
     steps = steps or (d.sampling_steps if d is not None and d.sampling_steps else int(manifest[F.F_STEPS]))
     guidance = 1.0 if student.guided else float(manifest[F.F_GUIDANCE])
