@@ -18,10 +18,11 @@ import warnings
 import click
 
 from .config import (
-    DTYPES, EvalConfig, ExportConfig, PlanSettings, SampleConfig, TeacherCacheConfig, TrainStudentConfig, load_config,
+    EvalConfig, ExportConfig, PlanSettings, SampleConfig, TeacherCacheConfig, TeacherRun, TrainStudentConfig,
+    load_config,
 )
 from .errors import UserError, user_errors
-from .options import config_options, option_like
+from .options import config_options
 
 
 def _quiet_libraries() -> None:
@@ -139,10 +140,6 @@ def tiny_teacher_cmd(out, variant, seed):
 
 @main.command("teacher-cache")
 @config_options(TeacherCacheConfig)
-@click.option("--teacher_on_cpu", "teacher_on_cpu", is_flag=True, default=None, hidden=True)
-@click.option("--teacher_device_strategy", "teacher_device_strategy", hidden=True,
-              type=click.Choice(["cpu", "balanced", "gpu0", "auto"]))
-@click.option("--teacher_dtype", "teacher_dtype", type=click.Choice(DTYPES.names()), hidden=True)
 @common_options
 @user_errors("teacher-cache")
 def teacher_cache_cmd(config_file, **flags):
@@ -153,9 +150,7 @@ def teacher_cache_cmd(config_file, **flags):
     Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt
     --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
     """
-    from .legacy_flags import config_from_flags
-
-    cfg = config_from_flags(config_file, flags)
+    cfg = load_config(TeacherCacheConfig, config_file, flags)
     _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import teacher_cache
 
@@ -246,23 +241,7 @@ def train_student_cmd(config_file, **flags):
 
 
 @main.command("plan")
-@option_like(TeacherCacheConfig, "teacher",
-             help="Wan pipeline folder or Hub id; configs alone are enough (a Hub id fetches only its configs, or "
-                  "finds them in the local Hub cache).")
-@option_like(TeacherCacheConfig, "revision")
-@option_like(TeacherCacheConfig, "placement")
-@option_like(TeacherCacheConfig, "dtype")
-@option_like(TeacherCacheConfig, "batch_size")
-@option_like(TeacherCacheConfig, "height")
-@option_like(TeacherCacheConfig, "width")
-@option_like(TeacherCacheConfig, "frames")
-@option_like(TeacherCacheConfig, "max_sequence_length")
-@option_like(TeacherCacheConfig, "max_memory")
-@option_like(TeacherCacheConfig, "expert_order")
-@option_like(TeacherCacheConfig, "offload_dir", help="Where disk offload would go (for free space).")
-@option_like(TeacherCacheConfig, "seeds_per_prompt")
-@option_like(TeacherCacheConfig, "steps")
-@option_like(TeacherCacheConfig, "record_steps")
+@config_options(TeacherRun)
 @config_options(PlanSettings)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="teacher-cache's TOML file: the run's settings as teacher-cache reads them, flags on top; the "

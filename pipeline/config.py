@@ -23,7 +23,8 @@ from typing import Any
 from .config_types import type_problem
 from .errors import UserError
 from .registries import (
-    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, stage_one_trackers,
+    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
+    stage_one_trackers,
 )
 from .settings import (
     at_least, byte_size, check_settings, declared, gpu_sizes, in_range, int_in, int_list, merged, name_of, non_empty,
@@ -158,22 +159,10 @@ def _revision(of: str = "--teacher", default_text: str | None = None):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TeacherCacheConfig(PlacementSettings):
-    """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
+class RunShape:
+    """The run's shape: what the teacher computes for each trajectory and how many run together. Stage one runs it;
+    `plan` and the cost code (placement_choice, plan_report) size it from the same fields and defaults."""
 
-    TOML_SECTION = "teacher_cache"
-
-    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
-                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
-                           check=non_empty)
-    revision: str | None = _revision()
-    prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
-                           check=non_empty, path=True)
-    out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
-    placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
-                                          "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
-                             check=one_of(PLACEMENTS.names, cli_choice=False, otherwise=_json_path,
-                                          otherwise_text=" or a device-map .json file"))
     dtype: str | None = setting(None, help="Teacher dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
     steps: int = setting(DEFAULT_STEPS, help="Denoising steps of the teacher's sampler; one sample per step.",
                          check=at_least(1))
@@ -186,18 +175,16 @@ class TeacherCacheConfig(PlacementSettings):
     frames: int = setting(1, help="Frames (1 = images; video teachers take 4k+1).", check=at_least(1))
     seeds_per_prompt: int = setting(1, help="Trajectories per prompt, each from its own seeded noise.",
                                     check=at_least(1))
-    seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
-    negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty")
     max_sequence_length: int = setting(DEFAULT_MAX_SEQUENCE_LENGTH, help="Text tokens (padding length), as "
                                                                          "WanPipeline's.", check=_SEQUENCE_LENGTH)
     batch_size: int = setting(4, help="Trajectories run together (CFG doubles the forward batch).", check=at_least(1))
-    samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
-                                                "past this many).", check=at_least(1))
-    part: int | None = setting(None, help="This process's part (with --num-parts), e.g. one per node.",
-                               default_text="RANK under torchrun, else 0")
-    num_parts: int | None = setting(None, help="Number of parts the prompt set is split into.",
-                                    default_text="WORLD_SIZE under torchrun, else 1")
-    overwrite: bool = setting(False, help="Replace a cache made with other settings.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordSettings:
+    """What each sample records besides x_t and the target (the settings of cache/schema.py's optional sample
+    fields): `plan` counts their bytes from the same settings stage one writes."""
+
     save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")
     # Feature distillation: the outputs of these teacher blocks on the conditional branch, times a fixed seeded
     # projection to feature_dim, pooled over tokens when feature_pool is "mean" (cache/feature_projection.py).
@@ -208,9 +195,6 @@ class TeacherCacheConfig(PlacementSettings):
     feature_pool: str = setting("none", help=f"Feature rows: {FEATURE_POOLS.listing()}.",
                                 check=one_of(FEATURE_POOLS.names))
     feature_seed: int = setting(0, help="Seed of the fixed feature projection.")
-    report_to: str = setting("none", check=one_of(stage_one_trackers),
-                             help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard "
-                                  "under CACHE_DIR/parts/part-P/tensorboard, or none.")
     # Bounded cache size: every step still runs; the same steps for every trajectory.
     record_steps: int | None = setting(
         None, check=at_least(1), default_text="every step",
@@ -221,13 +205,51 @@ class TeacherCacheConfig(PlacementSettings):
     keep_steps: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Steps --record-steps always records besides 0, e.g. the boundaries a "
                                    "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherRun(PlacementSettings, RunShape, RecordSettings):
+    """The teacher's run as `plan` sizes it and `teacher-cache` runs it: the teacher, where it runs (the placement
+    and its settings), the run's shape and what each sample records."""
+
+    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
+                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
+                           check=non_empty)
+    revision: str | None = _revision()
+    placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
+                                          "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
+                             check=one_of(PLACEMENTS.names, cli_choice=False, otherwise=_json_path,
+                                          otherwise_text=" or a device-map .json file"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherCacheConfig(TeacherRun):
+    """Stage one: run the teacher over a prompt set and timestep schedule, write the cache."""
+
+    TOML_SECTION = "teacher_cache"
+
+    prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
+                           check=non_empty, path=True)
+    out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
+    seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
+    negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty")
+    samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
+                                                "past this many).", check=at_least(1))
+    part: int | None = setting(None, help="This process's part (with --num-parts), e.g. one per node.",
+                               default_text="RANK under torchrun, else 0")
+    num_parts: int | None = setting(None, help="Number of parts the prompt set is split into.",
+                                    default_text="WORLD_SIZE under torchrun, else 1")
+    overwrite: bool = setting(False, help="Replace a cache made with other settings.")
+    report_to: str = setting("none", check=one_of(stage_one_trackers),
+                             help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard "
+                                  "under CACHE_DIR/parts/part-P/tensorboard, or none.")
     dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
                                         "would do and exit: no weight loaded, nothing written.")
 
     @property
     def cpu_only(self) -> bool:
         """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
-        return self.placement == "cpu"
+        return placement_entry(self.placement).caps.gpu == "no"
 
     @property
     def placement_settings(self) -> PlacementSettings:

@@ -83,15 +83,3 @@ def config_options(cls):
 
     return deco
 
-
-def option_like(cls, name: str, help: str | None = None, **kw):
-    """The option of setting `name` of config `cls` for another command that takes it (`plan` borrows teacher-cache's
-    run settings): the field's flag, type and help; None when not given, as every generated option (a --config file's
-    value stands unless the flag overrides it)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    tp = hints(cls)[name]
-    opts = {"default": None, "help": help_of(f, help)}
-    if tp is not bool:
-        opts["type"] = _type(f, tp)
-    opts.update(kw)
-    return click.option(f"--{name_of(f)}", name, **opts)

@@ -1,18 +1,11 @@
 """The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools.
 
-Each registry lists its entries' names, one-line help and, where an entry takes settings, its settings dataclass (as
-torchtitan's `Configurable.Config`). The implementations register against these declarations, in the stages:
-
-    stages/teacher_cache/placements/   @register class Cpu(PlacementKind): name = "cpu"         (PLACEMENTS)
-    stages/train_student/objective_velocity.py @register class Segment(Objective): Config = SegmentSettings (OBJECTIVES)
-    stages/train_student/strategy.py   @register class DDP(Strategy): name = "ddp"              (STRATEGIES)
-    stages/train_student/tracking.py   TensorBoardTracker.name = "tensorboard"                  (TRACKERS)
-    cache/feature_projection.py                  POOLS (the projection's pooling; the cache cannot import us) (FEATURE_POOLS)
-
-and each `register` refuses a name not declared here, so the list the CLI shows (`--help`, the choices, the checks of
-the configs) is the list the stages run. The declarations live here, not beside the implementations, because the CLI
-must read them without importing torch or a stage (a CPU run hides the GPUs before any stage loads, and `--help`
-answers at once); a test checks that every declared name is registered by its stage and nothing else is.
+Each registry lists its entries' names, one-line help, where an entry takes settings its settings dataclass (as
+torchtitan's `Configurable.Config`), what it can do (`caps`, read instead of its name) and, where a stage runs it,
+the import path of its implementation (`impl`, "stages.teacher_cache.placements.cpu:Cpu"), which the stage loads
+(`Entry.load`). The declarations live here, not beside the implementations, because the CLI must read them without
+importing torch or a stage (a CPU run hides the GPUs before any stage loads, and `--help` answers at once); a test
+checks that every declared implementation imports.
 
 An objective's settings become flags of `train-student` (`pipeline.settings.merged`): a field's flag is its name
 unless `flag=` says otherwise (segment's `velocity_weight` is `--segment-velocity-weight`).
@@ -20,6 +13,7 @@ unless `flag=` says otherwise (segment's `velocity_weight` is `--segment-velocit
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from .settings import at_least, non_empty, one_of, positive, setting
@@ -32,6 +26,13 @@ class Entry:
     settings: type | None = None  # the entry's settings dataclass; None: it takes none
     listed: bool = True  # shown in lists and choices (the `map` placement is spelled as its .json path)
     stage_one: bool = True  # trackers: teacher-cache can report to it too
+    caps: object = None  # what the entry can do (its registry's capabilities dataclass), read instead of its name
+    impl: str | None = None  # "module:Class" of the implementation, imported by the stage (`load`)
+
+    def load(self):
+        """The implementation `impl` names (imported on first use: the CLI never imports a stage)."""
+        module, _, attr = self.impl.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 class Registry:
@@ -79,6 +80,10 @@ class Registry:
                              "there (its name, help and settings) first")
         return self._entries[name]
 
+    def where(self, **caps) -> list[Entry]:
+        """The entries whose capabilities have these values, in declaration order."""
+        return [e for e in self._entries.values() if all(getattr(e.caps, k) == v for k, v in caps.items())]
+
     def listing(self) -> str:
         """"name (help); name (help)" for a flag's help."""
         return "; ".join(f"{e.name} ({e.help})" for e in self._entries.values() if e.listed)
@@ -86,15 +91,57 @@ class Registry:
 
 # -- placements (stages/teacher_cache/placements/, docs/placements.md) ---------------------------------------------
 
+
+@dataclass(frozen=True)
+class PlacementCaps:
+    """What a placement can do: stage one, `plan`, the launch and the cost code read these, never its name."""
+
+    gpu: str = "no"  # "required": stops without CUDA; "if available": the rank's GPU when one is visible; "no"
+    without_gpu: str = "cpu"  # what to suggest when a required GPU is missing
+    replica_per_gpu: bool = False  # a whole replica on one GPU: one rank per GPU by default under torchrun
+    spreads: bool = False  # one replica over every GPU of a node: one process per node, refused under torchrun
+    streams: str | None = None  # "ram" | "disk": the weights are streamed to the computing device from there
+    speed: tuple[float, str] | None = None  # a step's speed against a replica on one GPU, and its source; None: unmeasured
+    takes_max_memory: bool = False  # --max-memory is its budget
+    offloads_text_encoder: bool = False  # on a GPU, the text encoder too stays in RAM
+    picks: bool = False  # chooses another placement for this machine (auto)
+    json_map: bool = False  # spelled as the path of its device-map .json
+    auto: bool = True  # `auto` may pick it (placement_choice.decide, by its capabilities)
+
+
 PLACEMENTS = Registry("placement")
-PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)")
-PLACEMENTS.declare("cpu", "RAM, computed on the CPU")
-PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)")
-PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate")
-PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)")
-PLACEMENTS.declare("offload", "RAM, streamed to the GPU layer by layer")
-PLACEMENTS.declare("disk", "an offload folder, streamed block by block")
-PLACEMENTS.declare("map", "a device-map .json file", listed=False)
+_P = "stages.teacher_cache.placements."
+_ONE_GPU = (1.0, "one GPU computes at a time, as one replica would (not measured)")
+PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)",
+                   caps=PlacementCaps(gpu="if available", picks=True, auto=False), impl=_P + "auto:Auto")
+PLACEMENTS.declare("cpu", "RAM, computed on the CPU", caps=PlacementCaps(), impl=_P + "cpu:Cpu")
+PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)",
+                   caps=PlacementCaps(gpu="required", replica_per_gpu=True, speed=(1.0, "")), impl=_P + "cuda:Cuda")
+_SPREAD = dict(gpu="required", without_gpu="offload or disk (or cpu)", spreads=True, takes_max_memory=True,
+               speed=_ONE_GPU)
+PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate", caps=PlacementCaps(**_SPREAD),
+                   impl=_P + "device_map:Balanced")
+PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)",
+                   caps=PlacementCaps(**_SPREAD, auto=False), impl=_P + "device_map:Sequential")
+PLACEMENTS.declare("offload", "RAM, streamed to the GPU layer by layer",
+                   caps=PlacementCaps(gpu="if available", streams="ram", offloads_text_encoder=True, speed=(
+                       0.71, "offload runs at 0.71x of cuda (an A14B expert on an H100, docs/placements.md)")),
+                   impl=_P + "offload:Offload")
+PLACEMENTS.declare("disk", "an offload folder, streamed block by block",
+                   caps=PlacementCaps(gpu="if available", streams="disk", offloads_text_encoder=True),
+                   impl=_P + "disk:Disk")
+PLACEMENTS.declare("map", "a device-map .json file", listed=False,
+                   caps=PlacementCaps(gpu="if available", json_map=True, auto=False), impl=_P + "device_map:DeviceMap")
+
+
+def placement_entry(value: str) -> Entry:
+    """The entry of a `--placement` value (a path ending in .json is the device-map entry); ValueError otherwise."""
+    if value.endswith(".json"):
+        return PLACEMENTS.where(json_map=True)[0]
+    if value not in PLACEMENTS.names():
+        raise ValueError(f"unknown placement {value!r}; use one of {', '.join(PLACEMENTS.names())} or a device-map "
+                         ".json file")
+    return PLACEMENTS[value]
 
 EXPERT_ORDERS = ("auto", "step", "expert")
 

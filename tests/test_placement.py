@@ -21,7 +21,6 @@ from conftest import ROOT, TINY_CACHE_ARGS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.errors import UserError
 from stages.teacher_cache import blocks, group_offload, placements
-from pipeline.legacy_flags import legacy_flags
 from stages.teacher_cache.placements.device_map import check_device_map, parse_max_memory, read_device_map
 from stages.teacher_cache.teacher import ExpertSet, resolve_teacher
 
@@ -230,29 +229,12 @@ def test_max_memory_is_checked(tiny_teacher, prompts_file, tmp_path):
     assert res.exit_code == 2 and "applies to --placement balanced or sequential" in res.output
 
 
-# --- the seed script's flags --------------------------------------------------------------------------------------
+# --- the seed script's flags, retired at 0.1 ---------------------------------------------------------------------
 
-def test_legacy_flags_map_to_placements():
-    f = {"teacher_on_cpu": True, "placement": None}
-    assert legacy_flags(f) == ["note: --teacher_on_cpu is deprecated; use --placement cpu"]
-    assert f == {"placement": "cpu"}
-    f = {"teacher_device_strategy": "gpu0", "teacher_dtype": "bfloat16"}
-    notes = legacy_flags(f)
-    assert f == {"placement": "cuda", "device": 0, "dtype": "bfloat16"} and len(notes) == 2
-    assert "use --placement cuda --device 0" in notes[0] and "use --dtype bfloat16" in notes[1]
-    with pytest.raises(UserError, match="contradicts --placement offload"):
-        legacy_flags({"teacher_device_strategy": "balanced", "placement": "offload"})
-
-
-def test_teacher_on_cpu_still_works(tiny_cache, tiny_teacher, prompts_file, tmp_path):
-    res = _cli(tiny_teacher, prompts_file, tmp_path / "c", "--teacher_on_cpu", "--teacher_dtype", "float32")
-    assert res.exit_code == 0, res.output
-    notes = [ln for ln in res.stderr.splitlines() if ln.startswith("note:")]
-    assert notes == ["note: --teacher_on_cpu is deprecated; use --placement cpu",
-                     "note: --teacher_dtype is deprecated; use --dtype float32"]
-    resolved = json.loads((tmp_path / "c" / F.PARTS_DIR / F.part_dirname(0) / F.RESOLVED_CONFIG).read_text())
-    assert resolved["placement"] == "cpu" and resolved["dtype"] == "float32"
-    assert_same_cache(tiny_cache, tmp_path / "c")
+@pytest.mark.parametrize("flag", ["--teacher_on_cpu", "--teacher_device_strategy", "--teacher_dtype"])
+def test_the_seed_scripts_flags_are_refused(flag, tiny_teacher, prompts_file, tmp_path):
+    res = _cli(tiny_teacher, prompts_file, tmp_path / "c", flag)
+    assert res.exit_code == 2 and f"No such option '{flag}'" in res.output
 
 
 # --- out of memory ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from pipeline.config import RunShape
 from pipeline.errors import UserError
 from stages.teacher_cache import placement_choice, placements
 from stages.teacher_cache.placements.device_map import device_map_for, map_bytes
@@ -28,7 +29,7 @@ def a14b_bf16():
 
 @pytest.fixture(scope="module")
 def a14b_needs(a14b_bf16):
-    act = placement_choice.activation_bytes(a14b_bf16, 4, 480, 832, 1)
+    act = placement_choice.activation_bytes(a14b_bf16, RunShape())
     return Needs.of(a14b_bf16, act)
 
 
@@ -75,7 +76,7 @@ def test_decide_on_made_up_machines(a14b_needs, inv, placement, order):
 @pytest.fixture(scope="module")
 def a14b_fp32_needs():
     s = placement_choice.teacher_sizes(A14B, "float32")
-    return Needs.of(s, placement_choice.activation_bytes(s, 4, 480, 832, 1))
+    return Needs.of(s, placement_choice.activation_bytes(s, RunShape()))
 
 
 @pytest.mark.parametrize("ram, placement, order", [(256, "cpu", "step"), (128, "cpu", "expert"), (32, "disk", "step")])
@@ -109,7 +110,7 @@ def test_balanced_map_never_splits_a_block(a14b_needs):
 
     model = meta_transformer(A14B, "transformer", real_buffers=False)
     cap = 20 * GiB
-    dmap = device_map_for(model, "balanced", {0: cap, 1: cap, 2: cap, 3: cap, "cpu": 100 * GiB}, torch.bfloat16)
+    dmap = device_map_for(model, True, {0: cap, 1: cap, 2: cap, 3: cap, "cpu": 100 * GiB}, torch.bfloat16)
     assert all(not k.startswith("blocks.") or k.count(".") == 1 for k in dmap), "a WanTransformerBlock was split"
     per_dev = map_bytes(model, dmap, torch.bfloat16)
     assert set(per_dev) == {"cuda:0", "cuda:1", "cuda:2", "cuda:3"}
@@ -118,7 +119,7 @@ def test_balanced_map_never_splits_a_block(a14b_needs):
 
 
 def test_plan_reports_layout(a14b_bf16):
-    p = make_plan(str(A14B), "offload", "bfloat16", inventory=_inv([24], 256, 2000))
+    p = make_plan(str(A14B), "offload", RunShape(dtype="bfloat16"), inventory=_inv([24], 256, 2000))
     comps = {c["name"]: c for c in p.components}
     one = comps["transformer"]["bytes"]
     assert p.placement == "offload" and p.expert_order == "step"
@@ -131,7 +132,7 @@ def test_plan_reports_layout(a14b_bf16):
     assert p.resident_bytes["cuda:0"] == 2 * layer + p.activations_bytes
     assert "one layer at a time on cuda:0" in comps["transformer"]["where"]
     assert "not loaded in stage one" in comps["vae"]["where"]
-    d = make_plan(str(A14B), "disk", "bfloat16", inventory=_inv([], 64, 2000))
+    d = make_plan(str(A14B), "disk", RunShape(dtype="bfloat16"), inventory=_inv([], 64, 2000))
     assert d.resident_bytes["cpu"] < 4 * GiB and d.resident_bytes["disk"] == 2 * one
 
 

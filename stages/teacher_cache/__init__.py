@@ -1,10 +1,10 @@
 """Stage one: run the teacher once over prompts × seeds × steps and write the cache.
 
-What the CLI needs: `run` (the stage), `dry_run` (`--dry-run`) and `plan_from_flags` (`wandistiller plan`); the CLI
-builds the config (`pipeline.legacy_flags.config_from_flags`)."""
+What the CLI needs: `run` (the stage), `dry_run` (`--dry-run`: the plan the run executes, printed) and
+`plan_from_flags` (`wandistiller plan`)."""
 
-from .cache_dry_run import dry_run
-from .plan_report import plan_from_flags
 from .make_cache import run
+from .part_plan import dry_run
+from .plan_report import plan_from_flags
 
 __all__ = ["dry_run", "plan_from_flags", "run"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.registries import placement_entry
+
 
 @dataclass(frozen=True)
 class StepFigure:
@@ -31,16 +33,6 @@ STEP_TABLE = (
                0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
 )
 
-# A placement's speed against `cuda` for the same step, where it was measured at A14B sizes (docs/placements.md);
-# None: not measured there, so `plan` asks for --measure or --step-time instead of guessing.
-PLACEMENT_SPEED = {
-    "cuda": (1.0, ""),
-    "balanced": (1.0, "one GPU computes at a time, as one replica would (not measured)"),
-    "sequential": (1.0, "one GPU computes at a time, as one replica would (not measured)"),
-    "offload": (0.71, "offload runs at 0.71x of cuda (an A14B expert on an H100, docs/placements.md)"),
-}
-
-
 @dataclass(frozen=True)
 class StepTime:
     """Seconds of one teacher step of one trajectory with the chosen placement, and where the figure comes from."""
@@ -56,7 +48,7 @@ def table_step_time(transformer_config: dict, tokens: int, placement: str) -> St
     c = transformer_config
     shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
     fig = next((f for f in STEP_TABLE if f.shape == shape), None)
-    speed = PLACEMENT_SPEED.get(placement)
+    speed = placement_entry(placement).caps.speed  # None: not measured at A14B sizes (docs/placements.md)
     if fig is None or speed is None:
         return None
     base = (fig.frames - 1) // 4 + 1  # the table's latent frames (Wan's VAE: 4x in time, 16x in space with patch 2)

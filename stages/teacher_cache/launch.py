@@ -5,10 +5,10 @@ Stage one's unit of parallelism is the part: prompt i belongs to part i % parts,
 
 - a placement that runs a replica on one GPU (`cuda`, or `offload`/`disk` streaming to one) gives every GPU its
   own process: torchrun with one rank per GPU (ranks = parts); across nodes a multi-node torchrun, or one part per
-  SLURM array task. For `cuda` this is the default whenever a replica (or one expert at a time) fits one GPU: all
-  GPUs compute at once;
-- a placement that spreads one replica over a node's GPUs (`balanced`, `sequential`, a device map) is one process
-  per node, parts = nodes. It keeps one GPU busy at a time, so `plan` picks it only where no single GPU holds a
+  SLURM array task. For a placement whose capabilities say `replica_per_gpu` (`cuda`) this is the default whenever
+  a replica (or one expert at a time) fits one GPU: all GPUs compute at once;
+- a placement that `spreads` one replica over a node's GPUs (`balanced`, `sequential`) is one process per node,
+  parts = nodes. It keeps one GPU busy at a time, so `plan` picks it only where no single GPU holds a
   replica (planner.decide).
 
 The streamed placements take one process per node unless --ranks-per-node says more (their RAM is shared by the
@@ -49,16 +49,16 @@ def plan_launch(placement: str, nodes: int, gpus_per_node: int, ranks_given: int
                 teacher_cache: list[str]) -> Launch:
     """The processes of stage one for `placement` (a concrete one, as `plan` resolved it) on `nodes` nodes of
     `gpus_per_node` GPUs, and their commands; `teacher_cache` is the `wandistiller teacher-cache ...` words."""
-    entry = placements.get(placement)
-    if entry.whole_machine:
+    caps = placements.get(placement).caps
+    if caps.spreads:
         ranks, gpus = 1, gpus_per_node
         how = (f"one process per node spreads its replica over the node's {gpus_per_node} GPUs (one GPU computes at a "
                "time: a replica fits no single GPU)")
-    elif entry.gpu == "no" or not gpus_per_node:
+    elif caps.gpu == "no" or not gpus_per_node:
         ranks, gpus = ranks_given or 1, 0
         how = f"{ranks} process{'es' if ranks > 1 else ''} per node on the CPU"
     else:
-        ranks = ranks_given or (gpus_per_node if entry.name == "cuda" else 1)
+        ranks = ranks_given or (gpus_per_node if caps.replica_per_gpu else 1)
         if ranks > gpus_per_node:
             raise UserError(f"--ranks-per-node {ranks} is more than the {gpus_per_node} GPU(s) of a node: each rank of "
                             f"placement {placement} computes on its own GPU; use at most {gpus_per_node}")
@@ -66,7 +66,7 @@ def plan_launch(placement: str, nodes: int, gpus_per_node: int, ranks_given: int
         how = ("the replica on the node's one GPU" if gpus_per_node == 1 else
                "one replica per GPU, all computing at once" if ranks == gpus_per_node else
                f"{ranks} of the {gpus_per_node} GPUs of a node, one process each")
-    launch = Launch(entry.name if entry.name != "map" else placement, nodes, ranks, gpus, how)
+    launch = Launch(placement, nodes, ranks, gpus, how)
     launch.commands = _commands(launch, teacher_cache)
     return launch
 
@@ -130,6 +130,6 @@ def teacher_cache_words(teacher: str, revision: str | None, placement: str, give
     if revision:
         words += ["--revision", revision]
     words += ["--prompts", "PROMPTS.txt", "--out", "CACHE_DIR", "--placement", placement]
-    for flag, value in given.items():
-        words += [flag, str(value)]
+    for flag, value in given.items():  # a switch: value None
+        words += [flag] if value is None else [flag, str(value)]
     return words

@@ -34,16 +34,17 @@ from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
-from pipeline.prompts import dedupe, prompt_set_sha256, read_prompt_file
+from pipeline.prompts import prompt_set_sha256
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
 from . import disk_space, outdir, placements
 from .blocks import BlockSink, denoise, expert_window
 from .encode import encode_prompts, iter_encoded
 from .feature_hooks import FeatureRecorder
+from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
 from .throughput import StageOneProgress
-from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder, resolve_teacher
+from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder
 from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
 
 if TYPE_CHECKING:
@@ -53,24 +54,12 @@ if TYPE_CHECKING:
 NOISE_ROWS = F.ROWS_PER_FILE
 
 
-def _resolve_parts(cfg: TeacherCacheConfig) -> tuple[int, int, bool]:
-    """(part, num_parts, under torchrun). Also refuses, before torchrun's process group is set up and before
-    any rank touches a device, a placement that cannot run here (e.g. more ranks than GPUs)."""
-    env = dist_env()
-    if cfg.num_parts is not None and env.world_size > 1:
-        raise UserError("--part/--num-parts cannot be combined with torchrun (each rank is a part already)")
-    placements.validate(cfg)
-    if cfg.num_parts is not None:
-        return cfg.part, cfg.num_parts, False
-    return env.rank, env.world_size, env.world_size > 1
-
-
 @signals.handle_sigterm()
 def run(cfg: TeacherCacheConfig) -> dict:
     """Build (or resume) the cache described by `cfg`; returns the closing summary. SIGTERM: exit 143 once the
     finished blocks are recorded (see `_run_blocks`); the same command resumes."""
     t0 = time.time()
-    part, num_parts, torchrun = _resolve_parts(cfg)
+    part, num_parts, torchrun = resolve_parts(cfg)
     if torchrun:
         init_distributed(use_cuda=placements.get(cfg.placement).uses_rank_gpu())
     try:
@@ -86,7 +75,10 @@ def run(cfg: TeacherCacheConfig) -> dict:
 
 
 def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0: float) -> dict:
-    job = _setup(cfg, part, num_parts, torchrun, *_prompts(cfg, part, num_parts))
+    plan = plan_part(cfg, part, num_parts, torchrun)
+    if plan.dropped:
+        print0(f"dropped {plan.dropped} duplicate prompt(s); {len(plan.prompts)} unique")
+    job = _setup(plan)
     prog = _open_part(job)
     loop_s = 0.0
     if not prog.complete:
@@ -153,27 +145,10 @@ class _Part:
         return [traj[i:i + self.cfg.batch_size] for i in range(0, len(traj), self.cfg.batch_size)]
 
 
-def _prompts(cfg: TeacherCacheConfig, part: int, num_parts: int) -> tuple[list[str], list[int]]:
-    """The prompt set, validated and deduplicated (prompt_idx = order of first appearance), and the prompt_idx
-    of this part: idx % num_parts == part."""
-    prompts, dropped = dedupe(read_prompt_file(cfg.prompts))
-    if dropped:
-        print0(f"dropped {dropped} duplicate prompt(s); {len(prompts)} unique")
-    rows = list(range(part, len(prompts), num_parts))
-    if not rows:
-        raise UserError(f"part {part} of {num_parts} gets no prompt: the file has only {len(prompts)}; "
-                        "use fewer parts")
-    return prompts, rows
-
-
-def _setup(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, prompts: list[str],
-           rows: list[int]) -> _Part:
-    """The teacher's configs (no weights yet), its placement, the sampler's schedule and the fingerprint."""
-    spec = resolve_teacher(cfg.teacher, cfg.revision)
-    spec.check_sizes(cfg.height, cfg.width, cfg.frames)
-    if cfg.guidance_2 is not None and spec.boundary_ratio is None:
-        raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
-    placement = placements.choose_placement(cfg, spec)
+def _setup(plan: PartPlan) -> _Part:
+    """The placement of the planned part, the sampler's schedule and the fingerprint (no weights yet)."""
+    cfg, spec, prompts = plan.cfg, plan.spec, plan.prompts
+    placement = placements.get(cfg.placement).resolve(cfg, spec)
     scheduler = load_scheduler(spec)
     guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if spec.boundary_ratio else None)
     schedule = Schedule.build(scheduler, cfg.steps, spec.boundary_ratio, cfg.guidance, guidance_2)
@@ -199,8 +174,8 @@ def _setup(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, p
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     header[F.F_TEACHER_IDENTITY] = spec.identity()
     fp = settings_fingerprint(header)
-    return _Part(cfg, part, num_parts, torchrun, prompts, rows, spec, placement, scheduler, schedule, latent_shape,
-                 header, fp)
+    return _Part(cfg, plan.part, plan.num_parts, plan.torchrun, prompts, plan.rows, spec, placement, scheduler,
+                 schedule, latent_shape, header, fp)
 
 
 def _feature_header(cfg: TeacherCacheConfig, spec: TeacherSpec, latent_shape) -> dict:
@@ -247,13 +222,8 @@ def _open_part(job: _Part) -> PartProgress:
         _refuse_other_settings(job)
     job.part_dir.mkdir(parents=True, exist_ok=True)
     prog = PartProgress.load(out, part)
-    if prog is not None and prog.batch_size != cfg.batch_size:
-        raise UserError(f"part {part} of {out} was started with --batch-size {prog.batch_size}; resume with that "
-                        "value or add --overwrite to start again")
-    if prog is not None and prog.samples_per_shard != cfg.samples_per_shard:
-        # Shard boundaries are part of the cache's bytes: another value would not equal an uninterrupted run.
-        raise UserError(f"part {part} of {out} was started with --samples-per-shard {prog.samples_per_shard}; "
-                        "resume with that value or add --overwrite to start again")
+    if prog is not None:
+        check_resume(prog, cfg, out)
     disk_space.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
                     job.torchrun)
     save_resolved(cfg, job.part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
@@ -289,11 +259,11 @@ def _refuse_other_settings(job: _Part) -> None:
         if m is not None and m[F.F_FINGERPRINT] != job.fingerprint:
             raise UserError(f"{out} holds a cache made with other settings (fingerprint {m[F.F_FINGERPRINT][:12]}, "
                             f"this run {job.fingerprint[:12]}); use a new --out or add --overwrite to replace it")
+    check_part_count(out, job.num_parts)
     for p in list_parts(out):
-        other = PartProgress.load(out, p)
-        if other.fingerprint != job.fingerprint or other.num_parts != job.num_parts:
-            raise UserError(f"{out} holds part {p} of a run with other settings or part count "
-                            f"({other.num_parts} parts); use a new --out or add --overwrite to replace it")
+        if PartProgress.load(out, p).fingerprint != job.fingerprint:
+            raise UserError(f"{out} holds part {p} of a run with other settings; use a new --out or add --overwrite "
+                            "to replace it")
 
 
 def _encode(job: _Part, prog: PartProgress) -> None:

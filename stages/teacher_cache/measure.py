@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -24,14 +25,13 @@ from .teacher import ExpertSet, load_scheduler, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner
 
 
-def measure_step(teacher: str, revision: str | None, placement: str, run: dict, log=print) -> StepTime:
-    """Seconds of one teacher step of one trajectory (a batch of `run["batch_size"]` timed, divided by it), run with
-    `placement` and the run settings `run` (TeacherCacheConfig names: dtype, batch_size, height, ...)."""
-    spec = resolve_teacher(teacher, revision)
-    spec.check_sizes(run["height"], run["width"], run["frames"])
+def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime:
+    """Seconds of one teacher step of one trajectory (a batch of `run.batch_size` timed, divided by it), run with
+    `placement` (the concrete one `plan` chose) and the run's shape."""
+    spec = resolve_teacher(run.teacher, run.revision)
+    spec.check_sizes(run.height, run.width, run.frames)
     with tempfile.TemporaryDirectory(prefix="wandistiller-measure-") as tmp:
-        cfg = TeacherCacheConfig(teacher=teacher, revision=revision, prompts="(plan --measure)", out=tmp,
-                                 placement=placement, **run)
+        cfg = replace(run, prompts="(plan --measure)", out=tmp, placement=placement)
         try:
             p = placements.choose_placement(cfg, spec)
         except UserError as e:

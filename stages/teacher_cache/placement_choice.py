@@ -14,8 +14,9 @@ machines. Its rules, in order (the first that fits wins):
 4. otherwise the weights are streamed from disk             -> disk
 Without a GPU: the experts fit in RAM -> cpu (expert-major if only one fits), else disk.
 
-What each placement then keeps where (what `wandistiller plan` prints) is the placement's own `layout`
-(placements/); this module knows no placement beyond the names `decide` returns.
+Each rule names the placement it returns by its capabilities (pipeline/registries.py: a replica per GPU, spread over
+the GPUs, streamed from RAM or disk, no GPU), never by its name; a placement `auto` must not pick says `auto=False`.
+What each placement then keeps where (what `wandistiller plan` prints) is the placement's own `layout` (placements/).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config import RunShape
 from pipeline.errors import UserError
+from pipeline.registries import PLACEMENTS
 from pipeline.settings import parse_bytes, parse_gpus
 
 GiB = 2**30
@@ -259,9 +262,8 @@ def tokens_per_sample(sizes: TeacherSizes, height: int, width: int, frames: int)
     return (f // pt) * (height // sizes.vae_spatial // ph) * (width // sizes.vae_spatial // pw)
 
 
-def activation_bytes(sizes: TeacherSizes, batch: int, height: int, width: int, frames: int, cfg: bool = True,
-                     text_len: int = 512) -> int:
-    """Peak activation memory of one transformer forward for a block of `batch` trajectories (estimate).
+def activation_bytes(sizes: TeacherSizes, shape: RunShape) -> int:
+    """Peak activation memory of one transformer forward for a block of `shape.batch_size` trajectories (estimate).
 
     Counts the large tensors alive inside one WanTransformerBlock: the hidden states and their float32 copy,
     q/k/v and the attention output (~8 x dim per token), the FFN's intermediate and its activation (2 x ffn
@@ -271,10 +273,10 @@ def activation_bytes(sizes: TeacherSizes, batch: int, height: int, width: int, f
     c = sizes.transformer_config
     dim = c["num_attention_heads"] * c["attention_head_dim"]
     b = DTYPE_BYTES[sizes.dtype]
-    seqs = batch * (2 if cfg else 1)
-    s = tokens_per_sample(sizes, height, width, frames)
+    seqs = shape.batch_size * (2 if shape.guidance > 1.0 else 1)  # CFG: both branches in one forward
+    s = tokens_per_sample(sizes, shape.height, shape.width, shape.frames)
     per_token = (8 * dim + 2 * c["ffn_dim"]) * b
-    return int(ACTIVATION_SAFETY * (seqs * s * per_token + seqs * text_len * 3 * dim * b))
+    return int(ACTIVATION_SAFETY * (seqs * s * per_token + seqs * shape.max_sequence_length * 3 * dim * b))
 
 
 # --- the decision --------------------------------------------------------------------------------------------
@@ -334,9 +336,14 @@ def machines_that_fit(needs: Needs, ranks_per_node: int = 1) -> list[str]:
             f"disk: {gib(both * ranks_per_node / 0.95)} free under --offload-dir (weights streamed block by block)"]
 
 
+def pick(**caps) -> str:
+    """The first placement `auto` may pick that has these capabilities."""
+    return PLACEMENTS.where(auto=True, **caps)[0].name
+
+
 @dataclass(frozen=True)
 class Decision:
-    placement: str  # cpu | cuda | balanced | offload | disk
+    placement: str  # a placement's name
     expert_order: str  # step | expert
     reasons: list[str] = field(default_factory=list)
 
@@ -370,11 +377,11 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
             why.append(f"{what} {gib(both)} + activations {gib(act)} fit one GPU ({gib(gpu)} usable)")
             if inv.ranks_per_node > 1:
                 why.append("under torchrun each rank holds one replica on its own GPU; the parts split the prompts")
-            return Decision("cuda", "step", why)
+            return Decision(pick(replica_per_gpu=True), "step", why)
         if two and one + act <= gpu:
             why.append(f"one expert {gib(one)} + activations {gib(act)} fits one GPU ({gib(gpu)} usable), both "
                        f"{gib(both)} do not: expert-major order keeps one expert resident at a time")
-            return Decision("cuda", "expert", why)
+            return Decision(pick(replica_per_gpu=True), "expert", why)
         why.append(f"{what} {gib(both)} + activations {gib(act)} does not fit one GPU ({gib(gpu)} usable)")
         if len(inv.gpus) > 1 and inv.ranks_per_node == 1:
             caps = [inv.usable_gpu(i) - act for i in range(len(inv.gpus))]
@@ -382,11 +389,11 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
             if fits_across(expert_pieces(needs, len(needs.experts)), caps):
                 why.append(f"{what} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
                            "no block split")
-                return Decision("balanced", "step", why)
+                return Decision(pick(spreads=True), "step", why)
             if two and fits_across(expert_pieces(needs, 1), caps):
                 why.append(f"one expert fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
                            "both do not: expert-major order")
-                return Decision("balanced", "expert", why)
+                return Decision(pick(spreads=True), "expert", why)
             why.append(f"the experts do not fit across the {len(inv.gpus)} GPUs either")
         elif len(inv.gpus) > 1:
             why.append("balanced is not used under torchrun (every rank would spread over every GPU)")
@@ -395,7 +402,7 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
             if both <= ram or one <= ram:
                 why.append(f"{'both experts' if both <= ram else 'one expert'} fit in RAM ({gib(ram)} usable per "
                            f"rank); the GPU holds two layers + activations ({gib(stream_gpu)})")
-                return Decision("offload", "step" if both <= ram else "expert", why)
+                return Decision(pick(streams="ram"), "step" if both <= ram else "expert", why)
             why.append(f"no expert fits in RAM ({gib(ram)} usable per rank)")
         else:
             why.append(f"even two streamed layers + activations ({gib(stream_gpu)}) do not fit the GPU; lower "
@@ -404,15 +411,15 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         if both + act <= ram:
             why.append(f"no GPU; {'both experts' if two else 'the transformer'} {gib(both)} + activations "
                        f"{gib(act)} fit in RAM ({gib(ram)} usable)")
-            return Decision("cpu", "step", why)
+            return Decision(pick(gpu="no"), "step", why)
         if two and one + act <= ram:
             why.append(f"no GPU; one expert {gib(one)} + activations {gib(act)} fits in RAM ({gib(ram)} usable), "
                        f"both {gib(both)} do not: expert-major order")
-            return Decision("cpu", "expert", why)
+            return Decision(pick(gpu="no"), "expert", why)
         why.append(f"no GPU, and the weights ({gib(both)}) + activations do not fit in RAM ({gib(ram)} usable)")
     if both <= inv.usable_disk:
         why.append(f"weights streamed from the offload folder ({gib(both)} of {gib(inv.usable_disk)} free disk); "
                    "RAM holds one block at a time")
-        return Decision("disk", "step", why)
+        return Decision(pick(streams="disk"), "step", why)
     raise FitsNowhere("the teacher fits nowhere on this machine: " + "; ".join(why) +
                       f"; the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)", needs, inv)

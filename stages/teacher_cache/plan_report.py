@@ -5,16 +5,17 @@ entry (placements/)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from cache import format as F
 from cache.size import human, project
-from pipeline.config import PlanSettings, TeacherCacheConfig
+from pipeline.config import PlanSettings, RunShape, TeacherCacheConfig, TeacherRun
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, teacher_folder
+from pipeline.settings import name_of
 
 from . import costs, launch, placements
 from .placements.device_map import parse_max_memory, read_device_map
@@ -100,32 +101,28 @@ class Plan:
         return launch.Launch(**d)
 
 
-def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, batch_size: int = 4,
-              height: int = 480, width: int = 832, frames: int = 1, text_len: int = 512, cfg: bool = True,
-              inventory: Inventory | None = None, max_memory: dict | None = None, device_map: dict | None = None,
-              expert_order: str = "auto") -> Plan:
+def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(), inventory: Inventory | None = None,
+              max_memory: dict | None = None, device_map: dict | None = None, expert_order: str = "auto") -> Plan:
     """Sizes, layout and (for auto) the decision for running `teacher` with `placement` on `inventory`."""
     inv = inventory or Inventory.measure()
-    gpu_exec = bool(inv.gpus) and placement != "cpu"
+    entry = placements.get(placement)
+    gpu_exec = bool(inv.gpus) and entry.caps.gpu != "no"
     if device_map is not None:
         gpu_exec = any(isinstance(v, int) for v in device_map.values())
-    dtype = dtype or ("bfloat16" if gpu_exec else "float32")
-    sizes = teacher_sizes(teacher, dtype)
-    act = activation_bytes(sizes, batch_size, height, width, frames, cfg, text_len)
-    needs = Needs.of(sizes, act)
+    shape = replace(shape, dtype=shape.dtype or ("bfloat16" if gpu_exec else "float32"))
+    sizes = teacher_sizes(teacher, shape.dtype)
+    needs = Needs.of(sizes, activation_bytes(sizes, shape))
     notes: list[str] = []
-    if placement == "auto":
+    if entry.caps.picks:
         try:
             d = decide(needs, inv)
         except FitsNowhere as e:  # the figures, so the user sees how far off each machine is
-            raise NoPlacement(e.line, _nowhere(teacher, dtype, batch_size, height, width, frames, cfg, text_len,
-                                               inv)) from e
+            raise NoPlacement(e.line, _nowhere(teacher, shape, inv)) from e
         entry, order, why = placements.get(d.placement), d.expert_order, d.reasons
     else:
-        entry = placements.get(placement)
         order = entry.expert_order(needs, inv)
         why = [f"placement {placement} requested"]
-        if entry.gpu == "required" and not inv.gpus:
+        if entry.caps.gpu == "required" and not inv.gpus:
             notes.append(f"{entry.name} needs a CUDA GPU and this inventory has none: it would stop with an error")
     if expert_order in ("step", "expert") and len(sizes.experts) > 1:
         order = expert_order
@@ -141,9 +138,10 @@ def make_plan(teacher: str, placement: str = "auto", dtype: str | None = None, b
             comps.append({"name": name, "class": c.cls, "params": c.params, "bytes": c.bytes, "where": where[name],
                           "blocks": c.blocks, "block_bytes": c.block_bytes, "checkpoint_bytes": c.checkpoint_bytes,
                           "checkpoint_dtype": c.checkpoint_dtype})
-    return Plan(teacher, dtype, batch_size, height, width, frames, tokens_per_sample(sizes, height, width, frames),
-                asdict(inv) | {"describe": inv.describe()}, placement, placement if entry.name == "map" else entry.name,
-                order, comps, act, layout.resident, layout.streamed, why, notes)
+    return Plan(teacher, shape.dtype, shape.batch_size, shape.height, shape.width, shape.frames,
+                tokens_per_sample(sizes, shape.height, shape.width, shape.frames),
+                asdict(inv) | {"describe": inv.describe()}, placement, placement if entry.caps.json_map else entry.name,
+                order, comps, needs.activations, layout.resident, layout.streamed, why, notes)
 
 
 class NoPlacement(UserError):
@@ -158,15 +156,15 @@ class NoPlacement(UserError):
         return json.dumps({"fits": False, "error": self.line, **self.report}, indent=2)
 
 
-def _nowhere(teacher: str, dtype: str, batch_size: int, height: int, width: int, frames: int, cfg: bool,
-             text_len: int, inv: Inventory) -> dict:
+def _nowhere(teacher: str, shape: RunShape, inv: Inventory) -> dict:
     """Each component's parameters and bytes at each dtype, the activations, and per dtype the least machine of
     each placement that would hold it."""
-    dtypes = list(dict.fromkeys([dtype, *(d for d in DTYPE_BYTES if d != "float16")]))  # float16 weighs as bfloat16
+    dtypes = list(dict.fromkeys([shape.dtype, *(d for d in DTYPE_BYTES if d != "float16")]))  # fp16 weighs as bf16
     sizes = {d: teacher_sizes(teacher, d) for d in dtypes}
-    acts = {d: activation_bytes(sizes[d], batch_size, height, width, frames, cfg, text_len) for d in dtypes}
-    first = sizes[dtype]
-    return {"dtype": dtype, "batch_size": batch_size, "height": height, "width": width, "frames": frames,
+    acts = {d: activation_bytes(sizes[d], shape) for d in dtypes}
+    first = sizes[shape.dtype]
+    return {"dtype": shape.dtype, "batch_size": shape.batch_size, "height": shape.height, "width": shape.width,
+            "frames": shape.frames,
             "components": [{"name": name, "class": first.components[name].cls,
                             "params": first.components[name].params,
                             "bytes": {d: sizes[d].components[name].bytes for d in dtypes}}
@@ -202,11 +200,9 @@ def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     return []
 
 
-# The run settings `plan` takes from teacher-cache (flags or --config), and gives back in the printed command.
-RUN_FLAGS = ("dtype", "batch_size", "height", "width", "frames", "max_sequence_length", "seeds_per_prompt", "steps",
-             "record_steps", "max_memory", "offload_dir", "expert_order")
 # What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
 PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
+_NAMED = ("teacher", "revision", "placement")  # in the printed command's first words
 
 
 def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: tuple[str, ...] = (),
@@ -220,34 +216,41 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     and --out), checked as teacher-cache checks it; `given`: its settings given as flags. The printed command passes
     `config_file` on, and every flag given (without a config file, those off their default), so that it writes the
     cache planned: the file's other settings (guidance, the negative prompt) change the cache too."""
-    run = {f: getattr(cfg, f) for f in RUN_FLAGS}
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
-    inv = _inventory(settings, run["offload_dir"])
+    inv = _inventory(settings, cfg.offload_dir)
     dmap = read_device_map(placement, check_devices=not _assumed_gpus(settings))[0] \
-        if placement.endswith(".json") else None
-    plan = make_plan(str(root), placement, run["dtype"], run["batch_size"], run["height"], run["width"], run["frames"],
-                     run["max_sequence_length"], inventory=inv, max_memory=parse_max_memory(run["max_memory"]),
-                     device_map=dmap, expert_order=run["expert_order"])
+        if placements.get(placement).caps.json_map else None
+    plan = make_plan(str(root), placement, cfg, inventory=inv, max_memory=parse_max_memory(cfg.max_memory),
+                     device_map=dmap, expert_order=cfg.expert_order)
     # teacher-cache's own check of the sizes (frames 1 or 4k+1, VAE and patch multiples, the rotary table), so that
     # plan does not print a command the run refuses
-    configs_spec(root, teacher).check_sizes(run["height"], run["width"], run["frames"])
+    spec = configs_spec(root, teacher)
+    spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if root != Path(teacher).expanduser():  # a Hub id
         plan.teacher, plan.source = teacher, f"revision {revision or 'main'}, configs from {root}"
-    plan.cache = cache_projection(str(root), plan.dtype, run["height"], run["width"], run["frames"],
-                                  run["max_sequence_length"], settings.prompts, run["seeds_per_prompt"], run["steps"],
-                                  run["record_steps"], run["batch_size"])
+    plan.cache = cache_projection(spec, replace(cfg, dtype=plan.dtype), settings.prompts)
     flags = {"--config": config_file} if config_file else {}
-    flags |= {f"--{k.replace('_', '-')}": v for k, v in run.items()
-              if k in given and (config_file or v != getattr(TeacherCacheConfig, k))}
+    for f in fields(TeacherRun):
+        value = getattr(cfg, f.name)
+        if f.name in given and f.name not in _NAMED and (config_file or value != f.default):
+            flags |= _flag(f, value)
     words = launch.teacher_cache_words(teacher, revision, plan.placement, flags)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
-    step = _step_time(settings, plan, root, teacher, revision, run)
+    step = _step_time(settings, plan, root, cfg)
     if step is not None and settings.prompts:
-        plan.time = costs.project(settings.prompts, run["seeds_per_prompt"], run["steps"], step,
+        plan.time = costs.project(settings.prompts, cfg.seeds_per_prompt, cfg.steps, step,
                                   plan.launch["parts"], plan.launch["gpus_per_rank"])
     return plan
+
+
+def _flag(f, value) -> dict:
+    """{flag: value} of a setting as the printed command gives it (a switch alone: value None)."""
+    if isinstance(value, bool):
+        on, _, off = (f.metadata.get("flag") or name_of(f)).partition("/")
+        return {f"--{on}" if value else f"--{off or 'no-' + on}": None}
+    return {f"--{name_of(f)}": ",".join(map(str, value)) if isinstance(value, tuple) else value}
 
 
 def _assumed_gpus(s: PlanSettings) -> bool:
@@ -272,39 +275,37 @@ def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
     return Inventory.assume(gpus, s.assume_ram, s.assume_disk, ranks, measured)
 
 
-def _step_time(s: PlanSettings, plan: Plan, root: Path, teacher: str, revision: str | None,
-               run: dict) -> costs.StepTime | None:
+def _step_time(s: PlanSettings, plan: Plan, root: Path, cfg: TeacherCacheConfig) -> costs.StepTime | None:
     """--step-time, else one step measured here (--measure), else the table's figure for the teacher's shape."""
     if s.step_time is not None:
         return costs.StepTime(s.step_time, "--step-time")
     if s.measure:
         from .measure import measure_step
 
-        return measure_step(teacher, revision, plan.placement, {k: v for k, v in run.items()
-                                                                if k not in ("seeds_per_prompt", "steps",
-                                                                             "record_steps")})
+        return measure_step(cfg, plan.placement)
     first = next(c["name"] for c in plan.components if c["class"] == "WanTransformer3DModel")
     config = json.loads((root / first / "config.json").read_text())
     return costs.table_step_time(config, plan.tokens_per_sample, plan.placement)
 
 
-def cache_projection(teacher: str, dtype: str, height: int, width: int, frames: int, max_sequence_length: int,
-                     prompts: int | None, seeds_per_prompt: int, steps: int, record_steps: int | None,
-                     batch_size: int) -> dict:
-    """The bytes of the cache this run would write (plain samples: x_t and target; `cache.size`), per sample and
-    per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length tokens, the
-    bound (only a prompt's real tokens are stored)."""
-    spec = configs_spec(Path(teacher), teacher)
-    recorded = min(record_steps or steps, steps)
-    settings = {F.F_DTYPE: dtype, F.F_LATENT_SHAPE: list(spec.latent_shape(height, width, frames)),
-                F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: max_sequence_length,
-                F.F_SEEDS_PER_PROMPT: seeds_per_prompt, F.F_STEPS: steps,
-                F.F_RECORDED_STEPS: list(range(recorded))}  # which steps does not change the size
-    size = project(settings, prompts or 1, batch_size=batch_size,
+def cache_projection(spec: TeacherSpec, run: TeacherRun, prompts: int | None) -> dict:
+    """The bytes of the cache `run` would write (each sample's declared fields for its settings: `cache.size`), per
+    sample and per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length
+    tokens, the bound (only a prompt's real tokens are stored)."""
+    from .make_cache import _feature_header
+
+    recorded = min(run.record_steps or run.steps, run.steps)
+    latent_shape = spec.latent_shape(run.height, run.width, run.frames)
+    settings = {F.F_DTYPE: run.dtype, F.F_LATENT_SHAPE: list(latent_shape),
+                F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: run.max_sequence_length,
+                F.F_SEEDS_PER_PROMPT: run.seeds_per_prompt, F.F_STEPS: run.steps,
+                F.F_RECORDED_STEPS: list(range(recorded)),  # which steps does not change the size
+                F.F_SAVE_COND_UNCOND: run.save_cond_uncond} | _feature_header(run, spec, latent_shape)
+    size = project(settings, prompts or 1, batch_size=run.batch_size,
                    samples_per_shard=TeacherCacheConfig.samples_per_shard)
-    per_prompt = seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
-    return {"steps": steps, "recorded_steps": recorded, "seeds_per_prompt": seeds_per_prompt,
-            "max_sequence_length": max_sequence_length,
+    per_prompt = run.seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
+    return {"steps": run.steps, "recorded_steps": recorded, "seeds_per_prompt": run.seeds_per_prompt,
+            "max_sequence_length": run.max_sequence_length,
             "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
             "bytes_per_prompt": round(per_prompt), "prompts": prompts,
             "total_bytes": size.total if prompts else None}

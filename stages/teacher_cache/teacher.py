@@ -181,6 +181,7 @@ class ExpertPlacement(Protocol):
 
     device: torch.device
     expert_major: bool
+    on_gpu: bool
 
     def load_expert(self, spec: TeacherSpec, comp: str, log) -> torch.nn.Module: ...
 
@@ -232,7 +233,7 @@ class ExpertSet:
             return
         self.models[expert - 1] = None
         gc.collect()
-        if self.placement.device.type == "cuda":
+        if self.placement.on_gpu:
             torch.cuda.empty_cache()
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Where the teacher's weights live while stage one runs: one registered entry per `--placement`.
+"""Where the teacher's weights live while stage one runs: one class per `--placement`, declared in
+pipeline/registries.py (its name, help, capabilities and this class's import path).
 
     module          --placement                     weights live
     cpu.py          cpu                             RAM, computed on the CPU
@@ -6,21 +7,16 @@
     device_map.py   balanced, sequential, X.json    spread over GPUs (and cpu/disk) by an accelerate map
     offload.py      offload                         RAM, streamed to the GPU layer by layer
     disk.py         disk                            an offload folder, streamed block by block
-    auto.py         auto                            the planner's pick (planner.decide)
+    auto.py         auto                            the planner's pick (placement_choice.decide)
 
-To add a placement: write a module here with a `PlacementKind` subclass (base.py says what each method is
-for), decorate it with `@register`, import the module below, and give it a row in docs/placements.md. If
-`auto` should pick it, add its rule to `planner.decide`. Stage one, `wandistiller plan` and `--help` find it
-through the registry; the cache does not change (placements are left out of the fingerprint).
+To add a placement: docs/architecture.md's recipe (a module here with a `PlacementKind` subclass, its declaration
+in pipeline/registries.py, a row in docs/placements.md). Stage one, `plan`, the launch and the cost code read its
+capabilities; the cache does not change (placements are left out of the fingerprint).
 """
 
 from __future__ import annotations
 
-# Each module registers its entries on import; this order is the order errors and `plan` list them in.
-from . import auto, cpu, cuda, device_map, offload, disk  # noqa: F401, I001
-from .base import (
-    REGISTRY, Layout, Placement, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get, names, register,
-)
+from .base import Layout, Placement, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get
 
 
 def validate(cfg) -> None:
@@ -33,8 +29,9 @@ def choose_placement(cfg, spec) -> Placement:
     """The placement this process runs with: the user's, checked, or (auto) the planner's pick."""
     entry = get(cfg.placement)
     entry.validate(cfg)
+    entry.check(cfg, spec)
     return entry.resolve(cfg, spec)
 
 
-__all__ = ["REGISTRY", "Layout", "Placement", "PlacementKind", "PlanInput", "check_ranks_fit_gpus",
-           "choose_placement", "default_dtype", "get", "names", "register", "validate"]
+__all__ = ["Layout", "Placement", "PlacementKind", "PlanInput", "check_ranks_fit_gpus", "choose_placement",
+           "default_dtype", "get", "validate"]

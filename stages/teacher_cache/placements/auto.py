@@ -7,29 +7,27 @@ from pipeline.errors import UserError
 from pipeline.runtime import dist_env
 
 from .. import placement_choice
-from .base import REGISTRY, Layout, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, measure, register
+from .base import Layout, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get, measure
 
 
-@register
 class Auto(PlacementKind):
-    name = "auto"
-    gpu = "if available"
 
     def validate(self, cfg) -> None:
-        if cfg.max_memory is not None:
-            raise UserError("--max-memory needs --placement balanced or sequential (auto picks its own budget)")
         if dist_env().world_size > 1 and self.uses_rank_gpu():
             check_ranks_fit_gpus("placement auto (on a machine with GPUs)")
+
+    def check(self, cfg, spec) -> None:
+        if cfg.max_memory is not None:
+            raise UserError("--max-memory needs --placement balanced or sequential (auto picks its own budget)")
 
     def resolve(self, cfg, spec):
         device = self.execution_device(cfg)
         dtype = cfg.dtype or default_dtype(device)
         needs, inv = measure(cfg, spec, dtype, gpus=device.type == "cuda")
         d = placement_choice.decide(needs, inv)
-        kind = d.placement
-        if dist_env().world_size > 1 and kind == "balanced":  # one rank per node: still one teacher per rank
-            kind = "offload"
-        entry = REGISTRY[kind]
+        entry = get(d.placement)
+        if dist_env().world_size > 1 and entry.caps.spreads:  # one rank per node: still one teacher per rank
+            entry = get(placement_choice.pick(streams="ram"))
         device = entry.execution_device(cfg)
         dtype = cfg.dtype or default_dtype(device)
         return entry.placement(cfg, spec, device, dtype, d.expert_order, needs.activations,

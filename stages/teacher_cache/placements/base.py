@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.errors import UserError
-from pipeline.registries import PLACEMENTS as DECLARED
+from pipeline.registries import PLACEMENTS, Entry, placement_entry
 from pipeline.runtime import dist_env
 
 from .. import placement_choice
@@ -24,29 +24,22 @@ from ..placement_choice import Inventory, Needs, TeacherSizes
 if TYPE_CHECKING:
     from ..teacher import TeacherSpec
 
-REGISTRY: dict[str, PlacementKind] = {}
+_LOADED: dict[str, PlacementKind] = {}
 
 
-def register(cls: type[PlacementKind]) -> type[PlacementKind]:
-    """Class decorator: make `cls` the entry of `--placement cls.name` (declared in pipeline/registries.py)."""
-    DECLARED.require(cls.name, cls.__name__)
-    if cls.name in REGISTRY:
-        raise ValueError(f"placement {cls.name!r} is registered twice")
-    REGISTRY[cls.name] = cls()
-    return cls
+def of_entry(entry: Entry) -> PlacementKind:
+    """The implementation of a declared placement (pipeline/registries.py names its class), made once."""
+    if entry.name not in _LOADED:
+        _LOADED[entry.name] = entry.load()(entry)
+    return _LOADED[entry.name]
 
 
 def get(name: str) -> PlacementKind:
-    """The entry of a `--placement` value (a path ending in .json is the `map` entry)."""
-    key = "map" if name.endswith(".json") else name
-    if key not in REGISTRY:
-        raise UserError(f"unknown placement {name!r}; use one of {', '.join(names())} or a device-map .json file")
-    return REGISTRY[key]
-
-
-def names() -> list[str]:
-    """The `--placement` words, in registration order (`map` is spelled as its .json path)."""
-    return [n for n in REGISTRY if n != "map"]
+    """The entry of a `--placement` value (a device-map .json path is the entry whose caps say `json_map`)."""
+    try:
+        return of_entry(placement_entry(name))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def default_dtype(device: torch.device) -> str:
@@ -78,11 +71,11 @@ def check_ranks_fit_gpus(what: str) -> None:
 class Placement:
     """A placement resolved for this process: what runs where, and in which order the experts run."""
 
-    kind: str  # the registry name: cpu | cuda | balanced | sequential | map | offload | disk
+    kind: str  # the registry name
     device: torch.device  # execution device: the latents live here and the model's output comes back here
     dtype: str
     expert_major: bool = False
-    device_map: dict | None = None  # kind "map": the validated user map (values int GPU index | cpu | disk)
+    device_map: dict | None = None  # a device-map .json: the validated user map (values int GPU index | cpu | disk)
     map_path: str | None = None
     max_memory: dict | None = None  # balanced/sequential: accelerate max_memory
     offload_dir: Path | None = None  # disk, and maps with disk entries
@@ -91,11 +84,15 @@ class Placement:
 
     @property
     def name(self) -> str:
-        return self.map_path if self.kind == "map" else self.kind
+        return self.map_path or self.kind
 
     @property
     def entry(self) -> PlacementKind:
-        return REGISTRY[self.kind]
+        return of_entry(PLACEMENTS[self.kind])
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -104,7 +101,7 @@ class Placement:
     @property
     def offloads_text_encoder(self) -> bool:
         """Keep the text encoder in RAM and move it to the GPU as a whole to encode (model-level offload)."""
-        return self.entry.offloads_text_encoder and self.device.type == "cuda"
+        return self.entry.caps.offloads_text_encoder and self.on_gpu
 
     def load_expert(self, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
         """Expert `comp` of the teacher, its weights where this placement keeps them, ready to run."""
@@ -146,43 +143,46 @@ class Layout:
 
 
 class PlacementKind:
-    """One `--placement`: subclass it in a module of this package, decorate the class with `@register`.
+    """One `--placement`: subclass it in a module of this package and declare it, with its capabilities and the
+    class's import path, in pipeline/registries.py.
 
-    The class attributes say what the placement needs; the methods that differ are overridden. In the order
-    stage one calls them: `validate` (before torchrun's process group and before any weight), `resolve` (the
+    The entry's capabilities (`caps`) say what the placement needs; the methods that differ are overridden. In the
+    order stage one calls them: `validate` (before torchrun's process group and before any weight), `resolve` (the
     `Placement` of this run), `load_expert` (once per expert, or per expert-major window), and, for
     `wandistiller plan`, `expert_order` and `layout`.
     """
 
-    name: ClassVar[str]
-    # "required": stops without CUDA; "if available": computes on the rank's GPU when one is visible, else on
-    # the CPU; "no": never touches CUDA.
-    gpu: ClassVar[str] = "no"
-    without_gpu: ClassVar[str] = "cpu"  # what to suggest when a required GPU is missing
-    whole_machine: ClassVar[bool] = False  # spreads one teacher over every GPU: refused under torchrun
-    takes_max_memory: ClassVar[bool] = False  # --max-memory is its budget
-    offloads_text_encoder: ClassVar[bool] = False  # on a GPU, the text encoder too stays in RAM
+    def __init__(self, entry: Entry):
+        self.name, self.caps = entry.name, entry.caps
 
     # --- before anything loads -------------------------------------------------------------------------------
 
     def uses_rank_gpu(self) -> bool:
         """Whether each process computes on its own GPU (`cuda:LOCAL_RANK` under torchrun)."""
-        return self.gpu == "required" or self.gpu == "if available" and torch.cuda.is_available()
+        return self.caps.gpu == "required" or self.caps.gpu == "if available" and torch.cuda.is_available()
 
     def validate(self, cfg) -> None:
-        """Refuse what cannot run here, from the config and the visible device count alone: no weights are
-        read and CUDA is not initialised, so it runs before torchrun's process group is set up."""
-        if self.gpu == "required" and not torch.cuda.is_available():
+        """Refuse what cannot run on this machine's GPUs, from the visible device count alone: no weights are read
+        and CUDA is not initialised, so it runs before torchrun's process group is set up."""
+        if self.caps.gpu == "required" and not torch.cuda.is_available():
             raise UserError(f"placement {self.name!r} needs a CUDA GPU and none is visible; use --placement "
-                            f"{self.without_gpu} (or check CUDA_VISIBLE_DEVICES and the driver)")
-        if self.whole_machine and dist_env().world_size > 1:
+                            f"{self.caps.without_gpu} (or check CUDA_VISIBLE_DEVICES and the driver)")
+        if self.caps.spreads and dist_env().world_size > 1:
             raise UserError(f"placement {self.name!r} spreads one teacher over all GPUs and cannot run under "
                             "torchrun (every rank would do the same); run one process, or use --placement cuda / "
                             "offload")
-        if cfg.max_memory is not None and not self.takes_max_memory:
-            raise UserError("--max-memory applies to --placement balanced or sequential only")
         if dist_env().world_size > 1 and self.uses_rank_gpu():
             check_ranks_fit_gpus(f"placement {self.name}")
+
+    def check(self, cfg, spec: TeacherSpec) -> None:
+        """Refuse settings the placement cannot take, from the config and the teacher's configs alone (no GPU
+        looked at: `--dry-run` makes these checks only)."""
+        if cfg.max_memory is not None and not self.caps.takes_max_memory:
+            raise UserError("--max-memory applies to --placement balanced or sequential only")
+
+    def describe(self, cfg) -> str:
+        """The placement as `--dry-run` prints it."""
+        return f"{cfg.placement} (checked against the GPUs where it runs)"
 
     def execution_device(self, cfg) -> torch.device:
         """Where the transformer computes: the rank's GPU (`--device`, or LOCAL_RANK under torchrun) when the
@@ -236,8 +236,7 @@ def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inve
     """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked:
     querying their free memory initialises CUDA)."""
     sizes = placement_choice.teacher_sizes(spec.path, dtype)
-    act = placement_choice.activation_bytes(sizes, cfg.batch_size, cfg.height, cfg.width, cfg.frames, cfg.guidance > 1.0,
-                                   cfg.max_sequence_length)
+    act = placement_choice.activation_bytes(sizes, cfg)
     offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
     return Needs.of(sizes, act), Inventory.measure(offload_dir, ranks_per_node(), gpus=gpus)
 

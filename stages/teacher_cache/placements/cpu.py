@@ -4,13 +4,10 @@ teacher; it never touches CUDA."""
 from __future__ import annotations
 
 from ..placement_choice import Inventory, Needs
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident, register
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident
 
 
-@register
 class Cpu(PlacementKind):
-    name = "cpu"
-
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         both = sum(needs.experts)
         return "expert" if len(needs.experts) > 1 and both + needs.activations > inv.usable_ram else "step"

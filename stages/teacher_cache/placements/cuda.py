@@ -4,14 +4,10 @@ GPU and the parts split the prompts; in expert-major order the inactive expert i
 from __future__ import annotations
 
 from ..placement_choice import Inventory, Needs
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident, register
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident
 
 
-@register
 class Cuda(PlacementKind):
-    name = "cuda"
-    gpu = "required"
-    without_gpu = "cpu"
 
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         if len(needs.experts) < 2 or not inv.gpus:

@@ -22,7 +22,7 @@ from pipeline.runtime import dist_env, print0
 
 from ..group_offload import meta_transformer, param_dtypes
 from ..placement_choice import Inventory, Needs, expert_pieces, fits_across, gib, parse_size
-from .base import ENCODER_FREED, Layout, Placement, PlacementKind, PlanInput, register
+from .base import ENCODER_FREED, Layout, Placement, PlacementKind, PlanInput
 
 
 def parse_max_memory(text: str | None) -> dict | None:
@@ -109,15 +109,15 @@ def _prefix(param: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
 
 
-def device_map_for(model: torch.nn.Module, kind: str, max_memory: dict, dtype: torch.dtype) -> dict:
+def device_map_for(model: torch.nn.Module, evens: bool, max_memory: dict, dtype: torch.dtype) -> dict:
     """accelerate's device map of one transformer over `max_memory` (device -> bytes or '70GiB'), its blocks
-    never split. `balanced` evens the load over the GPUs; `sequential` fills GPU 0 first."""
+    never split: the load evened over the GPUs (`balanced`), or GPU 0 filled first (`sequential`)."""
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     no_split = list(getattr(model, "_no_split_modules", None) or ["WanTransformerBlock"])
     special = {n: d for n, d in param_dtypes(model, dtype).items() if d != dtype}
-    if kind == "balanced":
+    if evens:
         max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
                                          dtype=dtype, special_dtypes=special)
     return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype,
@@ -179,15 +179,12 @@ class _DeviceMapPlacement(PlacementKind):
 
 
 class _GpuSpread(_DeviceMapPlacement):
-    """balanced / sequential: accelerate's map over the visible GPUs."""
+    """balanced / sequential: accelerate's map over the visible GPUs, the load evened over them or not."""
 
-    gpu = "required"
-    without_gpu = "offload or disk (or cpu)"
-    whole_machine = True
-    takes_max_memory = True
+    evens: bool
 
-    def validate(self, cfg) -> None:
-        super().validate(cfg)
+    def check(self, cfg, spec) -> None:
+        super().check(cfg, spec)
         parse_max_memory(cfg.max_memory)
 
     def fields(self, cfg, spec) -> dict:
@@ -206,7 +203,7 @@ class _GpuSpread(_DeviceMapPlacement):
             inv = Inventory.measure(p.offload_dir)
             max_memory = {i: max(inv.usable_gpu(i) - p.activation_bytes, 0) for i in range(len(inv.gpus))}
             max_memory["cpu"] = inv.usable_ram
-        dmap = device_map_for(meta, self.name, max_memory, p.torch_dtype)
+        dmap = device_map_for(meta, self.evens, max_memory, p.torch_dtype)
         spill = sorted({str(v) for v in dmap.values() if v in ("cpu", "disk")})
         if spill:
             print0(f"note: {self.name}: part of the transformer does not fit the GPUs within --max-memory and runs "
@@ -219,33 +216,37 @@ class _GpuSpread(_DeviceMapPlacement):
         mm = dict(x.max_memory or {i: max(x.inv.usable_gpu(i) - x.needs.activations, 0)
                                    for i in range(len(x.inv.gpus))})
         mm.setdefault("cpu", x.inv.usable_ram)
-        return device_map_for(model, self.name, mm, dtype)
+        return device_map_for(model, self.evens, mm, dtype)
 
 
-@register
 class Balanced(_GpuSpread):
-    name = "balanced"
+    evens = True
 
 
-@register
 class Sequential(_GpuSpread):
-    name = "sequential"
+    evens = False
 
 
-@register
 class DeviceMap(_DeviceMapPlacement):
     """`--placement my-map.json`: the user's map, applied to each expert."""
 
-    name = "map"
-
     def validate(self, cfg) -> None:
         super().validate(cfg)
-        read_device_map(cfg.placement)
+        read_device_map(cfg.placement)  # its GPUs exist here
+
+    def check(self, cfg, spec) -> None:
+        super().check(cfg, spec)
+        dmap = read_device_map(cfg.placement, check_devices=False)[0]
+        for comp in spec.experts:  # before anything runs: a typo should not cost the encoding pass
+            check_device_map(meta_transformer(spec.path, comp, real_buffers=False), dmap, cfg.placement)
+
+    def describe(self, cfg) -> str:
+        dmap, main = read_device_map(cfg.placement, check_devices=False)
+        return (f"{cfg.placement} (a device map of {len(dmap)} entries, computing on {main}; its devices checked "
+                "against the GPUs where it runs)")
 
     def fields(self, cfg, spec) -> dict:
         dmap, main = read_device_map(cfg.placement)
-        for comp in spec.experts:  # before anything runs: a typo should not cost the encoding pass
-            check_device_map(meta_transformer(spec.path, comp, real_buffers=False), dmap, cfg.placement)
         return {"device": torch.device(main), "device_map": dmap, "map_path": cfg.placement}
 
     def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:

@@ -1,19 +1,15 @@
 """`--placement disk` (`--offload-dir`, default CACHE_DIR/offload): each expert streamed block by block from
 its own folder of safetensors files (diffusers block-level group offloading with `offload_to_disk_path`;
-../offload.py builds and checks the folders). RAM holds a block at a time; on a GPU the next block is
+../group_offload.py builds and checks the folders). RAM holds a block at a time; on a GPU the next block is
 prefetched on a CUDA stream. The text encoder is offloaded at model level."""
 
 from __future__ import annotations
 
 from ..group_offload import load_disk_expert
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, register
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput
 
 
-@register
 class Disk(PlacementKind):
-    name = "disk"
-    gpu = "if available"
-    offloads_text_encoder = True
 
     def load_expert(self, p, spec, comp, log=print):
         return load_disk_expert(spec, comp, p.torch_dtype, p.device, p.offload_dir, log)
@@ -23,8 +19,8 @@ class Disk(PlacementKind):
         if not x.inv.gpus:
             where = {"text_encoder": f"cpu, {ENCODER_FREED}"}
             where |= {e: "offload folder (disk), one block at a time in RAM" for e in x.sizes.experts}
-            return Layout(where, {"disk": both, "cpu": block_ram + x.needs.activations}, max(x.needs.experts))
+            return Layout(where, dict(disk=both, cpu=block_ram + x.needs.activations), max(x.needs.experts))
         where = {"text_encoder": f"cpu, moved to cuda:0 as a whole to encode (model offload), {ENCODER_FREED}"}
         where |= {e: "offload folder (disk), one block at a time in RAM and on cuda:0" for e in x.sizes.experts}
-        return Layout(where, {"disk": both, "cpu": block_ram, "cuda:0": x.needs.block_streaming_gpu},
+        return Layout(where, dict(disk=both, cpu=block_ram) | {"cuda:0": x.needs.block_streaming_gpu},
                       max(x.needs.experts))

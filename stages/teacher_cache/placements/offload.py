@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from ..group_offload import load_ram_expert
 from ..placement_choice import Inventory, Needs, gib
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, register
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput
 
 
-@register
 class Offload(PlacementKind):
-    name = "offload"
-    gpu = "if available"
-    offloads_text_encoder = True
 
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         return "expert" if len(needs.experts) > 1 and sum(needs.experts) > inv.usable_ram else "step"

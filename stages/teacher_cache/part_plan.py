@@ -1,0 +1,152 @@
+"""Stage one's plan for one part, built the same way for the run and for `teacher-cache --dry-run`.
+
+`plan_part` does every check a run makes before its first weight loads that needs no GPU: the settings, the prompt
+file and this part's share of it, the teacher (a local folder checked whole; a Hub id resolved as the run resolves
+it, `hub.teacher_folder`: for a dry run its configs alone, found in the local Hub cache or fetched, a few kilobytes),
+the placement's checks that need no GPU (a device map's JSON and module names, --max-memory), and what --out holds
+(another run's cache, a part count or a resumed part's batch and shard sizes that differ). The run goes on from the
+plan; the dry run prints it (`dry_run`): nothing written to --out, no lock taken, no device touched, so a login node
+can check the command a SLURM array task will run (examples/slurm/teacher-cache.sbatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cache.manifest import manifest_path
+from cache.part_progress import PartProgress, list_parts
+from pipeline import lock
+from pipeline.config import TeacherCacheConfig
+from pipeline.errors import UserError
+from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
+from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.runtime import dist_env, print0
+
+from . import placements
+from .outdir import refuse_foreign
+from .plan_report import configs_spec
+from .teacher import TeacherSpec, resolve_teacher
+from .trajectory import choose_recorded_steps
+
+
+@dataclass
+class PartPlan:
+    """What one part of stage one will do, checked before any weight loads."""
+
+    cfg: TeacherCacheConfig
+    part: int
+    num_parts: int
+    torchrun: bool
+    prompts: list[str]  # the whole set, deduplicated: prompt_idx = position
+    dropped: int  # duplicates dropped
+    rows: list[int]  # this part's prompt_idx (idx % num_parts == part), in row order of its prompt store
+    spec: TeacherSpec
+    hub_configs: bool = False  # a dry run of a Hub id: its configs alone were fetched
+
+    @property
+    def trajectories(self) -> int:
+        return len(self.rows) * self.cfg.seeds_per_prompt
+
+
+def resolve_parts(cfg: TeacherCacheConfig, dry: bool = False) -> tuple[int, int, bool]:
+    """(part, num_parts, under torchrun): the flags, else torchrun's rank and world size. The run also refuses here,
+    before torchrun's process group is set up and before any rank touches a device, a placement that cannot run on
+    this machine's GPUs (e.g. more ranks than GPUs); a dry run does not look at them."""
+    env = dist_env()
+    if cfg.num_parts is not None and env.world_size > 1:
+        raise UserError("--part/--num-parts cannot be combined with torchrun (each rank is a part already)")
+    if not dry:
+        placements.get(cfg.placement).validate(cfg)
+    if cfg.num_parts is not None:
+        return cfg.part, cfg.num_parts, False
+    return env.rank, env.world_size, env.world_size > 1
+
+
+def plan_part(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, dry: bool = False) -> PartPlan:
+    """The part's prompts and teacher, checked, and the placement's checks that need no GPU; raises the UserError the
+    run would raise. `dry`: a Hub id's configs alone (no weights)."""
+    prompts, dropped = dedupe(read_prompt_file(cfg.prompts))
+    rows = list(range(part, len(prompts), num_parts))
+    if not rows:
+        raise UserError(f"part {part} of {num_parts} gets no prompt: the file has only {len(prompts)}; "
+                        "use fewer parts")
+    hub = dry and not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher)
+    if hub:
+        spec = configs_spec(teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE), cfg.teacher)
+    else:
+        spec = resolve_teacher(cfg.teacher, cfg.revision)
+    spec.check_sizes(cfg.height, cfg.width, cfg.frames)
+    if cfg.guidance_2 is not None and spec.boundary_ratio is None:
+        raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
+    placements.get(cfg.placement).check(cfg, spec)
+    return PartPlan(cfg, part, num_parts, torchrun, prompts, dropped, rows, spec, hub)
+
+
+def check_part_count(out: Path, num_parts: int) -> None:
+    """--out's parts were started with this part count (else the user's to replace or match)."""
+    for p in list_parts(out):
+        other = PartProgress.load(out, p)
+        if other.num_parts != num_parts:
+            raise UserError(f"{out} holds part {p} of a run with {other.num_parts} parts, this command has "
+                            f"{num_parts}; use a new --out, add --overwrite, or give --num-parts {other.num_parts}")
+
+
+def check_resume(prog: PartProgress, cfg: TeacherCacheConfig, out: Path) -> None:
+    """A part to resume keeps the batch and shard sizes it was started with: both are part of the cache's bytes
+    (another value would not equal an uninterrupted run)."""
+    for name, theirs, ours in (("batch-size", prog.batch_size, cfg.batch_size),
+                               ("samples-per-shard", prog.samples_per_shard, cfg.samples_per_shard)):
+        if theirs != ours:
+            raise UserError(f"part {prog.part} of {out} was started with --{name} {theirs}; resume with that value or "
+                            "add --overwrite to start again")
+
+
+def _out_state(plan: PartPlan) -> str:
+    """What the run would find in --out for this part, refusing what it would refuse before computing anything."""
+    cfg, part, num_parts, out = plan.cfg, plan.part, plan.num_parts, Path(plan.cfg.out)
+    refuse_foreign(out)
+    if not out.is_dir() or not any(out.iterdir()):
+        return "a new cache"
+    if cfg.overwrite:
+        return "a cache to replace (--overwrite)"
+    check_part_count(out, num_parts)
+    prog = PartProgress.load(out, part)
+    holder = lock.live_writer(lock.part_lock_path(out, part))
+    if holder is not None:
+        return (f"part {part} is being written right now (pid {holder.get('pid')} on {holder.get('host')}): the run "
+                "would be refused until that one ends")
+    if prog is None:
+        return f"a cache of {num_parts} part(s), part {part} not started yet" + (
+            " (its manifest exists: settings are compared when it runs)" if manifest_path(out).exists() else "")
+    check_resume(prog, cfg, out)
+    if prog.complete:
+        return f"part {part} already finished ({len(prog.shards)} shards): nothing to compute"
+    return (f"part {part} to resume: {len(prog.done_blocks)} of {prog.blocks} blocks done, {len(prog.shards)} shards "
+            "(finished blocks are kept)")
+
+
+def dry_run(cfg: TeacherCacheConfig) -> dict:
+    """Check the command `cfg` came from and print what it would do; raises the UserError the run would raise."""
+    plan = plan_part(cfg, *resolve_parts(cfg, dry=True), dry=True)
+    spec, part, num_parts = plan.spec, plan.part, plan.num_parts
+    seed = cfg.seed if cfg.record_seed is None else cfg.record_seed
+    steps = len(choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ()))
+    c, f, h, w = spec.latent_shape(cfg.height, cfg.width, cfg.frames)
+    what = (f"a Hub id at revision {cfg.revision or 'main'}: configs from {spec.path} checked, weights fetched when "
+            "the run starts" if plan.hub_configs else "configs checked")
+    summary = {
+        "part": part, "num_parts": num_parts, "prompts": len(plan.prompts), "duplicates_dropped": plan.dropped,
+        "part_prompts": len(plan.rows), "trajectories": plan.trajectories, "samples": plan.trajectories * steps,
+        "blocks": -(-plan.trajectories // cfg.batch_size),
+        "teacher": f"{cfg.teacher} ({len(spec.experts)} expert(s), latent {c}x{f}x{h}x{w}; {what})",
+        "placement": cfg.placement, "out": _out_state(plan),
+    }
+    print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
+           f"  prompts    {len(plan.prompts)} unique ({plan.dropped} duplicates dropped); part {part} of {num_parts}: "
+           f"{len(plan.rows)} prompts, {plan.trajectories} trajectories in {summary['blocks']} blocks of "
+           f"{cfg.batch_size}, {summary['samples']} samples ({steps} of {cfg.steps} steps recorded)\n"
+           f"  teacher    {summary['teacher']}\n"
+           f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
+           f"  --out      {cfg.out}: {summary['out']}")
+    return summary
