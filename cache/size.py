@@ -147,10 +147,12 @@ class CacheSize:
         return asdict(self) | {"total_bytes": self.total}
 
 
-def project(settings: Mapping, prompts: int, num_parts: int = 1, batch_size: int = 4, samples_per_shard: int = 1024,
+def project(settings: Mapping, prompts: int, num_parts: int = 1, *, batch_size: int, samples_per_shard: int,
             embed_tokens: float | None = None, fixed_bytes: int = 0) -> CacheSize:
     """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts (prompt i in
-    part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more)."""
+    part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more), in
+    blocks of `batch_size` trajectories and shards of `samples_per_shard` samples (stage one's settings: no defaults
+    of their own here)."""
     per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
     seeds = int(settings[F.F_SEEDS_PER_PROMPT])
     tokens = int(settings[F.F_MAX_SEQUENCE_LENGTH]) if embed_tokens is None else embed_tokens

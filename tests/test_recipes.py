@@ -101,3 +101,102 @@ def test_a_toy_cache_field_and_a_toy_objective_with_its_setting(tiny_teacher, pr
     losses = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in losses if r["type"] == "train"] == [1, 2]
     assert all(0 < r["loss"] < float("inf") for r in losses if r["type"] == "train")
+
+
+# --- the placement recipe (docs/placements.md, "How to add a placement") -----------------------------------------
+
+TOY_PLACEMENT_MODULE = '''"""Toy: a whole replica in RAM, computed on the CPU (as `cpu`)."""
+
+from __future__ import annotations
+
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident
+
+
+class Toy(PlacementKind):
+    def load_expert(self, p, spec, comp, log=print):
+        return load_resident(spec, comp, p.torch_dtype, p.device)
+
+    def layout(self, x: PlanInput) -> Layout:
+        where = {"text_encoder": f"cpu, {ENCODER_FREED}"} | {e: "cpu (toy)" for e in x.sizes.experts}
+        return Layout(where, {"cpu": x.resident_experts + x.needs.activations})
+'''
+PLACEMENT = [
+    ("stages/teacher_cache/placements/toy.py", None, TOY_PLACEMENT_MODULE),
+    ("pipeline/registries.py", None,
+     '\nPLACEMENTS.declare("toy", "toy: RAM, computed on the CPU", caps=PlacementCaps(auto=False),\n'
+     '                   impl="stages.teacher_cache.placements.toy:Toy")\n'),
+]
+
+
+def _copy_project(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    for top in ("pipeline", "cache", "stages", "configs"):
+        shutil.copytree(ROOT / top, repo / top, ignore=shutil.ignore_patterns("__pycache__"))
+    return repo
+
+
+def _cli_in(repo: Path):
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        return r.stdout
+
+    return cli
+
+
+def _tiny_flags(plan: bool = False) -> list[str]:
+    """The tiny run's flags; `plan` takes the run's own (not the negative prompt, nor the shard size)."""
+    own = ("negative_prompt", "samples_per_shard") if plan else ()
+    return [x for k, v in TINY_CACHE_ARGS.items() if k not in own for x in (f"--{k.replace('_', '-')}", v)]
+
+
+def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
+    repo = _copy_project(tmp_path)
+    (repo / PLACEMENT[0][0]).write_text("")  # a new module: the recipe's first file
+    assert follow(repo, PLACEMENT) == {rel for rel, _, _ in PLACEMENT}
+    cli = _cli_in(repo)
+
+    assert "| disk | toy | a device-map .json" in " ".join(cli("teacher-cache", "--help").split())
+    cache = tmp_path / "cache"
+    cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "toy",
+        *_tiny_flags())
+    from cache import format as F
+
+    ours, cpu = (json.loads((c / F.MANIFEST).read_text()) for c in (cache, tiny_cache))
+    assert ours[F.F_FINGERPRINT] == cpu[F.F_FINGERPRINT] and ours[F.F_SAMPLES] == cpu[F.F_SAMPLES]  # the cpu cache
+
+    resolved = json.loads((cache / F.PARTS_DIR / F.part_dirname(0) / F.RESOLVED_CONFIG).read_text())
+    assert resolved["placement"] == "toy"
+
+    plan = json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "toy", "--prompts", 7, *_tiny_flags(plan=True),
+                          "--json"))
+    assert plan["placement"] == "toy" and plan["launch"]["placement"] == "toy"
+    assert {c["where"] for c in plan["components"] if c["name"].startswith("transformer")} == {"cpu (toy)"}
+    assert plan["launch"]["gpus_per_rank"] == 0  # the launch read its capabilities: no GPU
+    assert "--placement toy" in plan["launch"]["commands"][0]["command"]
+
+
+# --- the cache-field recipe, counted by `plan` ---------------------------------------------------------------------
+
+def test_a_cache_field_recipe(tiny_teacher, prompts_file, tmp_path):
+    repo = _copy_project(tmp_path)
+    assert follow(repo, CACHE_FIELD) == {rel for rel, _, _ in CACHE_FIELD}
+    cli = _cli_in(repo)
+
+    cache = tmp_path / "cache"
+    cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "cpu",
+        "--record-x0", *_tiny_flags())
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert "x0" in manifest["sample_fields"] and manifest["record_x0"] is True
+    cli("cache", "verify", cache)
+
+    def planned(*extra):
+        return json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "cpu", "--prompts", 7,
+                              *_tiny_flags(plan=True), *extra, "--json"))["cache"]
+
+    plain, with_x0 = planned(), planned("--record-x0")
+    c, f, h, w = manifest["latent_shape"]
+    assert with_x0["sample_bytes"] - plain["sample_bytes"] >= c * f * h * w * 4  # one more float32 latent

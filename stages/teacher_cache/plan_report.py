@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cache import format as F
+from cache.schema import SAMPLE_FIELDS
 from cache.size import human, project
 from pipeline.config import PlanSettings, RunShape, TeacherCacheConfig, TeacherRun
 from pipeline.errors import UserError
@@ -299,8 +300,10 @@ def cache_projection(spec: TeacherSpec, run: TeacherRun, prompts: int | None) ->
     settings = {F.F_DTYPE: run.dtype, F.F_LATENT_SHAPE: list(latent_shape),
                 F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: run.max_sequence_length,
                 F.F_SEEDS_PER_PROMPT: run.seeds_per_prompt, F.F_STEPS: run.steps,
-                F.F_RECORDED_STEPS: list(range(recorded)),  # which steps does not change the size
-                F.F_SAVE_COND_UNCOND: run.save_cond_uncond} | _feature_header(run, spec, latent_shape)
+                F.F_RECORDED_STEPS: list(range(recorded))}  # which steps does not change the size
+    # each optional sample field is on where the run's setting of the same name (its `when`) is: RecordSettings
+    settings |= {f.when: getattr(run, f.when) for f in SAMPLE_FIELDS.values() if f.when is not None}
+    settings |= _feature_header(run, spec, latent_shape)
     size = project(settings, prompts or 1, batch_size=run.batch_size,
                    samples_per_shard=TeacherCacheConfig.samples_per_shard)
     per_prompt = run.seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
