@@ -1,18 +1,10 @@
 """How stage one uses every GPU of the machine `plan` is told about, and the command that does it.
 
-Stage one's unit of parallelism is the part: prompt i belongs to part i % parts, and each process is one part
-(a torchrun rank, or `--part K --num-parts N`). So:
-
-- a placement that runs a replica on one GPU (`cuda`, or `offload`/`disk` streaming to one) gives every GPU its
-  own process: torchrun with one rank per GPU (ranks = parts); across nodes a multi-node torchrun, or one part per
-  SLURM array task. For a placement whose capabilities say `replica_per_gpu` (`cuda`) this is the default whenever
-  a replica (or one expert at a time) fits one GPU: all GPUs compute at once;
-- a placement that `spreads` one replica over a node's GPUs (`balanced`, `sequential`) is one process per node,
-  parts = nodes. It keeps one GPU busy at a time, so `plan` picks it only where no single GPU holds a
-  replica (planner.decide).
-
-The streamed placements take one process per node unless --ranks-per-node says more (their RAM is shared by the
-ranks of a node: the planner divides it).
+Stage one's unit of parallelism is the part (prompt i belongs to part i % parts; each process is one part: a
+torchrun rank, or `--part K --num-parts N`). The placement's capabilities say how many processes a node runs:
+one per GPU for a replica per GPU (by default where `replica_per_gpu`), one per node where it `spreads` over the
+node's GPUs, one (or --ranks-per-node) for the streamed ones, whose RAM the ranks of a node share
+(docs/architecture.md, "What `plan` says about a run").
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The placement planner: what the teacher needs, what the machine has, and which placement `auto` picks.
 
-Everything here works from configs alone: models are instantiated on the meta device (accelerate
-`init_empty_weights`), so a folder holding only the JSON configs of Wan2.2-T2V-A14B can be planned on a
-laptop. Checkpoint sizes come from safetensors headers when weight files are present.
-
-The decision (`decide`) is a pure function of the sizes and a device `Inventory`, so tests feed it made-up
-machines. Its rules, in order (the first that fits wins):
-
-1. a replica (every expert) fits one GPU with margin        -> cuda (under torchrun: one replica per GPU)
-   one expert fits one GPU, two do not                      -> cuda, expert-major order
-2. the experts fit across the visible GPUs, blocks unsplit  -> balanced (expert-major if only one expert fits)
-3. the experts fit in host RAM and two layers fit the GPU   -> offload (expert-major if only one fits)
-4. otherwise the weights are streamed from disk             -> disk
-Without a GPU: the experts fit in RAM -> cpu (expert-major if only one fits), else disk.
-
-Each rule names the placement it returns by its capabilities (pipeline/registries.py: a replica per GPU, spread over
-the GPUs, streamed from RAM or disk, no GPU), never by its name; a placement `auto` must not pick says `auto=False`.
-What each placement then keeps where (what `wandistiller plan` prints) is the placement's own `layout` (placements/).
+Everything here works from configs alone (models on the meta device; checkpoint sizes from safetensors headers when
+weight files are present), so a folder of Wan2.2-T2V-A14B's JSON configs can be planned on a laptop. `decide` is a
+pure function of the sizes and a device `Inventory` (tests feed it made-up machines); its rules, in order, are
+docs/placements.md's, each naming its placement by capabilities (pipeline/registries.py), never by name. What each
+placement keeps where is its own `layout` (placements/).
 """
 
 from __future__ import annotations
