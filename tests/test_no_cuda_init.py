@@ -208,9 +208,9 @@ def test_stage_one_on_the_cpu_is_not_refused(two_ranks_one_gpu, tiny_teacher, pr
 
     cfg = TeacherCacheConfig(**TINY_CACHE_ARGS, teacher=str(tiny_teacher), prompts=str(prompts_file),
                              out=str(tmp_path / "c"), placement="cpu")
-    placements.validate(cfg)
+    placements.get(cfg.placement).validate(cfg)
     with pytest.raises(UserError, match="2 torchrun ranks on this node but 1 GPU"):
-        placements.validate(dataclasses.replace(cfg, placement="cuda"))
+        placements.get("cuda").validate(dataclasses.replace(cfg, placement="cuda"))
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])

@@ -109,13 +109,10 @@ TOY_PLACEMENT_MODULE = '''"""Toy: a whole replica in RAM, computed on the CPU (a
 
 from __future__ import annotations
 
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput
 
 
-class Toy(PlacementKind):
-    def load_expert(self, p, spec, comp, log=print):
-        return load_resident(spec, comp, p.torch_dtype, p.device)
-
+class Toy(PlacementKind):  # loads each expert whole on the execution device: PlacementKind's own load_expert
     def layout(self, x: PlanInput) -> Layout:
         where = {"text_encoder": f"cpu, {ENCODER_FREED}"} | {e: "cpu (toy)" for e in x.sizes.experts}
         return Layout(where, {"cpu": x.resident_experts + x.needs.activations})

@@ -19,12 +19,6 @@ from __future__ import annotations
 from .base import Layout, Placement, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get
 
 
-def validate(cfg) -> None:
-    """Refuse a placement that cannot run here before any weight loads or any device is touched (stage one
-    calls it before torchrun's process group is set up)."""
-    get(cfg.placement).validate(cfg)
-
-
 def choose_placement(cfg, spec) -> Placement:
     """The placement this process runs with: the user's, checked, or (auto) the planner's pick."""
     entry = get(cfg.placement)
@@ -34,4 +28,4 @@ def choose_placement(cfg, spec) -> Placement:
 
 
 __all__ = ["Layout", "Placement", "PlacementKind", "PlanInput", "check_ranks_fit_gpus", "choose_placement",
-           "default_dtype", "get", "validate"]
+           "default_dtype", "get"]

@@ -224,7 +224,12 @@ class PlacementKind:
     # --- running ---------------------------------------------------------------------------------------------
 
     def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
-        raise NotImplementedError
+        """Expert `comp`, its weights where the placement keeps them; by default the whole expert on the
+        execution device (cpu, cuda)."""
+        from diffusers import WanTransformer3DModel
+
+        m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype)
+        return m.to(p.device).eval().requires_grad_(False)
 
     # --- `wandistiller plan` ---------------------------------------------------------------------------------
 
@@ -239,11 +244,3 @@ def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inve
     act = placement_choice.activation_bytes(sizes, cfg)
     offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
     return Needs.of(sizes, act), Inventory.measure(offload_dir, ranks_per_node(), gpus=gpus)
-
-
-def load_resident(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The whole expert on `device` (cpu and cuda placements)."""
-    from diffusers import WanTransformer3DModel
-
-    m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)
-    return m.to(device).eval().requires_grad_(False)

@@ -4,7 +4,7 @@ GPU and the parts split the prompts; in expert-major order the inactive expert i
 from __future__ import annotations
 
 from ..placement_choice import Inventory, Needs
-from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput, load_resident
+from .base import ENCODER_FREED, Layout, PlacementKind, PlanInput
 
 
 class Cuda(PlacementKind):
@@ -14,9 +14,6 @@ class Cuda(PlacementKind):
             return "step"
         best = max(inv.usable_gpu(i) for i in range(len(inv.gpus)))
         return "step" if sum(needs.experts) + needs.activations <= best else "expert"
-
-    def load_expert(self, p, spec, comp, log=print):
-        return load_resident(spec, comp, p.torch_dtype, p.device)
 
     def layout(self, x: PlanInput) -> Layout:
         where = {"text_encoder": f"cuda:0, {ENCODER_FREED}"} | {e: "cuda:0" + x.one_at_a_time for e in x.sizes.experts}
