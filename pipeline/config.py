@@ -629,7 +629,7 @@ def _bad_steps(name, v):
 class PlanSettings:
     """`wandistiller plan`'s own settings: the machine it plans for (what is not given is this machine's) and the
     size of the run, for the cache's bytes and stage one's time. The teacher's run settings (--placement,
-    --batch-size, --height, ...) are teacher-cache's, borrowed from `TeacherCacheConfig`."""
+    --batch-size, --height, ...) are teacher-cache's own declarations, `TeacherRun`."""
 
     TOML_SECTION = "plan"
 

@@ -101,7 +101,7 @@ class PlacementCaps:
     replica_per_gpu: bool = False  # a whole replica on one GPU: one rank per GPU by default under torchrun
     spreads: bool = False  # one replica over every GPU of a node: one process per node, refused under torchrun
     streams: str | None = None  # "ram" | "disk": the weights are streamed to the computing device from there
-    speed: tuple[float, str] | None = None  # a step's speed against a replica on one GPU, and its source; None: unmeasured
+    speed: tuple[float, str] | None = None  # a step's speed against `cuda`, and its source; None: not measured
     takes_max_memory: bool = False  # --max-memory is its budget
     offloads_text_encoder: bool = False  # on a GPU, the text encoder too stays in RAM
     picks: bool = False  # chooses another placement for this machine (auto)

@@ -168,8 +168,8 @@ def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
     resolved = json.loads((cache / F.PARTS_DIR / F.part_dirname(0) / F.RESOLVED_CONFIG).read_text())
     assert resolved["placement"] == "toy"
 
-    plan = json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "toy", "--prompts", 7, *_tiny_flags(plan=True),
-                          "--json"))
+    plan = json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "toy", "--prompts", 7,
+                          *_tiny_flags(plan=True), "--json"))
     assert plan["placement"] == "toy" and plan["launch"]["placement"] == "toy"
     assert {c["where"] for c in plan["components"] if c["name"].startswith("transformer")} == {"cpu (toy)"}
     assert plan["launch"]["gpus_per_rank"] == 0  # the launch read its capabilities: no GPU

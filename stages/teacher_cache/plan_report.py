@@ -1,6 +1,6 @@
 """What `wandistiller plan` prints: where the teacher's weights would live, what each device holds, and (auto)
-why, from configs alone. The sizes and the decision come from planner.py, the layout from the placement's own
-entry (placements/)."""
+why, from configs alone. The sizes and the decision come from placement_choice.py, the layout from the placement's
+own entry (placements/)."""
 
 from __future__ import annotations
 
