@@ -25,8 +25,7 @@ from pipeline.runtime import dist_env, print0
 
 from . import placements
 from .outdir import refuse_foreign
-from .plan_report import configs_spec
-from .teacher import TeacherSpec, resolve_teacher
+from .teacher import TeacherSpec, configs_spec, resolve_teacher
 from .trajectory import choose_recorded_steps
 
 

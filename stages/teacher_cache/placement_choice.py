@@ -9,7 +9,6 @@ placement keeps where is its own `layout` (placements/).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -22,6 +21,8 @@ from pipeline.config import RunShape
 from pipeline.errors import UserError
 from pipeline.registries import PLACEMENTS
 from pipeline.settings import parse_bytes, parse_gpus
+
+from .teacher import configs_spec, read_json
 
 GiB = 2**30
 # Kept free on every GPU: CUDA context, allocator fragmentation, cuBLAS workspaces.
@@ -161,17 +162,6 @@ class TeacherSizes:
     vae_temporal: int
 
 
-def read_json(p: Path) -> dict:
-    """A teacher's JSON config, or a UserError naming the file (missing, or not JSON)."""
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise UserError(f"{p} is missing; the planner needs the teacher's model_index.json and component "
-                        "configs (weights are optional)") from e
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p} is not valid JSON ({e})") from e
-
-
 def _checkpoint(folder: Path) -> tuple[int | None, str | None]:
     """Tensor bytes and dtype(s) from the safetensors headers of `folder` (data is not read)."""
     from safetensors import safe_open
@@ -197,17 +187,11 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
 
     from .group_offload import largest_layer_bytes, meta_transformer, weight_bytes
 
-    root = Path(path)
-    mi = read_json(root / "model_index.json")
-    if mi.get("_class_name") != "WanPipeline":
-        raise UserError(f"{root} is a {mi.get('_class_name')!r}, not a WanPipeline")
+    spec = configs_spec(Path(path), str(path))
+    root, mi, experts = spec.path, spec.model_index, spec.experts
     tdtype = getattr(torch, dtype)
     comps: dict[str, Component] = {}
-    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
-    if not experts:
-        raise UserError(f"{root}/model_index.json names no transformer")
     for comp in experts:
-        read_json(root / comp / "config.json")
         model = meta_transformer(root, comp, real_buffers=False)
         blocks = list(getattr(model, "blocks", []))
         block_bytes = max((weight_bytes(b, tdtype) for b in blocks), default=0)
@@ -228,20 +212,17 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         ck, ckd = _checkpoint(root / "text_encoder")
         comps["text_encoder"] = Component("text_encoder", cls.__name__, n, n * enc_bytes, checkpoint_bytes=ck,
                                           checkpoint_dtype=ckd)
-    vae_cfg = {}
     if isinstance(mi.get("vae"), list) and mi["vae"][0] and (root / "vae" / "config.json").is_file():
         import diffusers
 
         cls = getattr(diffusers, mi["vae"][1])
-        vae_cfg = read_json(root / "vae" / "config.json")
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
-            vae = cls.from_config(vae_cfg)
+            vae = cls.from_config(spec.configs["vae"])
         n = sum(p.numel() for p in vae.parameters())
         ck, ckd = _checkpoint(root / "vae")
         comps["vae"] = Component("vae", cls.__name__, n, n * DTYPE_BYTES[dtype], checkpoint_bytes=ck,
                                  checkpoint_dtype=ckd)
-    return TeacherSizes(str(root), dtype, comps, experts, read_json(root / experts[0] / "config.json"),
-                        int(vae_cfg.get("scale_factor_spatial") or 8), int(vae_cfg.get("scale_factor_temporal") or 4))
+    return TeacherSizes(str(root), dtype, comps, experts, spec.transformer_config, spec.vae_spatial, spec.vae_temporal)
 
 
 def tokens_per_sample(sizes: TeacherSizes, height: int, width: int, frames: int) -> int:

@@ -21,10 +21,10 @@ from pipeline.settings import name_of
 from . import costs, launch, placements
 from .placements.device_map import parse_max_memory, read_device_map
 from .placement_choice import (
-    DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit, read_json,
+    DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit,
     teacher_sizes, tokens_per_sample,
 )
-from .teacher import TeacherSpec
+from .teacher import TeacherSpec, configs_spec
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
 NO_STEP_TIME = ("no measured step time for this teacher and placement: run `plan --measure` on the machine that "
@@ -312,19 +312,6 @@ def cache_projection(spec: TeacherSpec, run: TeacherRun, prompts: int | None) ->
             "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
             "bytes_per_prompt": round(per_prompt), "prompts": prompts,
             "total_bytes": size.total if prompts else None}
-
-
-def configs_spec(root: Path, name: str) -> TeacherSpec:
-    """The teacher's shapes from its configs alone (model_index.json, the experts' and the VAE's configs; no weights,
-    no tokenizer): what `plan` and a dry run of a Hub id check the run's sizes with (`TeacherSpec.check_sizes`)."""
-    mi = read_json(root / "model_index.json")
-    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
-    if not experts:
-        raise UserError(f"teacher {name!r}: {root / 'model_index.json'} names no transformer; pass a Wan pipeline")
-    configs = {c: read_json(root / c / "config.json") for c in experts}
-    vae = root / "vae" / "config.json"
-    configs["vae"] = read_json(vae) if vae.is_file() else {}  # Wan's factors (8, 4) by default
-    return TeacherSpec(name=name, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
 
 
 def _render_cache(c: dict) -> str:

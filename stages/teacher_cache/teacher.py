@@ -20,7 +20,6 @@ from pipeline.teacher_files import hash_json, sample_file
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
 CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
                 "transformer": "config.json", "transformer_2": "config.json"}
-WEIGHT_SUFFIXES = (".safetensors",)
 ROPE_MAX_SEQ_LEN = 1024  # WanTransformer3DModel's default, for a config that does not say
 
 
@@ -98,6 +97,36 @@ class TeacherSpec:
         return h
 
 
+def read_json(p: Path) -> dict:
+    """A teacher's JSON config, or a UserError naming the file (missing, or not JSON)."""
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise UserError(f"{p} is missing; the planner needs the teacher's model_index.json and component "
+                        "configs (weights are optional)") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p} is not valid JSON ({e})") from e
+
+
+def _experts(mi: dict) -> tuple[str, ...]:
+    return tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
+
+
+def configs_spec(root: Path, name: str) -> TeacherSpec:
+    """The teacher's shapes from its configs alone (model_index.json, the experts' and the VAE's configs; no weights,
+    no tokenizer): what `plan`, its sizes and a dry run of a Hub id check the run with (`TeacherSpec.check_sizes`)."""
+    mi = read_json(root / "model_index.json")
+    if mi.get("_class_name") != "WanPipeline":
+        raise UserError(f"{root} is a {mi.get('_class_name')!r}, not a WanPipeline")
+    experts = _experts(mi)
+    if not experts:
+        raise UserError(f"teacher {name!r}: {root / 'model_index.json'} names no transformer; pass a Wan pipeline")
+    configs = {c: read_json(root / c / "config.json") for c in experts}
+    vae = root / "vae" / "config.json"
+    configs["vae"] = read_json(vae) if vae.is_file() else {}  # Wan's factors (8, 4) by default
+    return TeacherSpec(name=name, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
+
+
 def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     """Locate the teacher and check it is a Wan pipeline; say what is missing if it is not."""
     p = teacher_folder(name, revision)
@@ -113,7 +142,7 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     if mi.get("_class_name") != "WanPipeline":
         raise UserError(f"teacher {name!r} is a {mi.get('_class_name')!r}, not a WanPipeline (text-to-video "
                         "Wan 2.1/2.2 in diffusers format)")
-    experts = tuple(c for c in ("transformer", "transformer_2") if isinstance(mi.get(c), list) and mi[c][0])
+    experts = _experts(mi)
     missing = [c for c in REQUIRED if not (isinstance(mi.get(c), list) and mi[c][0])]
     if not experts:
         missing.append("transformer")
