@@ -94,17 +94,10 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
     return _finalize(job, prog, loop_s, t0)
 
 
-@dataclass
-class _Part:
-    """What every step of one part shares, fixed before any weight loads."""
+@dataclass(kw_only=True)
+class _Part(PartPlan):
+    """The part's plan, and what every step of it shares, fixed before any weight loads."""
 
-    cfg: TeacherCacheConfig
-    part: int
-    num_parts: int
-    torchrun: bool
-    prompts: list[str]  # the whole set, deduplicated: prompt_idx = position
-    rows: list[int]  # this part's prompt_idx, in row order of its prompt store
-    spec: TeacherSpec
     placement: Placement
     scheduler: object
     schedule: Schedule
@@ -174,8 +167,8 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     header[F.F_TEACHER_IDENTITY] = spec.identity()
     fp = settings_fingerprint(header)
-    return _Part(cfg, plan.part, plan.num_parts, plan.torchrun, prompts, plan.rows, spec, placement, scheduler,
-                 schedule, latent_shape, header, fp)
+    return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
+                 latent_shape=latent_shape, header=header, fingerprint=fp)
 
 
 def _feature_header(cfg: TeacherCacheConfig, spec: TeacherSpec, latent_shape) -> dict:
