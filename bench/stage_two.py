@@ -61,6 +61,9 @@ class StepBench:
         from stages.train_student.index import prepare
         from stages.train_student.objective_velocity import Velocity
         from stages.train_student.student import build_student, load_student_config
+        from stages.train_student.strategy import get_strategy
+        from stages.train_student.train_plan import TrainPlan
+        from pipeline.artifact import RunLayout
 
         # the package re-exports run() under the module's name
         TR = importlib.import_module("stages.train_student.train")
@@ -73,17 +76,16 @@ class StepBench:
         env = dist_env()
         data = prepare(open_caches([cache]), env, device, "size", None, 0)
         self.plan = EpochPlan(len(data.train_rows), 1, batch_size)
-        self.model = build_student(load_student_config(student_json), str(student_json), 0).to(device).train()
-        self.optimizer = TR._optimizer(self.model, self.cfg, device)
-        mixed = TR._mixed_precision(self.cfg, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=mixed == torch.float16)
+        student_cfg = load_student_config(student_json)
+        self.model = build_student(student_cfg, str(student_json), 0).to(device).train()
+        self.optimizer = TR.make_optimizer(self.model, self.cfg, device)
+        mixed = torch.bfloat16 if device.type == "cuda" else None  # the stage's default autocast
+        scaler = torch.amp.GradScaler(device.type, enabled=False)
         out.mkdir(parents=True, exist_ok=True)
-        m = data.index.manifest
-        self.trainer = L.Trainer(
-            cfg=self.cfg, env=env, device=device, model=self.model, ddp=None, data=data, plan=self.plan,
-            optimizer=self.optimizer, scaler=scaler, ema=None, state=L.TrainState(), total=10**9, out=out,
-            mixed_dtype=mixed, expand_timesteps=bool(m.get(F.F_EXPAND_TIMESTEPS)),
-            patch=tuple(m.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra={}, objective=Velocity())
+        plan = TrainPlan(self.cfg, env, device, mixed, RunLayout(out), student_cfg, Velocity(), data, self.plan,
+                         10**9, None, get_strategy("ddp", env, device, mixed))
+        plan.strategy.wrap(self.model, None)
+        self.trainer = L.Trainer(plan, L.Parts(self.model, None, self.optimizer, scaler), L.TrainState(), out)
         self.data = data
         self._stream = self._batches()
         self._k = 0

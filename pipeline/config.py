@@ -423,9 +423,9 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
         _check_student_kind(self)
         if not self.cache or not all(isinstance(c, str) and c for c in self.cache):
             raise ValueError("cache must name at least one CACHE_DIR (--cache)")
-        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
-            raise ValueError("mixed-precision fp16 does not go with strategy fsdp (its loss scaler would see only "
-                             "this rank's shard of the gradients and ranks could disagree on skipping a "
+        if self.mixed_precision == "fp16" and not STRATEGIES[self.strategy].caps.fp16:
+            raise ValueError(f"mixed-precision fp16 does not go with strategy {self.strategy} (its loss scaler would "
+                             "see only this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
         if self.revision is not None and self.init_from_teacher is None and self.lora_of is None:
             raise ValueError("revision is the Hub revision of --init-from-teacher or --lora-of: give one of them too")
@@ -455,8 +455,9 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
                       ("teacher_blocks", "the LoRA student keeps every teacher block")):
         if getattr(cfg, name) is not None:
             raise ValueError(f"{name.replace('_', '-')} does not go with --lora-of: {why}")
-    if cfg.objective == "velocity+feature":
-        raise ValueError("--objective velocity+feature does not go with --lora-of; use velocity or segment")
+    if cfg.objective in OBJECTIVES and not OBJECTIVES[cfg.objective].caps.lora:
+        lora = [e.name for e in OBJECTIVES.entries() if e.caps.lora]
+        raise ValueError(f"--objective {cfg.objective} does not go with --lora-of; use {' or '.join(lora)}")
     if cfg.lora_experts != "all" and cfg.val_every:
         raise ValueError(f"val-every samples whole trajectories, which need both experts, and --lora-experts "
                          f"{cfg.lora_experts} loads one; drop --val-every (and sample or eval the run afterwards)")

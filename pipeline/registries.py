@@ -27,10 +27,12 @@ class Entry:
     listed: bool = True  # shown in lists and choices (the `map` placement is spelled as its .json path)
     stage_one: bool = True  # trackers: teacher-cache can report to it too
     caps: object = None  # what the entry can do (its registry's capabilities dataclass), read instead of its name
-    impl: str | None = None  # "module:Class" of the implementation, imported by the stage (`load`)
+    impl: str | type | None = None  # "module:Class" of the implementation, imported by `load`; a plug-in: its class
 
     def load(self):
         """The implementation `impl` names (imported on first use: the CLI never imports a stage)."""
+        if not isinstance(self.impl, str):
+            return self.impl
         module, _, attr = self.impl.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -38,13 +40,13 @@ class Entry:
 class Registry:
     """An ordered list of declared names (the order of errors, choices and `--help`)."""
 
-    def __init__(self, what: str):
-        self.what, self._entries = what, {}
+    def __init__(self, what: str, caps: object = None):
+        self.what, self._entries, self.caps = what, {}, caps  # `caps`: an entry's capabilities unless it says
 
     def declare(self, name: str, help: str, settings: type | None = None, **extra) -> Entry:
         if name in self._entries:
             raise ValueError(f"{self.what} {name!r} is declared twice")
-        entry = self._entries[name] = Entry(name, help, settings, **extra)
+        entry = self._entries[name] = Entry(name, help, settings, **{"caps": self.caps} | extra)
         return entry
 
     def settings(self, name: str, help: str, **extra):
@@ -71,6 +73,12 @@ class Registry:
         return name in self._entries
 
     def __getitem__(self, name: str) -> Entry:
+        return self._entries[name]
+
+    def get(self, name: str, flag: str) -> Entry:
+        """The entry `name` chosen by `flag`; ValueError naming the choices for one declared nowhere."""
+        if name not in self._entries:
+            raise ValueError(f"{flag} {name!r} is not one of {', '.join(self.names())}")
         return self._entries[name]
 
     def require(self, name: str, where: str) -> Entry:
@@ -192,13 +200,20 @@ class LoraSettings:
                                      "samples, with only that expert in memory.")
 
 
-# -- objectives (stages/train_student/objective_velocity.py, feature.py) -------------------------------------------------
+# -- objectives (stages/train_student/objective_*.py) ------------------------------------------------------------
 
 OBJECTIVES = Registry("objective")
+_OBJ = "stages.train_student.objective_velocity:"
+
+
+@dataclass(frozen=True)
+class ObjectiveCaps:
+    sampler: str | None = None  # how its student samples (pipeline/sampling.py SAMPLERS); None: the teacher's way
+    lora: bool = True  # trains a LoRA student too (no heads on student blocks)
 
 
 @OBJECTIVES.settings("velocity", "MSE to the teacher's (guided) prediction at each cached step; samples with the "
-                                 "teacher's steps")
+                                 "teacher's steps", impl=_OBJ + "Velocity", caps=ObjectiveCaps())
 @dataclass(frozen=True, kw_only=True)
 class VelocitySettings:
     """The velocity objective takes no settings."""
@@ -206,7 +221,7 @@ class VelocitySettings:
 
 @OBJECTIVES.settings("segment", "K-step student (--student-steps K): at each cached state, MSE to the average "
                                 "velocity to the end of its segment of the teacher's schedule; samples with K Euler "
-                                "steps, no CFG")
+                                "steps, no CFG", impl=_OBJ + "Segment", caps=ObjectiveCaps(sampler="euler"))
 @dataclass(frozen=True, kw_only=True)
 class SegmentSettings:
     student_steps: int | None = setting(
@@ -221,7 +236,8 @@ class SegmentSettings:
 
 @OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "
                                          "teacher features (--feature-pairs S:T,..., --feature-weight; the cache "
-                                         "needs --record-features)")
+                                         "needs --record-features)",
+                     impl="stages.train_student.objective_feature:VelocityFeature", caps=ObjectiveCaps(lora=False))
 @dataclass(frozen=True, kw_only=True)
 class FeatureSettings:
     feature_pairs: str | None = setting(None, check=non_empty,
@@ -233,9 +249,19 @@ class FeatureSettings:
 # -- strategies (stages/train_student/strategy.py, docs/multi-gpu.md) --------------------------------------------
 
 STRATEGIES = Registry("strategy")
-STRATEGIES.declare("ddp", "a full student per rank")
+_STRATEGY = "stages.train_student.strategy:"
+
+
+@dataclass(frozen=True)
+class StrategyCaps:
+    shards: bool  # the training state (and checkpoints) split over the ranks, not whole on each
+    fp16: bool  # takes --mixed-precision fp16 (its loss scaler sees the whole gradient)
+
+
+STRATEGIES.declare("ddp", "a full student per rank", impl=_STRATEGY + "DDP", caps=StrategyCaps(shards=False, fp16=True))
 STRATEGIES.declare("fsdp", "weights, gradients, AdamW state and EMA sharded over the ranks (FSDP2), for students "
-                           "that do not fit one GPU (docs/multi-gpu.md)")
+                           "that do not fit one GPU (docs/multi-gpu.md)", impl=_STRATEGY + "FSDP",
+                   caps=StrategyCaps(shards=True, fp16=False))
 
 # -- trackers (stages/train_student/tracking.py; teacher-cache's progress scalars) -------------------------------
 

@@ -53,9 +53,9 @@ from .wan_inputs import model_timestep
 
 UNIPC = "UniPCMultistepScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
-# distill.json's objective_settings["sampler"] of a student that samples with `euler_config(teacher scheduler)`.
+# distill.json's objective_settings["sampler"]: the sampler of an objective declared with one (ObjectiveCaps.sampler),
+# a key of SAMPLERS (below: each turns the teacher's scheduler config into the student's).
 SAMPLER = "sampler"
-EULER = "euler"
 # UniPC's corrector is disabled per step index; this many covers any step count a Wan pipeline runs.
 _NO_CORRECTOR = 1000
 
@@ -138,9 +138,13 @@ def student_scheduler(source):
     conf = d.get("scheduler")
     if not conf:
         raise ValueError("no scheduler recorded (distill.json / manifest without `scheduler`)")
-    if (d.get("objective_settings") or {}).get(SAMPLER) == EULER:
-        conf = euler_config(conf)
-    return scheduler_from_config(conf)
+    sampler = own_sampler(d)
+    return scheduler_from_config(SAMPLERS[sampler](conf) if sampler else conf)
+
+
+def own_sampler(source) -> str | None:
+    """The sampler the student's objective recorded (a key of SAMPLERS); None: it samples as the teacher does."""
+    return (_as_dict(source).get("objective_settings") or {}).get(SAMPLER)
 
 
 def student_steps(source) -> int:
@@ -210,3 +214,6 @@ def copy_scheduler(scheduler):
 def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-sample mean squared error in float32: [B, ...] x [B, ...] -> [B]."""
     return (a.float() - b).pow(2).flatten(1).mean(1)
+
+
+SAMPLERS = {"euler": euler_config}  # an objective's own sampler: the student's scheduler config from the teacher's

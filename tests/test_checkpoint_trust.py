@@ -2,7 +2,7 @@
 `train-student --resume` checks the newest against that record. A damaged one (empty, truncated, a flipped
 byte that safetensors itself would load) is named in one warning line and the run resumes from the newest
 sound older one, ending bit-equal to an uninterrupted run; when none is sound the command exits 2 with one
-line. A checkpoint of the previous version (no record) resumes unverified when its files load.
+line. A checkpoint without a record (one of a version before digests) is damaged like any other.
 
 Every run is a real `wandistiller train-student` through click's CliRunner, on the session's tiny cache."""
 
@@ -96,7 +96,7 @@ def test_a_checkpoint_records_the_size_and_sha256_of_each_of_its_files(runs):
     for name, want in record["files"].items():  # read independently of the code that wrote them
         assert want == {"bytes": (ckpt / name).stat().st_size, "sha256": sha256(ckpt / name)}, name
     assert json.loads((ckpt / "trainer_state.json").read_text())["digests"] == checkpoint.DIGESTS
-    assert checkpoint.check(ckpt) == (None, True)
+    assert checkpoint.check(ckpt) is None
     assert not list((runs[1] / "checkpoints").glob("*.tmp")), "a temporary folder was left behind"
 
 
@@ -122,7 +122,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_older
     assert "(step 6," in r.output and "Traceback" not in r.output
     assert_equals_uninterrupted(out, full)
     # The resumed run wrote step 9 again, whole: it replaces the damaged folder, byte for byte the reference's.
-    assert checkpoint.check(newest) == (None, True)
+    assert checkpoint.check(newest) is None
     assert sha256(newest / file) == sha256(full / "checkpoints" / NEWEST / file)
     assert not list((out / "checkpoints").glob("*.tmp"))
 
@@ -147,45 +147,24 @@ def test_every_checkpoint_damaged_is_one_line_exit_2_and_changes_nothing(tiny_ca
     assert after == before  # nothing written, nothing removed (the lock file it took is gone again)
 
 
-def make_previous_version(ckpt: Path) -> None:
-    """What a checkpoint written before digests looked like: no record, no `digests` key in its trainer state."""
-    (ckpt / checkpoint.DIGESTS).unlink()
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    del state["digests"]
-    (ckpt / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
-
-
-def test_a_checkpoint_of_the_previous_version_resumes_unverified_when_its_files_load(tiny_cache, runs, tmp_path):
+def test_a_checkpoint_of_a_version_before_digests_is_refused_in_one_line(tiny_cache, runs, tmp_path):
+    """No record and no `digests` key in its trainer state: 0.1 resumes only the checkpoints it writes."""
     out = interrupted(runs, tmp_path)
     for d in (out / "checkpoints").iterdir():
-        make_previous_version(d)
+        (d / checkpoint.DIGESTS).unlink()
+        state = json.loads((d / "trainer_state.json").read_text())
+        del state["digests"]
+        (d / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
     r = invoke(tiny_cache, out, "--resume")
-    assert r.exit_code == 0, r.output
-    assert f"checkpoint {NEWEST} is unverified (no digest record" in r.output and "warning:" not in r.output
-    assert "(step 9," in r.output
-    assert_equals_uninterrupted(out, runs[0])
-
-
-def test_a_previous_version_checkpoint_whose_files_do_not_load_is_damaged(runs, tmp_path):
-    ckpts = interrupted(runs, tmp_path) / "checkpoints"
-    for d in ckpts.iterdir():
-        make_previous_version(d)
-    truncate(ckpts / NEWEST / "ema.safetensors")
-    empty(ckpts / OLDER / "optimizer.pt")
-    problem, verified = checkpoint.check(ckpts / NEWEST)
-    assert problem.startswith("ema.safetensors: unreadable (") and not verified
-    assert checkpoint.check(ckpts / OLDER) == ("optimizer.pt: empty", False)
-    path, lines = checkpoint.pick(ckpts.parent)
-    assert path == ckpts / "step-00000003" and len(lines) == 1
-    assert lines[0].startswith(f"warning: checkpoints {NEWEST} (ema.safetensors: unreadable (")
-    assert lines[0].endswith(f"{OLDER} (optimizer.pt: empty) are damaged; resuming from step-00000003 "
-                             "(no digest record: written before checkpoints had one; its files load)")
+    assert r.exit_code == 2, r.output
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"{NEWEST} (digests.json: missing)" in errors[0], r.output
 
 
 def test_a_deleted_record_or_trainer_state_is_damage_not_a_silent_skip(runs, tmp_path):
     ckpts = interrupted(runs, tmp_path) / "checkpoints"
     (ckpts / NEWEST / checkpoint.DIGESTS).unlink()
-    assert checkpoint.check(ckpts / NEWEST) == ("digests.json: missing", False)
+    assert checkpoint.check(ckpts / NEWEST) == "digests.json: missing"
     (ckpts / OLDER / "trainer_state.json").unlink()  # no longer "complete": still a candidate, reported
     (ckpts / "step-00000003" / checkpoint.DIGESTS).write_text('{"format": 1, "files": {"model.saf')
     with pytest.raises(checkpoint.UserError) as e:

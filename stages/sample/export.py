@@ -43,7 +43,7 @@ from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
-from pipeline.sampling import EULER, SAMPLER, student_scheduler
+from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
 from .models import (
@@ -238,7 +238,7 @@ def run(cfg: ExportConfig) -> dict:
         from . import export_lora
 
         return _pushed(cfg, out, export_lora.run(cfg, student, hints, out))
-    own_scheduler = student.distill is not None and (student.distill.objective_settings or {}).get(SAMPLER) == EULER
+    own_scheduler = student.distill is not None and own_sampler(student.distill) is not None
     base_model, teacher = hub_card.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
     card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))

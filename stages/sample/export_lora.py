@@ -33,7 +33,7 @@ from pipeline.artifact import DISTILL, LORA_JSON
 from pipeline.config import ExportConfig
 from pipeline.faults import fault_point
 from pipeline.hub import is_hub_id
-from pipeline.sampling import EULER, SAMPLER, student_scheduler
+from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
 from .models import Student
@@ -115,7 +115,7 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     base_model, base = hub_card.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
-                             (student.distill.objective_settings or {}).get(SAMPLER) == EULER, lora=not cfg.fuse)
+                             own_sampler(student.distill) is not None, lora=not cfg.fuse)
             + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
     lora = student.lora | {"teacher": base}
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,

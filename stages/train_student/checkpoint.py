@@ -21,8 +21,7 @@ ones (a file missing, empty, truncated or with another sha256; the record missin
 skipped, named in one warning line, and left in place: the resumed run writes that step again (the old
 folder is renamed aside first, so a kill never leaves a half-deleted checkpoint under a final name), and
 `prune` does not count checkpoints past the step being saved, so a skipped one never pushes a sound one
-out. A checkpoint of an earlier version (no record and no `digests` key in its trainer state) is
-accepted unverified when all of its files load; one with the key but no record is damaged. When there
+out. A checkpoint without a record is damaged (every checkpoint of this version has one). When there
 are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy. A file
 that matches its record but references code (the record rewritten with it) is not damage to step past: `pick` or
 `load` refuses the run in one line naming the file (`untrusted`).
@@ -72,7 +71,7 @@ HEADS = "objective.safetensors"  # the objective's own trainable modules (projec
 OPTIMIZER = "optimizer.pt"
 STATE = "trainer_state.json"
 DIGESTS = "digests.json"  # {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} of every other file
-DIGESTS_KEY = "digests"  # in trainer_state.json of every checkpoint written with a digest record
+DIGESTS_KEY = "digests"  # in trainer_state.json: the checkpoint has a digest record
 DIGESTS_FORMAT = 1
 FILES = (MODEL, EMA, HEADS, OPTIMIZER, STATE)  # every name a checkpoint may hold besides DIGESTS
 SHARDED = "sharded"  # the DCP folder of a sharded checkpoint, instead of MODEL, EMA, HEADS and OPTIMIZER
@@ -565,28 +564,6 @@ def _check_recorded(path: Path, files: dict[str, dict]) -> str | None:
     return None
 
 
-def _check_loads(path: Path) -> str | None:
-    """The first file of an unrecorded checkpoint that does not load as what it should be."""
-    for name in (MODEL, EMA, HEADS, OPTIMIZER):
-        f = path / name
-        if not f.is_file():
-            if name in (MODEL, OPTIMIZER):
-                return f"{name}: missing"
-            continue
-        if f.stat().st_size == 0:
-            return f"{name}: empty"
-        try:
-            if name == OPTIMIZER:
-                _load_optimizer(path, "cpu")
-            else:
-                load_file(f)
-        except UserError:
-            raise  # pickled code: refused, never passed over as damage
-        except Exception as e:  # noqa: BLE001 - any failure to load is the damage we look for
-            return f"{name}: unreadable ({_first_line(e)})"
-    return None
-
-
 def _load_optimizer(path: Path, device) -> dict:
     """`optimizer.pt` of checkpoint `path`, read with weights_only=True; one that references anything but tensors,
     numbers and containers is refused (`untrusted`), without torch's advice to load it with weights_only=False."""
@@ -596,36 +573,26 @@ def _load_optimizer(path: Path, device) -> dict:
         raise untrusted(path, OPTIMIZER, _pickled_global(e), _VALUES_HOLDS) from None
 
 
-def check(path: Path) -> tuple[str | None, bool]:
-    """(problem, verified) of checkpoint folder `path`: problem None when it may be resumed from, else why not
-    (one file and what is wrong with it); verified False for a checkpoint of an earlier version, which has no
-    digest record and is accepted when its files load."""
+def check(path: Path) -> str | None:
+    """Why checkpoint folder `path` may not be resumed from (one file and what is wrong with it); None when it may."""
     if not (path / DIGESTS).exists():
-        if not (path / STATE).is_file():
-            return f"{STATE}: missing", False
-        try:
-            state = read_state(path)
-        except (ValueError, OSError) as e:
-            return f"{STATE}: unreadable ({_first_line(e)})", False
-        if not isinstance(state, dict) or state.get(DIGESTS_KEY):
-            return f"{DIGESTS}: missing", False
-        return _check_loads(path), False
+        return f"{DIGESTS}: missing"
     try:
         files = _read_record(path)
     except ValueError as e:
-        return str(e), False
+        return str(e)
     if problem := _check_recorded(path, files):
-        return problem, False
+        return problem
     try:
         read_state(path)
     except (ValueError, OSError) as e:
-        return f"{STATE}: unreadable ({_first_line(e)})", False
+        return f"{STATE}: unreadable ({_first_line(e)})"
     if f"{SHARDED}/{SHARDED_INDEX}" in files:  # the index is a pickle: read safely now (a UserError if planted)
         try:
             read_index(path)
         except ValueError as e:
-            return str(e), False
-    return None, True
+            return str(e)
+    return None
 
 
 def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
@@ -637,16 +604,15 @@ def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
         if root.is_dir() else []
     damaged: list[tuple[str, str]] = []
     for _, d in reversed(found):
-        problem, verified = check(d)
+        problem = check(d)
         if problem is not None:
             damaged.append((d.name, problem))
             continue
-        unverified = "" if verified else " (no digest record: written before checkpoints had one; its files load)"
         if not damaged:
-            return d, [] if verified else [f"checkpoint {d.name} is unverified{unverified}; resuming from it"]
+            return d, []
         named = (f"checkpoint {damaged[0][0]} is damaged ({damaged[0][1]})" if len(damaged) == 1 else
                  "checkpoints " + ", ".join(f"{n} ({p})" for n, p in damaged) + " are damaged")
-        return d, [f"warning: {named}; resuming from {d.name}{unverified}"]
+        return d, [f"warning: {named}; resuming from {d.name}"]
     if not damaged:
         return None, []
     listed = ", ".join(f"{n} ({p})" for n, p in damaged)

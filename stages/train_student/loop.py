@@ -32,35 +32,24 @@ from pipeline.artifact import RunLayout
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
-from pipeline.runtime import DistEnv, barrier
+from pipeline.runtime import barrier
 from pipeline.wan_inputs import model_timestep
 
 from . import checkpoint
 from .collate import collate, padded_context, to_device
 from .comm import all_gather_bytes, all_reduce
 from .data import make_loader
-from .epoch import EpochPlan, RankBatches, eval_batches
-from .index import DataSplit
-from .objective_velocity import Batch, Objective
-from .strategy import DDP, Strategy
+from .epoch import RankBatches, eval_batches
+from .objective_velocity import Batch
 from .student import trained_parameters
 from .tracking import NullTracker, Tracker
+from .train_plan import TrainPlan, lr_at
 
 # Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
 # with an out-of-memory error when ":oom" is given. DEBUG_DIR: each rank writes the sample keys of its
 # micro-batches and a hash of its final parameters to DEBUG_DIR/rank-R.json.
 FAIL_AT_ENV = "WANDISTILLER_FAIL_AT"
 DEBUG_DIR_ENV = "WANDISTILLER_DEBUG_DIR"
-
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to peak x min_ratio."""
-    if warmup and step < warmup:
-        return peak * (step + 1) / warmup
-    span = max(total - warmup, 1)
-    progress = min(max(step - warmup, 0) / span, 1.0)
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def maybe_fail(rank: int, step: int) -> None:
@@ -93,6 +82,19 @@ def make_ema(model: torch.nn.Module, decay: float, shadow: dict[str, torch.Tenso
 def ema_tensors(ema: EMAModel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The EMA weights by parameter name (what checkpoints store)."""
     return {k: s for (k, _), s in zip(trained_parameters(model), ema.shadow_params)}
+
+
+@dataclass
+class Parts:
+    """What a run trains, as `train._build` makes it: the student, the objective's heads, the optimizer, the fp16
+    scaler, the module forward and backward run through (the strategy's wrapper; None: the student) and the EMA."""
+
+    model: torch.nn.Module
+    heads: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    wrapped: torch.nn.Module | None = None
+    ema: EMAModel | None = None
 
 
 @dataclass
@@ -147,32 +149,25 @@ class _Pace:
 
 
 class Trainer:
-    """Runs optimizer steps from `state` to `total` over the exact epoch sequence of `plan`."""
+    """Runs optimizer steps from `state` to the plan's total over its exact epoch sequence."""
 
-    def __init__(self, *, cfg, env: DistEnv, device: torch.device, model: torch.nn.Module, ddp, data: DataSplit,
-                 plan: EpochPlan, optimizer, scaler, ema: EMAModel | None, state: TrainState, total: int, out: Path,
-                 mixed_dtype: torch.dtype | None, expand_timesteps: bool, patch: tuple[int, int, int],
-                 checkpoint_extra: dict, objective: Objective, heads: torch.nn.Module | None = None,
-                 tracker: Tracker | None = None, validator=None, strategy: Strategy | None = None):
-        # `ddp`: the module forward and backward run through (strategy.wrap's), None for the model itself
-        self.cfg, self.env, self.device, self.model, self.ddp = cfg, env, device, model, ddp
-        if strategy is None:  # a caller that wrapped the model itself (bench/): DDP's behaviour around it
-            strategy = DDP(env, device, mixed_dtype)
-            strategy.model, strategy.heads, strategy.ddp = model, heads, ddp
-        self.strategy = strategy
-        self.objective, self.heads = objective, heads
-        self.data, self.plan, self.optimizer, self.scaler, self.ema = data, plan, optimizer, scaler, ema
-        self.state, self.total, self.out = state, total, out
-        self.expand_timesteps, self.patch = expand_timesteps, patch
-        self.checkpoint_extra = checkpoint_extra
-        self.dataset = objective.dataset(data.index, cfg.embedding_cache_size)
-        self.autocast = (lambda: torch.autocast(device.type, dtype=mixed_dtype)) if mixed_dtype else contextlib.nullcontext
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if heads is not None:
-            self.params += [p for p in heads.parameters() if p.requires_grad]
+    def __init__(self, plan: TrainPlan, parts: Parts, state: TrainState, out: Path, tracker: Tracker | None = None,
+                 validator=None):
+        self.cfg, self.env, self.device, self.strategy = plan.cfg, plan.env, plan.device, plan.strategy
+        self.model, self.ddp, self.heads, self.ema = parts.model, parts.wrapped, parts.heads, parts.ema
+        self.optimizer, self.scaler = parts.optimizer, parts.scaler
+        self.objective, self.data, self.plan, self.total = plan.objective, plan.data, plan.epochs, plan.total
+        self.state, self.out, self.identity = state, out, plan.identity
+        self.expand_timesteps, self.patch = plan.expand_timesteps, plan.patch
+        self.dataset = plan.objective.dataset(plan.data.index, self.cfg.embedding_cache_size)
+        mixed = plan.mixed
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=mixed)) if mixed else contextlib.nullcontext
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.heads is not None:
+            self.params += [p for p in self.heads.parameters() if p.requires_grad]
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
-        self.metrics = open(RunLayout(out).metrics, "a") if env.is_main else None
+        self.metrics = open(RunLayout(out).metrics, "a") if self.env.is_main else None
         self.tracker = tracker or NullTracker()
         self.validator = validator  # validation.Validator on rank 0 when --val-every is on, else None
         self.last_eval: float | None = None
@@ -257,7 +252,7 @@ class Trainer:
         state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
                                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                                       "strategy": self.strategy.name, "total": self.total}  # (the run's length)
-        state["extra"] = self.checkpoint_extra
+        state["extra"] = self.identity.to_json()
         # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
         ema = ema_tensors(self.ema, self.model) if self.ema else None
         self.strategy.save_checkpoint(self.out, self.state.step, ema, self.optimizer, state, self.cfg.keep_checkpoints)

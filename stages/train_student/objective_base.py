@@ -1,15 +1,10 @@
-"""What every distillation objective is (`Objective`), its registry, and what stage two checks before the first step.
+"""What every distillation objective is (`Objective`) and what stage two checks before the first step.
 
-An objective is one registered class. It declares the cache fields it reads (names from
-`cache/schema.py`) and the model outputs it needs, may add trainable modules (projection heads) that are
-checkpointed and resumed with the student but never exported, and turns one forward of the student into
-per-sample loss terms. Stage two checks the declarations against the cache before the first step, records
-the objective and its settings in distill.json (pipeline/artifact.py), and otherwise stays the same for
-every objective: the exact epoch plan, loss scaling over ranks, checkpoints and resume.
-
-The objectives themselves are in objectives.py (and modules it imports, such as feature.py): each is a subclass
-decorated with `@register`, whose `Config` is its settings dataclass, declared with its name and help in
-pipeline/registries.py (so the CLI lists it and takes its flags without importing torch).
+An objective declares the cache fields it reads (names from `cache/schema.py`) and the model outputs it needs, may
+add trainable modules (projection heads) that are checkpointed and resumed with the student but never exported, and
+turns one forward of the student into per-sample loss terms. Each is declared in pipeline/registries.py (OBJECTIVES:
+name, help, settings, import path, capabilities); the implementations are in objective_velocity.py and
+objective_feature.py.
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ import torch
 from cache import format as F
 from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
 from pipeline.errors import UserError
-from pipeline.registries import OBJECTIVES as DECLARED
-from pipeline.sampling import mse  # noqa: F401 (every objective's loss term, here with the rest of the base)
+from pipeline.registries import OBJECTIVES, ObjectiveCaps
+from pipeline.sampling import SAMPLER, mse  # noqa: F401 (mse: every objective's loss term, here with the rest of the base)
 
 PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
 
@@ -93,11 +88,16 @@ def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, bl
 class Objective:
     """Base of every objective; subclasses set the class attributes and implement `terms`."""
 
-    name: ClassVar[str]  # from Config's declaration (a plug-in without one sets name and help itself)
-    help: ClassVar[str]
+    name: ClassVar[str]  # its Config's declared name (a plug-in without one sets name and help itself)
+    help: ClassVar[str] = ""
     Config: ClassVar[type | None] = None  # its settings dataclass (pipeline/registries.py), recorded by asdict
     fields: ClassVar[tuple[str, ...]]  # cache sample fields read (cache/schema.py names)
     outputs: ClassVar[tuple[str, ...]] = (PREDICTION,)  # model outputs needed
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("Config") is not None:
+            cls.name = cls.Config.NAME
 
     def __init__(self, settings: dict | None = None):
         self.settings = dict(settings or {})
@@ -144,32 +144,27 @@ class Objective:
         return SampleDataset(index, embedding_cache_size, self.fields)
 
     def record(self) -> dict:
-        return dict(self.settings)
+        """Its settings as distill.json and the run identity record them (its sampler last, when it has its own)."""
+        sampler = OBJECTIVES[self.name].caps.sampler
+        return dict(self.settings) | ({SAMPLER: sampler} if sampler else {})
 
 
-OBJECTIVES: dict[str, type[Objective]] = {}
-
-
-def register(cls: type[Objective]) -> type[Objective]:
-    """Class decorator: make `cls` selectable as `--objective NAME`, NAME and help from its `Config`'s declaration."""
-    if cls.Config is not None:
-        entry = DECLARED.require(cls.Config.NAME, cls.__name__)
-        cls.name, cls.help = entry.name, entry.help
-    if cls.name in OBJECTIVES:
-        raise ValueError(f"objective {cls.name!r} is registered twice")
+def _check_fields(cls: type[Objective]) -> type[Objective]:
     unknown = [f for f in cls.fields if f not in SAMPLE_FIELDS]
     if unknown:
         raise ValueError(f"objective {cls.name!r} reads undeclared cache field(s) {unknown}: declare them in "
                          "cache/schema.py first")
-    OBJECTIVES[cls.name] = cls
     return cls
 
 
 def get_objective(name: str) -> type[Objective]:
+    """The implementation of `--objective NAME` (its module imported now)."""
     try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise UserError(f"--objective {name!r} is not one of {', '.join(sorted(OBJECTIVES))}") from None
+        return _check_fields(OBJECTIVES.get(name, "--objective").load())
+    except ValueError as e:
+        if name in OBJECTIVES:
+            raise
+        raise UserError(str(e)) from None
 
 
 def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: int) -> None:
@@ -191,11 +186,10 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
 
 
 @contextlib.contextmanager
-def registered(cls: type[Objective]):
-    """Register `cls` for the duration of a `with` block (tests, plug-ins loaded for one run)."""
-    register(cls)
+def registered(cls: type[Objective], caps: ObjectiveCaps = ObjectiveCaps()):
+    """Declare plug-in `cls` for the duration of a `with` block (tests, plug-ins loaded for one run)."""
+    OBJECTIVES.declare(_check_fields(cls).name, cls.help, cls.Config, impl=cls, caps=caps)
     try:
         yield cls
     finally:
-        OBJECTIVES.pop(cls.name, None)
-
+        OBJECTIVES.forget(cls.name)

@@ -19,7 +19,7 @@ from cache import format as F
 from pipeline.errors import UserError
 from pipeline.registries import FeatureSettings
 
-from .objective_base import Batch, Objective, Outputs, block_output, mse, register
+from .objective_base import Batch, Objective, Outputs, block_output, mse
 
 
 def parse_pairs(text) -> tuple[tuple[int, int], ...]:
@@ -37,7 +37,6 @@ def parse_pairs(text) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-@register
 class VelocityFeature(Objective):
     Config = FeatureSettings
     fields = (F.T_X_T, F.T_TARGET, F.T_FEATURES)

@@ -1,12 +1,8 @@
 """Distillation objectives: what stage two teaches the student, chosen by `train-student --objective NAME`.
 
-An objective is one registered class (objective.py says what it declares). Stage two checks the declarations
-against the cache before the first step, records the objective and its settings in distill.json
-(pipeline/artifact.py), and otherwise stays the same for every objective: the exact epoch plan, loss scaling over
-ranks, checkpoints and resume.
-
-Adding an objective: its settings dataclass, name and help in pipeline/registries.py (OBJECTIVES), and a subclass
-below (or in a module imported at the end) with `Config` set to that dataclass, decorated with `@register`.
+Each is a subclass of `Objective` (objective_base.py) whose `Config` is its settings dataclass, declared in
+pipeline/registries.py (OBJECTIVES) with this module's path. Stage two checks its declarations against the cache
+before the first step, records it and its settings in distill.json, and is otherwise the same for every objective.
 """
 
 from __future__ import annotations
@@ -22,13 +18,12 @@ from pipeline.registries import SegmentSettings, VelocitySettings
 
 from .objective_base import (  # noqa: F401 (the objectives' API, importable from here)
     OBJECTIVES, PREDICTION, Batch, Objective, Outputs, WithHeads, block_output, check_cache, get_objective, mse,
-    register, registered, student_forward,
+    registered, student_forward,
 )
 
 log = logging.getLogger(__name__)
 
 
-@register
 class Velocity(Objective):
     """The teacher's prediction at every cached step, by MSE: the student follows the teacher's trajectory
     step by step (and samples with the teacher's steps)."""
@@ -40,7 +35,6 @@ class Velocity(Objective):
         return {"velocity": mse(out.prediction, batch.fields[F.T_TARGET])}
 
 
-@register
 class Segment(Objective):
     """Few-step distillation from the cached trajectories alone: the teacher's schedule is cut into K segments
     whose boundaries are cached steps (the last ends at the final latent), and at every cached state x_k the
@@ -73,7 +67,7 @@ class Segment(Objective):
         return int(self.settings["student_steps"])
 
     def check(self, manifest: dict, cache: str) -> None:
-        from pipeline.sampling import EULER, is_flow_matching, segment_boundaries
+        from pipeline.sampling import is_flow_matching, segment_boundaries
 
         steps = int(manifest[F.F_STEPS])
         sigmas, sched = manifest.get(F.F_SIGMAS), manifest.get(F.F_SCHEDULER) or {}
@@ -103,7 +97,7 @@ class Segment(Objective):
                         "steps %s, which the %d-step scheduler does not hit exactly", self.k, steps, bounds, self.k)
         ends = bounds[1:] + [steps]
         self.end_step = [next(e for e in ends if e > k) for k in range(steps)]
-        self.settings.update(boundaries=bounds, exact_schedule=exact, sampler=EULER)
+        self.settings.update(boundaries=bounds, exact_schedule=exact)
 
     def dataset(self, index, embedding_cache_size: int):
         from .data import SegmentDataset
@@ -152,6 +146,3 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
                     f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "
                     f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
 
-
-# Objectives that live in modules of their own register themselves on import (they import objective.py, not this).
-from . import objective_feature  # noqa: E402,F401

@@ -26,9 +26,9 @@ optimizer state alone (`ignore_frozen_params`), and the artifact is the adapters
 The objective's heads (small projection heads) stay whole on every rank under both: DDP averages their
 gradients with the student's; under fsdp `reduce_gradients` all-reduces them after the last micro-step.
 
-How to add a strategy: subclass `Strategy`, set `name`, implement the methods, decorate it with `@register`,
-declare its name and help in `pipeline/registries.py` (STRATEGIES: the CLI's `--strategy` choice), and test it as
-tests/test_fsdp.py does (two gloo processes equal one process; kill and resume bit-equal).
+How to add a strategy: subclass `Strategy`, implement the methods, declare it in `pipeline/registries.py`
+(STRATEGIES: name, help, this module's path, its `StrategyCaps`), and test it as tests/test_fsdp.py does (two gloo
+processes equal one process; kill and resume bit-equal).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.lora_experts import LoraExperts
-from pipeline.registries import STRATEGIES as DECLARED
+from pipeline.registries import STRATEGIES, StrategyCaps
 from pipeline.runtime import DistEnv
 
 from . import checkpoint, lora_student
@@ -53,17 +53,12 @@ from .comm import all_gather_bytes
 from .objective_velocity import WithHeads
 from .student import empty_student, trained_parameters
 
-STRATEGIES: dict[str, type[Strategy]] = {}
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-    DECLARED.require(cls.name, cls.__name__)  # its name and help are declared in pipeline/registries.py
-    STRATEGIES[cls.name] = cls
-    return cls
-
-
 def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dtype | None) -> Strategy:
-    return STRATEGIES[name](env, device, mixed)
+    """The strategy declared as `name` (its module imported now), for this rank."""
+    entry = STRATEGIES[name]
+    strategy = entry.load()(env, device, mixed)
+    strategy.name, strategy.caps = entry.name, entry.caps
+    return strategy
 
 
 def state_sha(state: dict[str, torch.Tensor]) -> str:
@@ -83,7 +78,8 @@ def items_sha(items) -> str:
 class Strategy:
     """One way of laying the student, its gradients, optimizer state and EMA over the ranks."""
 
-    name: ClassVar[str]
+    name: str  # its declared name and capabilities (set by get_strategy)
+    caps: StrategyCaps
     # Every forward is a collective (all-gathers of weights): every rank must run the same forwards, in held-out
     # evaluation and validation by sampling too.
     lockstep: ClassVar[bool] = False
@@ -141,11 +137,8 @@ class Strategy:
         raise NotImplementedError
 
 
-@register
 class DDP(Strategy):
     """A full replica per rank; DistributedDataParallel averages the gradients (no wrapping for one process)."""
-
-    name = "ddp"
 
     def __init__(self, env: DistEnv, device: torch.device, mixed: torch.dtype | None):
         super().__init__(env, device, mixed)
@@ -206,11 +199,8 @@ class DDP(Strategy):
         return sha
 
 
-@register
 class FSDP(Strategy):
     """PyTorch FSDP2: weights, gradients, AdamW moments and EMA sharded over the ranks, a unit per block."""
-
-    name = "fsdp"
     lockstep = True
     syncs_init = False  # nothing is broadcast: every rank builds (and initialises) the same student, then shards it
     is_lora = False  # the student is a LoRA student (set by wrap)

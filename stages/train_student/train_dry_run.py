@@ -1,7 +1,7 @@
 """`train-student --dry-run`: what a run costs, from steps measured on this machine, before it runs.
 
-run.py sets everything up as for a real run (the caches checked by size, the epoch plan, the student built, wrapped
-by the strategy, with its optimizer) and hands it here instead of training. Two optimizer steps run on real batches
+train.py makes the run's plan (train_plan.py: the caches checked by size, the epoch plan) and builds the student,
+wrapped by the strategy, with its optimizer, as for a real run, and hands both here instead of training. Two optimizer steps run on real batches
 from the cache through the Trainer's own `step`: the first warms up (kernels, the allocator, the loader's workers),
 the second is timed. Then the report: parameters, training-state bytes by the arithmetic of docs/multi-gpu.md,
 the measured peak memory per GPU, samples/s, and the run's projected time. Nothing is written to --out: the
@@ -13,77 +13,68 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from cache import format as F
 from cache.size import human
-from pipeline.runtime import DistEnv, print0
+from pipeline.runtime import print0
 
 from .data import make_loader
 from .epoch import RankBatches
-from .loop import TrainState, Trainer, lr_at, make_ema, peak_memory_gib
+from .loop import Parts, TrainState, Trainer, make_ema, peak_memory_gib
 from .student import trained_parameters
-
-if TYPE_CHECKING:
-    from pipeline.config import TrainStudentConfig
-
-    from .train import _Setup
+from .train_plan import TrainPlan, lr_at
 
 TRAINING_BYTES, EMA_BYTES = 16, 4  # per parameter: fp32 weights, gradients, AdamW's two moments; an EMA copy
 
 
-def measure(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, model, heads, optimizer, scaler, wrapped) -> dict:
+def measure(p: TrainPlan, parts: Parts) -> dict:
     """Time one optimizer step after a warm-up one, print the report on rank 0 and return it."""
-    ema = make_ema(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    cfg, epochs, device = p.cfg, p.epochs, p.device
+    parts.ema = make_ema(parts.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     with tempfile.TemporaryDirectory(prefix="wandistiller-dry-run-") as tmp:
-        trainer = Trainer(cfg=cfg, env=env, device=s.device, model=model, ddp=wrapped, data=s.data, plan=s.plan,
-                          optimizer=optimizer, scaler=scaler, ema=ema, state=TrainState(), total=s.total,
-                          out=Path(tmp), mixed_dtype=s.mixed,
-                          expand_timesteps=bool(s.manifest.get(F.F_EXPAND_TIMESTEPS)),
-                          patch=tuple(s.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)), checkpoint_extra=s.identity,
-                          objective=s.objective, heads=heads, strategy=s.strategy)
-        sampler = RankBatches(s.plan, s.data.train_rows, cfg.seed, 0, env.rank, 0)
-        it = iter(make_loader(trainer.dataset, sampler, cfg.num_workers, s.device.type == "cuda"))
-        timed = min(2, s.plan.steps)  # a warm-up step, then the one timed (an epoch of one step: that one)
+        trainer = Trainer(p, parts, TrainState(), Path(tmp))
+        sampler = RankBatches(epochs, p.data.train_rows, cfg.seed, 0, p.env.rank, 0)
+        it = iter(make_loader(trainer.dataset, sampler, cfg.num_workers, device.type == "cuda"))
+        timed = min(2, epochs.steps)  # a warm-up step, then the one timed (an epoch of one step: that one)
         for step in range(timed):
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(step, s.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+            for g in parts.optimizer.param_groups:
+                g["lr"] = lr_at(step, p.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
             t0 = time.perf_counter()
             trainer.data_wait_s = 0.0
             _, _, count, _ = trainer.step(it, step)
-            if s.device.type == "cuda":
-                torch.cuda.synchronize(s.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             took = time.perf_counter() - t0
         wait = trainer.data_wait_s
         del it
         trainer.close_logs()
+    model = parts.model
     params = (sum(p.numel() for p in model.parameters()), sum(p.numel() for _, p in trained_parameters(model)),
               sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad))
-    report = _report(cfg, env, s, params, count, took, wait, timed)
+    report = _report(p, params, count, took, wait, timed)
     for line in _lines(report):
         print0(line)
     return report
 
 
-def _report(cfg: TrainStudentConfig, env: DistEnv, s: _Setup, params: tuple[int, int, int], count: int, took: float,
-            wait: float, timed: int) -> dict:
+def _report(p: TrainPlan, params: tuple[int, int, int], count: int, took: float, wait: float, timed: int) -> dict:
     """`params`: (all, trained, bytes of the frozen ones): a LoRA student trains its adapters alone, and its frozen
     base costs its own bytes on every GPU, no gradient and no AdamW state."""
-    shards = env.world_size if cfg.strategy == "fsdp" else 1  # fsdp shards the training state (and a frozen base)
+    cfg, env = p.cfg, p.env
+    shards = env.world_size if p.strategy.caps.shards else 1  # the training state (and a frozen base) split
     total, trained, frozen_bytes = params
     state = (trained * (TRAINING_BYTES + (EMA_BYTES if cfg.ema_decay > 0 else 0)) + frozen_bytes) / shards
     rate = count / took
     return {"dry_run": True, "params": total, "trained_params": trained, "frozen_bytes": frozen_bytes,
             "strategy": cfg.strategy, "ema": cfg.ema_decay > 0, "world_size": env.world_size,
-            "device": s.device.type, "training_state_bytes_per_gpu": int(state),
-            "peak_memory_gib": round(peak_memory_gib(s.device), 3),
-            "peak_memory_kind": "CUDA allocated" if s.device.type == "cuda" else "peak RSS of the process",
-            "global_batch": s.plan.global_batch * cfg.grad_accum, "step_s": round(took, 4), "warmed_up": timed > 1,
+            "device": p.device.type, "training_state_bytes_per_gpu": int(state),
+            "peak_memory_gib": round(peak_memory_gib(p.device), 3),
+            "peak_memory_kind": "CUDA allocated" if p.device.type == "cuda" else "peak RSS of the process",
+            "global_batch": p.epochs.global_batch * cfg.grad_accum, "step_s": round(took, 4), "warmed_up": timed > 1,
             "samples_per_s": round(rate, 3), "samples_per_s_per_rank": round(rate / env.world_size, 3),
-            "data_wait_frac": round(wait / took, 3), "train_samples": len(s.data.train_rows),
-            "steps_per_epoch": s.plan.steps, "total_steps": s.total, "projected_h": round(s.total * took / 3600, 3)}
+            "data_wait_frac": round(wait / took, 3), "train_samples": len(p.data.train_rows),
+            "steps_per_epoch": p.epochs.steps, "total_steps": p.total, "projected_h": round(p.total * took / 3600, 3)}
 
 
 def _lines(r: dict) -> list[str]:

@@ -1,0 +1,220 @@
+"""What a resume may change: the run identity, one typed record, and the one place that decides (`resume_problem`).
+
+A resume continues the run its checkpoint holds, and ends bit-equal to that run uninterrupted. So it keeps every
+setting that changes what is computed: `RunIdentity`, saved as every checkpoint's trainer state's `extra` (its keys
+are the JSON keys; a field left None is left out), each field naming what it is and the flags that set it. A setting
+outside it may change: how long the run is (--max-steps, --epochs: said in one line, `length_note`, since the
+learning-rate schedule follows the new length; never below the checkpoint's step), and what does not touch the
+weights (--checkpoint-every, --keep-checkpoints, --eval-every, --log-every, --val-*, --report-to, --num-workers,
+--verify, --device, --gradient-checkpointing, --collective-timeout-s, the number of ranks at the same global batch).
+--strategy is the checkpoint's format: a resume keeps it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.errors import UserError
+from pipeline.registries import STRATEGIES
+from pipeline.settings import OWNER, SOURCE
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainStudentConfig
+
+    from .train_plan import TrainPlan
+
+
+def _kept(what: str, flags: str, optional: bool = False):
+    """An identity field a resume must keep: `what` it is and the `flags` that set it, in the refusal's words."""
+    return field(default=None, metadata={"what": what, "flags": flags}) if optional else \
+        field(metadata={"what": what, "flags": flags})
+
+
+@dataclass(frozen=True)
+class KeptSettings:
+    """The settings of the run a resume must keep, by their TrainStudentConfig field (the flag is its name)."""
+
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    ema_decay: float
+    mixed_precision: str  # resolved: bf16 on CUDA, no on the CPU when not given
+    train_steps: list[int] | None
+    holdout_prompts: int
+
+    @classmethod
+    def of(cls, cfg: TrainStudentConfig, mixed_precision: str) -> KeptSettings:
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}
+        steps = values["train_steps"]
+        return cls(**values | {"mixed_precision": mixed_precision, "train_steps": None if steps is None else
+                               list(steps)})
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint must match to be resumed (the JSON keys of its trainer state's `extra`)."""
+
+    fingerprints: list[str] = _kept("caches", "--cache")
+    data: str = _kept("data selection", "--cache, --train-steps and --holdout-prompts")
+    seed: int = _kept("seed", "--seed")
+    global_batch: int = _kept("global batch", "--batch-size x ranks")
+    grad_accum: int = _kept("gradient accumulation", "--grad-accum")
+    student_config: dict = _kept("student config", "--student-config")
+    settings: KeptSettings = _kept("settings", "")  # compared setting by setting, a flag each
+    lora: dict | None = _kept("lora student", "--lora-of and --lora-*", optional=True)
+    # None for the velocity objective without settings (what it was before objectives were chosen)
+    objective: dict | None = _kept("objective", "--objective and its settings", optional=True)
+    order: dict | None = _kept("order", "--order and --embedding-cache-size", optional=True)  # None: shuffled
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return out | {"settings": dataclasses.asdict(self.settings)}
+
+    @classmethod
+    def from_json(cls, d) -> RunIdentity:
+        """The identity a checkpoint saved; ValueError naming the key for one this version did not write."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or not isinstance(d.get("settings"), dict):
+            raise ValueError("no settings")
+        wrong = sorted(d.keys() - names) or sorted(d["settings"].keys() ^ {f.name for f in
+                                                                         dataclasses.fields(KeptSettings)})
+        if wrong:
+            raise ValueError(f"{wrong[0]}")
+        try:
+            return cls(**d | {"settings": KeptSettings(**d["settings"])})
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+
+
+def _show(v) -> str:
+    if v is None:
+        return "unset"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v))
+    return f"{v!r:.60}" if isinstance(v, dict) else str(v)
+
+
+def _with(flag: str, v) -> str:
+    """How to pass value `v` of `flag` again (`--lr 0.001`; `no --train-steps` for one that was not given)."""
+    return f"no {flag}" if v is None else f"{flag} {_show(v)}"
+
+
+def _flag(cfg: TrainStudentConfig, key: str, objective: str) -> str:
+    """The flag of an objective's recorded setting `key` (its merged field), or `its <key>` for a derived one."""
+    for f in dataclasses.fields(cfg):
+        if f.metadata.get(SOURCE) == key and f.metadata.get(OWNER) == objective:
+            return "--" + f.name.replace("_", "-")
+    return f"its {key.replace('_', ' ')}"
+
+
+_LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets", "trained": "--lora-experts",
+               "weights": "--lora-of (its weight files)", "configs": "--lora-of (its configs)"}
+
+
+def _difference(f: dataclasses.Field, old, new, saved: dict, cfg: TrainStudentConfig) -> tuple[str, str]:
+    """(what differs, in words naming the flag; the values to resume with) of identity field `f`."""
+    key, flags = f.name, f.metadata["flags"]
+    if key == "global_batch":
+        world = saved["world_size"]
+        now = new // cfg.batch_size
+        return (f"--batch-size x ranks {old // world} x {world} = {old} then, {cfg.batch_size} x {now} = {new} now",
+                f"--batch-size x ranks = {old}")
+    if key in ("seed", "grad_accum"):
+        return f"{flags} {_show(old)} then, {_show(new)} now", f"{flags} {_show(old)}"
+    if isinstance(old, dict) and isinstance(new, dict):
+        differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        if key == "objective" and "name" in differ:
+            return f"--objective {old.get('name')} then, {new.get('name')} now", f"--objective {old.get('name')}"
+        name = (lambda k: _flag(cfg, k, str(new.get("name")))) if key == "objective" else \
+            (lambda k: _LORA_FLAGS.get(k, k)) if key == "lora" else (lambda k: k.replace("_", " "))
+        shown = [f"{name(k)} {_show(old.get(k))} then, {_show(new.get(k))} now" for k in differ[:2]]
+        return ", ".join(shown) + (f" and {len(differ) - 2} more" if len(differ) > 2 else ""), f"the same {flags}"
+    if key == "fingerprints":
+        return f"fingerprint {_show(old)[:12]}… then, {_show(new)[:12]}… now", f"the same {flags}"
+    return f"{_show(old)} then, {_show(new)} now", f"the same {flags}"
+
+
+def _data_difference(then: KeptSettings, now: KeptSettings, flags: str) -> tuple[str, str]:
+    """The data selection differs: name the selection flag that changed, if one did (else the caches' rows did)."""
+    for k in ("train_steps", "holdout_prompts"):
+        if getattr(then, k) != getattr(now, k):
+            flag = "--" + k.replace("_", "-")
+            return f"{flag} {_show(getattr(then, k))} then, {_show(getattr(now, k))} now", _with(flag, getattr(then, k))
+    return "other rows to train on or hold out", f"the same {flags}"
+
+
+def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> str | None:
+    """Why checkpoint `ckpt` (its trainer state `saved`, its identity `then`) cannot be continued by this run, in one
+    line naming the flag, the checkpoint's value and this run's, and the fix; None when it can. What the run is
+    first (caches, data, student, objective, ...), then the kept settings, a flag each."""
+    written_by = saved["strategy"]
+    if written_by != p.strategy.name:
+        sharded = written_by in STRATEGIES and STRATEGIES[written_by].caps.shards
+        return (f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
+                f"{'sharded' if sharded else 'whole'}); resume with --strategy {written_by}, or use a new --out")
+    found = None
+    for f in sorted(dataclasses.fields(RunIdentity), key=lambda f: f.name):
+        old, new = getattr(then, f.name), getattr(p.identity, f.name)
+        if f.name == "settings" or old == new:
+            continue
+        detail = _data_difference(then.settings, p.identity.settings, f.metadata["flags"]) if f.name == "data" \
+            else _difference(f, old, new, saved, p.cfg)
+        found = (f.metadata["what"], *detail)
+        break
+    for s in [] if found else dataclasses.fields(KeptSettings):
+        old, new = getattr(then.settings, s.name), getattr(p.identity.settings, s.name)
+        if old != new:
+            flag = "--" + s.name.replace("_", "-")
+            found = flag, f"{flag} {_show(old)} then, {_show(new)} now", _with(flag, old)
+            break
+    if found is None:
+        return None
+    what, detail, fix = found
+    return (f"checkpoint {ckpt} was made with another {what} ({detail}); a resume continues the run its checkpoint "
+            f"holds, to end as that run would have: rerun with {fix} to continue it, or use a new --out to train "
+            "with the new value")
+
+
+def length_flag(cfg: TrainStudentConfig, total: int) -> str:
+    """The flag that sets the run's length `total`: --max-steps N, or --epochs E when they end it first."""
+    if cfg.max_steps is not None and total == cfg.max_steps:
+        return f"--max-steps {cfg.max_steps}"
+    return f"--epochs {cfg.epochs or 1}"
+
+
+def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
+    """Checkpoint `ckpt`'s trainer state `saved` may be continued by this run (every rank checks alike): written by
+    this version, the same identity (`resume_problem`) and a run that does not end before the checkpoint's step."""
+    try:
+        missing = next((k for k in ("strategy", "total", "world_size", "extra") if k not in saved), None)
+        if missing:
+            raise ValueError(missing)
+        problem = resume_problem(ckpt, saved, RunIdentity.from_json(saved["extra"]), p)
+    except ValueError as e:
+        problem = (f"checkpoint {ckpt} was written by another version of train-student (its trainer state has no "
+                   f"or another {e}); resume it with that version, or use a new --out")
+    if problem is None and saved["step"] > p.total:
+        problem = (f"--resume: the newest sound checkpoint, {ckpt.name}, is at step {saved['step']}, past this run's "
+                   f"end at step {p.total} ({length_flag(p.cfg, p.total)}); pass --max-steps {saved['step']} or more "
+                   "to continue that run, or use a new --out to train a shorter one")
+    if problem is not None:
+        err = UserError(problem)
+        err.all_ranks = True  # every rank reads the same state: rank 0 alone prints it
+        raise err
+
+
+def length_note(saved: dict, p: TrainPlan) -> str | None:
+    """One line when this resume ends the run at another step than the checkpoint's run would have."""
+    before = saved["total"]
+    if before == p.total:
+        return None
+    return (f"note: --resume: the run now ends at step {p.total} ({length_flag(p.cfg, p.total)}), not {before}: "
+            f"from step {saved['step'] + 1} the learning rate follows the schedule of {p.total} steps, so the "
+            f"student is neither the {before}-step run's nor that of {p.total} steps uninterrupted")
