@@ -87,7 +87,7 @@ def test_partition_is_exact(n, world, batch, accum):
             assert step_total == plan.step_samples(step)
         flat = [k for s in seen for k in s]
         assert len(flat) == len(set(flat)) == n  # disjoint, and the union is the epoch
-        assert [len(s) for s in seen] == [plan.rank_share(r) for r in range(world)]
+        assert [len(s) for s in seen] == [len(range(r, plan.n, plan.world)) for r in range(world)]
         assert sum(plan.step_samples(s) for s in range(plan.steps)) == n
 
 

@@ -127,10 +127,6 @@ class EpochPlan:
         r = self.micro_range(step)
         return min(r.stop * self.global_batch, self.n) - r.start * self.global_batch
 
-    def rank_share(self, rank: int) -> int:
-        """Samples `rank` sees per epoch."""
-        return len(range(rank, self.n, self.world))
-
 
 # Prompts per read group of a grouped epoch (`read_groups`): consecutive rows of one prompt store, whose
 # trajectories stage one writes one after the other into a shard and whose embeddings lie one after the other in
