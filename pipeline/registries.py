@@ -202,18 +202,18 @@ class LoraSettings:
 
 # -- objectives (stages/train_student/objective_*.py) ------------------------------------------------------------
 
-OBJECTIVES = Registry("objective")
-_OBJ = "stages.train_student.objective_velocity:"
-
-
 @dataclass(frozen=True)
 class ObjectiveCaps:
     sampler: str | None = None  # how its student samples (pipeline/sampling.py SAMPLERS); None: the teacher's way
     lora: bool = True  # trains a LoRA student too (no heads on student blocks)
 
 
+OBJECTIVES = Registry("objective", caps=ObjectiveCaps())
+_OBJ = "stages.train_student.objective_velocity:"
+
+
 @OBJECTIVES.settings("velocity", "MSE to the teacher's (guided) prediction at each cached step; samples with the "
-                                 "teacher's steps", impl=_OBJ + "Velocity", caps=ObjectiveCaps())
+                                 "teacher's steps", impl=_OBJ + "Velocity")
 @dataclass(frozen=True, kw_only=True)
 class VelocitySettings:
     """The velocity objective takes no settings."""

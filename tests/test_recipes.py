@@ -1,7 +1,8 @@
-"""docs/architecture.md's "how to add" recipes, followed to the letter: a toy cache field and a toy objective with
-a setting of its own, added to a copy of the project by editing only the files the recipes name, then run through
-the CLI (stage one records the field, `cache verify` checks it, stage two trains the objective from it, `--help`
-shows the setting). When a refactor moves what a recipe relies on, this test fails at the edit that no longer
+"""docs/architecture.md's "how to add" recipes, followed to the letter on a copy of the project, editing only the
+files each recipe names, then run through the CLI: a placement, a cache field (and a toy objective with a setting of
+its own that reads it: stage one records the field, `cache verify` checks it, stage two trains the objective from
+it, `--help` shows the setting), an objective with a sampler of its own, and a strategy with capabilities of its
+own. When a refactor moves what a recipe relies on, this test fails at the edit that no longer
 applies: change the recipe and the edit here together.
 """
 
@@ -38,13 +39,12 @@ CACHE_FIELD = [
 ]
 OBJECTIVE = [
     ("pipeline/registries.py", None,
-     '\n\n@OBJECTIVES.settings("toy-x0", "toy: learn the cached x0 field")\n'
+     '\n\n@OBJECTIVES.settings("toy-x0", "toy: learn the cached x0 field", impl=_OBJ + "ToyX0")\n'
      "@dataclass(frozen=True, kw_only=True)\n"
      "class ToyX0Settings:\n"
      '    x0_weight: float = setting(1.0, check=positive(), help="toy-x0: weight of its one term.")\n'),
     ("stages/train_student/objective_velocity.py", None,
      "\n\nfrom pipeline.registries import ToyX0Settings  # noqa: E402\n\n\n"
-     "@register\n"
      "class ToyX0(Objective):\n"
      '    """Toy: the prediction against the cached x0 field, weighted by its own setting."""\n\n'
      "    Config = ToyX0Settings\n"
@@ -69,7 +69,7 @@ def follow(repo: Path, recipe) -> set[str]:
     return touched
 
 
-def test_a_toy_cache_field_and_a_toy_objective_with_its_setting(tiny_teacher, prompts_file, tmp_path):
+def test_a_toy_objective_reads_a_toy_cache_field(tiny_teacher, prompts_file, tmp_path):
     repo = tmp_path / "repo"
     for top in ("pipeline", "cache", "stages", "configs"):
         shutil.copytree(ROOT / top, repo / top, ignore=shutil.ignore_patterns("__pycache__"))
@@ -197,3 +197,83 @@ def test_a_cache_field_recipe(tiny_teacher, prompts_file, tmp_path):
     plain, with_x0 = planned(), planned("--record-x0")
     c, f, h, w = manifest["latent_shape"]
     assert with_x0["sample_bytes"] - plain["sample_bytes"] >= c * f * h * w * 4  # one more float32 latent
+
+
+# --- the objective and strategy recipes (docs/architecture.md, "An objective", "A strategy") ----------------
+
+def run_cli(repo: Path, *args, code: int = 0) -> str:
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == code, (r.stdout + r.stderr)[-3000:]
+    return r.stdout + r.stderr
+
+
+def train_args(repo: Path, cache: Path, run: Path, *more) -> list:
+    return ["train-student", "--cache", cache, "--student-config", repo / "configs" / "student-tiny.json", "--out",
+            run, "--max-steps", 2, "--batch-size", 4, "--num-workers", 0, "--warmup-steps", 0, "--log-every", 1,
+            "--device", "cpu", "--report-to", "none", *more]
+
+
+# An objective with a sampler of its own (docs/architecture.md, "An objective"): its declaration names its
+# implementation and its sampler (a capability), the implementation, and the sampler in pipeline/sampling.py.
+OWN_SAMPLER = [
+    ("pipeline/registries.py", None,
+     '\n\n@OBJECTIVES.settings("toy-flow", "toy: velocity, sampled by its own sampler", impl=_OBJ + "ToyFlow",\n'
+     '                     caps=ObjectiveCaps(sampler="toy-flow-euler"))\n'
+     "@dataclass(frozen=True, kw_only=True)\n"
+     "class ToyFlowSettings:\n"
+     '    toy_weight: float = setting(1.0, check=positive(), help="toy-flow: weight of its one term.")\n'),
+    ("stages/train_student/objective_velocity.py", None,
+     "\n\nfrom pipeline.registries import ToyFlowSettings  # noqa: E402\n\n\n"
+     "class ToyFlow(Objective):\n"
+     '    """Toy: the velocity loss, weighted by its own setting; sampled by FlowMatchEuler."""\n\n'
+     "    Config = ToyFlowSettings\n"
+     "    fields = (F.T_X_T, F.T_TARGET)\n\n"
+     "    def terms(self, out, batch, heads):\n"
+     '        return {"velocity": self.settings["toy_weight"] * mse(out.prediction, batch.fields[F.T_TARGET])}\n'),
+    ("pipeline/sampling.py", None,
+     '\n\nSAMPLERS["toy-flow-euler"] = lambda conf: {"_class_name": FLOW_EULER, "num_train_timesteps": 1000}\n'),
+]
+
+
+def test_an_objective_recipe(tiny_cache, tmp_path):
+    repo = _copy_project(tmp_path)
+    assert follow(repo, OWN_SAMPLER) == {rel for rel, _, _ in OWN_SAMPLER}
+    assert "--toy-weight FLOAT" in run_cli(repo, "train-student", "--help")
+    run = tmp_path / "run"
+    run_cli(repo, *train_args(repo, tiny_cache, run, "--objective", "toy-flow", "--toy-weight", 0.5,
+                              "--checkpoint-every", 0))
+    distill = json.loads((run / "distill.json").read_text())
+    assert distill["objective"] == "toy-flow"
+    assert distill["objective_settings"] == {"toy_weight": 0.5, "sampler": "toy-flow-euler"}
+    probe = ("import json, sys; from pipeline.sampling import student_scheduler; "
+             "print(type(student_scheduler(json.load(open(sys.argv[1])))).__name__)")
+    r = subprocess.run([sys.executable, "-c", probe, run / "distill.json"], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(repo)), timeout=300)
+    assert r.stdout.strip() == "FlowMatchEulerDiscreteScheduler", r.stderr[-2000:]
+
+
+# A strategy (docs/architecture.md, "A strategy"): DDP under another name, declared with capabilities of its own.
+STRATEGY = [
+    ("pipeline/registries.py", None,
+     '\n\nSTRATEGIES.declare("toy", "toy: ddp under another name", impl=_STRATEGY + "Toy",\n'
+     "                   caps=StrategyCaps(shards=False, fp16=False))\n"),
+    ("stages/train_student/strategy.py", None,
+     '\n\nclass Toy(DDP):\n    """Toy: a full replica per rank, as ddp."""\n'),
+]
+
+
+def test_a_strategy_recipe(tiny_cache, tmp_path):
+    repo = _copy_project(tmp_path)
+    assert follow(repo, STRATEGY) == {rel for rel, _, _ in STRATEGY}
+    assert "toy (toy: ddp under another name)" in " ".join(run_cli(repo, "train-student", "--help").split())
+    run = tmp_path / "run"
+    refused = run_cli(repo, *train_args(repo, tiny_cache, run, "--strategy", "toy", "--mixed-precision", "fp16"),
+                      code=2)
+    assert "fp16 does not go with strategy toy" in refused  # its capability, read
+    run_cli(repo, *train_args(repo, tiny_cache, run, "--strategy", "toy", "--checkpoint-every", 1))
+    state = json.loads((run / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["strategy"] == "toy"
+    refused = run_cli(repo, *train_args(repo, tiny_cache, run, "--resume", "--max-steps", 3), code=2)
+    assert "written with --strategy toy (its weights are whole); resume with --strategy toy" in refused

@@ -19,7 +19,7 @@ import torch
 from cache import format as F
 from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
 from pipeline.errors import UserError
-from pipeline.registries import OBJECTIVES, ObjectiveCaps
+from pipeline.registries import OBJECTIVES
 from pipeline.sampling import SAMPLER, mse  # noqa: F401 (mse: every objective's loss term, here with the rest of the base)
 
 PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
@@ -186,9 +186,9 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
 
 
 @contextlib.contextmanager
-def registered(cls: type[Objective], caps: ObjectiveCaps = ObjectiveCaps()):
+def registered(cls: type[Objective]):
     """Declare plug-in `cls` for the duration of a `with` block (tests, plug-ins loaded for one run)."""
-    OBJECTIVES.declare(_check_fields(cls).name, cls.help, cls.Config, impl=cls, caps=caps)
+    OBJECTIVES.declare(_check_fields(cls).name, cls.help, cls.Config, impl=cls)
     try:
         yield cls
     finally:
