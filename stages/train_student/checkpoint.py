@@ -1,42 +1,13 @@
-"""Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic and checked.
+"""Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic, recorded and checked.
 
-A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed to `step-NNNNNNNN/` once every file in
-it is complete and fsynced, so a checkpoint folder without the suffix was whole when it was written;
-`latest` only looks at those. The optimizer state is a `torch.save` of tensors and numbers only and is
-read back with `weights_only=True`: tensors, numbers and containers only. A checkpoint is a file anyone with
-write access to --out (or who hands over a run folder) can replace, digest record and all, so no byte of it is
-ever unpickled freely: a file that references anything else (a planted `os.system`) is refused in one line naming
-it, before anything of it is used (`untrusted`).
-
-Whole when written is not whole when read: a disk, a copy or a person can truncate, empty or flip bits
-in a checkpoint later, and safetensors is not a checksum (a flipped bit in tensor data still loads). So
-every checkpoint also holds `digests.json`, the size and sha256 of each of its other files, written and
-fsynced before the rename, and its trainer state says so (`"digests": "digests.json"`). The digests cost
-no extra write: optimizer.pt and trainer_state.json are hashed from the bytes as they are written, the
-safetensors files in the same pass that fsyncs them (read back from the page cache: no second copy of
-the weights in memory, which hashing `safetensors.torch.save`'s bytes would need).
-
-`pick` chooses what `--resume` restores: the newest checkpoint whose files match its record. Damaged
-ones (a file missing, empty, truncated or with another sha256; the record missing or unreadable) are
-skipped, named in one warning line, and left in place: the resumed run writes that step again (the old
-folder is renamed aside first, so a kill never leaves a half-deleted checkpoint under a final name), and
-`prune` does not count checkpoints past the step being saved, so a skipped one never pushes a sound one
-out. A checkpoint without a record is damaged (every checkpoint of this version has one). When there
-are checkpoints but none is sound, `pick` raises a UserError (exit 2) naming each one and the remedy. A file
-that matches its record but references code (the record rewritten with it) is not damage to step past: `pick` or
-`load` refuses the run in one line naming the file (`untrusted`).
-
-Sharded checkpoints (`--strategy fsdp`, stages/train_student/strategy.py) hold no weights file of their own:
-the model, optimizer and EMA tensors are in `sharded/`, a torch.distributed.checkpoint (DCP) folder in which
-every rank writes its own shards (`__R_0.distcp`) and rank 0 the index (`.metadata`). Each rank hashes the
-files it wrote, rank 0 records them all in `digests.json` (as `sharded/<name>`) beside `trainer_state.json`,
-and the folder is renamed into place and trusted exactly as above. DCP reads back into any number of ranks.
-DCP's own reader unpickles the index with plain `pickle.load` and each non-tensor value (the optimizer's
-param_groups) with `torch.load(weights_only=False)`, so neither is let near a checkpoint: `read_index` unpickles the
-index with `_IndexUnpickler`, which resolves only the classes DCP writes there (INDEX_GLOBALS, listed from a real
-checkpoint of torch 2.13), checks that every entry points at a file of SHARDED/ itself, and hands DCP that object
-(`_CheckedReader`); the values go through `weights_only=True` (`_SafeLoadPlanner`). `pick` reads the index of a
-sharded checkpoint when it checks it, so a planted one is refused before anything is built.
+A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed once every file in it is complete and fsynced,
+with `digests.json` (the size and sha256 of each of its other files, hashed as they are written). `pick` chooses
+what `--resume` restores: the newest checkpoint whose files match its record; damaged ones are named in one warning
+line and left in place (a checkpoint without a record is damaged). No byte of a checkpoint is ever unpickled freely:
+`optimizer.pt` is read with `weights_only=True`, and a sharded (`--strategy fsdp`) checkpoint's DCP index through
+`_IndexUnpickler`, which resolves only the classes DCP writes there (INDEX_GLOBALS); a file that references code is
+refused in one line naming it (`untrusted`). docs/reliability.md has the cases and docs/multi-gpu.md the sharded
+layout.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training loop: the objective's loss on cached samples (objectives.py), AdamW with warmup + cosine,
+"""The training loop: the objective's loss on cached samples (objective_base.py), AdamW with warmup + cosine,
 clipping, accumulation, autocast, EMA (diffusers' EMAModel), held-out evaluation, validation by sampling
 (validation.py), metrics (metrics.jsonl and the tracker of tracking.py) and checkpoints.
 

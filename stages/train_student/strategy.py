@@ -1,30 +1,11 @@
 """How stage two lays the student over the ranks (`train-student --strategy`): the one module a new strategy
-starts in.
+starts in (docs/multi-gpu.md has the arithmetic and usage).
 
-`ddp` (the default) keeps a whole student on every rank: weights, gradients, both AdamW moments and the EMA,
-and DDP averages the gradients. `fsdp` shards all of them over the ranks with PyTorch FSDP2 (`fully_shard`:
-every parameter becomes a DTensor split on dim 0 over a DeviceMesh of all ranks): one unit per transformer
-block and one, the root, for the rest. A unit's full weights exist only while it runs (all-gathered for its
-forward and again for its backward, freed after), and its gradients are reduce-scattered (averaged over the
-ranks, as DDP's all-reduce), so a rank holds 1/world of the training state plus one block's full weights
-(docs/multi-gpu.md has the arithmetic).
-
-The same under every strategy: the epoch plan and the loss scaling (the loss all-reduce), AdamW, clipping of
-the global gradient norm, the EMA rule (each rank updates the shards it holds: the same arithmetic element
-by element), and the run artifact (fsdp gathers the full weights on rank 0 and writes them as ddp does). What
-differs is one method each below: how the model is placed and wrapped, when gradients are reduced during
-accumulation (ddp: on the last micro-step; fsdp: every micro-step, so gradients stay sharded), how the gradient
-norm is taken, how checkpoints are written and read (fsdp: sharded, through torch.distributed.checkpoint, see
-checkpoint.py, whose `read_index` and `load_sharded` read DCP's pickles without running any code they name; a
-checkpoint resumes with the strategy that wrote it, on any number of ranks), how the EMA
-weights are swapped in, and how the full weights are had for the artifact.
-
-A LoRA student (`--lora-of`) under fsdp: its frozen base and its adapters are sharded alike (lora_student.py `shard`: a unit
-per block of each expert), every expert runs in every forward, checkpoints hold the adapters' shards and their
-optimizer state alone (`ignore_frozen_params`), and the artifact is the adapters gathered on rank 0 (docs/lora.md).
-
-The objective's heads (small projection heads) stay whole on every rank under both: DDP averages their
-gradients with the student's; under fsdp `reduce_gradients` all-reduces them after the last micro-step.
+`ddp` (the default) keeps a whole student on every rank and DDP averages the gradients. `fsdp` shards weights,
+gradients, AdamW moments and EMA over the ranks with PyTorch FSDP2 (`fully_shard`: one unit per transformer block
+and one, the root, for the rest; a unit's full weights exist only while it runs). The same under every strategy:
+the epoch plan, the loss scaling, AdamW, the EMA rule and the run artifact. What differs is one method each below.
+The objective's heads stay whole on every rank under both. A LoRA student under fsdp: lora_student.py `shard`.
 
 How to add a strategy: subclass `Strategy`, implement the methods, declare it in `pipeline/registries.py`
 (STRATEGIES: name, help, this module's path, its `StrategyCaps`), and test it as tests/test_fsdp.py does (two gloo

@@ -1,18 +1,10 @@
 """Experiment trackers: the run's curves in TensorBoard or Weights & Biases, beside metrics.jsonl.
 
-metrics.jsonl stays the plain record that tests, `eval` and the summary read; a tracker receives the same
-records as they are written (`Trainer.log`) and shows them where engineers watch runs. One rule maps a
-record to scalars (`scalars`): every number of a record of type T is the scalar `T/<key>` at the record's
-step (a dict of numbers, such as validation's per-prompt errors, becomes `T/<key>/<name>`). The resolved
-config and the cache fingerprint are the run's hyperparameters.
-
-Only rank 0 opens a real tracker; the other ranks get `NullTracker`. Both backends use their library's
-own writer: `torch.utils.tensorboard.SummaryWriter` (event files under OUT/tensorboard) and `wandb` (the
-optional extra, configured by its own environment: WANDB_MODE=offline, WANDB_PROJECT, WANDB_DIR, ...).
-
-A resumed run continues one curve: TensorBoard purges what a killed run logged after the checkpoint it
-resumes from (`purge_step`, the same cut as metrics.jsonl's), and W&B continues the run whose id is kept
-in OUT/wandb-run.json.
+A tracker receives each metrics.jsonl record as it is written (`Trainer.log`), on rank 0 only (the others get
+`NullTracker`); one rule maps a record to scalars (`scalars`): every number of a record of type T is the scalar
+`T/<key>` at the record's step (a dict of numbers becomes `T/<key>/<name>`). Both backends use their library's own
+writer, configured by its own environment (WANDB_MODE=offline, ...). A resumed run continues one curve: TensorBoard
+purges what a killed run logged after the checkpoint (`purge_step`), W&B continues the id in OUT/wandb-run.json.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
-"""Validation by sampling, teacher-free: rank 0 samples the student on held-out prompts during training
-(every rank with --strategy fsdp, whose forward is a collective; rank 0 alone logs).
-
-Every --val-every steps the student samples the first --val-max-prompts held-out prompts (all their cached
-seeds) from the cache's initial noise and prompt embeddings, with the steps and scheduler distill.json records
-for it, through the one student sampler `pipeline.sampling` (the one `eval` uses); the final latents are
-compared with the teacher's cached final latents: MSE per trajectory and mean, the number `eval` reports as
-`final_latent_mse`. Nothing of the teacher is loaded for that.
+"""Validation by sampling, teacher-free: every --val-every steps rank 0 (every rank under fsdp, whose forward is a
+collective; rank 0 alone logs) samples the student on the first --val-max-prompts held-out prompts from the cache's
+initial noise and prompt embeddings, with the steps and scheduler distill.json records, through `pipeline.sampling`
+(the sampler `eval` uses), and compares the final latents with the teacher's cached ones: `final_latent_mse`.
 
 With --val-decode the teacher's VAE, and nothing else of the teacher, is loaded once on rank 0, in float32, and
 kept in CPU memory between validations; it visits the training device only while it decodes, one latent at a
 time. Its cost: the weights (Wan 2.1's VAE, which the A14B and 1.3B/14B teachers use: 126.9M parameters,
 484 MiB; Wan 2.2 TI2V-5B's: 704.7M, 2.6 GiB) plus one frame's decoder activations (measured on the CPU at
-480x832: about 3.3 GiB) on the device during validation, and the weights in host RAM the rest of the time.
-It decodes the teacher's cached final latents once and the student's at each validation into a
-teacher | student grid.
-
-Which VAE (`vae_folder`, settled before step 1): the teacher the user named (--lora-of, or --init-from-teacher
-when it is a pipeline), then the teacher's folder the cache's manifest names when it is on this machine, then the
-manifest's Hub id when the local Hub cache already holds its VAE. A cache's manifest is not covered by its
-fingerprint in its `teacher` fields, so nothing is downloaded because a cache says so: where none of these is
-here, the run is refused in one line that says how to name the teacher.
+480x832: about 3.3 GiB) on the device during validation. Which VAE: `vae_folder` (nothing is downloaded because a
+cache's manifest, whose teacher fields its fingerprint does not cover, names a teacher).
 """
 
 from __future__ import annotations
