@@ -27,10 +27,15 @@ if TYPE_CHECKING:
     from .train_plan import TrainPlan
 
 
-def _kept(what: str, flags: str, optional: bool = False):
-    """An identity field a resume must keep: `what` it is and the `flags` that set it, in the refusal's words."""
-    return field(default=None, metadata={"what": what, "flags": flags}) if optional else \
-        field(metadata={"what": what, "flags": flags})
+def _kept(what: str, flags: str, optional: bool = False, keys: dict | None = None):
+    """An identity field a resume must keep: `what` it is and the `flags` that set it, in the refusal's words (and,
+    for a dict, the flag of each of its `keys`)."""
+    meta = {"what": what, "flags": flags, "keys": keys or {}}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
+_LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets", "trained": "--lora-experts",
+               "weights": "--lora-of (its weight files)", "configs": "--lora-of (its configs)"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class RunIdentity:
     grad_accum: int = _kept("gradient accumulation", "--grad-accum")
     student_config: dict = _kept("student config", "--student-config")
     settings: KeptSettings = _kept("settings", "")  # compared setting by setting, a flag each
-    lora: dict | None = _kept("lora student", "--lora-of and --lora-*", optional=True)
+    lora: dict | None = _kept("lora student", "--lora-of and --lora-*", optional=True, keys=_LORA_FLAGS)
     # None for the velocity objective without settings (what it was before objectives were chosen)
     objective: dict | None = _kept("objective", "--objective and its settings", optional=True)
     order: dict | None = _kept("order", "--order and --embedding-cache-size", optional=True)  # None: shuffled
@@ -114,10 +119,6 @@ def _flag(cfg: TrainStudentConfig, key: str, objective: str) -> str:
     return f"its {key.replace('_', ' ')}"
 
 
-_LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets", "trained": "--lora-experts",
-               "weights": "--lora-of (its weight files)", "configs": "--lora-of (its configs)"}
-
-
 def _difference(f: dataclasses.Field, old, new, saved: dict, cfg: TrainStudentConfig) -> tuple[str, str]:
     """(what differs, in words naming the flag; the values to resume with) of identity field `f`."""
     key, flags = f.name, f.metadata["flags"]
@@ -132,8 +133,9 @@ def _difference(f: dataclasses.Field, old, new, saved: dict, cfg: TrainStudentCo
         differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
         if key == "objective" and "name" in differ:
             return f"--objective {old.get('name')} then, {new.get('name')} now", f"--objective {old.get('name')}"
+        keys = f.metadata["keys"]
         name = (lambda k: _flag(cfg, k, str(new.get("name")))) if key == "objective" else \
-            (lambda k: _LORA_FLAGS.get(k, k)) if key == "lora" else (lambda k: k.replace("_", " "))
+            (lambda k: keys.get(k, k.replace("_", " ")))
         shown = [f"{name(k)} {_show(old.get(k))} then, {_show(new.get(k))} now" for k in differ[:2]]
         return ", ".join(shown) + (f" and {len(differ) - 2} more" if len(differ) > 2 else ""), f"the same {flags}"
     if key == "fingerprints":
