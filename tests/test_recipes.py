@@ -2,8 +2,8 @@
 files each recipe names, then run through the CLI: a placement, a cache field (and a toy objective with a setting of
 its own that reads it: stage one records the field, `cache verify` checks it, stage two trains the objective from
 it, `--help` shows the setting), an objective with a sampler of its own, and a strategy with capabilities of its
-own. When a refactor moves what a recipe relies on, this test fails at the edit that no longer
-applies: change the recipe and the edit here together.
+own. When a refactor moves what a recipe relies on, this test fails at the edit that no longer applies: change the
+recipe and the edit here together.
 """
 
 from __future__ import annotations

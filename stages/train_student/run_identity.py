@@ -191,17 +191,20 @@ def length_flag(cfg: TrainStudentConfig, total: int) -> str:
     return f"--epochs {cfg.epochs or 1}"
 
 
+_STATE_KEYS = ("strategy", "total", "world_size", "rng", "scaler", "extra")  # what a resume reads beside the position
+
+
 def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
     """Checkpoint `ckpt`'s trainer state `saved` may be continued by this run (every rank checks alike): written by
     this version, the same identity (`resume_problem`) and a run that does not end before the checkpoint's step."""
     try:
-        missing = next((k for k in ("strategy", "total", "world_size", "extra") if k not in saved), None)
+        missing = next((k for k in _STATE_KEYS if k not in saved), None)
         if missing:
             raise ValueError(missing)
         problem = resume_problem(ckpt, saved, RunIdentity.from_json(saved["extra"]), p)
     except ValueError as e:
-        problem = (f"checkpoint {ckpt} was written by another version of train-student (its trainer state has no "
-                   f"or another {e}); resume it with that version, or use a new --out")
+        problem = (f"checkpoint {ckpt} was written by another version of train-student (its trainer state's {e} is "
+                   "missing or not this version's); resume it with that version, or use a new --out")
     if problem is None and saved["step"] > p.total:
         problem = (f"--resume: the newest sound checkpoint, {ckpt.name}, is at step {saved['step']}, past this run's "
                    f"end at step {p.total} ({length_flag(p.cfg, p.total)}); pass --max-steps {saved['step']} or more "

@@ -20,7 +20,7 @@ import torch
 from cache import format as F
 from cache.atomic import atomic_write_json, honour_umask, publish_dir
 from pipeline import lock, signals
-from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord, RunLayout
+from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord
 from pipeline.config import TrainStudentConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
@@ -156,7 +156,7 @@ def _build(p: TrainPlan, fresh: bool) -> Parts:
     if cfg.init_from_teacher and fresh and (env.is_main or not p.strategy.syncs_init):
         rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
-               f"{rep['teacher_blocks']}; {rep['shape_mismatch']} differ in shape, {rep['missing']} not in the teacher)")
+             f"{rep['teacher_blocks']}; {rep['shape_mismatch']} differ in shape, {rep['missing']} not in the teacher)")
         # The seed alone no longer reproduces the untrained student: keep it for evaluation.
         if env.is_main and not cfg.dry_run:
             _save_pretrained(model, p.layout.student_init)
@@ -306,31 +306,15 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
 
 
 def _summary(p: TrainPlan, state: TrainState, sha: str, ema: bool, t0: float) -> dict:
-    out = p.layout.root
-    summary = {"out": str(out), "steps": state.step, "epochs": state.epoch, "samples": state.samples,
-               "final_loss": _last(out, "train", "loss"), "heldout_loss": _last(out, "eval", "heldout_loss"),
-               "first_heldout_loss": _first(out, "eval", "heldout_loss"), "wall_s": round(time.time() - t0, 2),
-               "param_sha256": sha}
+    path = p.layout.metrics
+    records = list(map(json.loads, path.read_text().splitlines())) if p.env.is_main and path.exists() else []
+    train, held = ([r[k] for r in records if r["type"] == t] for t, k in (("train", "loss"), ("eval", "heldout_loss")))
+    summary = {"out": str(p.layout.root), "steps": state.step, "epochs": state.epoch, "samples": state.samples,
+               "final_loss": (train or [None])[-1], "heldout_loss": (held or [None])[-1],
+               "first_heldout_loss": (held or [None])[0], "wall_s": round(time.time() - t0, 2), "param_sha256": sha}
     if p.device.type == "cuda":
         summary["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 3)
     print0(f"student written to {p.layout.student}" + (f" (EMA: {p.layout.student_ema})" if ema else "")
            + f"; {state.step} steps, final loss {summary['final_loss']}, held-out {summary['heldout_loss']}, "
            f"{summary['wall_s']:.1f}s")
     return summary
-
-
-def _records(out: Path, kind: str, key: str) -> list:
-    path = RunLayout(out).metrics
-    if not dist_env().is_main or not path.exists():
-        return []
-    return [r[key] for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
-
-
-def _last(out: Path, kind: str, key: str):
-    r = _records(out, kind, key)
-    return r[-1] if r else None
-
-
-def _first(out: Path, kind: str, key: str):
-    r = _records(out, kind, key)
-    return r[0] if r else None
