@@ -327,12 +327,13 @@ class FSDP(Strategy):
                 for p, k in zip(params, kept):
                     p.copy_(k)
 
-    def _full_state(self) -> dict[str, torch.Tensor]:
-        """The full weights on rank 0's host memory ({} elsewhere); every rank takes part in the gathers."""
+    def _state(self, full: bool) -> dict[str, torch.Tensor]:
+        """The student's state dict: full, on rank 0's host memory ({} elsewhere; every rank takes part in the
+        gathers), or as it is held (shards as DTensors, whole buffers)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._shards()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
     @contextlib.contextmanager
     def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:
@@ -344,7 +345,7 @@ class FSDP(Strategy):
                 states = self.model.adapter_states()
                 yield _Adapters(self.model, states) if self.env.is_main else None
                 return
-            full = self._full_state()
+            full = self._state(full=True)
             if not self.env.is_main:
                 yield None
                 return
@@ -357,16 +358,10 @@ class FSDP(Strategy):
         whole transformer: never all of it at once in rank 0's memory)."""
         from torch.distributed.tensor import DTensor
 
-        gathered = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sorted(self._state().items()))
+        held = sorted(self._state(full=False).items())
+        gathered = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in held)
         sha = items_sha(gathered)  # every rank takes part in each gather, in the same order
         return all_gather_bytes(sha.encode(), self.device)[0].decode()
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        """The student's state dict as it is held: shards (DTensors) and whole buffers."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        self._shards()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
 
 
 class _Adapters:
