@@ -322,7 +322,6 @@ def _default_workers() -> int:
     return max(0, min(4, (os.cpu_count() or 1) // world - 2))
 
 
-_VERIFY = one_of(("checksum", "size"), aliases={"sha256": "checksum"})  # (its name before crc32c)
 _ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective's settings, as flat fields
 
 
@@ -380,10 +379,9 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
                                         "ends only.", check=at_least(0))
     log_every: int = setting(10, help="Optimizer steps between metrics.jsonl lines.", check=at_least(1))
     device: str = setting("auto", help="Training device (auto: CUDA if present).", check=one_of(("auto", "cuda", "cpu")))
-    verify: str = setting("checksum", check=_VERIFY, parse=_VERIFY.parse_alias,
+    verify: str = setting("checksum", check=one_of(("checksum", "size")),
                           help="Shard check before training: checksum (every byte of every shard against its recorded "
-                               "checksum, and the prompt rows against theirs) or size (sizes and member index); sha256 "
-                               "is checksum's earlier name.")
+                               "checksum, and the prompt rows against theirs) or size (sizes and member index).")
     embedding_cache_size: int = setting(1024, help="Prompt embeddings each reader process keeps in memory (LRU).",
                                         check=at_least(1))
     order: str = setting("auto", check=one_of(("auto", "shuffle", "grouped")),

@@ -42,7 +42,7 @@ def help_of(f: dataclasses.Field, text: str | None = None) -> str:
 def _type(f: dataclasses.Field, tp):
     check = f.metadata.get("check")
     if isinstance(check, one_of) and check.cli_choice:
-        return click.Choice(check.names() + list(check.aliases))
+        return click.Choice(check.names())
     if f.metadata.get("path"):
         return click.Path()
     args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]

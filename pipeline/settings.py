@@ -135,20 +135,16 @@ class one_of:  # noqa: N801 (used like the other check factories)
     """One of a list of names: fixed, or read from a registry when the check runs (so a plug-in counts).
 
     `cli_choice`: whether the CLI offers them as a click choice (False where other values are allowed too, or
-    where plug-ins registered after the CLI loaded must pass); `aliases`: old names still accepted, mapped to
-    their new one by `parse_alias`; `otherwise`: a value outside the names that is also fine (e.g. a .json path)."""
+    where plug-ins registered after the CLI loaded must pass); `otherwise`: a value outside the names that is also
+    fine (e.g. a .json path)."""
 
     def __init__(self, names: Iterable[str] | Callable[[], Iterable[str]], *, cli_choice: bool = True,
-                 aliases: dict[str, str] | None = None, otherwise: Callable[[Any], bool] | None = None,
-                 otherwise_text: str = ""):
-        self._names, self.cli_choice, self.aliases = names, cli_choice, dict(aliases or {})
+                 otherwise: Callable[[Any], bool] | None = None, otherwise_text: str = ""):
+        self._names, self.cli_choice = names, cli_choice
         self.otherwise, self.otherwise_text = otherwise, otherwise_text
 
     def names(self) -> list[str]:
         return list(self._names() if callable(self._names) else self._names)
-
-    def parse_alias(self, name: str, v):
-        return self.aliases.get(v, v) if isinstance(v, str) else v
 
     def __call__(self, name, v) -> None:
         if not isinstance(v, str):  # a wrong type: config_types' message says what the key takes

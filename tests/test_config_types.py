@@ -46,14 +46,13 @@ def test_values_of_the_right_type_still_load(tmp_path):
     assert load_config(TrainStudentConfig, p, STAGE_TWO).resume is True
 
 
-def test_verify_sha256_is_checksum_by_its_earlier_name(tmp_path):
-    """Shards are checksummed with crc32c now; a config written when the check was called sha256 still loads."""
+def test_verify_takes_checksum_or_size_only(tmp_path):
+    """`sha256`, the check's name before crc32c, is refused like any other unknown name (no alias at 0.1)."""
     p = tmp_path / "c.toml"
-    p.write_text('verify = "sha256"\n')
-    assert load_config(TrainStudentConfig, p, STAGE_TWO).verify == "checksum"
-    p.write_text('verify = "md5"\n')
-    with pytest.raises(UserError, match="verify must be one of checksum, size"):
-        load_config(TrainStudentConfig, p, STAGE_TWO)
+    for bad in ("sha256", "md5"):
+        p.write_text(f'verify = "{bad}"\n')
+        with pytest.raises(UserError, match="verify must be one of checksum, size"):
+            load_config(TrainStudentConfig, p, STAGE_TWO)
 
 
 def test_nan_from_a_flag_is_refused_without_blaming_the_file(tmp_path):
