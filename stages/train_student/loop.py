@@ -106,7 +106,7 @@ class TrainState:
     epoch_step: int = 0  # optimizer steps done in the current epoch (position in its exact sequence)
     samples: int = 0  # samples trained on, all ranks
     wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)  # run identity checked on resume
+    extra: dict = field(default_factory=dict)  # its place in trainer_state.json: the run identity (Trainer)
 
 
 def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> Batch:

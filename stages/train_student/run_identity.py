@@ -82,18 +82,16 @@ class RunIdentity:
 
     @classmethod
     def from_json(cls, d) -> RunIdentity:
-        """The identity a checkpoint saved; ValueError naming the key for one this version did not write."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        """The identity a checkpoint saved; ValueError naming the first key this version would not have written."""
         if not isinstance(d, dict) or not isinstance(d.get("settings"), dict):
-            raise ValueError("no settings")
-        wrong = sorted(d.keys() - names) or sorted(d["settings"].keys() ^ {f.name for f in
-                                                                         dataclasses.fields(KeptSettings)})
+            raise ValueError("settings")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        wrong = sorted(n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d) \
+            or sorted(d.keys() - fields.keys()) \
+            or sorted(d["settings"].keys() ^ {f.name for f in dataclasses.fields(KeptSettings)})
         if wrong:
-            raise ValueError(f"{wrong[0]}")
-        try:
-            return cls(**d | {"settings": KeptSettings(**d["settings"])})
-        except TypeError as e:
-            raise ValueError(str(e)) from None
+            raise ValueError(wrong[0])
+        return cls(**d | {"settings": KeptSettings(**d["settings"])})
 
 
 def _show(v) -> str:
