@@ -228,7 +228,9 @@ def test_a_killed_student_save_leaves_no_half_folder(tmp_path, monkeypatch):
     run_mod = importlib.import_module("stages.train_student.train")  # (the package's `run` is the function)
     dest = _student_folder(tmp_path / "student", 0)
     old = tree(dest)
-    model = run_mod.build_student(run_mod.load_student_config(str(TINY)), str(TINY), 1)
+    from stages.train_student.student import build_student, load_student_config
+
+    model = build_student(load_student_config(str(TINY)), str(TINY), 1)
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
