@@ -64,6 +64,7 @@ class Online:
         from stages.teacher_cache.teacher import load_experts, load_scheduler, load_text_encoder, resolve_teacher
         from stages.teacher_cache.trajectory import Schedule
         from stages.train_student.student import build_student, load_student_config
+        from stages.train_student.train_plan import MIXED, mixed_mode
         from pipeline.prompts import read_prompt_file
 
         TR = importlib.import_module("stages.train_student.train")  # the package re-exports run() under this name
@@ -85,8 +86,8 @@ class Online:
         cfg = load_student_config(student)
         self.student = build_student(cfg, student, seed).to(device).train()
         tcfg = train_config("unused", student, "unused", str(device), batch_size, 1)
-        self.optimizer = TR._optimizer(self.student, tcfg, device)
-        mixed = TR._mixed_precision(tcfg, device)
+        self.optimizer = TR.make_optimizer(self.student, tcfg, device)
+        mixed = MIXED[mixed_mode(tcfg, device)]
         self.autocast = (lambda: torch.autocast(device.type, dtype=mixed)) if mixed else _null
         self.max_grad_norm = tcfg.max_grad_norm
         self.gen = torch.Generator().manual_seed(seed)

@@ -62,7 +62,7 @@ class StepBench:
         from stages.train_student.objective_velocity import Velocity
         from stages.train_student.student import build_student, load_student_config
         from stages.train_student.strategy import get_strategy
-        from stages.train_student.train_plan import TrainPlan
+        from stages.train_student.train_plan import MIXED, TrainPlan, mixed_mode
         from pipeline.artifact import RunLayout
 
         # the package re-exports run() under the module's name
@@ -79,7 +79,7 @@ class StepBench:
         student_cfg = load_student_config(student_json)
         self.model = build_student(student_cfg, str(student_json), 0).to(device).train()
         self.optimizer = TR.make_optimizer(self.model, self.cfg, device)
-        mixed = torch.bfloat16 if device.type == "cuda" else None  # the stage's default autocast
+        mixed = MIXED[mixed_mode(self.cfg, device)]
         scaler = torch.amp.GradScaler(device.type, enabled=False)
         out.mkdir(parents=True, exist_ok=True)
         plan = TrainPlan(self.cfg, env, device, mixed, RunLayout(out), student_cfg, Velocity(), data, self.plan,

@@ -65,9 +65,7 @@ class TrainPlan:
 
 def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> TrainPlan:
     """Student config, objective, the caches checked against both and indexed, the exact epoch plan."""
-    mode = cfg.mixed_precision or ("bf16" if device.type == "cuda" else "no")
-    if mode == "fp16" and device.type != "cuda":
-        raise UserError("--mixed-precision fp16 needs CUDA; use bf16 or no on the CPU")
+    mode = mixed_mode(cfg, device)
     layout = RunLayout(cfg.out)
     _check_apart(layout.root, cfg.cache)
     if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (train_dry_run.py)
@@ -97,10 +95,21 @@ def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> Tr
         objective={"name": objective.name, **objective.record()}
         if objective.name != default_objective or objective.record() else None,
         order=order_identity(epochs, cfg.embedding_cache_size))
-    mixed = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    mixed = MIXED[mode]
     return TrainPlan(cfg, env, device, mixed, layout, student_cfg, objective, data, epochs, total,
                      RunIdentity.from_json(json.loads(json.dumps(identity.to_json()))),  # as a checkpoint holds it
                      get_strategy(cfg.strategy, env, device, mixed), spec)
+
+
+MIXED = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --mixed-precision: the autocast dtype
+
+
+def mixed_mode(cfg: TrainStudentConfig, device: torch.device) -> str:
+    """--mixed-precision resolved for `device` (bf16 on CUDA, no on the CPU when not given)."""
+    mode = cfg.mixed_precision or ("bf16" if device.type == "cuda" else "no")
+    if mode == "fp16" and device.type != "cuda":
+        raise UserError("--mixed-precision fp16 needs CUDA; use bf16 or no on the CPU")
+    return mode
 
 
 def _check_out(out: Path, resume: bool) -> None:
