@@ -20,7 +20,7 @@ from cache import format as F
 from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
 from pipeline.errors import UserError
 from pipeline.registries import OBJECTIVES
-from pipeline.sampling import SAMPLER, mse  # noqa: F401 (mse: every objective's loss term, here with the rest of the base)
+from pipeline.sampling import SAMPLER, mse  # noqa: F401 (mse: every objective's loss term, with the base)
 
 PREDICTION = "prediction"  # the transformer's output: the velocity (flow matching) at the sample's timestep
 
