@@ -146,10 +146,29 @@ class LoraExperts(torch.nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         states = self.adapter_states() if states is None else states
         for comp, model in self.experts.items():
+            # peft keeps e.g. target_modules as a set, which diffusers writes in the process's string-hash order
+            # (PYTHONHASHSEED): sorted, the same run writes the same bytes.
+            metadata = {k: sorted(v) if isinstance(v, set) else v
+                        for k, v in model.peft_config[ADAPTER].to_dict().items()}
             WanPipeline.save_lora_weights(folder, transformer_lora_layers=states[comp],
                                           weight_name=self.record["files"][comp],
-                                          transformer_lora_adapter_metadata=model.peft_config[ADAPTER].to_dict())
+                                          transformer_lora_adapter_metadata=metadata)
+            _sort_metadata(folder / self.record["files"][comp])
         (folder / LORA_JSON).write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+def _sort_metadata(path: Path) -> None:
+    """Rewrite the safetensors file `path` with its header's `__metadata__` keys sorted. safetensors (Rust) keeps them
+    in a HashMap seeded anew in every process, so with two keys (diffusers' `format` and `lora_adapter_metadata`) their
+    order, and so the file's bytes, changes from run to run; sorted, it is what safetensors writes in that order."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # (safetensors pads the header to 8 bytes with spaces)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
 
 
 def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
