@@ -65,5 +65,7 @@ def read_projection(cache_dir: str | os.PathLike, sha256: str) -> torch.Tensor:
 
 def project(hidden: torch.Tensor, matrix: torch.Tensor, pool: str) -> torch.Tensor:
     """[B, tokens, dim] block output -> [B, tokens or 1, feature_dim] float32, on `hidden`'s device."""
+    if pool not in POOLS:  # (FEATURE_POOLS of pipeline/registries.py declares the same names)
+        raise ValueError(f"feature pool {pool!r} is none of {', '.join(POOLS)}")
     out = hidden.float() @ matrix.to(hidden.device)
     return out.mean(1, keepdim=True) if pool == "mean" else out

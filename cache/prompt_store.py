@@ -25,8 +25,6 @@ from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.codecs import Crc32cCodec, ZstdCodec
-from zarr.core.buffer.core import default_buffer_prototype
-from zarr.core.common import concurrent_map
 from zarr.storage import LocalStore
 
 from .atomic import WriteBehind, drop_behind
@@ -39,6 +37,7 @@ from .format import (
     torch_to_storage,
 )
 from .safe_open import open_fd, read_bytes
+from .zarr_private import FLAT_KEYS, chunk_file, concurrent_map, default_buffer_prototype
 
 UNWRITTEN_SEQ_LEN = -1
 EMBEDS_CRC32C = f"{Z_ROW_CRC32C}/{Z_EMBEDS}"  # crc32c of each row's real tokens (format.Z_ROW_CRC32C)
@@ -46,8 +45,6 @@ EMBEDS_CRC32C = f"{Z_ROW_CRC32C}/{Z_EMBEDS}"  # crc32c of each row's real tokens
 # million files).
 SEQ_LENS_CHUNK = 1 << 16
 TEXT_CHUNK = 1 << 12
-# "c.i.j.k": one folder per array, not a few per prompt
-_FLAT_KEYS = {"name": "default", "separator": "."}
 # Every chunk written holds real data (tokens, noise, latents): zarr's check of each chunk against the fill value
 # before storing it (a full compare per chunk, ~40% of the writer's CPU at A14B sizes) would find nothing to skip.
 _STORE_ALL = {"write_empty_chunks": True}
@@ -80,13 +77,13 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
     # long as every row at its padded length (a bound: what is never written is never stored).
     emb = g.create_array(Z_EMBEDS, shape=(max(1, n * max_len), dim), dtype=storage_numpy_dtype(dtype_name),
                          chunks=(EMBED_CHUNK_TOKENS, dim), shards=(TOKENS_PER_FILE, dim), fill_value=0,
-                         compressors=Crc32cCodec(), chunk_key_encoding=_FLAT_KEYS)
+                         compressors=Crc32cCodec(), chunk_key_encoding=FLAT_KEYS)
     emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
     rows = max(1, min(n, ROWS_PER_FILE))
     for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
         g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32", chunks=(1, seeds, *latent_shape),
                        shards=(rows, seeds, *latent_shape), fill_value=0.0, compressors=Crc32cCodec(),
-                       chunk_key_encoding=_FLAT_KEYS)
+                       chunk_key_encoding=FLAT_KEYS)
     return g
 
 
@@ -181,7 +178,7 @@ class PromptRowWriter:
         """The buffer into its file: one zarr write of whole chunks, but for the last file's last chunk."""
         if self._fill:
             self.emb[self._base:self._base + self._fill] = self._buf[:self._fill]
-            _drop(self.g, [shard_file(self.emb, self._base)], self._behind)
+            _drop(self.g, [chunk_file(self.emb, self._base)], self._behind)
         self._base, self._fill = self._base + self.per_file, 0
 
     def close(self) -> None:
@@ -224,7 +221,7 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
                 for s, j in given[r].items():
                     block[k, s] = lat[j]
         arr[span[0]:span[-1] + 1] = block
-    return _drop(g, dict.fromkeys(shard_file(arr, r) for r in order), behind)
+    return _drop(g, dict.fromkeys(chunk_file(arr, r) for r in order), behind)
 
 
 def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]:
@@ -243,12 +240,6 @@ def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]
         finally:
             os.close(fd)
     return paths
-
-
-def shard_file(arr: zarr.Array, index: int) -> str:
-    """"<array>/<file>": the file (zarr shard) of `arr` that holds its entry `index` along the first axis (a row of
-    the latents, a token of `embeds`)."""
-    return f"{arr.basename}/" + ".".join(["c", str(index // int(arr.shards[0])), *"0" * (arr.ndim - 1)])
 
 
 # What is wrong with one prompt row, as bits: stage two's ranks each check a share of the rows and sum them.
@@ -378,7 +369,7 @@ class PartRows:
         start, n = int(self.token_start[row]), int(self.seq_lens[row])
         per_file = int(self.embeds.shards[0])
         for first in range(start // per_file * per_file, start + n, per_file):
-            rel = shard_file(self.embeds, first)
+            rel = chunk_file(self.embeds, first)
             if not (prompt_store_path(self.cache_dir, self.part) / rel).exists():
                 return f"file {rel} is missing (it would read as zeros)"
         return None

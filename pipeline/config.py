@@ -251,11 +251,6 @@ class TeacherCacheConfig(TeacherRun):
         """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
         return placement_entry(self.placement).caps.gpu == "no"
 
-    @property
-    def placement_settings(self) -> PlacementSettings:
-        """What the placement is told (recorded with the run's resolved config)."""
-        return PlacementSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PlacementSettings)})
-
     def __post_init__(self):
         check_settings(self)
         _check_record_steps(self)

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import resource
 import sys
-import time
 import traceback
-from typing import NoReturn
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from cache.cache_error import CacheError, UnfinishedCacheError
+
+from .user_error import UserError
 
 if TYPE_CHECKING:
     from .runtime import DistEnv
@@ -50,10 +48,6 @@ EXIT_OOM = 3
 EXIT_PEER_LOST = 4
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempts the job
-
-
-class UserError(Exception):
-    """A problem the user caused and can fix; the message says what and how."""
 
 
 class Terminated(BaseException):
@@ -140,7 +134,7 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         return EXIT_OOM, _oom_message(stage, exc)
     if isinstance(exc, UnfinishedCacheError):  # each unfinished part in words, and what finishes them
-        from .cache_status import unfinished_problem
+        from .cache_status import unfinished_problem  # (loads cache/: not at the CLI's load)
 
         try:
             return EXIT_USAGE, unfinished_problem(exc.cache_dir)
@@ -168,24 +162,13 @@ def _rank_prefix() -> str:
 
 
 def _record_for_torchrun(text: str) -> None:
-    """Put our text into torch elastic's per-worker error file (TORCHELASTIC_ERROR_FILE), a no-op outside torchrun.
+    """Our text into torch elastic's error file, so torchrun's closing summary quotes it (torch_private); a no-op
+    outside torchrun. `@record` does not fit: a failing rank leaves through `os._exit` (below), and it passes a
+    `sys.exit(2)` of `user_errors` through without recording it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # not under torchrun: nothing to record, torch not needed
+        from .torch_private import write_error_file
 
-    torchrun's ChildFailedError summary prints a record's `extraInfo.py_callstack`. The stock
-    `ErrorHandler.record_exception(e)` (what torch's `@record` calls) fills it with `traceback.format_exc()`
-    alone, so a user error would reach the summary as a traceback and an out-of-memory error without its
-    memory figures and remedies. This keeps torch's file, record format and careful write (a warning, never
-    an exception) and puts our text into it. `@record` itself does not fit: a failing rank leaves through
-    `os._exit` (below), and it passes a `sys.exit(2)` of `user_errors` through without recording it.
-    """
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):  # not under torchrun: nothing to record, torch not needed
-        return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    handler = ErrorHandler()
-    path = handler._get_error_file_path()
-    if path:
-        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-        handler._write_error_file(path, json.dumps({"message": {"message": text, "extraInfo": info}}))
+        write_error_file(text)
 
 
 def user_errors(stage: str):

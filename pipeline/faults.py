@@ -95,10 +95,3 @@ def children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
-
-
-def reset() -> None:
-    """Forget the parsed setting and the counts (for in-process tests that change the variable)."""
-    global _target
-    _target = _UNREAD
-    _seen.clear()

@@ -37,7 +37,7 @@ from pathlib import Path
 from cache.format import LOCKS_DIR
 from cache.safe_open import file_kind
 
-from .errors import UserError
+from .user_error import UserError
 
 RUN_LOCK = "writer.lock"  # stage two: in the run folder
 PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (`live_writer`)

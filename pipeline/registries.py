@@ -59,10 +59,6 @@ class Registry:
 
         return deco
 
-    def forget(self, name: str) -> None:
-        """Undo a declaration (a plug-in registered for one `with` block)."""
-        self._entries.pop(name, None)
-
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 

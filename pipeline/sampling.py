@@ -44,7 +44,6 @@ sigmas 1, 0.86, 0.60, 0.009 where the cache has 1, 0.90, 0.75, 0.50). A teacher 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import torch
@@ -204,11 +203,6 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
     video = vae.decode(lat / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
     return (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu()
-
-
-def copy_scheduler(scheduler):
-    """An independent copy (sampling mutates a scheduler's step state)."""
-    return copy.deepcopy(scheduler)
 
 
 def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

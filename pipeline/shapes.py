@@ -162,13 +162,3 @@ def parse_caption(caption: str) -> Scene:
             raise ValueError(f"not a shapes caption: {caption!r}")
         shapes.append(Shape(words[2], words[3], words[1], " ".join(words[6:])))
     return Scene(tuple(shapes), background)
-
-
-def caption_list(seed: int, n: int, split: str) -> list[str]:
-    """`n` distinct captions of `split`, in a stable order (for prompt files)."""
-    seen: dict[str, None] = {}
-    i = 0
-    while len(seen) < n:
-        seen.setdefault(scene_for(seed, i, split).caption, None)
-        i += 1
-    return list(seen)

@@ -4,6 +4,7 @@ shards, samples, and who writes it with an ETA while a live process does), and e
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -34,13 +35,13 @@ def half_done(tiny_teacher, prompts_file, tmp_path_factory):
     make_cache(tiny_teacher, prompts_file, out, part=0, **args)
     mp = pytest.MonkeyPatch()
     mp.setenv(faults.KILL_AT_ENV, "after_rename:2:enospc")
-    faults.reset()
+    importlib.reload(faults)  # (reads KILL_AT_ENV afresh)
     try:
         with pytest.raises(OSError, match="No space left"):
             make_cache(tiny_teacher, prompts_file, out, part=1, **args)
     finally:
         mp.undo()
-        faults.reset()
+        importlib.reload(faults)  # (reads KILL_AT_ENV afresh)
     return out
 
 

@@ -72,11 +72,11 @@ def fake_index(prompts: int, steps: int, parts: int = 1, sample_bytes: int = 100
 def test_auto_keeps_the_shuffle_while_the_lru_holds_every_prompt():
     index = fake_index(100, 3)
     rows = np.arange(len(index.table))
-    assert E.order_window("auto", index, rows, 100) == 0
-    assert E.order_window("auto", index, rows, 99) == 49 // 16  # groups of 16 prompts, a window of <= 49 prompts
-    assert E.order_window("shuffle", index, rows, 10) == 0
-    assert E.order_window("grouped", index, rows, 1024) == 512 // 16
-    assert E.order_window("grouped", index, rows, 1) == 1  # at least a group (of one prompt)
+    assert E.order_window("auto", index, rows, 100)[0] == 0
+    assert E.order_window("auto", index, rows, 99)[0] == 49 // 16  # groups of 16 prompts, a window of <= 49 prompts
+    assert E.order_window("shuffle", index, rows, 10)[0] == 0
+    assert E.order_window("grouped", index, rows, 1024)[0] == 512 // 16
+    assert E.order_window("grouped", index, rows, 1)[0] == 1  # at least a group (of one prompt)
     assert E.group_prompts(1024) == 16 and E.group_prompts(6) == 3 and E.group_prompts(1) == 1
 
 
@@ -84,10 +84,10 @@ def test_a_window_holds_at_most_read_window_bytes_of_samples():
     per_group = 16 * 40 * (400 << 10)  # 16 prompts x 40 steps of A14B samples: 250 MiB
     index = fake_index(64, 40, sample_bytes=400 << 10)
     rows = np.arange(len(index.table))
-    assert E.order_window("grouped", index, rows, 1024) == max(1, E.READ_WINDOW_BYTES // per_group) == 1
+    assert E.order_window("grouped", index, rows, 1024)[0] == max(1, E.READ_WINDOW_BYTES // per_group) == 1
     index = fake_index(640, 3, sample_bytes=400 << 10)  # 19 MB a group: a window of 13 groups, 208 prompts
     rows = np.arange(len(index.table))
-    assert E.order_window("grouped", index, rows, 1024) == E.READ_WINDOW_BYTES // (16 * 3 * (400 << 10)) == 13
+    assert E.order_window("grouped", index, rows, 1024)[0] == E.READ_WINDOW_BYTES // (16 * 3 * (400 << 10)) == 13
 
 
 def test_read_groups_are_runs_of_consecutive_rows_of_one_store():

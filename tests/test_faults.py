@@ -4,6 +4,7 @@ was tried is printed at the end of the session."""
 
 from __future__ import annotations
 
+import importlib
 import errno
 import json
 import random
@@ -130,11 +131,11 @@ def hook(monkeypatch):
             monkeypatch.delenv(faults.KILL_AT_ENV, raising=False)
         else:
             monkeypatch.setenv(faults.KILL_AT_ENV, spec)
-        faults.reset()
+        importlib.reload(faults)  # (reads KILL_AT_ENV afresh)
 
     yield arm
     monkeypatch.delenv(faults.KILL_AT_ENV, raising=False)
-    faults.reset()
+    importlib.reload(faults)  # (reads KILL_AT_ENV afresh)
 
 
 def test_fault_point_is_a_no_op_unless_armed(hook):

@@ -2,9 +2,9 @@
 back through others at load, `cache/` imports nothing of ours outside `cache/`, and the CLI loads without torch, so
 that `wandistiller --help` answers in well under a second.
 
-The module graph is read from the source with `ast`, never by importing: a module-level import (at the top, or in a
-class body or `if` block) is an edge of the load graph, whose cycles fail; an import inside a function runs when the
-function is called, once every module has loaded, so it cannot make a half-loaded module and is not an edge.
+The module graph is read from the source with `ast`, never by importing. Every import is an edge, at the top of a
+module or inside a function: an import inside a function cannot make a half-loaded module, but two modules that
+need each other are one module in two files all the same, and moving an import into a function only hides that.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-def _load_time_nodes(tree: ast.Module):
-    """The statements that run when the module loads: everything outside function bodies; `if TYPE_CHECKING:`
-    blocks never run."""
+def _import_nodes(tree: ast.Module):
+    """Every statement that may run: the module's body and its function bodies alike (`if TYPE_CHECKING:` blocks
+    never run)."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             stack.extend(node.orelse)
             continue
@@ -45,10 +43,11 @@ def _load_time_nodes(tree: ast.Module):
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of ours that `name` imports while it loads (a package's `__init__` counts for its submodules)."""
+    """The modules of ours that `name` imports, at load or in a function (a package's `__init__` counts for its
+    submodules)."""
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _load_time_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -110,7 +109,7 @@ def _is_package_init_of(a: str, b: str) -> bool:
     return b.startswith(a + ".")
 
 
-def test_no_module_imports_itself_back_at_load():
+def test_no_module_imports_itself_back():
     graph = _graph()
     # A package's __init__ that imports its own submodules is the usual way a package exposes them, not a circle:
     # the submodule importing its package (which Python runs first anyway) is not an edge back.

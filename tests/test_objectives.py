@@ -20,7 +20,7 @@ from pipeline.cli import main
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from stages import train_student
-from stages.train_student.checkpoint import HEADS, latest
+from stages.train_student.checkpoint import HEADS, complete
 from stages.train_student.objective_velocity import (
     OBJECTIVES, Batch, Objective, Outputs, Velocity, block_output, mse, registered,
 )
@@ -133,7 +133,7 @@ def test_objective_heads_are_checkpointed_resumed_and_never_exported(tiny_cache,
         with pytest.raises(RuntimeError, match="injected failure"):
             train(tiny_cache, cut, **kw)
         monkeypatch.delenv("WANDISTILLER_FAIL_AT")
-        ckpt = latest(cut)
+        ckpt = complete(cut)[-1]
         assert (ckpt / HEADS).is_file() and sorted(load_file(ckpt / HEADS)) == ["bias", "weight"]
         train(tiny_cache, cut, resume=True, **kw)
     rows = [json.loads(line) for line in RunLayout(full).metrics.read_text().splitlines()]

@@ -13,6 +13,7 @@ import torch
 from cache import format as F
 from cache.manifest import load_manifest
 from conftest import make_cache, read_all_samples
+from pipeline import diffusers_private
 from stages.teacher_cache import group_offload
 from stages.teacher_cache.placements import Placement, choose_placement
 from stages.teacher_cache.teacher import resolve_teacher
@@ -75,7 +76,7 @@ def test_offload_prefetches_on_a_cuda_stream(spec):
     """Leaf level: every Linear / Conv3d is a group of its own, prefetched on the side stream from pinned RAM."""
     dev = torch.device("cuda", 0)
     model = group_offload.load_ram_expert(spec, "transformer", torch.float32, dev)
-    groups = [g for g in group_offload._groups(model) if g.modules or g.parameters or g.buffers]
+    groups = [g for g in diffusers_private.groups(model) if g.modules or g.parameters or g.buffers]
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d))]
     assert len([g for g in groups if g.modules]) == len(layers)  # one group per layer, not per block
     assert all(g.stream is not None and g.record_stream for g in groups)

@@ -10,7 +10,6 @@ its student is the teacher's transformers with them loaded (pipeline/lora_expert
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -309,18 +308,3 @@ def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: 
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
-
-def student_pipeline(transformer, *, teacher=None, scheduler=None, expand_timesteps: bool | None = None):
-    """A WanPipeline with the student as its only transformer (no expert switch), borrowing the teacher's
-    tokenizer, text encoder, VAE and a copy of its scheduler; or, without a teacher, only a scheduler
-    (enough for prompt embeddings in, latents out)."""
-    from diffusers import WanPipeline
-
-    parts = {c: getattr(teacher, c) if teacher is not None else None for c in BORROWED}
-    parts["scheduler"] = copy.deepcopy(scheduler if scheduler is not None else teacher.scheduler)
-    if expand_timesteps is None:
-        expand_timesteps = bool(teacher.config.expand_timesteps)
-    pipe = WanPipeline(**parts, transformer=transformer, transformer_2=None, boundary_ratio=None,
-                       expand_timesteps=expand_timesteps)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe

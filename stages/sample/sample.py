@@ -34,9 +34,6 @@ from .models import (
     Student, check_compatible, find_student, load_teacher, load_transformer, named_teacher, pick_device, teacher_dir,
 )
 
-COLUMNS = ["teacher", "student"]
-
-
 @dataclass(frozen=True)
 class SamplingSettings:
     """Everything that decides the two images of a prompt, resolved from flags, distill.json and defaults."""

@@ -30,16 +30,16 @@ This module adds what diffusers leaves to the caller for `disk`:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
 import socket
 from pathlib import Path
 
+import filelock
 import torch
 
-from pipeline import lock
+from pipeline import diffusers_private, lock
 from pipeline.errors import UserError
 from pipeline.teacher_files import hash_json, sample_file
 
@@ -49,8 +49,6 @@ MARKER = "wandistiller-offload.json"
 # Bump when the way a folder is laid out changes: older folders then fail their fingerprint and are rebuilt.
 LAYOUT_VERSION = 1
 _GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}  # disk: one file per block
-# The layers diffusers' leaf-level offloading makes groups of (its `_GO_LC_SUPPORTED_PYTORCH_LAYERS`).
-_LEAF_LAYERS = (torch.nn.modules.conv._ConvNd, torch.nn.Linear, torch.nn.Embedding)
 
 
 # --- the meta model -------------------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ def largest_layer_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     parameters of one module that sit outside such layers (a block's modulation table, norm weights)."""
     dtypes = param_dtypes(model, dtype)
     groups: dict[str, int] = {}
-    leaves = {n for n, m in model.named_modules() if isinstance(m, _LEAF_LAYERS)}
+    leaves = {n for n, m in model.named_modules() if isinstance(m, diffusers_private.leaf_layers())}
     owners = {n for n, _ in model.named_modules()}
     for name, p in model.named_parameters():
         atoms = name.split(".")[:-1]
@@ -152,30 +150,6 @@ def stream_from_disk(model: torch.nn.Module, device: torch.device, folder: Path)
     cuda = device.type == "cuda"
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), use_stream=cuda,
                                record_stream=cuda, offload_to_disk_path=str(folder), **_GROUPING)
-
-
-def _groups(model: torch.nn.Module) -> list:
-    """The distinct diffusers `ModuleGroup`s of a group-offloaded model (from RAM or from disk)."""
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
-
-    seen = {}
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
-        if hook is not None:
-            seen.setdefault(id(hook.group), hook.group)
-    return list(seen.values())
-
-
-def _disk_groups(model: torch.nn.Module) -> list:
-    """The groups of a model offloaded to a folder, each with the file and tensor keys diffusers gave it."""
-    groups = _groups(model)
-    if not groups or not all(hasattr(g, "tensor_to_key") and hasattr(g, "safetensors_file_path") for g in groups):
-        import diffusers
-
-        raise RuntimeError(f"diffusers {diffusers.__version__} lays out disk group offloading differently than "
-                           "WanDistiller expects (ModuleGroup.tensor_to_key / safetensors_file_path)")
-    return groups
 
 
 # --- the checkpoint --------------------------------------------------------------------------------------------
@@ -271,8 +245,8 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
         raise UserError(f"teacher {spec.name!r}: {comp} weights do not match its config "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-download the teacher")
     files = {}
-    for group in _disk_groups(model):
-        wanted = {key: names[id(t)] for t, key in group.tensor_to_key.items()}
+    for _, tensor_keys, path in diffusers_private.disk_groups(model):
+        wanted = {key: names[id(t)] for t, key in tensor_keys.items()}
         tensors = {}
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for key, name in wanted.items():
@@ -285,7 +259,7 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
             with safe_open(f, framework="pt") as st:
                 for key, name in items:
                     tensors[key] = st.get_tensor(name).to(params[name].dtype).contiguous()
-        dest = Path(group.safetensors_file_path)
+        dest = Path(path)
         save_file(tensors, dest)
         files[dest.name] = dest.stat().st_size
         del tensors
@@ -295,18 +269,12 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock file: the ranks of one node build a folder once, the others wait and reuse it. Opened as
-    every lock is (`pipeline.lock.open_regular`): never through a link, never a FIFO, never a file with a second
-    name; such a file is refused in one line saying to delete it. Nothing is written to it."""
-    fd = lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    """An exclusive lock file (filelock): the ranks of one node build a folder once, the others wait and reuse it.
+    Checked first as every lock is (`pipeline.lock.open_regular`): never a link, a FIFO or a file with a second name;
+    such a file is refused in one line saying to delete it. Nothing is written to it."""
+    os.close(lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file"))
+    with filelock.FileLock(path):
+        yield
 
 
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
@@ -372,7 +340,7 @@ def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: t
     model = hollow_transformer(spec.path, comp, dtype)
     stream_from_disk(model, device, folder)
     listed = set(json.loads((folder / MARKER).read_text())["files"])
-    stray = [g for g in _disk_groups(model) if Path(g.safetensors_file_path).name not in listed]
+    stray = [g for g, _, path in diffusers_private.disk_groups(model) if Path(path).name not in listed]
     if stray:  # diffusers would have written (empty) files of its own: the layout changed under us
         raise RuntimeError(f"offload folder {folder} lacks groups {[g.group_id for g in stray][:3]}; delete it")
     return model

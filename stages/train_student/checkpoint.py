@@ -33,6 +33,7 @@ from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier
+from pipeline.torch_private import planner_loading_with, storage_info_type
 
 from .comm import all_gather_bytes
 
@@ -344,7 +345,6 @@ def read_index(path: Path):
     stored item is a file directly in SHARDED/ with a plain offset and length, and no stream transform (DCP's
     extensions, which train-student never uses). UserError (`untrusted`) for a reference to anything else; ValueError
     with the reason for an index that does not read as one (damage)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
     name = f"{SHARDED}/{SHARDED_INDEX}"
@@ -361,7 +361,7 @@ def read_index(path: Path):
     files = {p.name for p in (path / SHARDED).iterdir()}
     for info in index.storage_data.values():
         where = getattr(info, "relative_path", None)
-        if not (isinstance(info, _StorageInfo) and _is_shard_name(f"{SHARDED}/{where}") and where in files
+        if not (isinstance(info, storage_info_type()) and _is_shard_name(f"{SHARDED}/{where}") and where in files
                 and type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
                 and not info.transform_descriptors):
             raise untrusted(path, name, f"{str(where)[:80]!r} as a place of its data",
@@ -393,23 +393,15 @@ def _dcp_reader(path: Path, index):
 def _safe_planner():
     """DCP's DefaultLoadPlanner with its non-tensor values (the optimizer's param_groups: numbers, tuples) read with
     `weights_only=True`; DCP's own reads them with `torch.load(weights_only=False)`."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
-    class _SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:
-                where = self.metadata.storage_data[read_item.storage_index].relative_path
-                raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
+    def load(planner, read_item, value: io.BytesIO):
+        try:
+            return torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            where = planner.metadata.storage_data[read_item.storage_index].relative_path
+            raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
 
-    return _SafeLoadPlanner()
+    return planner_loading_with(load)
 
 
 def load_sharded(path: Path, state_dict: dict, index=None) -> None:
@@ -451,11 +443,6 @@ def complete(out: str | os.PathLike) -> list[Path]:
         return []
     found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and (d / STATE).is_file()]
     return [d for _, d in sorted(found)]
-
-
-def latest(out: str | os.PathLike) -> Path | None:
-    found = complete(out)
-    return found[-1] if found else None
 
 
 def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:

@@ -6,12 +6,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-
-def _shared_bytes(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` in shared memory: what a loader worker collates into, so that sending the batch
-    to the training process does not copy it again (as torch's default_collate does)."""
-    storage = torch.empty(0, dtype=torch.uint8).untyped_storage()._new_shared(max(nbytes, 1))
-    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+from pipeline.torch_private import shared_bytes
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -27,7 +22,7 @@ def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts = np.cumsum([0] + [-(-n // 64) * 64 for n in sizes])  # (each at a multiple of 64 bytes: any dtype's)
-    buf = _shared_bytes(int(starts[-1]))
+    buf = shared_bytes(int(starts[-1]))  # (shared: the batch reaches training uncopied)
     out, flat = [], buf.numpy()
     for t, n, at in zip(tensors, sizes, starts.tolist()):
         np.copyto(flat[at:at + n], _bytes(t))

@@ -154,9 +154,10 @@ def read_groups(index: CacheIndex, rows: np.ndarray, prompts: int = GROUP_PROMPT
     return (t[:, C_CACHE] * int(parts.max(initial=1)) + t[:, C_PROMPT] % parts) * width + store_row // prompts
 
 
-def order_window(order: str, index: CacheIndex, rows: np.ndarray, embedding_cache_size: int) -> int:
-    """The EpochPlan window of `order` (pipeline/config.py ORDERS) over `rows`: 0, a shuffled epoch, or the read
-    groups (`read_groups` of `group_prompts`) per window of a grouped one. A window holds at most half the
+def order_window(order: str, index: CacheIndex, rows: np.ndarray,
+                 embedding_cache_size: int) -> tuple[int, np.ndarray | None]:
+    """(The EpochPlan window of `order` over `rows`, the `read_groups` of `rows` it was counted from): (0, None) for a
+    shuffled epoch, else the read groups (of `group_prompts`) per window and the groups. A window holds at most half the
     embedding LRU's prompts (every prompt of a window stays in memory from its first sample to its last, with room
     for the next window's) and READ_WINDOW_BYTES of samples, but at least one group.
 
@@ -164,12 +165,6 @@ def order_window(order: str, index: CacheIndex, rows: np.ndarray, embedding_cach
     nearly every sample (10,000 prompts x 3 steps, LRU of 1,024: 2.8 reads a prompt, 1.0 grouped; the real-size
     bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped by prompt), and reads one sample at a time, while
     an LRU that holds every prompt reads each once in any order, and the order stays the uniform shuffle."""
-    return _grouping(order, index, rows, embedding_cache_size)[0]
-
-
-def _grouping(order: str, index: CacheIndex, rows: np.ndarray,
-              embedding_cache_size: int) -> tuple[int, np.ndarray | None]:
-    """(`order_window`, the `read_groups` of `rows` it was counted from; None for a shuffled epoch)."""
     t = index.table[rows]
     n_prompts = len(np.unique(t[:, [C_CACHE, C_PROMPT]], axis=0)) if len(rows) else 0
     if order == "shuffle" or (order == "auto" and n_prompts <= embedding_cache_size):
@@ -185,7 +180,7 @@ def _grouping(order: str, index: CacheIndex, rows: np.ndarray,
 def epoch_plan(data: DataSplit, world: int, batch: int, accum: int, order: str,
                embedding_cache_size: int) -> EpochPlan:
     """train-student's plan of an epoch over `data`'s training rows, in `order` (`order_window`)."""
-    window, groups = _grouping(order, data.index, data.train_rows, embedding_cache_size)
+    window, groups = order_window(order, data.index, data.train_rows, embedding_cache_size)
     return EpochPlan(len(data.train_rows), world, batch, accum, groups, window)
 
 

@@ -15,7 +15,6 @@ from pipeline.errors import UserError
 from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
 _BLOCK_PREFIX = "blocks."
-_SAFETENSORS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
 def _model_class():

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from cache.format import EMBED_CHUNK_TOKENS, Z_EMBEDS, Z_SEQ_LENS, Z_TOKEN_START
-from cache.prompt_store import open_prompt_store, shard_file
+from cache.prompt_store import open_prompt_store
+from cache.zarr_private import chunk_file
 
 
 def chunk_location(store: str | os.PathLike, name: str, row: int) -> tuple[Path, int, int] | None:
@@ -28,7 +29,7 @@ def chunk_location(store: str | os.PathLike, name: str, row: int) -> tuple[Path,
         token = int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
         skip = (index % arr.chunks[0]) * token
         length = min(n, arr.chunks[0] - index % arr.chunks[0]) * token
-    file = Path(store) / shard_file(arr, index)
+    file = Path(store) / chunk_file(arr, index)
     per_file = [s // c for s, c in zip(arr.shards, arr.chunks)]
     n = int(np.prod(per_file))
     try:
