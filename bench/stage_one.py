@@ -59,7 +59,7 @@ def _compute_only(teacher: Path, cache: Path, args) -> float:
     schedule = Schedule.build(sched, args.steps, spec.boundary_ratio, m[F.F_GUIDANCE], m[F.F_GUIDANCE_2])
     experts = load_experts(spec, Placement("cpu" if dev.type == "cpu" else "cuda", dev, m[F.F_DTYPE]))
     runner = TrajectoryRunner(experts, sched, schedule, args.steps, dtype, dev, spec.expand_timesteps)
-    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS])
+    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS], m[F.F_PROMPTS])
     neg = load_file(cache / F.NEGATIVE)[F.NEG_EMBEDS].unsqueeze(0)
     n = m[F.F_PROMPTS]
     blocks = []
@@ -154,7 +154,7 @@ def _naive(cache: Path, work: Path, k: int = 64) -> float:
     from cache.reader import ShardStream, decode_sample
 
     m = load_manifest(cache)
-    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS])
+    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS], m[F.F_PROMPTS])
     out = work / "naive.tar"
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0

@@ -569,9 +569,10 @@ class EmbeddingCache(RowCache):
     """prompt_idx -> its embedding, the one LRU of embeddings that readers keep. `get` pads it with zeros to
     max_sequence_length exactly as the teacher's pipeline padded it; `get_trimmed` gives the real tokens alone and
     the padded length, for a reader that pads later (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed). Every
-    read is checked (`PartRows.trimmed`): CacheError for a row never written, missing or damaged, never zeros."""
+    read is checked (`PartRows.trimmed`): CacheError for a row never written, missing or damaged, never zeros.
+    `capacity`: the prompts kept (stage two's is --embedding-cache-size; a reader of a known set, that set's size)."""
 
-    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int = 4096):
+    def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int):
         super().__init__(cache_dir, num_parts, capacity, _trimmed)
 
     def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:

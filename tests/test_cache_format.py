@@ -224,7 +224,7 @@ def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
         first = store[r, :length // (2 * D)].tobytes()
         assert length == min(int(lens[r]), 64 - int(z[F.Z_TOKEN_START][r]) % 64) * 2 * D
         assert file.read_bytes()[off:off + length] == first, r
-    cache, rows = EmbeddingCache(tmp_path, num_parts=1), PartRows(tmp_path, 0, 1, whole_files=True)
+    cache, rows = EmbeddingCache(tmp_path, num_parts=1, capacity=16), PartRows(tmp_path, 0, 1, whole_files=True)
     assert all(torch.equal(cache.get(r), emb[r]) for r in range(n) if lens[r] > 0)
     assert all(np.array_equal(rows.trimmed(r), store[r, :lens[r]]) for r in range(n))
     assert np.array_equal(rows.padded([2, 2, 3]), store[[2, 2, 3]])
@@ -258,7 +258,7 @@ def test_prompt_rows_fed_in_batches_write_each_file_once_and_read_the_same(tmp_p
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("c.")) == ["c.0.0", "c.1.0"]
     for name in (F.Z_SEQ_LENS, F.Z_TEXT, F.Z_PROMPT_IDX, PS.EMBEDS_CRC32C):
         assert np.array_equal(fed[name][:], once[name][:]), name
-    for cache in (EmbeddingCache(tmp_path / "fed", num_parts=1), EmbeddingCache(tmp_path / "once", num_parts=1)):
+    for cache in (EmbeddingCache(tmp_path / "fed", 1, 16), EmbeddingCache(tmp_path / "once", 1, 16)):
         assert all(torch.equal(cache.get(i), emb[i]) for i in range(n))
 
 

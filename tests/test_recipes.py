@@ -277,3 +277,40 @@ def test_a_strategy_recipe(tiny_cache, tmp_path):
     assert state["strategy"] == "toy"
     refused = run_cli(repo, *train_args(repo, tiny_cache, run, "--resume", "--max-steps", 3), code=2)
     assert "written with --strategy toy (its weights are whole); resume with --strategy toy" in refused
+
+
+# The setting recipe (docs/architecture.md, "A setting"): a toy train-student setting, AdamW's eps, which changes what a
+# run computes: the field, the line of the stage that reads it, and its entry in the resume identity. (file, the text
+# replaced, its replacement)
+SETTING = [
+    ("pipeline/config.py",
+     '    max_grad_norm: float = setting(1.0, help="Clip the global gradient norm; 0 disables clipping.",\n'
+     '                                   check=positive(allow_zero=True))\n',
+     '    max_grad_norm: float = setting(1.0, help="Clip the global gradient norm; 0 disables clipping.",\n'
+     '                                   check=positive(allow_zero=True))\n'
+     '    toy_adam_eps: float = setting(1e-8, help="Toy: AdamW\'s eps.", check=positive())\n'),
+    ("stages/train_student/train.py", "eps=1e-8,", "eps=cfg.toy_adam_eps,"),
+    ("stages/train_student/train.py", '"train_steps", "holdout_prompts")',
+     '"train_steps", "holdout_prompts", "toy_adam_eps")'),
+]
+
+
+def test_a_setting_recipe(tiny_cache, tmp_path):
+    repo = _copy_project(tmp_path)
+    for rel, old, new in SETTING:
+        text = (repo / rel).read_text()
+        assert text.count(old) == 1, f"{rel}: the recipe's anchor is gone or ambiguous: {old!r}"
+        (repo / rel).write_text(text.replace(old, new))
+    assert "--toy-adam-eps FLOAT" in run_cli(repo, "train-student", "--help")
+    run = tmp_path / "run"
+    args = ["--cache", tiny_cache, "--student-config", repo / "configs" / "student-tiny.json", "--out", run,
+            "--batch-size", 4, "--num-workers", 0, "--warmup-steps", 0, "--checkpoint-every", 1, "--device", "cpu",
+            "--report-to", "none"]
+    run_cli(repo, "train-student", *args, "--max-steps", 2, "--toy-adam-eps", 0.001)  # (a checkpoint at step 1 of 2)
+    assert json.loads((run / "config.json").read_text())["toy_adam_eps"] == 0.001
+    ckpt = run / "checkpoints" / "step-00000001"
+    import torch
+
+    assert torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"][0]["eps"] == 0.001  # honoured
+    refusal = run_cli(repo, "train-student", *args, "--max-steps", 3, "--resume", "--toy-adam-eps", 0.01, code=2)
+    assert "--toy-adam-eps 0.001 then, 0.01 now" in refusal  # in the resume identity

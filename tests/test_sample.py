@@ -78,7 +78,7 @@ def cached_samples(cache):
 def fit(model, cache, steps: int = 60):
     """A few full-batch Adam steps on the cached guided targets: enough to beat the untrained twin."""
     samples = cached_samples(cache)
-    emb = EmbeddingCache(cache, 1)
+    emb = EmbeddingCache(cache, 1, 16)
     x = torch.stack([s[F.T_X_T] for s, _ in samples])
     target = torch.stack([s[F.T_TARGET] for s, _ in samples])
     t = torch.tensor([m[F.M_TIMESTEP] for _, m in samples])

@@ -79,8 +79,8 @@ def test_flipped_byte_in_an_embeds_chunk(cache_copy, tmp_path):
     _refused(_train(cache_copy, tmp_path / "out"), F.PROMPTS_ZARR, f"prompt {min(hit)}", "crc32c", "--overwrite")
     assert not (tmp_path / "out" / "student").exists()
     with pytest.raises(CacheError, match=r"embeds of row 3 \(prompt 3\) fail their crc32c"):
-        EmbeddingCache(cache_copy, 1).get(3)  # what stage two's and sample's loaders read, checked on every read
-    assert all(EmbeddingCache(cache_copy, 1).get(j).abs().sum() > 0 for j in set(range(7)) - hit)
+        EmbeddingCache(cache_copy, 1, 16).get(3)  # what stage two's and sample's loaders read, checked on every read
+    assert all(EmbeddingCache(cache_copy, 1, 16).get(j).abs().sum() > 0 for j in set(range(7)) - hit)
 
 
 def test_flipped_embeds_byte_past_the_up_front_check_is_caught_when_read(cache_copy, tmp_path):
@@ -124,7 +124,7 @@ def test_deleted_embeds_file_is_named_never_zeros(cache_copy, tmp_path):
                     "--overwrite")
     assert line == _refused(_train(cache_copy, tmp_path / "out2", "--verify", "size"))  # found without reading
     with pytest.raises(CacheError, match="embeds/c.0.0 is missing"):
-        EmbeddingCache(cache_copy, 1).get(4)
+        EmbeddingCache(cache_copy, 1, 16).get(4)
 
 
 def test_a_lost_chunk_inside_a_file_is_never_read_as_zeros(cache_copy):
@@ -141,7 +141,7 @@ def test_a_lost_chunk_inside_a_file_is_never_read_as_zeros(cache_copy):
     data[-(16 * n + 4):] = index.tobytes() + crc32c(index.tobytes()).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     with pytest.raises(CacheError, match=r"embeds of row 2 \(prompt 2\) fail their crc32c"):
-        EmbeddingCache(cache_copy, 1).get(2)
+        EmbeddingCache(cache_copy, 1, 16).get(2)
     assert "embeds of row 2 (prompt 2) fail their crc32c" in _verify(cache_copy).output
 
 

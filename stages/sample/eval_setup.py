@@ -58,7 +58,8 @@ class Setup:
     warnings: list[str]
 
     def embeddings(self) -> EmbeddingCache:
-        return EmbeddingCache(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]))
+        """The prompt embeddings of the cache, every prompt eval reads kept."""
+        return EmbeddingCache(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]), max(1, len(self.trajs)))
 
     def latents(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""

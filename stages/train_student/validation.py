@@ -74,7 +74,7 @@ class Validator:
                 i, f = read_latents(cache, num_parts, [(p, s)])
                 init.append(i[0])
                 final.append(f[0])
-                emb.append(embeds.setdefault(cache, EmbeddingCache(cache, num_parts)).get(p))
+                emb.append(embeds.setdefault(cache, EmbeddingCache(cache, num_parts, len(self.trajectories))).get(p))
             if self.guidance > 1.0:
                 self._neg = negative_embeds(self.caches[0])[None]
             b = self.batch_size
