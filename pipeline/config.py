@@ -1,12 +1,7 @@
 """Configs of every command, side by side: one frozen dataclass each (teacher-cache, train-student, sample,
-export, eval), loaded from TOML with CLI flags on top.
-
-Every setting is one field declared with `setting` (pipeline/settings.py): its help, check and CLI spelling live in
-the field's metadata, the click options are generated from it (pipeline/options.py) and `check_settings` runs the
-checks, raising a ValueError naming the setting, which the CLI turns into one line and exit code 2. `__post_init__`
-keeps the rules that tie several settings together. Settings of a component (a placement, an objective) are declared
-by the component (pipeline/registries.py) and merged in here. The teacher's sampling defaults are defined once below
-(DEFAULT_*). This module imports nothing heavy: the CLI builds its options from it at load.
+export, eval, plan), loaded from TOML with CLI flags on top (`load_config`). Every setting is one `setting` field
+(pipeline/settings.py; docs/architecture.md, "Settings and registries"); `__post_init__` keeps the rules that tie
+several together. Imports nothing heavy: the CLI builds its options from it at load.
 """
 
 from __future__ import annotations

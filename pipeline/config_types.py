@@ -9,16 +9,12 @@ number (TOML and click both accept `nan` and `inf`, which no setting means).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
 from typing import Any
 
-
-@functools.cache
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+from .settings import hints
 
 
 def _describe(tp) -> str:
@@ -65,8 +61,8 @@ def _fits(value, tp, seq_as_str: bool) -> bool:
 def type_problem(cls, values: dict[str, Any]) -> tuple[str, str] | None:
     """The first value in `values` (field name -> value) that does not fit its field's declared type: (field,
     the message of a UserError); None when all fit."""
-    hints = _hints(cls)
+    types = hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in values and not _fits(values[f.name], hints[f.name], seq_as_str=True):
-            return f.name, f"{f.name.replace('_', '-')} must be {_describe(hints[f.name])}, got {values[f.name]!r}"
+        if f.name in values and not _fits(values[f.name], types[f.name], seq_as_str=True):
+            return f.name, f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}"
     return None

@@ -1,24 +1,14 @@
 """One writer per output: an exclusive `flock` on a lock file, held for the life of the writing process.
 
-The kernel drops a flock when its process dies (SIGKILL and the OOM killer included), so a crash never
-leaves a lock to clear by hand; the file itself only records the last holder (pid, host, start time,
-command) so that a refused second writer can name it. A lock file left by a dead process is therefore
-harmless: the next writer takes the lock at once and rewrites the record.
+The kernel drops a flock when its process dies, so a crash never leaves a lock to clear by hand; the file only
+records the last holder (pid, host, start time, command) so that a refused second writer can name it (on NFS, a
+dead host's lock lapses with its lease, which the refusal says). Stage one locks each part (`locks/part-NNNNN.lock`
+in the cache), stage two its run folder (rank 0); the file is removed on release (the holder checks after locking
+that the file it holds is still the one at the path, so a removal never lets two in).
 
-On NFS, Linux emulates flock with a lease held by the server: a lock taken by a host that died is freed
-when its lease expires (NFSv4: about 90 s), which the refusal says when the holder is another host.
-
-Stage one locks each part (`locks/part-NNNNN.lock` in the cache), so parts on several nodes still run side
-by side; stage two locks its run folder (rank 0). The lock file is removed on release (the holder checks
-after locking that the file it holds is still the one at the path, so a removal never lets two in).
-
-A lock file sits in a folder someone else may have handed us, so it is untrusted until opened: `open_regular`
-opens it without following a symbolic link and without blocking, and keeps it only if it is a regular file with
-one link. A link (or a hard link) to a user's file would otherwise have that file truncated and replaced by the
-lock record; a FIFO would hang every reader's liveness probe. The writer refuses such a lock in one line naming
-it (delete it and rerun); the probe (`live_writer`) takes it for what it is, no lock a live writer holds (a writer
-refuses to take one), and opens nothing through it. The cache's `locks/` folder itself must be a real folder:
-a link to elsewhere is refused rather than written through.
+A lock file sits in a folder someone else may have handed us: `open_regular` keeps it only if it is a regular file
+with one link, opened without following a link or blocking; docs/reliability.md ("One writer per output folder",
+"Folders someone else handed over") gives the cases and the refusals.
 """
 
 from __future__ import annotations

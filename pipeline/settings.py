@@ -2,17 +2,10 @@
 
     steps: int = setting(40, help="Denoising steps; one sample per step.", check=at_least(1))
 
-The field's type and default are the dataclass's own; `check_settings` (called by each config's `__post_init__`)
-runs every field's check, and `pipeline/options.py` generates the click options from the same fields, appending the
-real default to the help, so `--help`, the TOML keys and the checks cannot drift apart. `__post_init__` keeps only
-the rules that tie several fields together.
-
-A component (an objective, a placement) owns a settings dataclass of its own (`pipeline/registries.py`);
-`merged` lays the settings of every entry of a registry side by side as fields of a stage config, so that
-`--student-steps` stays a flag of `train-student` and a key of its TOML file, and `settings_of` reads the
-chosen entry's settings back out of the stage config.
-
-This module imports nothing heavy: the CLI reads it at load.
+`check_settings` (each config's `__post_init__`) runs the checks; pipeline/options.py generates the click options
+from the same fields. `merged` lays a registry's component settings (pipeline/registries.py) side by side as fields
+of a stage config (`--student-steps` stays a flag of `train-student`), and `settings_of` reads the chosen entry's
+back out. Imports nothing heavy: the CLI reads it at load.
 """
 
 from __future__ import annotations

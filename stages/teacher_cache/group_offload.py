@@ -1,30 +1,10 @@
-"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`) or from a folder (`disk`).
+"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`, diffusers group offloading at
+leaf level) or from a folder (`disk`, at block level), the next group prefetched on a CUDA stream on a GPU.
 
-Both are diffusers group offloading, with the next group prefetched on a CUDA stream when the execution device
-is a GPU:
-
-- `offload` streams at **leaf level**: every Linear / Conv3d is its own group (the parameters outside them,
-  such as the modulation tables, are grouped by the module that owns them). The weights stay in pinned CPU
-  memory and the next layer is copied while the current one computes, so the GPU holds about two layers.
-  Measured on an H100 (A14B expert, bf16): 111 ms per forward against 569 ms at block level, both with
-  streams; 0.71x the speed of a resident replica.
-- `disk` streams at **block level** (one `WanTransformerBlock` per group; everything outside the blocks is one
-  more group), one safetensors file per group. Leaf level would work with a folder too (diffusers names each
-  leaf's file after the module), but it cannot go faster: the file is read and pinned on the host thread
-  before the copy starts, so finer groups only add file opens (~15 per block) to a read that the disk's
-  bandwidth bounds, whereas the copy it could overlap is the small part.
-
-This module adds what diffusers leaves to the caller for `disk`:
-
-- **One folder per expert, tied to the weights.** diffusers names a group file after the group alone
-  (`blocks_0_0`, ...), not after the model, and reuses any file already there. Two experts sharing a folder
-  would silently run the first expert's weights, and a folder left by other weights would be trusted. So each
-  expert streams from `OFFLOAD_DIR/<component>-<fingerprint>/`, where the fingerprint covers the weights'
-  identity, the dtype and the group layout; the folder is complete only once its marker (written last) is
-  there; anything else under a name of ours is rebuilt, never reused.
-- **Building the folder without the model in RAM.** The model is built on the meta device, its parameters
-  replaced by empty CPU tensors, and diffusers is left to lay out its groups; each group's file is then
-  written from the checkpoint tensors of that group alone, so peak RAM is one block, not one expert.
+What this adds to diffusers for `disk`: one folder per expert, named by a fingerprint of its weights, dtype and group
+layout and complete only once its marker (written last) is there, never a folder left by other weights; and the
+folder built from the checkpoint one group at a time on a meta model, so peak RAM is one block, not one expert.
+docs/placements.md ("offload", "disk") gives the measurements behind each level and the folder's rules.
 """
 
 from __future__ import annotations
