@@ -77,13 +77,6 @@ class Registry:
             raise ValueError(f"{flag} {name!r} is not one of {', '.join(self.names())}")
         return self._entries[name]
 
-    def require(self, name: str, where: str) -> Entry:
-        """The declaration of an implementation's `name`; ValueError for one declared nowhere."""
-        if name not in self._entries:
-            raise ValueError(f"{self.what} {name!r} ({where}) is not declared in pipeline/registries.py; declare it "
-                             "there (its name, help and settings) first")
-        return self._entries[name]
-
     def where(self, **caps) -> list[Entry]:
         """The entries whose capabilities have these values, in declaration order."""
         return [e for e in self._entries.values() if all(getattr(e.caps, k) == v for k, v in caps.items())]

@@ -290,7 +290,7 @@ SETTING = [
      '                                   check=positive(allow_zero=True))\n'
      '    toy_adam_eps: float = setting(1e-8, help="Toy: AdamW\'s eps.", check=positive())\n'),
     ("stages/train_student/train.py", "eps=1e-8,", "eps=cfg.toy_adam_eps,"),
-    ("stages/train_student/train.py", "KEPT_SETTINGS = (", 'KEPT_SETTINGS = ("toy_adam_eps", '),
+    ("stages/train_student/run_identity.py", "    holdout_prompts: int\n", "    holdout_prompts: int\n    toy_adam_eps: float\n"),
 ]
 
 
