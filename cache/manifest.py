@@ -7,7 +7,7 @@ rank 0 writes it. Two writers finishing together write identical content to dist
 and the rename makes one of them win whole.
 
 Readers take a manifest as untrusted: it is opened through `safe_open` (no link, no FIFO), its fields are checked
-against `schema.record_problem` (types, ranges, required keys; every shard path `shards/part-PPPPP-SSSSSS.tar` of
+against `records.Manifest.problem` (types, ranges, required and unknown keys) and `records.shard_problem` (every shard path `shards/part-PPPPP-SSSSSS.tar` of
 one of its parts) before any is used, so that no reader opens a file outside the cache because the manifest says so,
 and a malformed one ends in one line.
 """
@@ -26,37 +26,17 @@ from safetensors.torch import load as st_load
 
 from .atomic import atomic_write_bytes, atomic_write_json
 from .cache_error import CacheError, UnfinishedCacheError
-from .format import (
-    F_BYTES, F_CREATED, F_DTYPE, F_FINGERPRINT, F_FORMAT_VERSION, F_LATENT_SHAPE, F_NEGATIVE_SHA256, F_NUM_PARTS,
-    F_PARTS, F_PROMPTS, F_REVISION, F_SAMPLE_FIELDS, F_SAMPLES, F_SHARDS, F_STEPS, F_TEACHER, F_TEACHER_PATH,
-    FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, S_BYTES, S_SAMPLES, T_FEATURES, part_dirname,
-)
-from .part_progress import PartProgress, check_version
+from .format import FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, T_FEATURES, part_dirname
+from .part_progress import PartProgress
+from .records import CacheHeader, Manifest, PartEntry, check_version, shard_problem
 from .safe_open import read_bytes
-from .schema import declared_fields, record_problem, recorded_steps, sample_bytes, sample_fields
+from .schema import declared_fields, recorded_steps, sample_bytes, sample_fields
 from .size import measured_inputs, project
 
-# Header fields that say where the teacher was found, not what it is: left out of the fingerprint (its content
-# enters as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
-NOT_FINGERPRINTED = (F_TEACHER, F_REVISION, F_TEACHER_PATH)
-# The fields `try_write_manifest` adds around stage one's header: the manifest's own, not settings. Every other
-# field of a manifest is a setting, and the settings less NOT_FINGERPRINTED hash to its fingerprint.
-MANIFEST_FIELDS = (F_FORMAT_VERSION, F_FINGERPRINT, F_SAMPLE_FIELDS, F_NUM_PARTS, F_SAMPLES, F_BYTES, F_PARTS,
-                   F_SHARDS, F_CREATED, F_NEGATIVE_SHA256)
 OWN_NEGATIVE = f"{PARTS_DIR}/{part_dirname(0)}/{NEGATIVE}"  # part 0's copy, which the root's is restored from
 # What a user told to fix the manifest does (stage one rewrites it from the parts' progress records).
 REWRITE = (f"rerun the same `wandistiller teacher-cache` command: it rewrites {MANIFEST} from the parts' progress "
            "records (or restore the manifest)")
-
-
-def fingerprint(fields: dict) -> str:
-    """sha256 over the canonical JSON of everything that changes the cached targets."""
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def settings_fingerprint(header: dict) -> str:
-    """The fingerprint of stage one's header (its settings, `teacher_identity` included)."""
-    return fingerprint({k: v for k, v in header.items() if k not in NOT_FINGERPRINTED})
 
 
 def _sha256(cache_dir: str | os.PathLike, rel: str) -> str | None:
@@ -67,40 +47,34 @@ def _sha256(cache_dir: str | os.PathLike, rel: str) -> str | None:
         return None
 
 
-def _settings(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k not in MANIFEST_FIELDS}
-
-
-def settings_problem(cache_dir: str | os.PathLike, m: dict) -> str | None:
+def settings_problem(cache_dir: str | os.PathLike, m: Manifest) -> str | None:
     """Why the manifest's settings do not hash to its fingerprint (a field edited by hand: an edited `guidance`
     would otherwise reach the student's distill.json), naming the fields that differ from the parts' progress
     records and the fix; None when they do."""
-    settings, fp = _settings(m), m.get(F_FINGERPRINT)
-    if settings_fingerprint(settings) == fp:
+    settings, fp = m.settings(), m.fingerprint
+    if m.settings_fingerprint() == fp:
         return None
-    path = manifest_path(cache_dir)
     try:
         prog = PartProgress.load(cache_dir, 0)
     except CacheError:
         prog = None
-    fix = REWRITE
-    changed = ""
+    fix, changed = REWRITE, ""
     if prog is not None:
         rel = PartProgress.path(cache_dir, 0).relative_to(cache_dir).as_posix()
-        header = {k: v for k, v in prog.header.items() if k not in MANIFEST_FIELDS}
+        header = prog.header.settings()
         diff = sorted(k for k in set(header) | set(settings)
                       if header.get(k, "<absent>") != settings.get(k, "<absent>"))
-        if settings_fingerprint(header) != fp:  # the progress record does not match either: nothing to rewrite from
+        if prog.header.settings_fingerprint() != fp:  # the progress record does not match either: nothing to rewrite from
             fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
         elif diff:
             changed = " (" + ", ".join(f"{k} is {_short(settings.get(k, '<absent>'))} there, "
                                        f"{_short(header.get(k, '<absent>'))} in {rel}" for k in diff[:3])
             changed += f", {len(diff) - 3} more)" if len(diff) > 3 else ")"
     if not changed:
-        names = sorted(k for k in settings if k not in NOT_FINGERPRINTED)
+        names = sorted(k for k in settings if k not in CacheHeader.NOT_FINGERPRINTED)
         changed = f" (one of its {len(names)} fingerprinted settings: {', '.join(names)})"
-    return (f"{path}: its settings no longer hash to its fingerprint {str(fp)[:12]}{changed}, so the manifest was "
-            f"edited after stage one wrote it; {fix}")
+    return (f"{manifest_path(cache_dir)}: its settings no longer hash to its fingerprint {fp[:12]}{changed}, so the "
+            f"manifest was edited after stage one wrote it; {fix}")
 
 
 def _short(v) -> str:
@@ -108,7 +82,7 @@ def _short(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_settings(cache_dir: str | os.PathLike, m: dict) -> None:
+def check_settings(cache_dir: str | os.PathLike, m: Manifest) -> None:
     """CacheError with `settings_problem`, if any."""
     problem = settings_problem(cache_dir, m)
     if problem:
@@ -131,8 +105,8 @@ def _negative_sha256(cache_dir: Path, written: str) -> str | None:
                          f"delete {own.parent} and rerun the same `wandistiller teacher-cache` command (that part is "
                          "computed again), or rerun it with --overwrite (the whole cache)")
     try:
-        recorded = json.loads(read_bytes(cache_dir, MANIFEST)).get(F_NEGATIVE_SHA256)
-    except (OSError, ValueError, AttributeError, RecursionError):  # no previous manifest, a torn one, or a FIFO
+        recorded = Manifest.from_json(json.loads(read_bytes(cache_dir, MANIFEST))).negative_sha256
+    except (OSError, ValueError, RecursionError):  # no previous manifest, a torn or foreign one, or a FIFO
         recorded = None
     on_disk = _sha256(cache_dir, NEGATIVE)
     same = on_disk == sha
@@ -149,11 +123,11 @@ def manifest_path(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / MANIFEST
 
 
-def negative_problem(cache_dir: str | os.PathLike, m: dict, relative: bool = False) -> str | None:
+def negative_problem(cache_dir: str | os.PathLike, m: Manifest, relative: bool = False) -> str | None:
     """Why the cache's negative.safetensors is not the file the manifest recorded (missing, or another sha256),
     with the fix (the file named relative to the cache with `relative`); None when it is."""
     cache_dir = Path(cache_dir)
-    recorded, on_disk = m.get(F_NEGATIVE_SHA256), _sha256(cache_dir, NEGATIVE)
+    recorded, on_disk = m.negative_sha256, _sha256(cache_dir, NEGATIVE)
     if on_disk is not None and on_disk == recorded:
         return None
     what = "is missing" if on_disk is None else "fails its sha256 check (changed after stage one wrote it)"
@@ -182,7 +156,7 @@ def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
 
 
 def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
-                       before_replace: Callable[[], None] | None = None) -> dict | None:
+                       before_replace: Callable[[], None] | None = None) -> Manifest | None:
     """Write the manifest if all `num_parts` parts are complete; return it, or None if some part is not.
     `before_replace` (fault injection) runs when its temporary file is complete, just before the rename."""
     parts = []
@@ -196,26 +170,18 @@ def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
         raise CacheError(f"parts of {cache_dir} were made with different settings (fingerprints "
                          f"{sorted(f[:12] for f in fps)}); rerun the odd part with --overwrite")
     shards = [s for p in parts for s in p.shards]
-    manifest = {
-        F_FORMAT_VERSION: FORMAT_VERSION,
-        F_FINGERPRINT: parts[0].fingerprint,
-        **parts[0].header,
-        F_SAMPLE_FIELDS: declared_fields(parts[0].header),
-        F_NUM_PARTS: num_parts,
-        F_SAMPLES: sum(s[S_SAMPLES] for s in shards),
-        F_BYTES: sum(s[S_BYTES] for s in shards),
-        F_PARTS: [{"part": p.part, "prompts": p.prompts, "blocks": p.blocks} for p in parts],
-        F_SHARDS: shards,
-        F_CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    negative = _negative_sha256(Path(cache_dir), parts[0].negative_sha256)
-    if negative is not None:
-        manifest[F_NEGATIVE_SHA256] = negative
-    atomic_write_json(manifest_path(cache_dir), manifest, before_replace)
+    manifest = Manifest(
+        **vars(parts[0].header), format_version=FORMAT_VERSION, fingerprint=parts[0].fingerprint,
+        sample_fields=declared_fields(parts[0].header), num_parts=num_parts, samples=sum(s.samples for s in shards),
+        bytes=sum(s.bytes for s in shards), parts=[PartEntry(part=p.part, prompts=p.prompts, blocks=p.blocks)
+                                                   for p in parts], shards=shards,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        negative_sha256=_negative_sha256(Path(cache_dir), parts[0].negative_sha256))
+    atomic_write_json(manifest_path(cache_dir), manifest.to_json(), before_replace)
     return manifest
 
 
-def load_manifest(cache_dir: str | os.PathLike) -> dict:
+def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     """Read and sanity-check a finished cache's manifest; CacheError with a remedy otherwise."""
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
@@ -228,15 +194,17 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
         raise UnfinishedCacheError(cache_dir, f"{cache_dir} has no {MANIFEST}: stage one has not finished there "
                                    "(rerun the same `wandistiller teacher-cache` command to complete it)")
     try:
-        m = json.loads(read_bytes(cache_dir, MANIFEST))
+        obj = json.loads(read_bytes(cache_dir, MANIFEST))
     except CacheError:
         raise  # a link or a FIFO (`safe_open`)
     except (ValueError, RecursionError) as e:  # (JSON, UTF-8)
         raise CacheError(f"{path} is not valid JSON ({e}); rerun `wandistiller teacher-cache` to rewrite it") from e
-    if not isinstance(m, dict):
+    if not isinstance(obj, dict):
         raise CacheError(f"{path} is not a manifest (a JSON object); rerun `wandistiller teacher-cache` to rewrite it")
-    check_version(path, m)
-    problem = record_problem(m, "manifest", cache_dir)  # a reader never opens a file outside the cache because of it
+    check_version(path, obj)
+    problem = Manifest.problem(obj)
+    m = Manifest.from_json(obj) if problem is None else None
+    problem = problem or shard_problem(m.shards, cache_dir, m.num_parts)
     if problem is not None:
         raise CacheError(f"{path}: {problem}; {REWRITE}")
     return m
@@ -247,17 +215,17 @@ def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
     prompts (default: its own) of the same kind (`cache.size`)."""
     m = load_manifest(cache_dir)
     inputs = measured_inputs(cache_dir, m)
-    own = project(m, int(m[F_PROMPTS]), int(m[F_NUM_PARTS]), **inputs)
-    projected = own if prompts is None else project(m, prompts, int(m[F_NUM_PARTS]), **inputs)
+    own = project(m, m.prompts, m.num_parts, **inputs)
+    projected = own if prompts is None else project(m, prompts, m.num_parts, **inputs)
+    fields = sample_fields(m)
     return {
-        "cache": str(cache_dir), F_SAMPLES: m[F_SAMPLES], F_SHARDS: len(m[F_SHARDS]), F_PROMPTS: m.get(F_PROMPTS),
-        F_STEPS: m.get(F_STEPS), F_LATENT_SHAPE: m.get(F_LATENT_SHAPE), F_BYTES: m.get(F_BYTES),
-        F_FINGERPRINT: m[F_FINGERPRINT], F_TEACHER: m.get(F_TEACHER), F_DTYPE: m.get(F_DTYPE),
-        F_NUM_PARTS: m[F_NUM_PARTS], "seeds_per_prompt": m.get("seeds_per_prompt"),
-        "timesteps": m.get("timesteps"), "experts": m.get("experts"), F_SAMPLE_FIELDS: list(sample_fields(m)),
+        "cache": str(cache_dir), "samples": m.samples, "shards": len(m.shards), "prompts": m.prompts,
+        "steps": m.steps, "latent_shape": m.latent_shape, "bytes": m.bytes, "fingerprint": m.fingerprint,
+        "teacher": m.teacher, "dtype": m.dtype, "num_parts": m.num_parts, "seeds_per_prompt": m.seeds_per_prompt,
+        "timesteps": m.timesteps, "experts": m.experts, "sample_fields": list(fields),
         # tensor bytes of one sample, and without the recorded teacher features (what they cost)
         "tensor_bytes_per_sample": sample_bytes(m),
-        "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in sample_fields(m) if f != T_FEATURES]),
+        "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in fields if f != T_FEATURES]),
         "recorded_steps": list(recorded_steps(m)),
         # on disk: a sample in its shard (tar and safetensors headers included), a prompt in its prompt store
         # (embedding chunks + initial noise + final latents), and the files of neither (manifest, metadata)

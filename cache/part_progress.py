@@ -9,31 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import atomic_write_json
-from .cache_error import CacheError, FormatVersionError
-from .format import F_FORMAT_VERSION, FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
+from .cache_error import CacheError
+from .format import FORMAT_VERSION, PARTS_DIR, PROGRESS, part_dirname
 from .safe_open import read_bytes
-from .schema import record_problem
+from .records import CacheHeader, Record, ShardRecord, check_version, parts_problem, shard_problem
 
 
-def check_version(path: Path, record: dict) -> None:
-    """CacheError unless `record` (a manifest or a part's progress record, read from `path`) was written in this
-    FORMAT_VERSION: a cache of another version is refused whole, never read in part."""
-    version = record.get(F_FORMAT_VERSION)
-    if version == FORMAT_VERSION:
-        return
-    if isinstance(version, int) and version < FORMAT_VERSION:
-        raise FormatVersionError(f"{path}: written by an older wandistiller (format {version}); rebuild it with "
-                                 "teacher-cache")
-    raise FormatVersionError(f"{path}: format {version!r}, this wandistiller reads format {FORMAT_VERSION}; rebuild "
-                             "it with teacher-cache, or use the wandistiller that wrote it")
-
-
-@dataclass
-class PartProgress:
+@dataclass(kw_only=True)
+class PartProgress(Record):
     """State of one part; see module docstring for the invariants."""
 
     part: int
@@ -46,9 +33,9 @@ class PartProgress:
     encoded: bool = False  # every prompt row of prompts.zarr written (and fsynced)
     negative_sha256: str | None = None  # of the part's negative.safetensors, written with it (None: not encoded yet)
     done_blocks: list[int] = field(default_factory=list)
-    shards: list[dict] = field(default_factory=list)
+    shards: list[ShardRecord] = field(default_factory=list)
     complete: bool = False
-    header: dict = field(default_factory=dict)  # the run's manifest fields, identical in every part
+    header: CacheHeader  # the run's settings, identical in every part
     format_version: int = FORMAT_VERSION
 
     @staticmethod
@@ -58,12 +45,31 @@ class PartProgress:
     def save(self, cache_dir: str | os.PathLike) -> None:
         p = self.path(cache_dir, self.part)
         p.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(p, asdict(self))
+        atomic_write_json(p, self.to_json())
+
+    def to_json(self) -> dict:
+        return super().to_json() | {"header": self.header.to_json()}
+
+    @classmethod
+    def problem(cls, obj, where: str = "") -> str | None:
+        problem = super().problem(obj, where) or CacheHeader.problem(obj["header"], "its header: ")
+        for rec in obj["shards"] if problem is None else ():
+            problem = problem or ShardRecord.problem(rec, "a shard record: ")
+        problem = problem or parts_problem(obj["num_parts"], obj["header"]["prompts"])
+        if problem is None and obj["part"] >= obj["num_parts"]:
+            problem = f"its part {obj['part']} is not below its field 'num_parts' {obj['num_parts']}"
+        if problem is None and any(b >= obj["blocks"] for b in obj["done_blocks"]):
+            problem = f"its field 'done_blocks' lists blocks past its {obj['blocks']} blocks"
+        return problem
+
+    @classmethod
+    def _build(cls, obj: dict) -> PartProgress:
+        return cls(**obj | {"header": CacheHeader(**obj["header"]), "shards": [ShardRecord(**s) for s in obj["shards"]]})
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike, part: int) -> PartProgress | None:
         """The part's record, None where it has none; CacheError for one that is not a sound record (`safe_open`,
-        `schema.record_problem`)."""
+        `Record.problem`, `shard_problem`)."""
         p, rel = cls.path(cache_dir, part), f"{PARTS_DIR}/{part_dirname(part)}/{PROGRESS}"
         try:
             record = json.loads(read_bytes(cache_dir, rel))
@@ -75,12 +81,11 @@ class PartProgress:
             raise CacheError(f"{p} is unreadable ({e}); delete the part folder or rerun with --overwrite") from e
         if isinstance(record, dict):
             check_version(p, record)
-        try:
-            problem = record_problem(record, "progress", cache_dir)
-            if problem is None:
-                return cls(**record)
-        except TypeError as e:  # a field no record has
-            problem = str(e).replace("__init__() ", "")
+        problem = cls.problem(record)
+        prog = cls._build(record) if problem is None else None
+        problem = problem or shard_problem(prog.shards, cache_dir, prog.num_parts, prog.part)
+        if problem is None:
+            return prog
         raise CacheError(f"{p}: {problem}; delete {p.parent} and rerun the same `wandistiller teacher-cache` command "
                          "(that part is computed again), or rerun it with --overwrite")
 

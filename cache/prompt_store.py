@@ -36,6 +36,7 @@ from .format import (
     Z_TOKEN_START, part_dirname, part_prompts, prompt_location, storage_numpy_dtype, storage_to_torch,
     torch_to_storage,
 )
+from .records import Manifest
 from .safe_open import open_fd, read_bytes
 from .zarr_private import FLAT_KEYS, chunk_file, concurrent_map, default_buffer_prototype
 
@@ -604,23 +605,20 @@ def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: i
     return None
 
 
-def store_problem(cache_dir: str | os.PathLike, manifest: dict) -> str | None:
+def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | None:
     """Why a part's prompt store is not what the manifest says it holds: an array of another shape, dtype or chunk
     (each chunk no larger than its array or file: what a read allocates), or a store that does not open; None when
     every array is as stage one creates it. Metadata only (a `zarr.json` each): every reader checks it before reading
     a row (`reader.open_caches`), so that no edited shape makes one allocate terabytes, nor an edited dtype read
     other numbers. Rows themselves are checked as they are read, and by `cache verify`."""
-    prompts, num_parts, dtype = int(manifest["prompts"]), int(manifest["num_parts"]), manifest.get("dtype")
-    seeds, latent = manifest.get("seeds_per_prompt"), manifest.get("latent_shape")
-    max_len, dim = manifest.get("max_sequence_length"), manifest.get("text_dim")
-    for part in range(num_parts):
-        rows = len(part_prompts(part, prompts, num_parts))
+    m, dtype = manifest, manifest.dtype
+    for part in range(m.num_parts):
+        rows = len(part_prompts(part, m.prompts, m.num_parts))
         want = {Z_PROMPT_IDX: ((rows,), "int64"), Z_SEQ_LENS: ((rows,), "int32"), Z_TOKEN_START: ((rows,), "int64"),
                 EMBEDS_CRC32C: ((rows,), "int64"), Z_TEXT: ((rows,), None),
-                Z_EMBEDS: ((max(1, rows * max_len) if max_len else None, dim),
-                           storage_numpy_dtype(dtype) if dtype else None),
-                Z_INIT_NOISE: ((rows, seeds, *(latent or ())), "float32"),
-                Z_FINAL_LATENTS: ((rows, seeds, *(latent or ())), "float32")}
+                Z_EMBEDS: ((max(1, rows * m.max_sequence_length), m.text_dim), storage_numpy_dtype(dtype)),
+                Z_INIT_NOISE: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32"),
+                Z_FINAL_LATENTS: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32")}
         rel = store_relpath(part)
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))
@@ -637,7 +635,7 @@ def store_problem(cache_dir: str | os.PathLike, manifest: dict) -> str | None:
                     return (f"prompt store {Path(cache_dir) / rel}: {name} is {arr.dtype} {list(arr.shape)} in chunks "
                             f"of {list(arr.chunks)}, its manifest makes it {np_dtype or ''} "
                             f"{['?' if w is None else w for w in shape]}; {REBUILD}")
-            if dtype and g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE) != dtype:
+            if g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE) != dtype:
                 return (f"prompt store {Path(cache_dir) / rel}: {Z_EMBEDS} holds "
                         f"{g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE)!r} values, its manifest says {dtype}; {REBUILD}")
         except UnsafeFileError:

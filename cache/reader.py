@@ -61,7 +61,7 @@ class ShardError(CacheError):
 
 def shard_problem(cache_dir: str | os.PathLike, rec: dict, code: int) -> str:
     """The one-line message for a bad shard, with the remedy."""
-    return (f"shard {Path(cache_dir) / rec[F.S_PATH]} {SHARD_PROBLEMS[code]}; delete it and rerun the same "
+    return (f"shard {Path(cache_dir) / rec.path} {SHARD_PROBLEMS[code]}; delete it and rerun the same "
             "`wandistiller teacher-cache` command to rebuild it (`wandistiller cache verify` lists every problem)")
 
 
@@ -74,11 +74,11 @@ class CacheInfo:
 
     @property
     def fingerprint(self) -> str:
-        return self.manifest[F.F_FINGERPRINT]
+        return self.manifest.fingerprint
 
     @property
     def shards(self) -> list[dict]:
-        return self.manifest[F.F_SHARDS]
+        return self.manifest.shards
 
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
@@ -96,7 +96,7 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
             raise CacheError(f"cache {path} is given twice (also as {seen[real]}); pass each CACHE_DIR once")
         seen[real] = path
         m = load_manifest(path)
-        if not m[F.F_SHARDS] or m[F.F_SAMPLES] <= 0:
+        if not m.shards or m.samples <= 0:
             raise CacheError(f"cache {path} holds no samples; rebuild it with `wandistiller teacher-cache`")
         caches.append(CacheInfo(path, m))
     fps = {c.fingerprint for c in caches}
@@ -127,14 +127,14 @@ class _HashingReader:
 
     def matches(self, rec: dict) -> bool:
         """Whether what was read is the shard `rec` records: its size and crc32c."""
-        return self.bytes == rec[F.S_BYTES] and self.crc == rec.get(F.S_CRC32C)
+        return self.bytes == rec.bytes and self.crc == rec.crc32c
 
 
 def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -> np.ndarray:
     """Index one shard: int64 [samples, len(SCAN_COLS)] in member order; ShardError if it is not as recorded. With
     `checksum` one sequential pass checksums it and collects the member offsets; without, tar headers only (seeks)."""
     try:
-        fd = open_fd(cache_dir, rec[F.S_PATH])
+        fd = open_fd(cache_dir, rec.path)
     except FileNotFoundError:
         raise ShardError(shard_problem(cache_dir, rec, SHARD_MISSING), SHARD_MISSING) from None
     except UnsafeFileError as e:
@@ -142,7 +142,7 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
     members: dict[str, dict[str, tuple[int, int]]] = {}
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
-        if size != rec[F.S_BYTES]:
+        if size != rec.bytes:
             raise ShardError(shard_problem(cache_dir, rec, SHARD_SIZE), SHARD_SIZE)
         reader = _HashingReader(f) if checksum else None
         try:
@@ -175,8 +175,8 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
             rows = None
             break
         rows.append((p, s, k, *mem[F.EXT_META], *mem[F.EXT_TENSORS]))
-    if rows is None or len(rows) != rec[F.S_SAMPLES]:
-        found = "unpaired or foreign members" if rows is None else f"{len(rows)} samples, manifest says {rec[F.S_SAMPLES]}"
+    if rows is None or len(rows) != rec.samples:
+        found = "unpaired or foreign members" if rows is None else f"{len(rows)} samples, manifest says {rec.samples}"
         raise ShardError(shard_problem(cache_dir, rec, SHARD_MEMBERS) + f" ({found})", SHARD_MEMBERS)
     return np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_COLS))
 
@@ -188,12 +188,12 @@ class ShardStream:
     tarfile.TarError for an unreadable shard."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
-        self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec[F.S_PATH]
+        self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec.path
         self.rec = rec
         self._read: _HashingReader | None = None
 
     def __iter__(self):
-        with os.fdopen(open_fd(self.cache_dir, self.rec[F.S_PATH]), "rb") as f:
+        with os.fdopen(open_fd(self.cache_dir, self.rec.path), "rb") as f:
             self._read = _HashingReader(f)
             files = ({**m, "__url__": str(self.path)} for m in wds.tariterators.tar_file_iterator(self._read))
             yield from wds.tariterators.group_by_keys(files)
@@ -215,13 +215,13 @@ def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
     for ci, c in enumerate(caches):
         for rec in c.shards:
             out.append((ci, c.path, rec, row))
-            row += int(rec[F.S_SAMPLES])
+            row += int(rec.samples)
     return out
 
 
 def empty_table(caches: list[CacheInfo]) -> np.ndarray:
     """A zeroed table with one row per sample listed in the manifests (filled by `fill_table`)."""
-    return np.zeros((sum(int(r[F.S_SAMPLES]) for c in caches for r in c.shards), N_COLS), dtype=np.int64)
+    return np.zeros((sum(int(r.samples) for c in caches for r in c.shards), N_COLS), dtype=np.int64)
 
 
 def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, scanned: np.ndarray) -> None:
@@ -248,9 +248,9 @@ class CacheIndex:
         self.duplicates = len(table) - len(first)
         self.table = table[np.sort(first)] if self.duplicates else table
         m = caches[0].manifest
-        self.latent_shape = tuple(m[F.F_LATENT_SHAPE])
-        self.dtype = m[F.F_DTYPE]
-        self.steps = int(m[F.F_STEPS])
+        self.latent_shape = tuple(m.latent_shape)
+        self.dtype = m.dtype
+        self.steps = int(m.steps)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -265,7 +265,7 @@ class CacheIndex:
 
     def shard_path(self, row: int) -> Path:
         _, cache_dir, rec, _ = self.shards[int(self.table[row, C_SHARD])]
-        return cache_dir / rec[F.S_PATH]
+        return cache_dir / rec.path
 
 
 def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: list) -> None:
@@ -274,7 +274,7 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
     skewed epoch. `shards` is `shard_list` of the caches the table was built from."""
     m = cache.manifest
     try:
-        dims = (int(m[F.F_PROMPTS]), int(m[F.F_SEEDS_PER_PROMPT]), int(m[F.F_STEPS]))
+        dims = (int(m.prompts), int(m.seeds_per_prompt), int(m.steps))
         recorded = np.asarray(recorded_steps(m), dtype=np.int64)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"{cache.path / F.MANIFEST} lacks the field {e}; rebuild the cache with "
@@ -292,18 +292,18 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
         if len(foreign):
             r = rows[foreign[0]]
             steps = f"recorded steps {','.join(map(str, recorded))}" if subset else f"{dims[2]} steps"
-            raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2][F.S_PATH]} holds sample "
+            raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2].path} holds sample "
                              f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
                              f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
     if (counts > 1).any():
         code = np.unique(sample_code(rows))[np.argmax(counts > 1)]
-        where = sorted({shards[int(r[C_SHARD])][2][F.S_PATH] for r in rows[sample_code(rows) == code]})
+        where = sorted({shards[int(r[C_SHARD])][2].path for r in rows[sample_code(rows) == code]})
         raise CacheError(f"cache {cache.path}: {int((counts > 1).sum())} sample(s) are listed more than once "
                          f"(e.g. in {' and '.join(where) if len(where) > 1 else where[0] + ', listed twice'} of "
                          f"{F.MANIFEST}); {fix}")
     expected = dims[0] * dims[1] * len(recorded)
     if len(first) != expected:
-        listed = {rec[F.S_PATH] for ci, _, rec, _ in shards if ci == cache_id}
+        listed = {rec.path for ci, _, rec, _ in shards if ci == cache_id}
         unlisted = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache.path / F.SHARDS_DIR).glob("*.tar")
                           if f"{F.SHARDS_DIR}/{p.name}" not in listed)
         why = f"; {', '.join(unlisted[:3])} exist(s) but {F.MANIFEST} does not list it" if unlisted else ""
@@ -385,9 +385,9 @@ class SampleReader:
         if fd is None:
             _, cache_dir, rec, _ = self.index.shards[shard]
             try:
-                fd = open_fd(cache_dir, rec[F.S_PATH])
+                fd = open_fd(cache_dir, rec.path)
             except OSError as e:
-                raise CacheError(f"cannot open shard {cache_dir / rec[F.S_PATH]} ({e.strerror}); "
+                raise CacheError(f"cannot open shard {cache_dir / rec.path} ({e.strerror}); "
                                  "it was moved or deleted after training started") from e
             # Rows are read in random order: no kernel read-ahead past each read (with it, each ~400 KB read of an
             # A14B sample pulled ~1 MB from the disk).

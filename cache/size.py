@@ -22,7 +22,7 @@ import json
 import math
 import os
 import tarfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from safetensors.torch import save as st_save
 from . import format as F
 from .cache_error import CacheError, UnsafeFileError
 from .part_progress import PartProgress
+from .records import CacheHeader, Manifest
 from .prompt_store import open_prompt_store, prompt_store_path
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
 
@@ -47,7 +48,7 @@ def _tar_member(size: int) -> int:
     return tarfile.BLOCKSIZE + size + (-size % tarfile.BLOCKSIZE)
 
 
-def sample_disk_bytes(settings: Mapping) -> int:
+def sample_disk_bytes(settings: CacheHeader) -> int:
     """Bytes one sample takes in a shard of the cache `settings` (a manifest, or stage one's header) describe."""
     tensors = {}
     for name in sample_fields(settings):
@@ -75,17 +76,17 @@ def _shard(members: int) -> int:
     return end + (-end % tarfile.RECORDSIZE)
 
 
-def embed_tokens_bound(text: str, settings: Mapping) -> int:
+def embed_tokens_bound(text: str, settings: CacheHeader) -> int:
     """Real tokens a prompt's embedding can take at most: Wan's UMT5 tokenizer (SentencePiece, byte fallback) makes a
     token of at least one byte of UTF-8 text, plus the leading word marker and the end-of-sequence token."""
-    return min(int(settings[F.F_MAX_SEQUENCE_LENGTH]), len(text.encode("utf-8")) + 2)
+    return min(settings.max_sequence_length, len(text.encode("utf-8")) + 2)
 
 
-def _token_bytes(settings: Mapping) -> int:
-    return int(settings[F.F_TEXT_DIM]) * F.DTYPES[str(settings[F.F_DTYPE])].itemsize
+def _token_bytes(settings: CacheHeader) -> int:
+    return settings.text_dim * F.DTYPES[settings.dtype].itemsize
 
 
-def embeds_bytes(settings: Mapping, tokens: int) -> int:
+def embeds_bytes(settings: CacheHeader, tokens: int) -> int:
     """Bytes of a part's `embeds` holding `tokens` real tokens: whole chunks (the last one padded), each ending in
     its crc32c, and per file its index."""
     if tokens <= 0:
@@ -95,29 +96,29 @@ def embeds_bytes(settings: Mapping, tokens: int) -> int:
             + files * (16 * (F.TOKENS_PER_FILE // F.EMBED_CHUNK_TOKENS) + _CRC))
 
 
-def latent_bytes(settings: Mapping) -> int:
+def latent_bytes(settings: CacheHeader) -> int:
     """Bytes of one float32 latent (initial noise or final latent of one seed)."""
-    return math.prod(int(v) for v in settings[F.F_LATENT_SHAPE]) * 4
+    return math.prod(settings.latent_shape) * 4
 
 
-def _latents_bytes(settings: Mapping, rows: int) -> int:
+def _latents_bytes(settings: CacheHeader, rows: int) -> int:
     """Bytes of a part's initial noise and final latents for `rows` prompts: a chunk per prompt (every seed), each
     ending in its crc32c, and per file of ROWS_PER_FILE rows its index."""
     if rows <= 0:
         return 0
     per_file = min(rows, F.ROWS_PER_FILE)
-    chunk = int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC
+    chunk = settings.seeds_per_prompt * latent_bytes(settings) + _CRC
     return 2 * (rows * chunk + math.ceil(rows / per_file) * (16 * per_file + _CRC))
 
 
-def prompt_bytes(settings: Mapping, embed_tokens: float | None = None) -> float:
+def prompt_bytes(settings: CacheHeader, embed_tokens: float | None = None) -> float:
     """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: all of
     max_sequence_length, the bound): the embedding, then the initial noise and final latents of its seeds (the
     files' indexes and the last chunk's padding, a few KiB per part, left out)."""
     if embed_tokens is None:
-        embed_tokens = int(settings[F.F_MAX_SEQUENCE_LENGTH])
+        embed_tokens = settings.max_sequence_length
     embed = embed_tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
-    return embed + 2 * (int(settings[F.F_SEEDS_PER_PROMPT]) * latent_bytes(settings) + _CRC)
+    return embed + 2 * (settings.seeds_per_prompt * latent_bytes(settings) + _CRC)
 
 
 def part_blocks(trajectories: int, batch_size: int) -> list[int]:
@@ -147,15 +148,15 @@ class CacheSize:
         return asdict(self) | {"total_bytes": self.total}
 
 
-def project(settings: Mapping, prompts: int, num_parts: int = 1, *, batch_size: int, samples_per_shard: int,
+def project(settings: CacheHeader, prompts: int, num_parts: int = 1, *, batch_size: int, samples_per_shard: int,
             embed_tokens: float | None = None, fixed_bytes: int = 0) -> CacheSize:
     """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts (prompt i in
     part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more), in
     blocks of `batch_size` trajectories and shards of `samples_per_shard` samples (stage one's settings: no defaults
     of their own here)."""
     per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
-    seeds = int(settings[F.F_SEEDS_PER_PROMPT])
-    tokens = int(settings[F.F_MAX_SEQUENCE_LENGTH]) if embed_tokens is None else embed_tokens
+    seeds = settings.seeds_per_prompt
+    tokens = settings.max_sequence_length if embed_tokens is None else embed_tokens
     shards = store = 0
     for part in range(num_parts):
         rows = len(F.part_prompts(part, prompts, num_parts))
@@ -166,12 +167,12 @@ def project(settings: Mapping, prompts: int, num_parts: int = 1, *, batch_size: 
                      store, fixed_bytes)
 
 
-def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
+def measured_inputs(cache_dir: str | os.PathLike, manifest: Manifest) -> dict:
     """What a projection from a finished cache takes from the cache itself: its prompts' mean real tokens, its fixed
     bytes, and the batch size and shard size its parts were written with."""
     cache_dir = Path(cache_dir)
     tokens = rows = 0
-    for part in range(int(manifest[F.F_NUM_PARTS])):
+    for part in range(manifest.num_parts):
         path = prompt_store_path(cache_dir, part)
         try:
             lens = np.asarray(open_prompt_store(path)[F.Z_SEQ_LENS][:], dtype=np.int64)
@@ -184,8 +185,8 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Mapping) -> dict:
         tokens += int(lens.sum())
         rows += len(lens)
     prog = PartProgress.load(cache_dir, 0)
-    shards = manifest[F.F_SHARDS]
-    per_shard = prog.samples_per_shard if prog else max(s[F.S_SAMPLES] for s in shards)
+    shards = manifest.shards
+    per_shard = prog.samples_per_shard if prog else max(s.samples for s in shards)
     return {"embed_tokens": tokens / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
             "batch_size": prog.batch_size if prog else 1, "samples_per_shard": int(per_shard)}
 

@@ -29,7 +29,7 @@ from .schema import recorded_steps, sample_problems
 
 
 def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[str]:
-    rel = rec[F.S_PATH]
+    rel = rec.path
     try:  # (a link or a FIFO: UnsafeFileError, the whole cache refused)
         fd = open_fd(cache_dir, rel)
     except FileNotFoundError:
@@ -37,8 +37,8 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
     problems = []
     size = os.fstat(fd).st_size
     os.close(fd)
-    if size != rec[F.S_BYTES]:
-        problems.append(f"{rel}: {size} bytes on disk, manifest says {rec[F.S_BYTES]} (truncated or replaced)")
+    if size != rec.bytes:
+        problems.append(f"{rel}: {size} bytes on disk, manifest says {rec.bytes} (truncated or replaced)")
     stream, count = ShardStream(cache_dir, rec), 0
     try:
         for members in stream:
@@ -61,10 +61,10 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
         raise
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         return problems + [f"{rel}: unreadable tar ({e})"]
-    if size == rec[F.S_BYTES] and not stream.matches():
+    if size == rec.bytes and not stream.matches():
         problems.append(f"{rel}: crc32c mismatch (content changed after it was written)")
-    if count != rec[F.S_SAMPLES]:
-        problems.append(f"{rel}: {count} samples, manifest says {rec[F.S_SAMPLES]}")
+    if count != rec.samples:
+        problems.append(f"{rel}: {count} samples, manifest says {rec.samples}")
     return problems
 
 
@@ -80,24 +80,24 @@ def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[st
     store = store_problem(cache_dir, m)  # (the rows of a store of another shape are not read: terabytes)
     problems = [p for p in [settings_problem(cache_dir, m), store] if p is not None]
     seen: set[str] = set()
-    for rec in tqdm(m[F.F_SHARDS], desc="verify shards", unit="shard", disable=not progress):
+    for rec in tqdm(m.shards, desc="verify shards", unit="shard", disable=not progress):
         problems += _check_shard(cache_dir, rec, m, seen)
-    total = sum(r[F.S_SAMPLES] for r in m[F.F_SHARDS])
-    if total != m[F.F_SAMPLES]:
-        problems.append(f"{F.MANIFEST}: samples {m[F.F_SAMPLES]} but its shards hold {total}")
-    expected = m[F.F_PROMPTS] * m[F.F_SEEDS_PER_PROMPT] * len(recorded_steps(m))
+    total = sum(r.samples for r in m.shards)
+    if total != m.samples:
+        problems.append(f"{F.MANIFEST}: samples {m.samples} but its shards hold {total}")
+    expected = m.prompts * m.seeds_per_prompt * len(recorded_steps(m))
     if total != expected:
         problems.append(f"{F.MANIFEST}: {total} samples listed, {expected} expected "
                         f"(prompts x seeds x recorded steps); the cache is incomplete")
     problems += _check_negative(cache_dir, m)
-    if m.get(F.F_RECORD_FEATURES):
+    if m.record_features:
         try:
-            read_projection(cache_dir, m.get(F.F_FEATURE_PROJECTION_SHA256))
+            read_projection(cache_dir, m.feature_projection_sha256)
         except CacheError as e:
             problems.append(f"{F.FEATURE_PROJECTION}: {e}")
     if store is not None:
         return problems
-    return problems + prompt_row_problems(cache_dir, m[F.F_NUM_PARTS], m[F.F_PROMPTS], checksums=True,
+    return problems + prompt_row_problems(cache_dir, m.num_parts, m.prompts, checksums=True,
                                           progress=progress)
 
 

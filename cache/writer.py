@@ -19,7 +19,8 @@ from safetensors.torch import save as st_save
 
 from .atomic import WRITE_BEHIND_BYTES, WriteBehind, drop_behind, fsync_dir
 from .checksum import crc32c
-from .format import EXT_META, EXT_TENSORS, S_BYTES, S_CRC32C, S_PART, S_PATH, S_SAMPLES, TMP_SUFFIX, shard_relpath
+from .format import EXT_META, EXT_TENSORS, TMP_SUFFIX, shard_relpath
+from .records import ShardRecord
 from .schema import check_undeclared
 
 
@@ -85,8 +86,9 @@ class ShardWriter:
             self._tar.addfile(info, io.BytesIO(data))
         self.samples += 1
 
-    def close(self) -> dict:
-        """Finish the tar, fsync, rename into place; return the shard record for progress/manifest."""
+    def close(self, blocks: list[int]) -> ShardRecord:
+        """Finish the tar, fsync, rename into place; return the shard record (holding the part's trajectory
+        `blocks`) for progress/manifest."""
         self._tar.close()  # (the end-of-archive blocks, padded to a whole record)
         self._file.f.flush()
         self._file.behind.close()
@@ -94,8 +96,8 @@ class ShardWriter:
         self._file.f.close()
         os.replace(self.tmp, self.final)
         fsync_dir(self.final.parent)
-        return {S_PATH: self.relpath, S_PART: self.part, S_SAMPLES: self.samples, S_BYTES: self.bytes,
-                S_CRC32C: self._file.crc}
+        return ShardRecord(path=self.relpath, part=self.part, samples=self.samples, bytes=self.bytes,
+                           crc32c=self._file.crc, blocks=blocks)
 
     def abort(self) -> None:
         """Drop the unfinished shard (on error): nothing half-written stays behind."""

@@ -27,11 +27,13 @@ temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happen
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
+
+from cache.records import CacheHeader, Record
 
 from .lock import RUN_LOCK, read_head
 
@@ -146,13 +148,8 @@ def _not_ours(entry: Path) -> str | None:
             return " (not readable JSON)"
         if base == RESOLVED_CONFIG and not (isinstance(obj, dict) and _CONFIG_KEYS <= obj.keys()):
             return " (not a train-student config)"
-        if base == DISTILL:
-            try:
-                if not isinstance(obj, dict):
-                    raise ValueError(obj)
-                DistillRecord.from_json(obj)
-            except (ValueError, TypeError):
-                return " (not a train-student record)"
+        if base == DISTILL and DistillRecord.problem(obj) is not None:
+            return " (not a train-student record)"
         return None
     if base == METRICS:  # one JSON record per line, each with its `type`: the first one tells
         first = head.split(b"\n", 1)[0]
@@ -163,72 +160,80 @@ def _not_ours(entry: Path) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class DistillRecord:
-    """distill.json: what the student learned (the cache's settings) and how it is meant to be sampled."""
+@dataclass(frozen=True, kw_only=True)
+class DistillRecord(Record):
+    """distill.json: what the student learned (the cache's settings, copied from its manifest) and how it is meant
+    to be sampled. Every field is written; `from_json` refuses an unknown, missing or mistyped one."""
 
     student: str = STUDENT
     student_ema: str | None = None  # STUDENT_EMA when EMA weights were saved
-    caches: list[dict] = field(default_factory=list)  # [{path, fingerprint}] of the caches trained on
-    fingerprints: list[str] = field(default_factory=list)
-    teacher: str | None = None  # the teacher's name (hub id or folder) as stage one recorded it
-    teacher_path: str | None = None
-    revision: str | None = None
-    # The targets are the teacher's *guided* predictions when cfg is true: the student samples without CFG.
-    cfg: bool | None = None
-    guidance: float | None = None
-    guidance_2: float | None = None
-    boundary_ratio: float | None = None
-    negative_prompt: str | None = None
-    max_sequence_length: int | None = None  # the text length of the cache's embeddings: sample with it
-    expand_timesteps: bool | None = None
-    latent_shape: list[int] | None = None
-    height: int | None = None
-    width: int | None = None
-    frames: int | None = None
-    dtype: str | None = None
-    steps: int | None = None  # the teacher's sampling steps in the cache
-    timesteps: list[float] | None = None
-    sigmas: list[float] | None = None
-    scheduler: dict | None = None
-    train_steps: list[int] = field(default_factory=list)  # cached step indices trained on
-    train_timesteps: list[float] | None = None
-    heldout_prompts: list[int] = field(default_factory=list)
-    init_seed: int | None = None
+    caches: list[dict]  # [{path, fingerprint}] of the caches trained on
+    fingerprints: list[str]
+    # The manifest's (cache/records.py CacheHeader) teacher and sampling settings: the targets are the teacher's
+    # *guided* predictions when cfg is true, and the student then samples without CFG.
+    teacher: str
+    teacher_path: str
+    revision: str | None
+    cfg: bool
+    guidance: float
+    guidance_2: float | None
+    boundary_ratio: float | None
+    negative_prompt: str
+    max_sequence_length: int  # the text length of the cache's embeddings: sample with it
+    expand_timesteps: bool
+    latent_shape: list[int]
+    height: int
+    width: int
+    frames: int
+    dtype: str
+    steps: int  # the teacher's sampling steps in the cache
+    timesteps: list[float]
+    sigmas: list[float]
+    scheduler: dict
+    train_steps: list[int]  # cached step indices trained on
+    train_timesteps: list[float]
+    heldout_prompts: list[int]
+    init_seed: int
     init_from_teacher: str | None = None
     student_config: str | None = None
     optimizer_steps: int = 0
     samples_seen: int = 0
     epochs_completed: int = 0
     # The objective trained (stages/train_student/objective_velocity.py) and its settings.
-    objective: str = "velocity"
-    objective_settings: dict = field(default_factory=dict)
+    objective: str
+    objective_settings: dict
     # Sampling steps the student is meant to use; None: the teacher's `steps`.
     student_steps: int | None = None
     # A LoRA student (--lora-of): the teacher it adapts and its adapters (what student/lora.json says); None for
     # a compact student.
     lora: dict | None = None
 
+    # The manifest fields copied as they are.
+    FROM_CACHE: ClassVar[tuple[str, ...]] = (
+        "teacher", "teacher_path", "revision", "cfg", "guidance", "guidance_2", "boundary_ratio", "negative_prompt",
+        "max_sequence_length", "expand_timesteps", "latent_shape", "height", "width", "frames", "dtype", "steps",
+        "timesteps", "sigmas", "scheduler")
+
+    @classmethod
+    def of_cache(cls, manifest: CacheHeader, **learned) -> DistillRecord:
+        """The record of a student trained on the cache `manifest` describes (`learned`: the run's own fields)."""
+        return cls(**{k: getattr(manifest, k) for k in cls.FROM_CACHE}, **learned)
+
     @property
     def guided(self) -> bool:
         """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
-        return True if self.cfg is None else bool(self.cfg)
+        return self.cfg
 
     @property
-    def sampling_steps(self) -> int | None:
+    def sampling_steps(self) -> int:
         return self.student_steps if self.student_steps is not None else self.steps
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_json(cls, obj: dict, source: str | os.PathLike = DISTILL) -> DistillRecord:
-        """The record of a distill.json; ValueError naming the unknown keys (a file of another tool)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(obj) - names)
-        if unknown:
-            raise ValueError(f"{source} has unknown key(s) {unknown[:5]}; it was not written by this "
-                             "WanDistiller's train-student")
+    def from_json(cls, obj, source: str | os.PathLike = DISTILL) -> DistillRecord:
+        """The record of a distill.json; ValueError naming what is wrong (a file of another tool) otherwise."""
+        problem = cls.problem(obj)
+        if problem is not None:
+            raise ValueError(f"{source}: {problem}; it was not written by this WanDistiller's train-student")
         return cls(**obj)
 
     @classmethod
@@ -238,6 +243,4 @@ class DistillRecord:
             obj = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not readable JSON ({e})") from e
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path} holds a {type(obj).__name__}, expected a JSON object")
         return cls.from_json(obj, path)

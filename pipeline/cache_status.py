@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache.format import (
-    F_BYTES, F_NUM_PARTS, F_SAMPLES, F_SEEDS_PER_PROMPT, MANIFEST, PARTS_DIR, S_BYTES, S_PATH, S_SAMPLES,
+    F_BYTES, F_NUM_PARTS, F_SAMPLES, MANIFEST, PARTS_DIR,
 )
 from cache.part_progress import PartProgress, list_parts
 from cache.schema import recorded_steps
@@ -55,13 +55,13 @@ def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartSta
 def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartStatus:
     if prog is None:
         return PartStatus(part, RUNNING if writer is not None else NOT_STARTED, holder=writer)
-    seeds = int(prog.header.get(F_SEEDS_PER_PROMPT, 1))
+    seeds = prog.header.seeds_per_prompt
     total = prog.prompts * seeds * len(recorded_steps(prog.header))
-    samples = sum(int(s[S_SAMPLES]) for s in prog.shards)
+    samples = sum(int(s.samples) for s in prog.shards)
     prompts_done = prog.prompts if prog.complete else _prompts_done(prog, seeds)
     state = FINISHED if prog.complete else RUNNING if writer is not None else STOPPED
     return PartStatus(part, state, prog.prompts, prompts_done, len(prog.shards), samples, total,
-                      sum(int(s[S_BYTES]) for s in prog.shards), holder=writer if state == RUNNING else None)
+                      sum(int(s.bytes) for s in prog.shards), holder=writer if state == RUNNING else None)
 
 
 def _prompts_done(prog: PartProgress, seeds: int) -> int:
@@ -154,11 +154,11 @@ def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
     written = []
     for s in prog.shards:
         try:
-            mtime = (Path(cache_dir) / s[S_PATH]).stat().st_mtime
+            mtime = (Path(cache_dir) / s.path).stat().st_mtime
         except OSError:
             continue
         if mtime >= started:
-            written.append((mtime, int(s[S_SAMPLES])))
+            written.append((mtime, int(s.samples)))
     written.sort()
     if not written:
         return None

@@ -5,7 +5,7 @@ images with this module, so a student is sampled the same way everywhere:
 
     from pipeline.sampling import sample_latents, student_scheduler, student_steps
 
-    scheduler = student_scheduler(record)            # a DistillRecord, distill.json's dict or a cache manifest
+    scheduler = student_scheduler(record)            # a DistillRecord, distill.json's dict or a cache Manifest
     latents = sample_latents(transformer, scheduler, init_noise, prompt_embeds, student_steps(record),
                              guidance=1.0, negative_embeds=None, expand_timesteps=False)
     frames = decode_latents(vae, latents)            # optional: [B, F, H, W, 3] in [0, 1], as WanPipeline's "np"
@@ -48,6 +48,9 @@ from collections.abc import Mapping
 
 import torch
 
+from cache.records import Manifest
+
+from .artifact import DistillRecord
 from .wan_inputs import model_timestep
 
 UNIPC = "UniPCMultistepScheduler"
@@ -59,14 +62,9 @@ SAMPLER = "sampler"
 _NO_CORRECTOR = 1000
 
 
-def _as_dict(source) -> dict:
-    """A DistillRecord, distill.json's dict or a manifest, as a plain dict."""
-    if isinstance(source, Mapping):
-        return dict(source)
-    to_json = getattr(source, "to_json", None)
-    if to_json is None:
-        raise TypeError(f"expected a DistillRecord or a dict, got {type(source).__name__}")
-    return to_json()
+def _record(source) -> DistillRecord | Manifest:
+    """A DistillRecord or a cache Manifest; distill.json's dict read as a DistillRecord."""
+    return DistillRecord.from_json(source) if isinstance(source, Mapping) else source
 
 
 def scheduler_from_config(config: Mapping):
@@ -131,28 +129,23 @@ def segment_boundaries(config: Mapping, steps: int, student_steps: int,
 
 def student_scheduler(source):
     """A fresh scheduler for the student described by `source` (a DistillRecord, distill.json's dict or a cache
-    manifest): the one its objective recorded for sampling (a few-step student's Euler schedule), else the
+    Manifest): the one its objective recorded for sampling (a few-step student's Euler schedule), else the
     teacher's scheduler as the cache recorded it."""
-    d = _as_dict(source)
-    conf = d.get("scheduler")
-    if not conf:
-        raise ValueError("no scheduler recorded (distill.json / manifest without `scheduler`)")
-    sampler = own_sampler(d)
-    return scheduler_from_config(SAMPLERS[sampler](conf) if sampler else conf)
+    record = _record(source)
+    sampler = own_sampler(record)
+    return scheduler_from_config(SAMPLERS[sampler](record.scheduler) if sampler else record.scheduler)
 
 
 def own_sampler(source) -> str | None:
     """The sampler the student's objective recorded (a key of SAMPLERS); None: it samples as the teacher does."""
-    return (_as_dict(source).get("objective_settings") or {}).get(SAMPLER)
+    record = _record(source)
+    return record.objective_settings.get(SAMPLER) if isinstance(record, DistillRecord) else None
 
 
 def student_steps(source) -> int:
     """Sampling steps of the student described by `source`: its own (student_steps), else the teacher's."""
-    d = _as_dict(source)
-    steps = d.get("student_steps") or d.get("steps")
-    if not steps:
-        raise ValueError("no sampling steps recorded (distill.json / manifest without `steps`)")
-    return int(steps)
+    record = _record(source)
+    return record.sampling_steps if isinstance(record, DistillRecord) else record.steps
 
 
 @torch.no_grad()

@@ -116,6 +116,20 @@ def tiny_cache(tiny_teacher, prompts_file, tmp_path_factory) -> Path:
     return make_cache(tiny_teacher, prompts_file, tmp_path_factory.mktemp("cache") / "cache")
 
 
+def sample_header(**overrides):
+    """A stage-one header of tiny settings, for tests that write cache records without running stage one."""
+    from cache.records import CacheHeader
+
+    return CacheHeader(**dict(
+        teacher="tiny", revision=None, teacher_path="/tiny", dtype="float32", steps=4,
+        timesteps=[999.0, 750.0, 500.0, 250.0], sigmas=[1.0, 0.75, 0.5, 0.25], experts=[1, 1, 2, 2], guidance=4.0,
+        guidance_2=4.0, boundary_ratio=0.875, expand_timesteps=False, height=64, width=64, frames=1,
+        latent_shape=[4, 1, 8, 8], max_sequence_length=32, negative_prompt="", seeds_per_prompt=1, seed=0, prompts=2,
+        prompt_set_sha256="0" * 64, text_dim=32, in_channels=4, patch_size=[1, 2, 2],
+        scheduler={"_class_name": "UniPCMultistepScheduler"}, cfg=True, save_cond_uncond=False, teacher_identity={},
+    ) | overrides)
+
+
 def write_prompt_rows(g, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
     """Write encoded prompts into a prompt store at once, as stage one does batch by batch (`PromptRowWriter`)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tarfile
 
@@ -13,12 +14,13 @@ from cache import format as F
 from cache.atomic import atomic_write_json
 from cache.checksum import crc32c
 from cache.cache_error import CacheError
-from cache.manifest import fingerprint, load_manifest, try_write_manifest
+from cache.manifest import load_manifest, try_write_manifest
+from cache.records import ShardRecord, fingerprint
 from cache.part_progress import PartProgress, list_parts
 from cache.prompt_store import EmbeddingCache, create_prompt_store, prompt_store_path
 from cache.reader import decode_sample
 from cache.writer import ShardWriter
-from conftest import write_prompt_rows
+from conftest import sample_header as header, write_prompt_rows
 
 
 def test_sample_key_round_trip():
@@ -41,7 +43,7 @@ def _write_shard(root, samples):
     w = ShardWriter(root, part=0, index=0)
     for key, tensors, meta in samples:
         w.write(key, tensors, meta)
-    return w, w.close()
+    return w, w.close([0])
 
 
 def _samples(n=3):
@@ -54,12 +56,12 @@ def _samples(n=3):
 def test_shard_writer_round_trip_and_record(tmp_path):
     samples = _samples()
     w, rec = _write_shard(tmp_path, samples)
-    path = tmp_path / rec[F.S_PATH]
+    path = tmp_path / rec.path
     assert path.exists() and not w.tmp.exists()
     data = path.read_bytes()
-    assert rec[F.S_BYTES] == len(data)
-    assert rec[F.S_CRC32C] == crc32c(data)
-    assert rec[F.S_SAMPLES] == 3
+    assert rec.bytes == len(data)
+    assert rec.crc32c == crc32c(data)
+    assert rec.samples == 3
     with tarfile.open(path) as tar:
         names = tar.getnames()
         members = {n: tar.extractfile(n).read() for n in names}
@@ -74,8 +76,8 @@ def test_shard_writer_round_trip_and_record(tmp_path):
 def test_shard_bytes_are_reproducible(tmp_path):
     _, a = _write_shard(tmp_path / "a", _samples())
     _, b = _write_shard(tmp_path / "b", _samples())
-    assert (tmp_path / "a" / a[F.S_PATH]).read_bytes() == (tmp_path / "b" / b[F.S_PATH]).read_bytes()
-    assert a[F.S_CRC32C] == b[F.S_CRC32C]
+    assert (tmp_path / "a" / a.path).read_bytes() == (tmp_path / "b" / b.path).read_bytes()
+    assert a.crc32c == b.crc32c
 
 
 def test_aborted_shard_leaves_nothing(tmp_path):
@@ -103,19 +105,19 @@ def test_fingerprint_is_canonical_and_sensitive():
 
 def _progress(part, num_parts, fp="f" * 64, complete=True, shards=()):
     return PartProgress(part=part, num_parts=num_parts, fingerprint=fp, prompts=1, blocks=1, batch_size=1,
-                        samples_per_shard=4, complete=complete, shards=list(shards), header={F.F_STEPS: 4, F.F_PROMPTS: 2})
+                        samples_per_shard=4, complete=complete, shards=list(shards), header=header())
 
 
 def test_manifest_waits_for_every_part_and_aggregates(tmp_path):
-    rec = {F.S_PATH: "shards/part-00000-000000.tar", F.S_PART: 0, F.S_SAMPLES: 4, F.S_BYTES: 100, F.S_CRC32C: 0}
+    rec = ShardRecord(path="shards/part-00000-000000.tar", part=0, samples=4, bytes=100, crc32c=0)
     _progress(0, 2, shards=[rec]).save(tmp_path)
     assert try_write_manifest(tmp_path, 2) is None  # part 1 missing
     _progress(1, 2, complete=False).save(tmp_path)
     assert try_write_manifest(tmp_path, 2) is None  # part 1 incomplete
-    _progress(1, 2, shards=[dict(rec, path="shards/part-00001-000000.tar", part=1)]).save(tmp_path)
+    _progress(1, 2, shards=[dataclasses.replace(rec, path="shards/part-00001-000000.tar", part=1)]).save(tmp_path)
     m = try_write_manifest(tmp_path, 2)
-    assert m[F.F_SAMPLES] == 8 and m[F.F_BYTES] == 200 and len(m[F.F_SHARDS]) == 2 and m[F.F_STEPS] == 4
-    assert load_manifest(tmp_path)[F.F_FINGERPRINT] == "f" * 64
+    assert m.samples == 8 and m.bytes == 200 and len(m.shards) == 2 and m.steps == 4
+    assert load_manifest(tmp_path) == m and m.fingerprint == "f" * 64
     assert list_parts(tmp_path) == [0, 1]
 
 
@@ -172,7 +174,7 @@ def test_shard_bytes_are_webdatasets(tmp_path, n):
     for key, tensors, meta in samples:
         ref.write({"__key__": key, **encode_sample(tensors, meta)})
     ref.close()
-    assert (tmp_path / rec[F.S_PATH]).read_bytes() == buf.getvalue()
+    assert (tmp_path / rec.path).read_bytes() == buf.getvalue()
 
 
 def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
@@ -211,7 +213,7 @@ def test_a_store_is_plain_zarr_in_files_of_rows(tmp_path, monkeypatch):
     assert z[F.Z_EMBEDS].shards == (128, D) and z[F.Z_EMBEDS].chunks == (64, D)
     files = sorted(p for p in (path / F.Z_EMBEDS).iterdir() if p.name != "zarr.json")
     assert [p.name for p in files] == ["c.0.0", "c.1.0", "c.2.0"]
-    assert sum(p.stat().st_size for p in files) == embeds_bytes({F.F_TEXT_DIM: D, F.F_DTYPE: "bfloat16"}, 350)
+    assert sum(p.stat().st_size for p in files) == embeds_bytes(header(text_dim=D, dtype="bfloat16"), 350)
     assert z[F.Z_SEQ_LENS][:].tolist() == lens.tolist() and z[F.Z_PROMPT_IDX][:].tolist() == [10 + r for r in range(n)]
     assert z[F.Z_TEXT][:].tolist() == [f"t{r}" for r in range(n)]
     final = z[F.Z_FINAL_LATENTS][:]

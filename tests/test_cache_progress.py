@@ -4,6 +4,7 @@ shards, samples, and who writes it with an ETA while a live process does), and e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -91,12 +92,12 @@ def test_a_live_part_shows_its_writer_and_an_eta(half_done):
     does not count), or from its start while it has written one."""
     path = lock.part_lock_path(half_done, 1)
     prog = PartProgress.load(half_done, 1)
-    first = dict(prog.shards[0])  # 8 samples; the part holds 12
+    first = prog.shards[0]  # 8 samples; the part holds 12
     extra = half_done / "shards" / "part-00001-000099.tar"
     lock.acquire(path, "part 1 (test)")
     try:
         started = json.loads(path.read_text())["started"]
-        os.utime(half_done / first["path"], (started + 2, started + 2))
+        os.utime(half_done / first.path, (started + 2, started + 2))
         _, statuses = parts_status(half_done)
         assert statuses[1].state == "running" and statuses[1].holder["pid"] == os.getpid()
         assert eta_s(half_done, statuses[1]) == pytest.approx(4 / (8 / 2))  # 4 samples left at 8 samples in 2 s
@@ -107,7 +108,7 @@ def test_a_live_part_shows_its_writer_and_an_eta(half_done):
 
         extra.write_bytes(b"")  # a second shard of 2 samples a second after the first: 2 samples/s, 2 left
         os.utime(extra, (started + 3, started + 3))
-        prog.shards = [first, dict(first, path=extra.relative_to(half_done).as_posix(), samples=2)]
+        prog.shards = [first, dataclasses.replace(first, path=extra.relative_to(half_done).as_posix(), samples=2)]
         prog.save(half_done)
         assert eta_s(half_done, parts_status(half_done)[1][1]) == pytest.approx(2 / (2 / 1))
     finally:

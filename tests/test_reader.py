@@ -3,6 +3,7 @@ partition over them (stages/train_student/epoch.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import webdataset as wds
 
 from cache import format as F
 from cache.cache_error import CacheError
+from cache.manifest import load_manifest
 from cache.reader import (
     SHARD_MEMBERS, SHARD_CHECKSUM, SHARD_SIZE, CacheIndex, SampleReader, ShardError, empty_table,
     fill_table, open_caches, scan_shard, shard_list,
@@ -99,29 +101,27 @@ def test_order_is_a_function_of_seed_and_epoch():
 
 
 def test_flipped_byte_fails_the_checksum_but_not_the_size_check(cache_copy):
-    m = json.loads((cache_copy / F.MANIFEST).read_text())
-    rec = m[F.F_SHARDS][1]
-    path = cache_copy / rec[F.S_PATH]
+    rec = load_manifest(cache_copy).shards[1]
+    path = cache_copy / rec.path
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     scan_shard(cache_copy, rec, checksum=False)  # same size, headers intact
     with pytest.raises(ShardError) as e:
         scan_shard(cache_copy, rec, checksum=True)
-    assert e.value.code == SHARD_CHECKSUM and rec[F.S_PATH] in str(e.value) and "checksum" in str(e.value)
+    assert e.value.code == SHARD_CHECKSUM and rec.path in str(e.value) and "checksum" in str(e.value)
 
 
 def test_truncated_shard_and_wrong_count_are_refused(cache_copy):
-    m = json.loads((cache_copy / F.MANIFEST).read_text())
-    rec = m[F.F_SHARDS][0]
-    path = cache_copy / rec[F.S_PATH]
+    rec = load_manifest(cache_copy).shards[0]
+    path = cache_copy / rec.path
     full = path.read_bytes()
     path.write_bytes(full[: len(full) // 2])
     with pytest.raises(ShardError) as e:
         scan_shard(cache_copy, rec, checksum=False)
-    assert e.value.code == SHARD_SIZE and rec[F.S_PATH] in str(e.value)
+    assert e.value.code == SHARD_SIZE and rec.path in str(e.value)
     path.write_bytes(full)
-    lying = dict(rec, samples=rec[F.S_SAMPLES] + 1)
+    lying = dataclasses.replace(rec, samples=rec.samples + 1)
     with pytest.raises(ShardError) as e:
         scan_shard(cache_copy, lying, checksum=True)
     assert e.value.code == SHARD_MEMBERS and "manifest says" in str(e.value)

@@ -24,7 +24,7 @@ from conftest import TEST_PROMPTS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
-from stages.teacher_cache.trajectory import choose_recorded_steps
+from cache.records import choose_recorded_steps
 from stages.train_student.objective_velocity import Segment, check_cache
 from test_teacher_cache_cli import _args, assert_one_line_error, invoke
 from test_train_student import metrics, train

@@ -5,6 +5,7 @@ line (exit 2); a cache of an older format version is refused whole, in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 
 from cache import format as F
 from cache.cache_error import CacheError
-from cache.manifest import MANIFEST_FIELDS, NOT_FINGERPRINTED, fingerprint, load_manifest
+from cache.manifest import load_manifest
+from cache.records import CacheHeader, Manifest, fingerprint
 from cache.manifest import negative_embeds
 from cache.prompt_store import (
     EmbeddingCache, PartRows, RowCache, open_prompt_store, prompt_store_path, read_latents,
@@ -169,7 +171,7 @@ def test_a_cache_of_an_older_format_is_refused_in_one_line(cache_copy, tmp_path,
 
 def test_flipped_byte_in_the_negative_prompt(cache_copy, tmp_path):
     m = load_manifest(cache_copy)
-    assert len(m[F.F_NEGATIVE_SHA256]) == 64
+    assert len(m.negative_sha256) == 64
     _flip(cache_copy / F.NEGATIVE, (cache_copy / F.NEGATIVE).stat().st_size - 3)  # tensor data: still parses
     r = _verify(cache_copy)
     assert r.exit_code == 1 and f"BAD {F.NEGATIVE}: fails its sha256 check" in r.output
@@ -200,21 +202,21 @@ def test_a_field_edited_in_both_manifest_and_progress_record_names_the_field_set
     assert r.exit_code == 1 and "fingerprinted settings: boundary_ratio, cfg," in r.output and "--overwrite" in r.output
 
 
-def test_the_fingerprint_is_what_it_was_before_teacher_identity_was_recorded(tiny_cache):
-    """Recording teacher_identity in the header does not change the fingerprint: an existing cache stays valid."""
+def test_the_fingerprint_hashes_the_header_less_where_the_teacher_was_found(tiny_cache):
+    """The fingerprint is the sha256 of stage one's header (its progress record's, `teacher_identity` included)
+    less the teacher's name, revision and folder; every other field of the manifest is the manifest's own."""
     m = load_manifest(tiny_cache)
     header = json.loads((tiny_cache / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS).read_text())["header"]
-    identity = header.pop(F.F_TEACHER_IDENTITY)
-    before = fingerprint({k: v for k, v in header.items() if k not in (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)}
-                         | {"teacher_identity": identity})  # how stage one computed it before
-    assert m[F.F_FINGERPRINT] == before and m[F.F_TEACHER_IDENTITY] == identity
-    own = set(m) - set(header) - {F.F_TEACHER_IDENTITY}
-    assert own == set(MANIFEST_FIELDS) and not own & set(NOT_FINGERPRINTED)  # the rest is settings, hashed
+    not_hashed = (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)
+    assert m.fingerprint == fingerprint({k: v for k, v in header.items() if k not in not_hashed})
+    assert set(CacheHeader.NOT_FINGERPRINTED) == set(not_hashed) and m.header().to_json() == header
+    own = set(m.to_json()) - set(header)
+    assert own == {f.name for f in dataclasses.fields(Manifest)} - {f.name for f in dataclasses.fields(CacheHeader)}
 
 
 @pytest.mark.parametrize("bad", ["../outside.tar", "/etc/hostname", "shards/../../outside.tar"])
 def test_shard_paths_outside_the_cache_are_refused(cache_copy, tmp_path, bad):
-    rel = load_manifest(cache_copy)[F.F_SHARDS][0][F.S_PATH]
+    rel = load_manifest(cache_copy).shards[0].path
     if not bad.startswith("/"):  # the same bytes outside: without the check it would verify and train
         shutil.copy(cache_copy / rel, (cache_copy / bad).resolve())
     _edit_manifest(cache_copy, lambda m: m[F.F_SHARDS][0].update({F.S_PATH: bad}))

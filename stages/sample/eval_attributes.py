@@ -9,7 +9,6 @@ import dataclasses
 import torch
 from PIL import Image
 
-from cache import format as F
 from pipeline.config import EvalConfig
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents
@@ -57,12 +56,12 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
     of the teacher's accuracy per attribute under "vs_teacher", the settings the images were drawn with, and the
     grid's path."""
     m, captions = su.manifest, su.captions
-    g2 = m.get(F.F_GUIDANCE_2)
+    g2 = m.guidance_2
     settings = SamplingSettings(
-        steps=int(m[F.F_STEPS]), guidance=float(m[F.F_GUIDANCE]),
+        steps=int(m.steps), guidance=float(m.guidance),
         guidance_2=float(g2) if g2 is not None and teacher.config.boundary_ratio is not None else None,
-        student_guidance=entries[0].guidance, negative_prompt=str(m.get(F.F_NEGATIVE_PROMPT) or ""),
-        height=int(m[F.F_HEIGHT]), width=int(m[F.F_WIDTH]), max_sequence_length=int(m[F.F_MAX_SEQUENCE_LENGTH]),
+        student_guidance=entries[0].guidance, negative_prompt=m.negative_prompt,
+        height=int(m.height), width=int(m.width), max_sequence_length=int(m.max_sequence_length),
         seed=0, student_steps=entries[0].steps)
     images = _draw_all(teacher, entries, captions, settings, su.device, cfg.batch_size)
     res = {name: score(imgs, captions) for name, imgs in images.items()}

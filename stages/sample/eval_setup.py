@@ -59,11 +59,11 @@ class Setup:
 
     def embeddings(self) -> EmbeddingCache:
         """The prompt embeddings of the cache, every prompt eval reads kept."""
-        return EmbeddingCache(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]), max(1, len(self.trajs)))
+        return EmbeddingCache(self.cache_dir, int(self.manifest.num_parts), max(1, len(self.trajs)))
 
     def latents(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""
-        return read_latents(self.cache_dir, int(self.manifest[F.F_NUM_PARTS]), [(t.prompt_idx, t.seed_idx)
+        return read_latents(self.cache_dir, int(self.manifest.num_parts), [(t.prompt_idx, t.seed_idx)
                                                                                  for t in trajs])
 
 
@@ -88,12 +88,12 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
     """`student` sampled at `steps`, else its own (a few-step student's distill.json's), else the cache's; at
     guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
     d = student.distill
-    steps = steps or (d.sampling_steps if d is not None and d.sampling_steps else int(manifest[F.F_STEPS]))
-    guidance = 1.0 if student.guided else float(manifest[F.F_GUIDANCE])
+    steps = steps or (d.sampling_steps if d is not None and d.sampling_steps else int(manifest.steps))
+    guidance = 1.0 if student.guided else float(manifest.guidance)
     settings = SamplingSettings(steps=steps, guidance=guidance, guidance_2=None, student_guidance=guidance,
                                 negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
                                 student_steps=steps)
-    draw = student_sampler(student, model, settings, scheduler_from_config(manifest[F.F_SCHEDULER]),
+    draw = student_sampler(student, model, settings, scheduler_from_config(manifest.scheduler),
                            bool(manifest.get(F.F_EXPAND_TIMESTEPS, False)))
     return Entry(label, student, model, steps, guidance, draw)
 
@@ -101,15 +101,15 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
 def _settings_warnings(student: Student, manifest: dict) -> list[str]:
     notes = []
     for key in COMPARED:
-        mine, theirs = student.setting(key), manifest.get(key)
+        mine, theirs = student.setting(key), getattr(manifest, key)
         if mine is not None and theirs is not None and mine != theirs:
             notes.append(f"student trained with {key}={mine!r}, the cache has {theirs!r}")
     try:
-        scheduler = scheduler_from_config(manifest.get(F.F_SCHEDULER) or {})
+        scheduler = scheduler_from_config(manifest.scheduler)
     except ValueError as e:
         raise UserError(f"the cache's {e}") from e
-    scheduler.set_timesteps(int(manifest[F.F_STEPS]))
-    if [float(t) for t in scheduler.timesteps.tolist()] != [float(t) for t in manifest[F.F_TIMESTEPS]]:
+    scheduler.set_timesteps(int(manifest.steps))
+    if [float(t) for t in scheduler.timesteps.tolist()] != [float(t) for t in manifest.timesteps]:
         notes.append("the cache's scheduler config does not reproduce its recorded timesteps")
     return notes
 
@@ -118,7 +118,7 @@ def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: i
            only: list[int] | None = None) -> tuple[list[Trajectory], dict]:
     """All seeds of the cache's prompts, first `max_prompts`: those whose text is listed in the file `heldout`,
     else those whose index is in `only` (stage two's held-out prompts), else all."""
-    texts = prompt_texts(cache_dir, int(manifest[F.F_NUM_PARTS]))  # (rows never written are left out)
+    texts = prompt_texts(cache_dir, int(manifest.num_parts))  # (rows never written are left out)
     info: dict = {"cache_prompts": len(texts), "source": "all prompts of the cache"}
     if heldout is not None:
         wanted, _ = dedupe(read_prompt_file(heldout))
@@ -138,23 +138,23 @@ def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: i
         chosen = list(texts)
     chosen = chosen[:max_prompts] if max_prompts else chosen
     info["prompts"] = len(chosen)
-    seeds = int(manifest[F.F_SEEDS_PER_PROMPT])
+    seeds = int(manifest.seeds_per_prompt)
     return [Trajectory(p, s, texts[p]) for p in chosen for s in range(seeds)], info
 
 
 def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> None:
-    shape = manifest[F.F_LATENT_SHAPE]
+    shape = manifest.latent_shape
     check_compatible(student, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
-                     text_dim=int(manifest[F.F_TEXT_DIM]), latent_hw=(shape[2], shape[3]),
-                     expand_timesteps=manifest.get(F.F_EXPAND_TIMESTEPS), against=f"cache {cache_dir}")
+                     text_dim=int(manifest.text_dim), latent_hw=(shape[2], shape[3]),
+                     expand_timesteps=manifest.expand_timesteps, against=f"cache {cache_dir}")
 
 
 def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | None:
     """The cache's teacher (or --teacher), when timing or --attributes needs it."""
     if not (cfg.teacher_timing or cfg.attributes):
         return None
-    name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, manifest[F.F_TEACHER],
-                                                manifest.get(F.F_REVISION), f"{cache_dir}/{F.MANIFEST}")
+    name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, manifest.teacher,
+                                                manifest.revision, f"{cache_dir}/{F.MANIFEST}")
     try:
         return teacher_dir(name, revision, recorded_in)
     except UserError as e:
@@ -176,11 +176,11 @@ def setup(cfg: EvalConfig) -> Setup:
     teacher_path = _teacher_path(cfg, manifest, cache_dir)
     captions = attribute_captions(cfg.attributes, cfg.attribute_max_prompts) if cfg.attributes else None
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
-    in_training = (manifest[F.F_FINGERPRINT] in student.fingerprints) if student.fingerprints else None
+    in_training = (manifest.fingerprint in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
     trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
-    guided_cache = bool(manifest.get("cfg", float(manifest[F.F_GUIDANCE]) > 1.0))
+    guided_cache = manifest.cfg
     warnings = _settings_warnings(student, manifest)
     if in_training:
         seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
@@ -214,7 +214,7 @@ def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
     for path in cfg.compare:
         other = find_student(path, cfg.weights)
         _check_against_cache(other, su.manifest, su.cache_dir)
-        if other.fingerprints and su.manifest[F.F_FINGERPRINT] in other.fingerprints:
+        if other.fingerprints and su.manifest.fingerprint in other.fingerprints:
             seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
             if seen:
                 su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")

@@ -8,7 +8,6 @@ from statistics import median
 
 import torch
 
-from cache import format as F
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents, mse
 
@@ -64,13 +63,13 @@ def time_sampling(su: Setup, entries: list[Entry], pipe, neg: torch.Tensor, runs
     final latent against the cache (~0: checks that this path reproduces stage one)."""
     manifest, device = su.manifest, su.device
     embeds = su.embeddings()
-    kw = dict(num_inference_steps=int(manifest[F.F_STEPS]), height=int(manifest[F.F_HEIGHT]),
-              width=int(manifest[F.F_WIDTH]), num_frames=int(manifest[F.F_FRAMES]), output_type="latent",
-              max_sequence_length=int(manifest[F.F_MAX_SEQUENCE_LENGTH]), guidance_scale=float(manifest[F.F_GUIDANCE]))
-    if pipe.config.boundary_ratio is not None and manifest.get(F.F_GUIDANCE_2) is not None:
-        kw["guidance_scale_2"] = float(manifest[F.F_GUIDANCE_2])
+    kw = dict(num_inference_steps=int(manifest.steps), height=int(manifest.height),
+              width=int(manifest.width), num_frames=int(manifest.frames), output_type="latent",
+              max_sequence_length=int(manifest.max_sequence_length), guidance_scale=float(manifest.guidance))
+    if pipe.config.boundary_ratio is not None and manifest.guidance_2 is not None:
+        kw["guidance_scale_2"] = float(manifest.guidance_2)
     whole = pipe.text_encoder is not None and pipe.vae is not None
-    negative = str(manifest.get(F.F_NEGATIVE_PROMPT) or "")
+    negative = manifest.negative_prompt
     denoise = {n: [] for n in ("teacher", *(e.label for e in entries))}
     pipeline = {n: [] for n in denoise}
     teacher_err, n = [], min(runs, len(su.trajs))
@@ -94,7 +93,7 @@ def time_sampling(su: Setup, entries: list[Entry], pipe, neg: torch.Tensor, runs
     per = _per_image(entries, denoise, pipeline)
     first = per[entries[0].label]
     return {
-        "runs": n, "steps": int(manifest[F.F_STEPS]), "statistic": "median over runs, batch 1",
+        "runs": n, "steps": int(manifest.steps), "statistic": "median over runs, batch 1",
         "student_steps": entries[0].steps, "student_s_per_image": first["denoise_s_per_image"],
         "teacher_s_per_image": per["teacher"]["denoise_s_per_image"], "speedup": first["speedup_denoise"],
         "teacher_pipeline_s_per_image": per["teacher"]["pipeline_s_per_image"],

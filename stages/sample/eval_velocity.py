@@ -40,15 +40,15 @@ def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
     trajectories' samples (at the steps the cache records); where stage two trained on some of the steps only, each
     step says whether it was one of them."""
     manifest, device, dtype = su.manifest, su.device, su.dtype
-    steps, recorded = int(manifest[F.F_STEPS]), recorded_steps(manifest)
-    shape, expand = manifest[F.F_LATENT_SHAPE], bool(manifest.get(F.F_EXPAND_TIMESTEPS, False))
+    steps, recorded = int(manifest.steps), recorded_steps(manifest)
+    shape, expand = manifest.latent_shape, manifest.expand_timesteps
     embeds = su.embeddings()
     sums, counts = {name: [0.0] * steps for name in models}, [0] * steps
     bar = progress_bar(total=len(su.trajs) * len(recorded), desc="eval velocity", unit="sample", dynamic_ncols=True)
     for batch in _batches(su, batch_size):
         x = torch.stack([s[F.T_X_T] for s, _ in batch]).to(device, dtype)
         t = model_timestep(torch.tensor([m[F.M_TIMESTEP] for _, m in batch], device=device), shape[1:], expand,
-                           tuple(manifest.get(F.F_PATCH_SIZE) or (1, 2, 2)))
+                           tuple(manifest.patch_size))
         enc = torch.stack([embeds.get(m[F.M_PROMPT_IDX]) for _, m in batch]).to(device, dtype)
         target = torch.stack([s[su.target_key] for s, _ in batch]).to(device)
         for name, model in models.items():
@@ -62,8 +62,8 @@ def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
     if sum(counts) != len(su.trajs) * len(recorded):
         raise UserError(f"the cache holds {sum(counts)} samples of the selected trajectories, expected "
                         f"{len(su.trajs) * len(recorded)}; run `wandistiller cache verify {su.cache_dir}`")
-    sigmas, experts = manifest.get(F.F_SIGMAS) or [None] * steps, manifest.get(F.F_EXPERTS) or [1] * steps
-    per_step = [{"step": k, "timestep": manifest[F.F_TIMESTEPS][k], "sigma": sigmas[k], "expert": experts[k],
+    sigmas, experts = manifest.sigmas, manifest.experts
+    per_step = [{"step": k, "timestep": manifest.timesteps[k], "sigma": sigmas[k], "expert": experts[k],
                  "samples": counts[k], **{name: sums[name][k] / counts[k] for name in models}} for k in recorded]
     trained_steps = su.student.setting("train_steps")
     if isinstance(trained_steps, list):  # stage two may train on a subset of the cached steps

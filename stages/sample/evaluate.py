@@ -9,7 +9,6 @@ import time
 
 from tqdm.auto import tqdm
 
-from cache import format as F
 from cache.atomic import atomic_write_json
 from cache.manifest import negative_embeds
 from pipeline.config import EvalConfig
@@ -33,7 +32,7 @@ def _against_teacher(cfg: EvalConfig, su: Setup, entries: list[Entry], neg) -> t
         return None, None
     teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
                            vae=su.captions is not None)
-    channels = int(su.manifest[F.F_LATENT_SHAPE][0])  # a teacher whose latents are not the cache's is another model
+    channels = int(su.manifest.latent_shape[0])  # a teacher whose latents are not the cache's is another model
     if int(teacher.transformer.config.in_channels) != channels:
         raise UserError(f"teacher {su.teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
                         f"the cache {channels}: it is not the cache's teacher; pass the right --teacher")
@@ -62,8 +61,8 @@ def run(cfg: EvalConfig) -> dict:
     timing, attrs = _against_teacher(cfg, su, entries, neg)
     report = {
         "student": {**su.student.describe(), "init": init_how},
-        "cache": {"path": str(su.cache_dir), "fingerprint": manifest[F.F_FINGERPRINT], "teacher": manifest[F.F_TEACHER],
-                  "steps": manifest[F.F_STEPS], "guidance": manifest[F.F_GUIDANCE], "cfg": su.guided_cache,
+        "cache": {"path": str(su.cache_dir), "fingerprint": manifest.fingerprint, "teacher": manifest.teacher,
+                  "steps": manifest.steps, "guidance": manifest.guidance, "cfg": su.guided_cache,
                   "in_training_cache": su.in_training},
         "selection": su.selection, "trajectories": len(su.trajs), "target": su.target_key,
         "student_guidance": entries[0].guidance,

@@ -12,6 +12,7 @@ from cache import format as F
 from cache.atomic import fsync_paths
 from cache.part_progress import PartProgress
 from cache.prompt_store import damaged_part, write_latent_rows
+from cache.records import ShardRecord
 from cache.writer import ShardWriter
 from pipeline import signals
 from pipeline.faults import fault_point
@@ -89,7 +90,7 @@ class BlockSink:
     def flush(self, wait: bool = True) -> None:
         """Close the shard in progress and commit it; `wait`: return once every commit is done (the last shard)."""
         if self.writer is not None:
-            record = self.writer.close() | {F.S_BLOCKS: sorted(b for b, _, _ in self.pending)}
+            record = self.writer.close(sorted(b for b, _, _ in self.pending))
             self.writer = None
             fault_point("after_rename")
             pending, self.pending = self.pending, []
@@ -103,7 +104,7 @@ class BlockSink:
         if commit is not None:
             commit.result()
 
-    def _commit_shard(self, record: dict, pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]]) -> None:
+    def _commit_shard(self, record: ShardRecord, pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]]) -> None:
         traj = [t for _, block_traj, _ in pending for t in block_traj]
         try:  # one call for the shard's blocks: each prompt-store file written once (a row shared with an earlier
             # block, or a file holding earlier rows, is read back first: its chunks are checked then)

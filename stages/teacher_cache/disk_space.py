@@ -13,7 +13,6 @@ import os
 import shutil
 from pathlib import Path
 
-from cache import format as F
 from cache.part_progress import PartProgress
 from cache.schema import recorded_steps
 from cache.size import embed_tokens_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
@@ -51,7 +50,7 @@ def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], pr
            f"{human(store)} of prompt store); {human(free)} free at {out}")
     if need * sharing <= free:
         return
-    recorded, steps = len(recorded_steps(header)), int(header[F.F_STEPS])
+    recorded, steps = len(recorded_steps(header)), int(header.steps)
     per_step = shards / recorded
     raise UserError(f"--out {out} has {human(free)} free, and this run would write {human(need * sharing)} more "
                     f"({samples} samples{ranks}: {human(shards)} of shards, {human(store)} of prompt store); free "

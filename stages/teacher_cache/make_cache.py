@@ -21,13 +21,14 @@ from cache import format as F
 from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
 from pipeline import lock
 from cache.cache_error import CacheError
-from cache.feature_projection import matrix_sha256, projection_matrix, write_projection
-from cache.manifest import load_manifest, manifest_path, settings_fingerprint, try_write_manifest
+from cache.feature_projection import projection_matrix, write_projection
+from cache.manifest import load_manifest, manifest_path, try_write_manifest
 from cache.part_progress import PartProgress, list_parts
 from cache.prompt_store import (
     PartRows, PromptRowWriter, create_prompt_store, damaged_part, open_prompt_store, part_negative,
     prompt_store_path, store_relpath, write_latent_rows,
 )
+from cache.records import CacheHeader
 from cache.schema import recorded_steps
 from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
@@ -44,8 +45,8 @@ from .feature_hooks import FeatureRecorder
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
 from .throughput import StageOneProgress
-from .teacher import ExpertSet, TeacherSpec, load_experts, load_scheduler, load_text_encoder
-from .trajectory import Schedule, TrajectoryRunner, choose_recorded_steps, initial_noise
+from .teacher import ExpertSet, load_experts, load_scheduler, load_text_encoder
+from .trajectory import Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -102,7 +103,7 @@ class _Part(PartPlan):
     scheduler: object
     schedule: Schedule
     latent_shape: tuple[int, int, int, int]
-    header: dict  # the manifest's description of the run
+    header: CacheHeader  # the manifest's description of the run
     fingerprint: str
 
     @property
@@ -143,60 +144,18 @@ def _setup(plan: PartPlan) -> _Part:
     cfg, spec, prompts = plan.cfg, plan.spec, plan.prompts
     placement = placements.get(cfg.placement).resolve(cfg, spec)
     scheduler = load_scheduler(spec)
-    guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if spec.boundary_ratio else None)
-    schedule = Schedule.build(scheduler, cfg.steps, spec.boundary_ratio, cfg.guidance, guidance_2)
-    latent_shape = spec.latent_shape(cfg.height, cfg.width, cfg.frames)
-    tcfg = spec.transformer_config
-    header = {
-        F.F_TEACHER: cfg.teacher, F.F_REVISION: cfg.revision, F.F_TEACHER_PATH: str(spec.path.resolve()),
-        F.F_DTYPE: placement.dtype, F.F_STEPS: cfg.steps,
-        F.F_TIMESTEPS: schedule.timesteps, F.F_SIGMAS: schedule.sigmas, F.F_EXPERTS: schedule.experts,
-        F.F_GUIDANCE: cfg.guidance, F.F_GUIDANCE_2: guidance_2, F.F_BOUNDARY_RATIO: spec.boundary_ratio,
-        F.F_EXPAND_TIMESTEPS: spec.expand_timesteps, F.F_HEIGHT: cfg.height, F.F_WIDTH: cfg.width,
-        F.F_FRAMES: cfg.frames, F.F_LATENT_SHAPE: list(latent_shape),
-        F.F_MAX_SEQUENCE_LENGTH: cfg.max_sequence_length, F.F_NEGATIVE_PROMPT: cfg.negative_prompt,
-        F.F_SEEDS_PER_PROMPT: cfg.seeds_per_prompt, F.F_SEED: cfg.seed, F.F_PROMPTS: len(prompts),
-        F.F_PROMPT_SET_SHA256: prompt_set_sha256(prompts), F.F_TEXT_DIM: tcfg["text_dim"],
-        F.F_IN_CHANNELS: tcfg["in_channels"], F.F_PATCH_SIZE: list(spec.patch_size),
-        F.F_SCHEDULER: {k: v for k, v in scheduler.config.items() if not k.startswith("_")}
-        | {"_class_name": type(scheduler).__name__},
-        F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,
-    } | _feature_header(cfg, spec, latent_shape) | _record_header(cfg)
+    # (guidance_2 None: the second expert's scale is the first's, as the header records it)
+    schedule = Schedule.build(scheduler, cfg.steps, spec.boundary_ratio, cfg.guidance, cfg.guidance_2)
+    if cfg.record_features is not None:
+        FeatureRecorder.check_blocks(cfg.record_features, int(spec.transformer_config["num_layers"]),
+                                     "the teacher's transformer")
     # The teacher's identity enters through its content (configs, weight samples), not its name or path,
     # so moving the teacher folder does not invalidate a cache. The manifest records it too, so that its
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
-    header[F.F_TEACHER_IDENTITY] = spec.identity()
-    fp = settings_fingerprint(header)
+    header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
+                                 prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity())
     return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
-                 latent_shape=latent_shape, header=header, fingerprint=fp)
-
-
-def _feature_header(cfg: TeacherCacheConfig, spec: TeacherSpec, latent_shape) -> dict:
-    """The settings of --record-features (absent without it, so caches without features keep their
-    fingerprint); the projection's sha256 ties the cached features to the matrix written beside them."""
-    if cfg.record_features is None:
-        return {}
-    tcfg = spec.transformer_config
-    FeatureRecorder.check_blocks(cfg.record_features, int(tcfg["num_layers"]), "the teacher's transformer")
-    dim = int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"])
-    c, f, h, w = latent_shape
-    pt, ph, pw = spec.patch_size
-    tokens = 1 if cfg.feature_pool == "mean" else (f // pt) * (h // ph) * (w // pw)
-    matrix = projection_matrix(dim, cfg.feature_dim, cfg.feature_seed)
-    return {F.F_RECORD_FEATURES: list(cfg.record_features), F.F_FEATURE_DIM: cfg.feature_dim,
-            F.F_FEATURE_POOL: cfg.feature_pool, F.F_FEATURE_SEED: cfg.feature_seed, F.F_FEATURE_TOKENS: tokens,
-            F.F_FEATURE_PROJECTION_SHA256: matrix_sha256(matrix)}
-
-
-def _record_header(cfg: TeacherCacheConfig) -> dict:
-    """The steps --record-steps keeps and the settings that chose them (absent when every step is recorded, so
-    such caches keep their fingerprint)."""
-    seed = cfg.seed if cfg.record_seed is None else cfg.record_seed
-    steps = choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ())
-    if len(steps) == cfg.steps:
-        return {}
-    return {F.F_RECORDED_STEPS: steps, F.F_RECORD_STEPS: cfg.record_steps, F.F_RECORD_SEED: seed,
-            F.F_KEEP_STEPS: sorted(cfg.keep_steps or ())}
+                 latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint())
 
 
 def _open_part(job: _Part) -> PartProgress:
@@ -249,8 +208,8 @@ def _refuse_other_settings(job: _Part) -> None:
             if not list_parts(out):
                 raise
             m = None  # torn or edited by hand: rewritten from the parts' progress records, checked next
-        if m is not None and m[F.F_FINGERPRINT] != job.fingerprint:
-            raise UserError(f"{out} holds a cache made with other settings (fingerprint {m[F.F_FINGERPRINT][:12]}, "
+        if m is not None and m.fingerprint != job.fingerprint:
+            raise UserError(f"{out} holds a cache made with other settings (fingerprint {m.fingerprint[:12]}, "
                             f"this run {job.fingerprint[:12]}); use a new --out or add --overwrite to replace it")
     check_part_count(out, job.num_parts)
     for p in list_parts(out):
@@ -461,8 +420,8 @@ def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     summary = {
         "cache": str(out), "part": part, "num_parts": num_parts,
-        "samples": sum(s[F.S_SAMPLES] for s in prog.shards), "shards": len(prog.shards),
-        "bytes": sum(s[F.S_BYTES] for s in prog.shards), "wall_s": round(time.time() - t0, 2),
+        "samples": sum(s.samples for s in prog.shards), "shards": len(prog.shards),
+        "bytes": sum(s.bytes for s in prog.shards), "wall_s": round(time.time() - t0, 2),
         "peak_rss_gib": round(peak_rss, 3), "placement": job.placement.name, "expert_major": job.placement.expert_major,
         "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "manifest": manifest is not None, "loop_s": round(loop_s, 3),
@@ -471,8 +430,8 @@ def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
     print0(f"part {part}: {summary['samples']} samples in {summary['shards']} shards, "
            f"{summary['bytes'] / 2**20:.1f} MiB, {summary['wall_s']:.1f}s, peak RSS {peak_rss:.2f} GiB{gpu}")
     if manifest is not None:
-        print0(f"cache complete: {out} ({manifest[F.F_SAMPLES]} samples, {len(manifest[F.F_SHARDS])} shards, "
-               f"{manifest[F.F_BYTES] / 2**20:.1f} MiB, fingerprint {manifest[F.F_FINGERPRINT][:12]})")
+        print0(f"cache complete: {out} ({manifest.samples} samples, {len(manifest.shards)} shards, "
+               f"{manifest.bytes / 2**20:.1f} MiB, fingerprint {manifest.fingerprint[:12]})")
     elif not job.torchrun:
         print0(f"part {part} done; the manifest is written when all {num_parts} parts are complete")
     return summary

@@ -274,7 +274,7 @@ def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
     or renamed just before the crash) and the temporary files of its atomic writes (progress record,
     negative embedding, zarr chunks). Root files (manifest, negative) only when no other part writes
     them meanwhile (`owns_root`): a part on another node may be renaming its manifest right now."""
-    listed = {s[F.S_PATH] for s in prog.shards}
+    listed = {s.path for s in prog.shards}
     for f in (out / F.SHARDS_DIR).glob(f"part-{prog.part:05d}-*"):
         if f"{F.SHARDS_DIR}/{f.name}" not in listed:
             f.unlink()
@@ -291,12 +291,12 @@ def forget_lost_shards(out: Path, prog: PartProgress) -> None:
     stage two advise for a corrupt shard): forget them and their blocks, so this run computes them again.
     Only existence and size are checked here (a stat per shard); `cache verify` re-checksums."""
     lost = [s for s in prog.shards
-            if not (out / s[F.S_PATH]).is_file() or (out / s[F.S_PATH]).stat().st_size != s[F.S_BYTES]]
+            if not (out / s.path).is_file() or (out / s.path).stat().st_size != s.bytes]
     if not lost:
         return
-    blocks = {b for s in lost for b in s[F.S_BLOCKS]}
+    blocks = {b for s in lost for b in s.blocks}
     more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
-    print0(f"part {prog.part}: shard {lost[0][F.S_PATH]}{more} missing or damaged; recomputing {len(blocks)} block(s)")
+    print0(f"part {prog.part}: shard {lost[0].path}{more} missing or damaged; recomputing {len(blocks)} block(s)")
     manifest_path(out).unlink(missing_ok=True)  # it lists them; rewritten once every part is complete again
     prog.shards = [s for s in prog.shards if s not in lost]
     prog.done_blocks = sorted(set(prog.done_blocks) - blocks)
@@ -306,4 +306,4 @@ def forget_lost_shards(out: Path, prog: PartProgress) -> None:
 
 def next_shard_index(prog: PartProgress) -> int:
     """One past the highest shard number of the part (not the count: a recomputed shard gets a new name)."""
-    return 1 + max((int(Path(s[F.S_PATH]).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)
+    return 1 + max((int(Path(s.path).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)

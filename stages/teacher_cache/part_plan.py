@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cache.manifest import manifest_path
 from cache.part_progress import PartProgress, list_parts
+from cache.records import choose_recorded_steps
 from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
@@ -26,7 +27,6 @@ from pipeline.runtime import dist_env, print0
 from . import placements
 from .outdir import refuse_foreign
 from .teacher import TeacherSpec, configs_spec, resolve_teacher
-from .trajectory import choose_recorded_steps
 
 
 @dataclass

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from cache import format as F
-from cache.schema import SAMPLE_FIELDS
+from cache.records import CacheHeader
+from cache.schema import recorded_steps
 from cache.size import human, project
 from pipeline.config import PlanSettings, RunShape, TeacherCacheConfig, TeacherRun
 from pipeline.errors import UserError
@@ -24,7 +24,8 @@ from .placement_choice import (
     DTYPE_BYTES, FitsNowhere, Inventory, Needs, activation_bytes, decide, gib, machines_that_fit,
     teacher_sizes, tokens_per_sample,
 )
-from .teacher import TeacherSpec, configs_spec
+from .teacher import TeacherSpec, configs_spec, load_scheduler
+from .trajectory import Schedule
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
 NO_STEP_TIME = ("no measured step time for this teacher and placement: run `plan --measure` on the machine that "
@@ -289,26 +290,21 @@ def _step_time(s: PlanSettings, plan: Plan, root: Path, cfg: TeacherCacheConfig)
     return costs.table_step_time(config, plan.tokens_per_sample, plan.placement)
 
 
-def cache_projection(spec: TeacherSpec, run: TeacherRun, prompts: int | None) -> dict:
-    """The bytes of the cache `run` would write (each sample's declared fields for its settings: `cache.size`), per
-    sample and per prompt, and for `prompts` prompts when given; each embedding is taken at max_sequence_length
-    tokens, the bound (only a prompt's real tokens are stored)."""
-    from .make_cache import _feature_header
-
-    recorded = min(run.record_steps or run.steps, run.steps)
-    latent_shape = spec.latent_shape(run.height, run.width, run.frames)
-    settings = {F.F_DTYPE: run.dtype, F.F_LATENT_SHAPE: list(latent_shape),
-                F.F_TEXT_DIM: spec.transformer_config["text_dim"], F.F_MAX_SEQUENCE_LENGTH: run.max_sequence_length,
-                F.F_SEEDS_PER_PROMPT: run.seeds_per_prompt, F.F_STEPS: run.steps,
-                F.F_RECORDED_STEPS: list(range(recorded))}  # which steps does not change the size
-    # each optional sample field is on where the run's setting of the same name (its `when`) is: RecordSettings
-    settings |= {f.when: getattr(run, f.when) for f in SAMPLE_FIELDS.values() if f.when is not None}
-    settings |= _feature_header(run, spec, latent_shape)
-    size = project(settings, prompts or 1, batch_size=run.batch_size,
-                   samples_per_shard=TeacherCacheConfig.samples_per_shard)
-    per_prompt = run.seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
-    return {"steps": run.steps, "recorded_steps": recorded, "seeds_per_prompt": run.seeds_per_prompt,
-            "max_sequence_length": run.max_sequence_length,
+def cache_projection(spec: TeacherSpec, cfg: TeacherCacheConfig, prompts: int | None) -> dict:
+    """The bytes of the cache `cfg` would write (`cache.size` over the header stage one would record,
+    `CacheHeader.planned`: every sample field its settings turn on), per sample and per prompt, and for `prompts`
+    prompts when given; each embedding is taken at max_sequence_length tokens, the bound (only a prompt's real
+    tokens are stored)."""
+    scheduler = load_scheduler(spec)
+    schedule = Schedule.build(scheduler, cfg.steps, spec.boundary_ratio, cfg.guidance, cfg.guidance_2)
+    # plan reads no prompt file (no prompt-set hash) and the teacher's configs alone (its identity without weights)
+    header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=cfg.dtype, prompts=prompts or 1,
+                                 prompt_set_sha256="", identity=spec.identity())
+    size = project(header, prompts or 1, batch_size=cfg.batch_size, samples_per_shard=cfg.samples_per_shard)
+    recorded = len(recorded_steps(header))
+    per_prompt = cfg.seeds_per_prompt * recorded * size.sample_bytes + size.prompt_bytes
+    return {"steps": cfg.steps, "recorded_steps": recorded, "seeds_per_prompt": cfg.seeds_per_prompt,
+            "max_sequence_length": cfg.max_sequence_length,
             "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
             "bytes_per_prompt": round(per_prompt), "prompts": prompts,
             "total_bytes": size.total if prompts else None}

@@ -124,6 +124,7 @@ def configs_spec(root: Path, name: str) -> TeacherSpec:
     configs = {c: read_json(root / c / "config.json") for c in experts}
     vae = root / "vae" / "config.json"
     configs["vae"] = read_json(vae) if vae.is_file() else {}  # Wan's factors (8, 4) by default
+    configs["scheduler"] = read_json(root / "scheduler" / "scheduler_config.json")  # (`plan`'s header: its schedule)
     return TeacherSpec(name=name, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from cache import format as F
+from cache.records import ShardRecord
 from pipeline.runtime import print0
 
 
@@ -26,12 +26,12 @@ def _size(n: float) -> str:
 class StageOneProgress:
     """Fed by the writer thread (`block`, `shard`); owns the bar's postfix and the optional event writer."""
 
-    def __init__(self, bar, *, part: int, steps: int, seeds: int, cache_samples: int, shards: list[dict],
+    def __init__(self, bar, *, part: int, steps: int, seeds: int, cache_samples: int, shards: list[ShardRecord],
                  tensorboard_dir=None):
         self.bar, self.part, self.steps, self.seeds = bar, part, steps, seeds
         self.cache_samples = cache_samples  # samples of the whole cache (every part)
-        self.bytes = sum(int(s[F.S_BYTES]) for s in shards)
-        self.samples_written = sum(int(s[F.S_SAMPLES]) for s in shards)
+        self.bytes = sum(s.bytes for s in shards)
+        self.samples_written = sum(s.samples for s in shards)
         self.samples_run = 0  # by this run, written to a shard or not yet
         self.t0 = time.perf_counter()
         self.writer = None
@@ -69,15 +69,15 @@ class StageOneProgress:
             post["cache"] = "~" + _size(f["projected_cache_bytes"])
         self.bar.set_postfix(post, refresh=False)
 
-    def shard(self, record: dict) -> None:
+    def shard(self, record: ShardRecord) -> None:
         """A shard was renamed into place and recorded."""
-        self.bytes += int(record[F.S_BYTES])
-        self.samples_written += int(record[F.S_SAMPLES])
+        self.bytes += record.bytes
+        self.samples_written += record.samples
         f = self.figures()
         self._postfix(f)
         eta = f.get("eta_s")
-        print0(f"part {self.part}: {record[F.S_PATH]} written ({record[F.S_SAMPLES]} samples, "
-               f"{_size(record[F.S_BYTES])}); {_size(self.bytes)} so far, cache ~{_size(self.projected)}, "
+        print0(f"part {self.part}: {record.path} written ({record.samples} samples, "
+               f"{_size(record.bytes)}); {_size(self.bytes)} so far, cache ~{_size(self.projected)}, "
                f"{f['prompts_per_s']:.2f} prompts/s, {f['samples_per_s']:.1f} samples/s"
                + (f", ETA {eta / 60:.1f} min" if eta is not None and eta == eta else ""))
         if self.writer is not None:

@@ -14,7 +14,6 @@ import copy
 import hashlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pipeline.wan_inputs import model_timestep
@@ -33,21 +32,6 @@ def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torc
     """float32 noise [C, F, H, W], drawn on the CPU so every device and placement gets the same bits."""
     g = torch.Generator("cpu").manual_seed(noise_seed(base_seed, prompt_idx, seed_idx))
     return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
-
-
-def choose_recorded_steps(steps: int, record_steps: int | None, seed: int, keep=()) -> list[int]:
-    """The steps every trajectory records under --record-steps N, ascending: step 0 (the noise state any K-step
-    student starts from) and `keep`, then the rest drawn uniformly, without replacement, from the other steps by a
-    generator seeded with `seed` alone. One set for the whole cache (not one per trajectory): every reader (the
-    epoch plan, `cache verify`, a segment student's boundaries, eval's per-step table) then knows the cache's steps
-    from its manifest. None, or N >= steps: every step."""
-    if record_steps is None or record_steps >= steps:
-        return list(range(steps))
-    fixed = sorted({0, *keep})
-    rest = [k for k in range(steps) if k not in fixed]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), 0x524543])))  # "REC"
-    drawn = rng.choice(rest, size=record_steps - len(fixed), replace=False) if record_steps > len(fixed) else []
-    return sorted(fixed + [int(k) for k in drawn])
 
 
 @dataclass(frozen=True)

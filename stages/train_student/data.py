@@ -34,13 +34,13 @@ class SampleDataset(Dataset):
         self.index = index
         self.embedding_cache_size = embedding_cache_size
         self.fields = tuple(dict.fromkeys((F.T_X_T, *fields)))
-        self.max_len = int(index.manifest[F.F_MAX_SEQUENCE_LENGTH])
+        self.max_len = int(index.manifest.max_sequence_length)
         self._reader: SampleReader | None = None
         self._embeds: list[EmbeddingCache] | None = None
 
     def _open(self) -> None:
         self._reader = SampleReader(self.index)
-        self._embeds = [EmbeddingCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size)
+        self._embeds = [EmbeddingCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size)
                         for c in self.index.caches]
 
     def __getstate__(self) -> dict:
@@ -119,7 +119,7 @@ class SegmentDataset(SampleDataset):
     def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...], end_step):
         super().__init__(index, embedding_cache_size, fields)
         self.end_step = np.asarray(end_step, dtype=np.int64)
-        self.sigmas = [float(v) for v in index.manifest[F.F_SIGMAS]] + [0.0]  # the final latent is at sigma 0
+        self.sigmas = [float(v) for v in index.manifest.sigmas] + [0.0]  # the final latent is at sigma 0
         try:
             self.end_rows = later_state_rows(index, np.arange(len(index)), self.end_step)
         except KeyError as e:
@@ -128,7 +128,7 @@ class SegmentDataset(SampleDataset):
 
     def _open(self) -> None:
         super()._open()
-        self._finals = [RowCache(c.path, int(c.manifest[F.F_NUM_PARTS]), self.embedding_cache_size, _final_latents)
+        self._finals = [RowCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size, _final_latents)
                         for c in self.index.caches]
 
     def _final_latent(self, cache: int, prompt: int, seed: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch.utils.data import Sampler
 
-from cache import format as F
 from cache.reader import C_CACHE, C_META_OFF, C_PROMPT, C_TENS_LEN, C_TENS_OFF, CacheIndex
 
 from .index import DataSplit
@@ -148,7 +147,7 @@ def read_groups(index: CacheIndex, rows: np.ndarray, prompts: int = GROUP_PROMPT
     """The read group of each of `rows` for a grouped epoch order: `prompts` consecutive rows of one prompt store
     (a part of a cache), whose samples lie together in a shard and whose embeddings lie together in a file."""
     t = index.table[rows]
-    parts = np.asarray([int(c.manifest[F.F_NUM_PARTS]) for c in index.caches], dtype=np.int64)[t[:, C_CACHE]]
+    parts = np.asarray([int(c.manifest.num_parts) for c in index.caches], dtype=np.int64)[t[:, C_CACHE]]
     store_row = t[:, C_PROMPT] // parts  # format.prompt_location: prompt i is row i // num_parts of part i % num_parts
     width = int(store_row.max(initial=0)) // prompts + 1
     return (t[:, C_CACHE] * int(parts.max(initial=1)) + t[:, C_PROMPT] % parts) * width + store_row // prompts

@@ -68,14 +68,14 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
     try:  # every rank holds the whole table now and finds the same problem: rank 0 alone prints it
         for ci, c in enumerate(caches):
             check_complete(c, ci, table, shards)
-            check_prompt_rows(c.path, int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS]))
+            check_prompt_rows(c.path, int(c.manifest.num_parts), int(c.manifest.prompts))
             problem = negative_problem(c.path, c.manifest)
             if problem:
                 raise CacheError(problem)
         # What training reads of the prompt stores, each rank a share of the rows: every chunk of a prompt's real
         # tokens present, and with --verify checksum the tokens matching their crc32c and the final latents theirs.
         for c in caches:
-            parts, prompts = int(c.manifest[F.F_NUM_PARTS]), int(c.manifest[F.F_PROMPTS])
+            parts, prompts = int(c.manifest.num_parts), int(c.manifest.prompts)
             flags = all_reduce_numpy(row_check_flags(c.path, parts, prompts, env.rank, env.world_size,
                                                      checksums=check == "checksum"), device)
             problem = row_flags_problem(c.path, parts, flags, checksums=check == "checksum")

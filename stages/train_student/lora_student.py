@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from cache import format as F
 from cache.schema import recorded_steps
 from pipeline.artifact import lora_file
 from pipeline.errors import UserError
@@ -65,7 +64,7 @@ class LoraSpec:
             raise UserError(f"--lora-experts {cfg.lora_experts}: the teacher {cfg.lora_of} has one transformer; use "
                             "--lora-experts all")
         ratio = index.get("boundary_ratio") if len(experts) == 2 else None
-        steps = (manifest.get(F.F_SCHEDULER) or {}).get("num_train_timesteps", 1000)
+        steps = manifest.scheduler.get("num_train_timesteps", 1000)
         config = {k: v for k, v in _read(path / experts[0] / "config.json", cfg.lora_of).items()
                   if not k.startswith("_")}
         return cls(teacher=cfg.lora_of, path=path, revision=cfg.revision, experts=experts, trained=trained,
@@ -80,20 +79,20 @@ class LoraSpec:
     def check(self, manifest: dict, cache: str) -> None:
         """Refuse (one line) a cache made with another teacher than the base, or whose samples would reach an adapter
         of another expert than the one that produced them."""
-        recorded = manifest.get(F.F_TEACHER_IDENTITY) or {}
+        recorded = manifest.teacher_identity
         mine = self.identity()
         weights = recorded.get("weights", {})
         for comp in self.trained:
             if recorded.get(comp) not in (None, mine["configs"][comp]) or any(
                     weights.get(k, v) != v for k, v in mine["weights"].items() if k.split("/")[0] == comp):
                 raise UserError(f"--lora-of {self.teacher}: its {comp} is not the teacher the cache {cache} was made "
-                                f"with ({manifest.get(F.F_TEACHER)}): a LoRA student adapts the teacher that made its "
+                                f"with ({manifest.teacher}): a LoRA student adapts the teacher that made its "
                                 "targets; pass the teacher the cache was made with")
-        experts = manifest.get(F.F_EXPERTS) or []
+        experts = manifest.experts
         if len(set(experts)) > len(self.experts):
             raise UserError(f"the cache {cache} was made with a two-expert teacher and --lora-of {self.teacher} has "
                             "one transformer; pass the teacher the cache was made with")
-        for k, (t, e) in enumerate(zip(manifest[F.F_TIMESTEPS], experts)):
+        for k, (t, e) in enumerate(zip(manifest.timesteps, experts)):
             if self.expert_of(float(t)) != int(e):
                 raise UserError(f"the cache {cache} ran step {k} (timestep {t:g}) with expert {e}, but the boundary of "
                                 f"--lora-of {self.teacher} (ratio {self.boundary_ratio}) gives it to expert "
@@ -105,7 +104,7 @@ class LoraSpec:
             return requested
         expert = COMPONENTS.index(self.trained[0]) + 1
         steps = requested if requested is not None else tuple(recorded_steps(manifest))
-        mine = tuple(k for k in steps if int(manifest[F.F_EXPERTS][k]) == expert)
+        mine = tuple(k for k in steps if int(manifest.experts[k]) == expert)
         if not mine:
             raise UserError(f"--lora-experts {expert}: none of the cached steps {','.join(map(str, steps))} ran with "
                             f"expert {expert}; choose the other expert or other --train-steps")

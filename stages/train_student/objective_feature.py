@@ -59,15 +59,15 @@ class VelocityFeature(Objective):
         return cls({**asdict(settings), "feature_pairs": pairs})
 
     def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module:
-        recorded = [int(b) for b in manifest.get(F.F_RECORD_FEATURES) or []]
+        recorded = [int(b) for b in manifest.record_features or []]
         unknown = sorted({t for _, t in self.pairs} - set(recorded))
         if unknown:
             raise UserError(f"--feature-pairs names teacher block(s) {unknown} that the cache did not record (it holds "
                             f"blocks {recorded}); pair with those or rebuild the cache with --record-features")
         self.rows = {b: i for i, b in enumerate(recorded)}
-        self.pool = manifest.get(F.F_FEATURE_POOL, "none")
+        self.pool = manifest.feature_pool
         width = int(student_config["num_attention_heads"]) * int(student_config["attention_head_dim"])
-        dim = int(manifest[F.F_FEATURE_DIM])
+        dim = int(manifest.feature_dim)
         return torch.nn.ModuleDict({f"{s}:{t}": torch.nn.Linear(width, dim) for s, t in self.pairs})
 
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:

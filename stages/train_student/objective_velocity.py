@@ -69,8 +69,8 @@ class Segment(Objective):
     def check(self, manifest: dict, cache: str) -> None:
         from pipeline.sampling import is_flow_matching, segment_boundaries
 
-        steps = int(manifest[F.F_STEPS])
-        sigmas, sched = manifest.get(F.F_SIGMAS), manifest.get(F.F_SCHEDULER) or {}
+        steps = int(manifest.steps)
+        sigmas, sched = manifest.sigmas, manifest.scheduler
         if not 1 <= self.k <= steps:
             raise UserError(f"--student-steps {self.k}: the cache {cache} holds {steps}-step trajectories; choose K "
                             f"from 1 to {steps} (a divisor of {steps} reproduces the schedule exactly)")
@@ -82,8 +82,8 @@ class Segment(Objective):
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")
         from cache.prompt_store import final_latents_problem
 
-        problem = final_latents_problem(cache, int(manifest[F.F_NUM_PARTS]), int(manifest[F.F_SEEDS_PER_PROMPT]),
-                                        tuple(manifest[F.F_LATENT_SHAPE]))
+        problem = final_latents_problem(cache, int(manifest.num_parts), int(manifest.seeds_per_prompt),
+                                        tuple(manifest.latent_shape))
         if problem:
             raise UserError(f"--objective segment needs each trajectory's final latent, and the cache {cache} lacks "
                             f"them ({problem}); rebuild it with `wandistiller teacher-cache`")
@@ -135,12 +135,12 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
     missing = [b for b in bounds if b not in recorded]
     if not missing:
         return
-    steps = int(manifest[F.F_STEPS])
+    steps = int(manifest.steps)
     usable = [j for j in range(1, min(steps, 16) + 1)
               if set(segment_boundaries(sched, steps, j, sigmas)[0]) <= set(recorded)]
-    made = (f"teacher-cache --record-steps {manifest.get(F.F_RECORD_STEPS)} --record-seed "
-            f"{manifest.get(F.F_RECORD_SEED)}"
-            + (f" --keep-steps {','.join(map(str, manifest[F.F_KEEP_STEPS]))}" if manifest.get(F.F_KEEP_STEPS) else ""))
+    made = (f"teacher-cache --record-steps {manifest.record_steps} --record-seed "
+            f"{manifest.record_seed}"
+            + (f" --keep-steps {','.join(map(str, manifest.keep_steps))}" if manifest.keep_steps else ""))
     raise UserError(f"--student-steps {k} starts its segments at steps {','.join(map(str, bounds))} of the cache "
                     f"{cache}, which records only steps {','.join(map(str, recorded))} ({made}), not "
                     f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "

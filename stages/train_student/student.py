@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from cache import format as F
 from pipeline.errors import UserError
 from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
@@ -54,13 +53,13 @@ def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
     """Refuse a student that cannot consume the cache's latents and prompt embeddings."""
     defaults = {k: v.default for k, v in inspect.signature(_model_class().__init__).parameters.items()}
     get = lambda k: cfg.get(k, defaults.get(k))  # noqa: E731
-    c, f, h, w = manifest[F.F_LATENT_SHAPE]
+    c, f, h, w = manifest.latent_shape
     problems = []
     if get("in_channels") != c:
         problems.append(f"in_channels {get('in_channels')} but the cache's latents have {c} channels")
     if (get("out_channels") or get("in_channels")) != c:
         problems.append(f"out_channels {get('out_channels')} but the targets have {c} channels")
-    text_dim = manifest.get(F.F_TEXT_DIM)
+    text_dim = manifest.text_dim
     if text_dim is not None and get("text_dim") != text_dim:
         problems.append(f"text_dim {get('text_dim')} but the cache's prompt embeddings have {text_dim}")
     pt, ph, pw = tuple(get("patch_size"))
@@ -73,8 +72,8 @@ def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
             problems.append(f"rope_max_seq_len {rope} is fewer positions than the cache's latents have patches "
                             f"along an axis ({', '.join(over)}); set rope_max_seq_len to at least "
                             f"{max(f // pt, h // ph, w // pw)}")
-    teacher_patch = manifest.get(F.F_PATCH_SIZE)
-    if teacher_patch is not None and manifest.get(F.F_EXPAND_TIMESTEPS) and [pt, ph, pw] != list(teacher_patch):
+    teacher_patch = manifest.patch_size
+    if manifest.expand_timesteps and [pt, ph, pw] != list(teacher_patch):
         problems.append(f"patch_size {[pt, ph, pw]} differs from the teacher's {teacher_patch}, and this cache "
                         "uses per-token timesteps laid out on the teacher's patch grid")
     if problems:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from cache import format as F
 from cache.atomic import atomic_write_json, honour_umask, publish_dir
 from pipeline import lock, signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord
@@ -124,21 +123,13 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
     """What the sampling commands need to know about the targets this student learned and how to sample it."""
     cfg, data, objective, m = p.cfg, p.data, p.objective, p.manifest
     steps = list(data.train_steps)
-    pick = lambda key: [m[key][k] for k in steps] if isinstance(m.get(key), list) else None  # noqa: E731
-    return DistillRecord(
-        student=STUDENT, student_ema=STUDENT_EMA if ema else None,
+    return DistillRecord.of_cache(
+        m, student=STUDENT, student_ema=STUDENT_EMA if ema else None,
         caches=[{"path": str(c.path), "fingerprint": c.fingerprint} for c in data.index.caches],
-        fingerprints=sorted({c.fingerprint for c in data.index.caches}),
-        teacher=m.get(F.F_TEACHER), teacher_path=m.get(F.F_TEACHER_PATH), revision=m.get(F.F_REVISION),
-        cfg=m.get(F.F_CFG), guidance=m.get(F.F_GUIDANCE), guidance_2=m.get(F.F_GUIDANCE_2),
-        boundary_ratio=m.get(F.F_BOUNDARY_RATIO), negative_prompt=m.get(F.F_NEGATIVE_PROMPT),
-        max_sequence_length=m.get(F.F_MAX_SEQUENCE_LENGTH), expand_timesteps=m.get(F.F_EXPAND_TIMESTEPS),
-        latent_shape=m.get(F.F_LATENT_SHAPE), height=m.get(F.F_HEIGHT), width=m.get(F.F_WIDTH),
-        frames=m.get(F.F_FRAMES), dtype=m.get(F.F_DTYPE), steps=m.get(F.F_STEPS), timesteps=m.get(F.F_TIMESTEPS),
-        sigmas=m.get(F.F_SIGMAS), scheduler=m.get(F.F_SCHEDULER), train_steps=steps,
-        train_timesteps=pick(F.F_TIMESTEPS), heldout_prompts=data.heldout_prompts.tolist(), init_seed=cfg.seed,
-        init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config, optimizer_steps=state.step,
-        samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
+        fingerprints=sorted({c.fingerprint for c in data.index.caches}), train_steps=steps,
+        train_timesteps=[m.timesteps[k] for k in steps], heldout_prompts=data.heldout_prompts.tolist(),
+        init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config,
+        optimizer_steps=state.step, samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
         objective_settings=objective.record(), student_steps=objective.student_steps(m),
         lora=p.lora.record() if p.lora is not None else None,
     )

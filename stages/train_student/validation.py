@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from cache import format as F
 from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
@@ -55,9 +54,9 @@ class Validator:
         self.trajectories = sorted(where)
         self.caches = [index.caches[where[t]].path for t in self.trajectories]
         self.steps = student_steps(record)
-        self.guidance = 1.0 if record.guided else float(self.manifest[F.F_GUIDANCE])
-        self.expand = bool(self.manifest.get(F.F_EXPAND_TIMESTEPS, False))
-        self.patch = tuple(self.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2))
+        self.guidance = 1.0 if record.guided else float(self.manifest.guidance)
+        self.expand = self.manifest.expand_timesteps
+        self.patch = tuple(self.manifest.patch_size)
         self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._neg: torch.Tensor | None = None
         self._vae = None
@@ -67,7 +66,7 @@ class Validator:
     def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(initial noise, teacher's final latents, prompt embeddings) per batch, read once from the cache."""
         if self._inputs is None:
-            num_parts = int(self.manifest[F.F_NUM_PARTS])
+            num_parts = int(self.manifest.num_parts)
             embeds: dict[Path, EmbeddingCache] = {}
             init, final, emb = [], [], []
             for (p, s), cache in zip(self.trajectories, self.caches):
@@ -159,7 +158,7 @@ def vae_folder(flag: str | None, teacher: str | None, revision: str | None, mani
                 return local, f"{flag} {teacher}"
         elif is_hub_id(teacher):
             return teacher_folder(teacher, revision, files=VAE_FILES, flag=flag), f"{flag} {teacher}"
-    name, path, rev = manifest.get(F.F_TEACHER), manifest.get(F.F_TEACHER_PATH), manifest.get(F.F_REVISION)
+    name, path, rev = manifest.teacher, manifest.teacher_path, manifest.revision
     for where in (path, name):
         if isinstance(where, str) and where and Path(where).is_absolute() and _has_vae(Path(where)):
             return Path(where), f"the cache's teacher folder {where}"
