@@ -172,7 +172,7 @@ class DistillRecord(Record):
     # The manifest's (cache/records.py CacheHeader) teacher and sampling settings: the targets are the teacher's
     # *guided* predictions when cfg is true, and the student then samples without CFG.
     teacher: str
-    teacher_path: str
+    teacher_path: str | None  # None in an export's copy (stages/sample/hub_card.py public_record)
     revision: str | None
     cfg: bool
     guidance: float

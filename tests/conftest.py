@@ -130,6 +130,16 @@ def sample_header(**overrides):
     ) | overrides)
 
 
+def sample_distill(**overrides):
+    """A distill.json record of a student trained on `sample_header`'s cache."""
+    from pipeline.artifact import DistillRecord
+
+    return DistillRecord.of_cache(sample_header(), **dict(
+        caches=[{"path": "/cache", "fingerprint": "abc"}], fingerprints=["abc"], train_steps=[0, 1, 2, 3],
+        train_timesteps=[999.0, 750.0, 500.0, 250.0], heldout_prompts=[1], init_seed=0, objective="velocity",
+        objective_settings={}) | overrides)
+
+
 def write_prompt_rows(g, rows: list[int], prompt_idx: list[int], texts: list[str], embeds: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
     """Write encoded prompts into a prompt store at once, as stage one does batch by batch (`PromptRowWriter`)."""
@@ -149,9 +159,9 @@ def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
     from cache.reader import decode_sample
 
     out: dict[str, tuple[dict, dict]] = {}
-    for rec in load_manifest(cache_dir)[F.F_SHARDS]:
+    for rec in load_manifest(cache_dir).shards:
         members: dict[str, dict[str, bytes]] = {}
-        with tarfile.open(Path(cache_dir) / rec[F.S_PATH]) as tar:
+        with tarfile.open(Path(cache_dir) / rec.path) as tar:
             for info in tar:
                 key, _, ext = info.name.partition(".")
                 members.setdefault(key, {})[ext] = tar.extractfile(info).read()

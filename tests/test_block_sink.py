@@ -26,8 +26,8 @@ class Figures:
     def block(self, samples: int) -> None:
         pass
 
-    def shard(self, record: dict) -> None:
-        self.shards.append(record[F.S_PATH])
+    def shard(self, record) -> None:
+        self.shards.append(record.path)
 
 
 def _sink(tmp_path, prompts: int, per_shard: int):
@@ -54,9 +54,9 @@ def test_shards_commit_in_order_with_their_final_latents(tmp_path):
     sink.flush()
     sink.close()
     saved = PartProgress.load(tmp_path, 0)
-    paths = [s[F.S_PATH] for s in saved.shards]
+    paths = [s.path for s in saved.shards]
     assert paths == sorted(paths) == figures.shards and len(paths) == 4
-    assert [s[F.S_BLOCKS] for s in saved.shards] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert [s.blocks for s in saved.shards] == [[0, 1], [2, 3], [4, 5], [6]]
     assert saved.done_blocks == list(range(7))
     finals = open_prompt_store(prompt_store_path(tmp_path, 0))[F.Z_FINAL_LATENTS][:]
     assert all((finals[p] == p + 0.5).all() for p in range(7))
@@ -79,5 +79,5 @@ def test_a_failed_commit_stops_the_writer_and_records_nothing_after_it(tmp_path,
         sink.flush()
     sink.abort()
     saved = PartProgress.load(tmp_path, 0)
-    assert saved.done_blocks == [0] and [s[F.S_BLOCKS] for s in saved.shards] == [[0]]
+    assert saved.done_blocks == [0] and [s.blocks for s in saved.shards] == [[0]]
     assert len(calls) == 2  # nothing committed after the failure

@@ -53,17 +53,17 @@ def test_targets_are_bit_identical_with_and_without_features(tiny_cache, feature
             assert torch.equal(tensors[name], t2[name]), (key, name)
         assert F.T_FEATURES not in tensors and t2[F.T_FEATURES].shape == (2, 16, 8)  # 2 blocks, 4x4 tokens, D=8
     m, m0 = load_manifest(feature_cache), load_manifest(tiny_cache)
-    assert m[F.F_SAMPLE_FIELDS] == [F.T_X_T, F.T_TARGET, F.T_FEATURES]
-    assert m[F.F_FINGERPRINT] != m0[F.F_FINGERPRINT]  # features are part of the fingerprint
+    assert m.sample_fields == [F.T_X_T, F.T_TARGET, F.T_FEATURES]
+    assert m.fingerprint != m0.fingerprint  # features are part of the fingerprint
     assert F.F_RECORD_FEATURES not in m0  # a cache without them keeps its fingerprint's fields as before
 
 
 @pytest.mark.slow
 def test_feature_field_round_trips_through_writer_reader_and_verify(feature_cache, tmp_path):
     m = load_manifest(feature_cache)
-    matrix = read_projection(feature_cache, m[F.F_FEATURE_PROJECTION_SHA256])
-    assert torch.equal(matrix, projection_matrix(matrix.shape[0], 8, m[F.F_FEATURE_SEED]))
-    assert matrix_sha256(matrix) == m[F.F_FEATURE_PROJECTION_SHA256]
+    matrix = read_projection(feature_cache, m.feature_projection_sha256)
+    assert torch.equal(matrix, projection_matrix(matrix.shape[0], 8, m.feature_seed))
+    assert matrix_sha256(matrix) == m.feature_projection_sha256
     assert verify_cache(feature_cache, progress=False) == []
     info = summarize(feature_cache)
     assert info["tensor_bytes_per_sample"] - info["tensor_bytes_per_sample_without_features"] == 2 * 16 * 8 * 4

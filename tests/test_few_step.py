@@ -30,22 +30,22 @@ SEG = dict(objective="segment", student_steps=2)
 
 
 def _scheduler_conf(manifest: dict) -> dict:
-    return dict(manifest[F.F_SCHEDULER])
+    return dict(manifest.scheduler)
 
 
 def test_k_step_euler_schedule_lands_on_the_cached_steps(tiny_cache):
     m = load_manifest(tiny_cache)
-    conf, steps = _scheduler_conf(m), int(m[F.F_STEPS])
+    conf, steps = _scheduler_conf(m), int(m.steps)
     assert steps == 4 and conf["_class_name"] == "UniPCMultistepScheduler"
     for k, want in ((1, [0]), (2, [0, 2]), (4, [0, 1, 2, 3])):
-        bounds, exact = segment_boundaries(conf, steps, k, m[F.F_SIGMAS])
+        bounds, exact = segment_boundaries(conf, steps, k, m.sigmas)
         assert (bounds, exact) == (want, True)
         s = scheduler_from_config(euler_config(conf))
         s.set_timesteps(k)
         # exactly the cached sigmas and timesteps at the boundaries, then the final latent's 0
-        assert [float(v) for v in s.sigmas] == [m[F.F_SIGMAS][b] for b in bounds] + [0.0]
-        assert [float(t) for t in s.timesteps] == [float(m[F.F_TIMESTEPS][b]) for b in bounds]
-    assert segment_boundaries(conf, steps, 3, m[F.F_SIGMAS])[1] is False  # 3 does not divide 4
+        assert [float(v) for v in s.sigmas] == [m.sigmas[b] for b in bounds] + [0.0]
+        assert [float(t) for t in s.timesteps] == [float(m.timesteps[b]) for b in bounds]
+    assert segment_boundaries(conf, steps, 3, m.sigmas)[1] is False  # 3 does not divide 4
 
 
 def test_segment_targets_are_average_velocities_of_the_cached_states(tiny_cache):
@@ -57,7 +57,7 @@ def test_segment_targets_are_average_velocities_of_the_cached_states(tiny_cache)
     ds = obj.dataset(index, 8)
     samples = read_all_samples(tiny_cache)
     trajs = sorted({(meta[F.M_PROMPT_IDX], meta[F.M_SEED_IDX]) for _, meta in samples.values()})
-    _, finals = read_latents(tiny_cache, int(m[F.F_NUM_PARTS]), trajs)
+    _, finals = read_latents(tiny_cache, int(m.num_parts), trajs)
     final = dict(zip(trajs, finals))
     for row in range(len(index)):
         item = ds[(row, 1.0)]
@@ -188,14 +188,14 @@ def test_exported_pipeline_at_k_steps_equals_the_sampler(segment_run, tiny_cache
     pipe.set_progress_bar_config(disable=True)
     m = load_manifest(tiny_cache)
     g = torch.Generator().manual_seed(0)
-    init = torch.randn(3, *m[F.F_LATENT_SHAPE], generator=g)
-    embeds = torch.randn(3, int(m[F.F_MAX_SEQUENCE_LENGTH]), int(m[F.F_TEXT_DIM]), generator=g)
+    init = torch.randn(3, *m.latent_shape, generator=g)
+    embeds = torch.randn(3, int(m.max_sequence_length), int(m.text_dim), generator=g)
     got = pipe(prompt_embeds=embeds, latents=init.clone(), num_inference_steps=2, guidance_scale=1.0,
-               height=int(m[F.F_HEIGHT]), width=int(m[F.F_WIDTH]), num_frames=1, output_type="latent").frames
+               height=int(m.height), width=int(m.width), num_frames=1, output_type="latent").frames
     student = WanTransformer3DModel.from_pretrained(segment_run / "student").eval()
     want = sample_latents(student, student_scheduler(record), init, embeds, student_steps(record))
     assert torch.equal(got, want)
-    assert [float(s) for s in pipe.scheduler.sigmas] == [m[F.F_SIGMAS][0], m[F.F_SIGMAS][2], 0.0]
+    assert [float(s) for s in pipe.scheduler.sigmas] == [m.sigmas[0], m.sigmas[2], 0.0]
 
 
 def test_sampler_equals_wan_pipeline_with_cfg(tiny_teacher):

@@ -28,7 +28,7 @@ def test_final_latents_and_embeddings_match_wan_pipeline(variant, tiny_teacher_f
     make_cache(teacher, prompts_file, tmp_path / "cache", part=1, **same)
     m = load_manifest(cache)
     if variant == "wan2.2":  # both experts ran
-        assert set(m[F.F_EXPERTS]) == {1, 2}
+        assert set(m.experts) == {1, 2}
     pipe = WanPipeline.from_pretrained(teacher).to("cpu")
     for prompt_idx in (0, 5):  # one prompt from each part
         part, row = prompt_idx % 2, prompt_idx // 2
@@ -61,7 +61,7 @@ def test_samples_are_the_trajectory(tiny_cache):
     assert len(samples) == 7 * 4
     keys = sorted(samples)
     assert keys == sorted(F.sample_key(p, 0, k) for p in range(7) for k in range(4))
-    sched = UniPCMultistepScheduler.from_config(m[F.F_SCHEDULER])
+    sched = UniPCMultistepScheduler.from_config(m.scheduler)
     sched.set_timesteps(4)
     x = samples[F.sample_key(3, 0, 0)][0][F.T_X_T].unsqueeze(0)
     g = open_prompt_store(prompt_store_path(tiny_cache, 0))
@@ -69,7 +69,7 @@ def test_samples_are_the_trajectory(tiny_cache):
     for k, t in enumerate(sched.timesteps):
         tensors, meta = samples[F.sample_key(3, 0, k)]
         assert torch.equal(tensors[F.T_X_T], x[0])
-        assert meta[F.M_TIMESTEP] == float(t) == m[F.F_TIMESTEPS][k]
-        assert meta[F.M_EXPERT] == m[F.F_EXPERTS][k] and meta[F.M_GUIDANCE] == 4.0
+        assert meta[F.M_TIMESTEP] == float(t) == m.timesteps[k]
+        assert meta[F.M_EXPERT] == m.experts[k] and meta[F.M_GUIDANCE] == 4.0
         x = sched.step(tensors[F.T_TARGET].unsqueeze(0), t, x, return_dict=False)[0]
     np.testing.assert_array_equal(x[0].numpy(), g[F.Z_FINAL_LATENTS][3, 0])

@@ -49,7 +49,7 @@ def _batch(samples: list[tuple[dict, dict]], cache: Path) -> dict:
     from cache.prompt_store import EmbeddingCache
 
     m = load_manifest(cache)
-    emb = EmbeddingCache(cache, int(m[F.F_NUM_PARTS]), 8)
+    emb = EmbeddingCache(cache, int(m.num_parts), 8)
     ctx = torch.stack([torch.as_tensor(emb.get(int(meta[F.M_PROMPT_IDX]))).float() for _, meta in samples])
     return {"hidden_states": torch.stack([t[F.T_X_T].float() for t, _ in samples]),
             "timestep": torch.tensor([float(meta[F.M_TIMESTEP]) for _, meta in samples]),
@@ -113,7 +113,7 @@ def test_one_expert_alone_trains_on_its_own_samples(tiny_teacher, tiny_cache, tm
     monkeypatch.setenv("WANDISTILLER_DEBUG_DIR", str(tmp_path / "debug"))
     out = tmp_path / "low"
     lora_train(tiny_cache, tiny_teacher, out, lora_experts="2", max_steps=3, batch_size=2)
-    experts = load_manifest(tiny_cache)[F.F_EXPERTS]
+    experts = load_manifest(tiny_cache).experts
     keys = [k for b in json.loads((tmp_path / "debug" / "rank-0.json").read_text())["micro_batches"] for k in b]
     assert keys and {experts[F.parse_key(k)[2]] for k in keys} == {2}
     assert sorted(p.name for p in (out / "student").iterdir()) == ["lora.json", "low_noise_model.safetensors"]
@@ -344,10 +344,10 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
         assert needle in card, needle
     m = load_manifest(tiny_cache)
     g = torch.Generator().manual_seed(0)
-    init = torch.randn(2, *m[F.F_LATENT_SHAPE], generator=g)
-    embeds = torch.randn(2, int(m[F.F_MAX_SEQUENCE_LENGTH]), int(m[F.F_TEXT_DIM]), generator=g)
-    kw = dict(prompt_embeds=embeds, num_inference_steps=2, guidance_scale=1.0, height=int(m[F.F_HEIGHT]),
-              width=int(m[F.F_WIDTH]), num_frames=1, output_type="latent")
+    init = torch.randn(2, *m.latent_shape, generator=g)
+    embeds = torch.randn(2, int(m.max_sequence_length), int(m.text_dim), generator=g)
+    kw = dict(prompt_embeds=embeds, num_inference_steps=2, guidance_scale=1.0, height=int(m.height),
+              width=int(m.width), num_frames=1, output_type="latent")
 
     pipe = WanPipeline.from_pretrained(tiny_teacher)
     pipe.set_progress_bar_config(disable=True)

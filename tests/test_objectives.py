@@ -14,7 +14,7 @@ from cache import format as F
 from cache.manifest import load_manifest
 from cache.schema import SAMPLE_FIELDS, sample_fields, sample_problems
 from cache.writer import encode_sample
-from conftest import ROOT
+from conftest import ROOT, sample_distill
 from pipeline.artifact import DistillRecord, RunLayout
 from pipeline.cli import main
 from pipeline.config import TrainStudentConfig
@@ -95,11 +95,11 @@ def test_unknown_objective_and_undeclared_fields_are_refused(tiny_cache, tmp_pat
 
 def test_schema_checks_what_the_reader_and_verify_check(tiny_cache):
     m = load_manifest(tiny_cache)
-    assert m[F.F_SAMPLE_FIELDS] == [F.T_X_T, F.T_TARGET]  # written by stage one, from the schema
+    assert m.sample_fields == [F.T_X_T, F.T_TARGET]  # written by stage one, from the schema
     legacy = {k: v for k, v in m.items() if k != F.F_SAMPLE_FIELDS}
     assert sample_fields(legacy) == (F.T_X_T, F.T_TARGET)  # a cache from before the list: same fields
     assert sample_fields(legacy | {F.F_SAVE_COND_UNCOND: True})[2:] == (F.T_TARGET_COND, F.T_TARGET_UNCOND)
-    shape, dtype = m[F.F_LATENT_SHAPE], F.DTYPES[m[F.F_DTYPE]]
+    shape, dtype = m.latent_shape, F.DTYPES[m.dtype]
     key = F.sample_key(1, 0, 2)
     meta = {F.M_PROMPT_IDX: 1, F.M_SEED_IDX: 0, F.M_STEP: 2, F.M_TIMESTEP: 500.0, F.M_SIGMA: 0.5, F.M_EXPERT: 1,
             F.M_GUIDANCE: 4.0}
@@ -155,12 +155,12 @@ def test_objective_heads_are_checkpointed_resumed_and_never_exported(tiny_cache,
 
 
 def test_distill_record_has_one_spelling_per_key(tmp_path):
-    r = DistillRecord(fingerprints=["abc"], cfg=True, steps=4)
+    r = sample_distill()
     path = tmp_path / "distill.json"
     path.write_text(json.dumps(r.to_json()))
     assert DistillRecord.read(path) == r and r.sampling_steps == 4
     path.write_text(json.dumps(r.to_json() | {"cache_fingerprints": ["abc"]}))
-    with pytest.raises(ValueError, match="unknown key.*cache_fingerprints"):
+    with pytest.raises(ValueError, match="unknown field 'cache_fingerprints'"):
         DistillRecord.read(path)
-    assert DistillRecord(steps=40, student_steps=4).sampling_steps == 4
+    assert sample_distill(student_steps=2).sampling_steps == 2
     assert Path(RunLayout(tmp_path).student).name == "student"

@@ -32,7 +32,7 @@ MIXED_MAP = {"rope": "cpu", "patch_embedding": "disk", "condition_embedder": "cp
 def assert_same_cache(a: Path, b: Path) -> None:
     """Same fingerprint, same samples and metadata, same tensors (float32: bit-identical, else <= 1e-6 rel)."""
     ma, mb = load_manifest(a), load_manifest(b)
-    assert ma[F.F_FINGERPRINT] == mb[F.F_FINGERPRINT]
+    assert ma.fingerprint == mb.fingerprint
     sa, sb = read_all_samples(a), read_all_samples(b)
     assert sa.keys() == sb.keys() and sa
     for key, (ta, meta_a) in sa.items():
@@ -42,7 +42,7 @@ def assert_same_cache(a: Path, b: Path) -> None:
         for name in ta:
             if not torch.equal(ta[name], tb[name]):
                 torch.testing.assert_close(tb[name], ta[name], rtol=1e-6, atol=0, msg=f"{key}/{name}")
-    for part in range(ma[F.F_NUM_PARTS]):
+    for part in range(ma.num_parts):
         za, zb = open_prompt_store(prompt_store_path(a, part)), open_prompt_store(prompt_store_path(b, part))
         torch.testing.assert_close(torch.from_numpy(zb[F.Z_FINAL_LATENTS][:]),
                                    torch.from_numpy(za[F.Z_FINAL_LATENTS][:]), rtol=1e-6, atol=0)

@@ -25,7 +25,7 @@ GPU_VS_CPU = dict(rtol=2e-2, atol=2e-2)
 
 
 def assert_close_caches(a, b, **tol) -> None:
-    assert load_manifest(a)[F.F_FINGERPRINT] == load_manifest(b)[F.F_FINGERPRINT]
+    assert load_manifest(a).fingerprint == load_manifest(b).fingerprint
     sa, sb = read_all_samples(a), read_all_samples(b)
     assert sa.keys() == sb.keys() and sa
     for key, (ta, meta_a) in sa.items():

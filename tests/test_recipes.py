@@ -24,17 +24,20 @@ pytestmark = pytest.mark.slow
 # The files each recipe names (docs/architecture.md, "Extension points: how to add"), and what the toy adds to each:
 # (file, the line it goes after, the lines added). A line added at the end of a file has anchor None.
 CACHE_FIELD = [
-    ("cache/format.py", None, 'T_X0 = "x0"  # toy field: x_t - sigma * target\nF_RECORD_X0 = "record_x0"\n'),
+    ("cache/format.py", None, 'T_X0 = "x0"  # toy field: x_t - sigma * target\n'),
     ("cache/schema.py", '    SampleField(F.T_X_T, "the noisy latent the teacher saw at this step", _latent),\n',
-     '    SampleField(F.T_X0, "toy: the clean latent the step predicts", _latent, when=F.F_RECORD_X0,\n'
+     '    SampleField(F.T_X0, "toy: the clean latent the step predicts", _latent, when="record_x0",\n'
      '                recorded_by="teacher-cache --record-x0"),\n'),
     ("pipeline/config.py",
      '    save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")\n',
      '    record_x0: bool = setting(False, help="Toy: also store x_t - sigma * target.")\n'),
-    ("stages/teacher_cache/make_cache.py", "        F.F_CFG: schedule.cfg, F.F_SAVE_COND_UNCOND: cfg.save_cond_uncond,\n",
-     "        F.F_RECORD_X0: cfg.record_x0,\n"),
+    ("cache/records.py", "    teacher_identity: dict  # hashes of the teacher's configs and weight files (fingerprinted)\n",
+     "    record_x0: bool | None = optional()\n"),
+    ("cache/records.py",
+     "            cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),\n",
+     "            record_x0=cfg.record_x0 or None,\n"),
     ("stages/teacher_cache/blocks.py", "                        tensors[F.T_FEATURES] = rec.features[j]\n",
-     "                    if self.prog.header.get(F.F_RECORD_X0):\n"
+     "                    if self.prog.header.record_x0:\n"
      "                        tensors[F.T_X0] = rec.x_t[j] - rec.sigma * rec.target[j]\n"),
 ]
 OBJECTIVE = [

@@ -65,21 +65,21 @@ def test_recorded_steps_are_seeded_and_keep_step_zero():
 def test_cache_bytes_scale_with_record_steps(caches, tiny_cache):
     # several shards per part (12 samples each, closed at block boundaries): the arithmetic follows them too
     m = load_manifest(tiny_cache)
-    assert len(m[F.F_SHARDS]) == 3 and m[F.F_BYTES] == project(m, 7, batch_size=3, samples_per_shard=12).shard_bytes
+    assert len(m.shards) == 3 and m.bytes == project(m, 7, batch_size=3, samples_per_shard=12).shard_bytes
     ms = {k: load_manifest(c) for k, c in caches.items()}
     assert "recorded_steps" not in ms["full"]  # a cache of every step keeps its fingerprint
-    assert ms["n4"][F.F_RECORDED_STEPS][0] == 0 and len(ms["n4"][F.F_RECORDED_STEPS]) == 4
-    assert ms["n2"][F.F_RECORDED_STEPS] == [0, 4]
+    assert ms["n4"].recorded_steps[0] == 0 and len(ms["n4"].recorded_steps) == 4
+    assert ms["n2"].recorded_steps == [0, 4]
     per_sample = {k: summarize(c)["bytes_per_sample"] for k, c in caches.items()}
     assert len(set(per_sample.values())) == 1
     for k, n in (("full", STEPS), ("n4", 4), ("n2", 2)):
         m = ms[k]
-        assert m[F.F_SAMPLES] == len(TEST_PROMPTS) * n
+        assert m.samples == len(TEST_PROMPTS) * n
         # the arithmetic is exact: the shards are what cache/size.py says, byte for byte
-        assert m[F.F_BYTES] == project(m, len(TEST_PROMPTS), batch_size=3, samples_per_shard=1000).shard_bytes
+        assert m.bytes == project(m, len(TEST_PROMPTS), batch_size=3, samples_per_shard=1000).shard_bytes
         # and proportional to N, up to the one 10 KiB tar record that ends each shard
-        assert m[F.F_BYTES] / ms["full"][F.F_BYTES] == pytest.approx(n / STEPS, rel=0.06)
-    assert len({m[F.F_FINGERPRINT] for m in ms.values()}) == 3
+        assert m.bytes / ms["full"].bytes == pytest.approx(n / STEPS, rel=0.06)
+    assert len({m.fingerprint for m in ms.values()}) == 3
 
 
 def test_recorded_targets_are_bit_identical_to_the_full_cache(caches):
@@ -89,7 +89,7 @@ def test_recorded_targets_are_bit_identical_to_the_full_cache(caches):
     for name in ("n4", "n2"):
         m = load_manifest(caches[name])
         part = read_all_samples(caches[name])
-        assert sorted({F.parse_key(k)[2] for k in part}) == m[F.F_RECORDED_STEPS]
+        assert sorted({F.parse_key(k)[2] for k in part}) == m.recorded_steps
         for key, (tensors, meta) in part.items():
             want, want_meta = full[key]
             assert tensors.keys() == want.keys() and meta == want_meta, key

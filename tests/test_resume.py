@@ -55,7 +55,7 @@ def one_part(tiny_teacher, many_prompts, tmp_path_factory) -> Path:
 
 def _assert_consistent(out: Path) -> None:
     m = load_manifest(out)
-    listed = {s[F.S_PATH] for s in m[F.F_SHARDS]}
+    listed = {s.path for s in m.shards}
     on_disk = {f"{F.SHARDS_DIR}/{p.name}" for p in (out / F.SHARDS_DIR).iterdir()}
     assert on_disk == listed, "orphan or missing shard files"
     assert not [p for p in out.rglob(f"*{F.TMP_SUFFIX}")], "temporary files left behind"
@@ -70,7 +70,7 @@ def test_two_parts_as_processes_equal_one_part(tiny_teacher, many_prompts, one_p
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
     m1, m2 = load_manifest(one), load_manifest(two)
-    assert m2[F.F_NUM_PARTS] == 2 and m1[F.F_FINGERPRINT] == m2[F.F_FINGERPRINT]
+    assert m2.num_parts == 2 and m1.fingerprint == m2.fingerprint
     s1, s2 = read_all_samples(one), read_all_samples(two)
     assert sorted(s1) == sorted(s2) and len(s1) == 160
     for key in s1:
@@ -88,7 +88,7 @@ def test_torchrun_ranks_are_parts(tiny_teacher, many_prompts, one_part, tmp_path
     r = subprocess.run(torchrun + cmd[1:], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     m = load_manifest(out)
-    assert m[F.F_NUM_PARTS] == 2 and m[F.F_SAMPLES] == 160
+    assert m.num_parts == 2 and m.samples == 160
     _assert_consistent(out)
     s1, s2 = read_all_samples(one_part), read_all_samples(out)
     assert sorted(s1) == sorted(s2)

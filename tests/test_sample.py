@@ -20,6 +20,7 @@ from cache import format as F
 from cache.manifest import load_manifest
 from cache.prompt_store import EmbeddingCache
 from cache.reader import decode_sample
+from pipeline.artifact import DistillRecord
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
 from stages.sample.grid import GridLayout, draw_grid, grid_layout
@@ -65,9 +66,9 @@ def tiny_student(text_dim: int = 32, in_channels: int = 16, seed: int = INIT_SEE
 def cached_samples(cache):
     """Every (tensors, meta) of a cache, read with tarfile like any outside reader."""
     out = []
-    for rec in load_manifest(cache)[F.F_SHARDS]:
+    for rec in load_manifest(cache).shards:
         members: dict[str, dict[str, bytes]] = {}
-        with tarfile.open(cache / rec[F.S_PATH]) as tar:
+        with tarfile.open(cache / rec.path) as tar:
             for info in tar:
                 key, _, ext = info.name.partition(".")
                 members.setdefault(key, {})[ext] = tar.extractfile(info).read()
@@ -97,10 +98,10 @@ def write_run(out, model, cache, teacher, **distill_over):
     """OUT/student/ + OUT/distill.json, as train-student writes them."""
     m = load_manifest(cache)
     model.save_pretrained(out / "student")
-    distill = {"fingerprints": [m[F.F_FINGERPRINT]], "cfg": True, "guidance": m[F.F_GUIDANCE],
-               "max_sequence_length": m[F.F_MAX_SEQUENCE_LENGTH], "expand_timesteps": False,
-               "latent_shape": m[F.F_LATENT_SHAPE], "teacher": str(teacher), "steps": m[F.F_STEPS],
-               "negative_prompt": m[F.F_NEGATIVE_PROMPT], "init_seed": INIT_SEED, **distill_over}
+    record = DistillRecord.of_cache(m, caches=[], fingerprints=[m.fingerprint], train_steps=list(range(m.steps)),
+                                    train_timesteps=m.timesteps, heldout_prompts=[], init_seed=INIT_SEED,
+                                    objective="velocity", objective_settings={})
+    distill = record.to_json() | {"teacher": str(teacher), **distill_over}
     (out / "distill.json").write_text(json.dumps(distill))
     (out / "config.json").write_text(json.dumps({"cache": [str(cache)], "lr": 3e-3}))  # the run's own settings
     return out

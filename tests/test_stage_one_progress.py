@@ -25,13 +25,13 @@ def test_teacher_cache_reports_progress_and_projects_the_cache_size(tiny_teacher
     assert r.exit_code == 0, r.output
     m = load_manifest(out)
     lines = [x for x in r.stdout.splitlines() if " written (" in x]
-    assert len(lines) == len(m[F.F_SHARDS]) and "prompts/s" in lines[0] and "cache ~" in lines[0]
+    assert len(lines) == len(m.shards) and "prompts/s" in lines[0] and "cache ~" in lines[0]
     acc = EventAccumulator(str(out / F.PARTS_DIR / F.part_dirname(0) / F.TENSORBOARD))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"teacher_cache/samples_per_s", "teacher_cache/prompts_per_s", "teacher_cache/bytes_written",
             "teacher_cache/projected_cache_bytes", "teacher_cache/eta_s"} <= tags
     written = acc.Scalars("teacher_cache/bytes_written")
-    assert written[-1].value == m[F.F_BYTES] and written[-1].step == m[F.F_SAMPLES]
+    assert written[-1].value == m.bytes and written[-1].step == m.samples
     projected = [e.value for e in acc.Scalars("teacher_cache/projected_cache_bytes")]
-    assert abs(projected[-1] - m[F.F_BYTES]) / m[F.F_BYTES] < 1e-9  # the last projection is the cache's size
+    assert abs(projected[-1] - m.bytes) / m.bytes < 1e-9  # the last projection is the cache's size

@@ -51,7 +51,7 @@ def public_record(record: DistillRecord, teacher: str) -> dict:
     name = lambda p: Path(p).name if p else p  # noqa: E731
     lora = record.lora if record.lora is None else record.lora | {"teacher": teacher}
     return dataclasses.replace(record, teacher=teacher, teacher_path=None,
-                               caches=[{"fingerprint": c.get("fingerprint")} for c in record.caches],
+                               caches=[{"fingerprint": c["fingerprint"]} for c in record.caches],
                                init_from_teacher=name(record.init_from_teacher),
                                student_config=name(record.student_config), lora=lora).to_json()
 
