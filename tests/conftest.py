@@ -154,7 +154,6 @@ def read_all_samples(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
     """key -> (tensors, meta) for every sample listed in the manifest (test helper; not the stage-two reader)."""
     import tarfile
 
-    from cache import format as F
     from cache.manifest import load_manifest
     from cache.reader import decode_sample
 

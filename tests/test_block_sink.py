@@ -9,6 +9,7 @@ import errno
 import pytest
 import torch
 
+from conftest import sample_header
 from cache import format as F
 from cache.part_progress import PartProgress
 from cache.prompt_store import create_prompt_store, open_prompt_store, prompt_store_path
@@ -32,7 +33,7 @@ class Figures:
 
 def _sink(tmp_path, prompts: int, per_shard: int):
     prog = PartProgress(part=0, num_parts=1, fingerprint="x", prompts=prompts, blocks=prompts, batch_size=1,
-                        samples_per_shard=per_shard)
+                        samples_per_shard=per_shard, header=sample_header(steps=STEPS, latent_shape=list(LATENT)))
     prog.save(tmp_path)
     create_prompt_store(prompt_store_path(tmp_path, 0), prompts, 4, 8, "float32", 1, LATENT)
     store = open_prompt_store(prompt_store_path(tmp_path, 0), mode="r+")

@@ -146,7 +146,7 @@ def test_prompt_store_is_fsynced_before_progress_records_it(tiny_teacher, prompt
         store = prompt_store_path(out, prog.part)
         files = [p for p in store.rglob("*") if p.is_file()] if store.exists() else []
         entries = [store, *store.rglob("*")] if store.exists() else []
-        shards = [out / s[F.S_PATH] for s in prog.shards]
+        shards = [out / s.path for s in prog.shards]
         entries += [out / F.SHARDS_DIR] if shards else []
         stale = []
         for p in [*files, *shards]:

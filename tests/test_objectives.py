@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -96,9 +97,9 @@ def test_unknown_objective_and_undeclared_fields_are_refused(tiny_cache, tmp_pat
 def test_schema_checks_what_the_reader_and_verify_check(tiny_cache):
     m = load_manifest(tiny_cache)
     assert m.sample_fields == [F.T_X_T, F.T_TARGET]  # written by stage one, from the schema
-    legacy = {k: v for k, v in m.items() if k != F.F_SAMPLE_FIELDS}
-    assert sample_fields(legacy) == (F.T_X_T, F.T_TARGET)  # a cache from before the list: same fields
-    assert sample_fields(legacy | {F.F_SAVE_COND_UNCOND: True})[2:] == (F.T_TARGET_COND, F.T_TARGET_UNCOND)
+    assert sample_fields(m.header()) == (F.T_X_T, F.T_TARGET)  # stage one's header: derived from its settings
+    cond = dataclasses.replace(m.header(), save_cond_uncond=True)
+    assert sample_fields(cond)[2:] == (F.T_TARGET_COND, F.T_TARGET_UNCOND)
     shape, dtype = m.latent_shape, F.DTYPES[m.dtype]
     key = F.sample_key(1, 0, 2)
     meta = {F.M_PROMPT_IDX: 1, F.M_SEED_IDX: 0, F.M_STEP: 2, F.M_TIMESTEP: 500.0, F.M_SIGMA: 0.5, F.M_EXPERT: 1,
