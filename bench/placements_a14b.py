@@ -53,10 +53,9 @@ def run_placement(cfg: dict) -> dict:
 
 
 def shard_records(cache: Path) -> list[dict]:
-    from cache import format as F
     from cache.manifest import load_manifest
 
-    return load_manifest(cache)[F.F_SHARDS]
+    return load_manifest(cache).shards
 
 
 def main(argv=None) -> list[dict]:

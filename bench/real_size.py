@@ -55,8 +55,9 @@ from safetensors.torch import save as st_save
 from bench.common import cli_results_path, drop_tree, pick_device, result, save, sync, table, tree_bytes
 from cache import format as F
 from cache.atomic import WriteBehind, atomic_write_bytes, fsync_paths
-from cache.manifest import settings_fingerprint, try_write_manifest
+from cache.manifest import try_write_manifest
 from cache.part_progress import PartProgress
+from cache.records import CacheHeader
 from cache.prompt_store import (
     PromptRowWriter, create_prompt_store, open_prompt_store, prompt_store_path, write_latent_rows,
 )
@@ -87,22 +88,19 @@ def seq_lens(n: int, seed: int = 0) -> np.ndarray:
     return np.clip(np.round(SEQ_MEDIAN * np.exp(SEQ_SIGMA * rng.standard_normal(n))), SEQ_MIN, MAX_LEN).astype(np.int32)
 
 
-def header(prompts: int, steps: int) -> dict:
+def header(prompts: int, steps: int) -> CacheHeader:
     """Stage one's header for an A14B cache of these sizes (the fields stage one writes; teacher identity made up)."""
     sigmas = [float(s) for s in np.linspace(1.0, 1.0 / steps, steps)]
     boundary = 0.875
-    return {
-        F.F_TEACHER_IDENTITY: {"synthetic": "Wan2.2-T2V-A14B-shaped"},
-        F.F_TEACHER: "synthetic/Wan2.2-T2V-A14B-shaped", F.F_REVISION: None, F.F_TEACHER_PATH: "",
-        F.F_DTYPE: DTYPE, F.F_STEPS: steps, F.F_TIMESTEPS: [s * 1000.0 for s in sigmas], F.F_SIGMAS: sigmas,
-        F.F_EXPERTS: [1 if s >= boundary else 2 for s in sigmas], F.F_GUIDANCE: 4.0, F.F_GUIDANCE_2: 3.0,
-        F.F_BOUNDARY_RATIO: boundary, F.F_EXPAND_TIMESTEPS: False, F.F_HEIGHT: 480, F.F_WIDTH: 832, F.F_FRAMES: 1,
-        F.F_LATENT_SHAPE: list(LATENT_SHAPE), F.F_MAX_SEQUENCE_LENGTH: MAX_LEN, F.F_NEGATIVE_PROMPT: "blurry",
-        F.F_SEEDS_PER_PROMPT: 1, F.F_SEED: 0, F.F_PROMPTS: prompts, F.F_PROMPT_SET_SHA256: f"synthetic-{prompts}",
-        F.F_TEXT_DIM: TEXT_DIM, F.F_IN_CHANNELS: LATENT_SHAPE[0], F.F_PATCH_SIZE: [1, 2, 2],
-        F.F_SCHEDULER: {"_class_name": "UniPCMultistepScheduler", "shift": 3.0}, F.F_CFG: True,
-        F.F_SAVE_COND_UNCOND: False,
-    }
+    return CacheHeader(
+        teacher="synthetic/Wan2.2-T2V-A14B-shaped", revision=None, teacher_path="", dtype=DTYPE, steps=steps,
+        timesteps=[s * 1000.0 for s in sigmas], sigmas=sigmas, experts=[1 if s >= boundary else 2 for s in sigmas],
+        guidance=4.0, guidance_2=3.0, boundary_ratio=boundary, expand_timesteps=False, height=480, width=832,
+        frames=1, latent_shape=list(LATENT_SHAPE), max_sequence_length=MAX_LEN, negative_prompt="blurry",
+        seeds_per_prompt=1, seed=0, prompts=prompts, prompt_set_sha256=f"synthetic-{prompts}", text_dim=TEXT_DIM,
+        in_channels=LATENT_SHAPE[0], patch_size=[1, 2, 2],
+        scheduler={"_class_name": "UniPCMultistepScheduler", "shift": 3.0}, cfg=True, save_cond_uncond=False,
+        teacher_identity={"synthetic": "Wan2.2-T2V-A14B-shaped"})
 
 
 class Tensors:
@@ -171,7 +169,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
     blocks = [list(range(i, min(i + batch_size, prompts))) for i in range(0, prompts, batch_size)]
     watch = Stopwatch()
     with watch:
-        prog = PartProgress(part=0, num_parts=1, fingerprint=settings_fingerprint(head), prompts=prompts,
+        prog = PartProgress(part=0, num_parts=1, fingerprint=head.settings_fingerprint(), prompts=prompts,
                             blocks=len(blocks), batch_size=batch_size, samples_per_shard=samples_per_shard,
                             header=head)
         prog.save(out)
@@ -186,7 +184,7 @@ def write_cache(out: Path, prompts: int, steps: int, batch_size: int = 4, sample
             raise RuntimeError(f"{out}: the manifest was not written")
     t1 = time.perf_counter()
     drop_tree(out)  # flush what the writer left dirty (and drop it all from the page cache)
-    shard_bytes = sum(r[F.S_BYTES] for r in prog.shards)
+    shard_bytes = sum(r.bytes for r in prog.shards)
     return {"write_s": watch.s, "sync_s": time.perf_counter() - t1, "bytes": tree_bytes(out), "encode_s": encode_s,
             "blocks_s": blocks_s, "shard_bytes": shard_bytes}
 
@@ -235,7 +233,7 @@ class _Quiet:
         pass
 
 
-def _blocks_phase(out: Path, prog: PartProgress, store, gen: Tensors, head: dict, blocks: list[list[int]],
+def _blocks_phase(out: Path, prog: PartProgress, store, gen: Tensors, head: CacheHeader, blocks: list[list[int]],
                   steps: int, samples_per_shard: int, watch: Stopwatch) -> None:
     """Stage one's blocks through its own writer (`stages.teacher_cache.blocks.BlockSink`): samples into shards,
     each shard followed by its final latents (fsynced) and the progress record, committed in a thread of its own
@@ -243,11 +241,11 @@ def _blocks_phase(out: Path, prog: PartProgress, store, gen: Tensors, head: dict
     (the commit thread works meanwhile)."""
     sink = BlockSink(out, prog, store, samples_per_shard, 1, _Quiet())
     with watch:
-        guide = [head[F.F_GUIDANCE] if e == 1 else head[F.F_GUIDANCE_2] for e in head[F.F_EXPERTS]]
+        guide = [head.guidance if e == 1 else head.guidance_2 for e in head.experts]
         try:
             for b, block in enumerate(blocks):
-                records = [StepRecord(step=k, timestep=head[F.F_TIMESTEPS][k], sigma=head[F.F_SIGMAS][k],
-                                      expert=head[F.F_EXPERTS][k], guidance=guide[k],
+                records = [StepRecord(step=k, timestep=head.timesteps[k], sigma=head.sigmas[k],
+                                      expert=head.experts[k], guidance=guide[k],
                                       x_t=torch.stack([gen.latent(p * steps + k) for p in block]),
                                       target=torch.stack([gen.latent(p * steps + k + 7) for p in block]))
                            for k in range(steps)]
@@ -298,8 +296,8 @@ def loader_files(cache: Path) -> list[Path]:
     from cache.manifest import load_manifest
 
     m = load_manifest(cache)
-    files = [cache / s[F.S_PATH] for s in m[F.F_SHARDS]]
-    for part in range(m[F.F_NUM_PARTS]):
+    files = [cache / s.path for s in m.shards]
+    for part in range(m.num_parts):
         store = prompt_store_path(cache, part)
         for name in (F.Z_EMBEDS, F.Z_SEQ_LENS, f"{F.Z_ROW_CRC32C}/{F.Z_EMBEDS}"):
             files += sorted(f for f in (store / name).rglob("*") if f.is_file())

@@ -54,18 +54,18 @@ def _compute_only(teacher: Path, cache: Path, args) -> float:
     spec = resolve_teacher(str(teacher))
     m = load_manifest(cache)
     dev = args.device
-    dtype = F.DTYPES[m[F.F_DTYPE]]
+    dtype = F.DTYPES[m.dtype]
     sched = load_scheduler(spec)
-    schedule = Schedule.build(sched, args.steps, spec.boundary_ratio, m[F.F_GUIDANCE], m[F.F_GUIDANCE_2])
-    experts = load_experts(spec, Placement("cpu" if dev.type == "cpu" else "cuda", dev, m[F.F_DTYPE]))
+    schedule = Schedule.build(sched, args.steps, spec.boundary_ratio, m.guidance, m.guidance_2)
+    experts = load_experts(spec, Placement("cpu" if dev.type == "cpu" else "cuda", dev, m.dtype))
     runner = TrajectoryRunner(experts, sched, schedule, args.steps, dtype, dev, spec.expand_timesteps)
-    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS], m[F.F_PROMPTS])
+    emb = EmbeddingCache(cache, m.num_parts, m.prompts)
     neg = load_file(cache / F.NEGATIVE)[F.NEG_EMBEDS].unsqueeze(0)
-    n = m[F.F_PROMPTS]
+    n = m.prompts
     blocks = []
     for i in range(0, n, args.batch_size):
         idx = list(range(i, min(i + args.batch_size, n)))
-        blocks.append((torch.stack([initial_noise(m[F.F_SEED], p, 0, m[F.F_LATENT_SHAPE]) for p in idx]),
+        blocks.append((torch.stack([initial_noise(m.seed, p, 0, m.latent_shape) for p in idx]),
                        torch.stack([emb.get(p) for p in idx]).to(dtype)))
     sync(dev)
     t0 = time.perf_counter()
@@ -118,10 +118,10 @@ def main(argv=None) -> list[dict]:
         # 6. cache size per sample vs a naive cache
         cache = work / "cache-0"
         m = load_manifest(cache)
-        ours = (m[F.F_BYTES] + _dir_bytes(cache / F.PARTS_DIR) + (cache / F.NEGATIVE).stat().st_size) / m[F.F_SAMPLES]
+        ours = (m.bytes + _dir_bytes(cache / F.PARTS_DIR) + (cache / F.NEGATIVE).stat().st_size) / m.samples
         naive = _naive(cache, work)
         results.append(result("cache_bytes_vs_naive", ours, naive, "bytes/sample", 0.25, "<=",
-                              note=f"max_sequence_length 512, text_dim {m[F.F_TEXT_DIM]}, float32"))
+                              note=f"max_sequence_length 512, text_dim {m.text_dim}, float32"))
         # 7. cost exponent of stage one in the prompt count (1 = linear)
         sizes = [max(1, args.scale_prompts // 4), max(2, args.scale_prompts // 2), args.scale_prompts]
         loops, walls = [], []
@@ -154,13 +154,13 @@ def _naive(cache: Path, work: Path, k: int = 64) -> float:
     from cache.reader import ShardStream, decode_sample
 
     m = load_manifest(cache)
-    emb = EmbeddingCache(cache, m[F.F_NUM_PARTS], m[F.F_PROMPTS])
+    emb = EmbeddingCache(cache, m.num_parts, m.prompts)
     out = work / "naive.tar"
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with open(out, "wb") as f:
         tar = wds.TarWriter(f, mtime=0, encoder=False)
-        for members in itertools.islice(ShardStream(cache, m[F.F_SHARDS][0]), k):
+        for members in itertools.islice(ShardStream(cache, m.shards[0]), k):
             tensors, meta = decode_sample(members)
             naive = {F.T_X_T: tensors[F.T_X_T].float(), F.T_TARGET: tensors[F.T_TARGET].float(),
                      "embeds": emb.get(meta[F.M_PROMPT_IDX]).float()}

@@ -145,7 +145,7 @@ def _cache_files(cache: Path) -> list[Path]:
 
 def raw_read(cache: Path, chunk: int = 1 << 20) -> tuple[float, int]:
     """Seconds to read every shard of `cache` sequentially (page cache dropped first), and the bytes read."""
-    shards = [cache / s[F.S_PATH] for s in load_manifest(cache)[F.F_SHARDS]]
+    shards = [cache / s.path for s in load_manifest(cache).shards]
     for s in shards:
         drop_page_cache(s)
     n = 0
@@ -247,7 +247,7 @@ def main(argv=None) -> list[dict]:
                              args.loader_height, args.loader_width, batch_size=4)
         lbench = StepBench(lcache, student, work / "out-loader", device, min(args.batch_size, 8), 0)
         ld = loader(lbench, args.reps)
-        shape = "x".join(map(str, load_manifest(lcache)[F.F_LATENT_SHAPE]))
+        shape = "x".join(map(str, load_manifest(lcache).latent_shape))
         results.append(result("loader_vs_consumption", ld["reader_sps"], ld["consume_sps"], "samples/s", 10.0, ">=",
                               note=f"one reader process vs the student's training rate (batch {lbench.cfg.batch_size}, "
                                    f"same cache; latents {shape} float32, {ld['bytes_per_sample'] / 1024:.0f} "

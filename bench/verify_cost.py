@@ -19,7 +19,6 @@ import torch
 
 from bench.common import drop_tree, tree_bytes
 from bench.real_size import write_cache
-from cache import format as F
 from cache.manifest import load_manifest
 from cache.reader import open_caches
 from pipeline.runtime import DistEnv
@@ -49,7 +48,7 @@ def main(argv=None) -> None:
     cache = work / "cache"
     try:
         write_cache(cache, args.prompts, args.steps)
-        shards = load_manifest(cache)[F.F_BYTES]
+        shards = load_manifest(cache).bytes
         total = tree_bytes(cache)
         for how, cold in (("checksum", True), ("size", True), ("checksum", False), ("checksum", True)):
             s = check_s(cache, how, cold)

@@ -218,11 +218,6 @@ class CacheHeader(Record):
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
     NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path")
 
-    @property
-    def steps_recorded(self) -> tuple[int, ...]:
-        """The teacher steps every trajectory records, ascending: `recorded_steps`, else every step."""
-        return tuple(self.recorded_steps) if self.recorded_steps is not None else tuple(range(self.steps))
-
     def settings(self) -> dict:
         """The header's JSON (a manifest's settings): what the fingerprint is taken over."""
         return self._json(f.name for f in fields(CacheHeader))

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "cache", "stages")
 # The modules that define the records: the only ones that read a record's JSON keys.
-RECORD_MODULES = {"cache/format.py", "cache/records.py", "cache/schema.py", "pipeline/artifact.py"}
+RECORD_MODULES = {"cache/format.py", "cache/records.py", "cache/part_progress.py", "cache/schema.py",
+                  "pipeline/artifact.py"}
 # The student-kind modules: the only ones that know compact from LoRA.
 STUDENT_KIND_MODULES = {"stages/train_student/student.py", "stages/train_student/lora_student.py",
                         "pipeline/lora_experts.py", "stages/sample/export_lora.py"}

@@ -81,7 +81,7 @@ def test_real_size_pieces(tmp_path):
     w = real_size.write_cache(cache, prompts=5, steps=2, batch_size=2, samples_per_shard=4)
     assert verify_cache(cache, progress=False) == []
     m = load_manifest(cache)
-    assert m["samples"] == 10 and m["latent_shape"] == list(real_size.LATENT_SHAPE) and len(m["shards"]) == 3
+    assert m.samples == 10 and m.latent_shape == list(real_size.LATENT_SHAPE) and len(m.shards) == 3
     assert w["bytes"] > w["shard_bytes"] > 10 * 2 * 2 * 16 * 60 * 104 and w["write_s"] > 0
     assert real_size.raw_write(tmp_path, 3 << 20, file_bytes=1 << 20) > 0 and not list(tmp_path.glob("raw-*"))
     dt, nbytes = real_size.raw_read(cache)

@@ -103,9 +103,9 @@ def _nan_in_sample(cache: Path) -> str:
             tensors[F.T_X_T] = tensors[F.T_X_T].clone()
             tensors[F.T_X_T].view(-1)[3] = float("nan")
         writer.write(key, tensors, meta)
-    new = writer.close()
-    m[F.F_BYTES] += new[F.S_BYTES] - rec[F.S_BYTES]
-    rec.update({F.S_BYTES: new[F.S_BYTES], F.S_CRC32C: new[F.S_CRC32C]})
+    new = writer.close(rec[F.S_BLOCKS])
+    m[F.F_BYTES] += new.bytes - rec[F.S_BYTES]
+    rec.update({F.S_BYTES: new.bytes, F.S_CRC32C: new.crc32c})
     (cache / F.MANIFEST).write_text(json.dumps(m, indent=2))
     return bad
 
