@@ -47,9 +47,6 @@ class PartProgress(Record):
         p.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(p, self.to_json())
 
-    def to_json(self) -> dict:
-        return super().to_json() | {"header": self.header.to_json()}
-
     @classmethod
     def problem(cls, obj, where: str = "") -> str | None:
         problem = super().problem(obj, where) or CacheHeader.problem(obj["header"], "its header: ")

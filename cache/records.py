@@ -151,7 +151,7 @@ class ShardRecord(Record):
     samples: int
     bytes: int
     crc32c: int  # of the shard's bytes (cache/checksum.py)
-    blocks: list[int] = field(default_factory=list)  # the part's trajectory blocks it holds
+    blocks: list[int]  # the part's trajectory blocks it holds
 
     @property
     def path_part(self) -> int:

@@ -109,7 +109,7 @@ def _progress(part, num_parts, fp="f" * 64, complete=True, shards=()):
 
 
 def test_manifest_waits_for_every_part_and_aggregates(tmp_path):
-    rec = ShardRecord(path="shards/part-00000-000000.tar", part=0, samples=4, bytes=100, crc32c=0)
+    rec = ShardRecord(path="shards/part-00000-000000.tar", part=0, samples=4, bytes=100, crc32c=0, blocks=[0])
     _progress(0, 2, shards=[rec]).save(tmp_path)
     assert try_write_manifest(tmp_path, 2) is None  # part 1 missing
     _progress(1, 2, complete=False).save(tmp_path)
