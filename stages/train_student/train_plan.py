@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from cache import format as F
 from cache.reader import open_caches
+from cache.records import Manifest
 from pipeline import lock
 from pipeline.artifact import RunLayout
 from pipeline.config import TrainStudentConfig
@@ -51,16 +51,16 @@ class TrainPlan:
     lora: lora_student.LoraSpec | None = None  # a LoRA student's teacher and adapters (--lora-of)
 
     @property
-    def manifest(self) -> dict:
+    def manifest(self) -> Manifest:
         return self.data.index.manifest
 
     @property
     def expand_timesteps(self) -> bool:
-        return bool(self.manifest.get(F.F_EXPAND_TIMESTEPS))
+        return self.manifest.expand_timesteps
 
     @property
     def patch(self) -> tuple[int, int, int]:
-        return tuple(self.manifest.get(F.F_PATCH_SIZE) or (1, 2, 2))
+        return tuple(self.manifest.patch_size)
 
 
 def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> TrainPlan:
