@@ -94,7 +94,7 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
                                 negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
                                 student_steps=steps)
     draw = student_sampler(student, model, settings, scheduler_from_config(manifest.scheduler),
-                           bool(manifest.get(F.F_EXPAND_TIMESTEPS, False)))
+                           manifest.expand_timesteps)
     return Entry(label, student, model, steps, guidance, draw)
 
 
@@ -144,7 +144,7 @@ def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: i
 
 def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> None:
     shape = manifest.latent_shape
-    check_compatible(student, in_channels=int(manifest.get(F.F_IN_CHANNELS, shape[0])),
+    check_compatible(student, in_channels=manifest.in_channels,
                      text_dim=int(manifest.text_dim), latent_hw=(shape[2], shape[3]),
                      expand_timesteps=manifest.expand_timesteps, against=f"cache {cache_dir}")
 
