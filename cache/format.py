@@ -1,4 +1,4 @@
-"""The on-disk cache format: every file, member, array and manifest name, defined once.
+"""The on-disk cache format: every file, member and array name, defined once (the JSON records' keys: records.py).
 
 Outside readers rely on these names: add new ones, never rename. See ARCHITECTURE.md, "The cache".
 """
@@ -70,66 +70,7 @@ P_MATRIX = "matrix"  # [teacher dim, feature_dim] float32
 NEG_EMBEDS = "embeds"
 NEG_SEQ_LEN = "seq_len"
 
-# manifest.json fields (the stable ones named in ARCHITECTURE.md, then additions).
-F_FORMAT_VERSION = "format_version"
-F_FINGERPRINT = "fingerprint"
-F_TEACHER = "teacher"
-F_DTYPE = "dtype"
-F_STEPS = "steps"
-F_TIMESTEPS = "timesteps"
-F_GUIDANCE = "guidance"
-F_GUIDANCE_2 = "guidance_2"
-F_BOUNDARY_RATIO = "boundary_ratio"
-F_HEIGHT = "height"
-F_WIDTH = "width"
-F_FRAMES = "frames"
-F_LATENT_SHAPE = "latent_shape"
-F_MAX_SEQUENCE_LENGTH = "max_sequence_length"
-F_NEGATIVE_PROMPT = "negative_prompt"
-F_SEEDS_PER_PROMPT = "seeds_per_prompt"
-F_SEED = "seed"
-F_PROMPTS = "prompts"
-F_SAMPLES = "samples"
-F_BYTES = "bytes"
-F_NUM_PARTS = "num_parts"
-F_SHARDS = "shards"
-# additions
-F_SIGMAS = "sigmas"
-F_EXPERTS = "experts"  # expert used at each step (1 = high-noise `transformer`, 2 = `transformer_2`)
-F_EXPAND_TIMESTEPS = "expand_timesteps"
-F_TEXT_DIM = "text_dim"
-F_IN_CHANNELS = "in_channels"
-F_PATCH_SIZE = "patch_size"
-F_SCHEDULER = "scheduler"
-F_PROMPT_SET_SHA256 = "prompt_set_sha256"
-F_PARTS = "parts"
-F_CREATED = "created"
-F_CFG = "cfg"  # whether targets are CFG-guided predictions (guidance > 1)
-F_SAVE_COND_UNCOND = "save_cond_uncond"
-F_TEACHER_PATH = "teacher_path"  # absolute local folder of the teacher when stage one ran
-F_REVISION = "revision"
-F_RECORD_FEATURES = "record_features"  # teacher block indices whose outputs are recorded (each expert's), or []
-F_FEATURE_DIM = "feature_dim"  # D of the fixed projection
-F_FEATURE_POOL = "feature_pool"  # "none" (one row per latent token) or "mean" (pooled over tokens)
-F_FEATURE_SEED = "feature_seed"  # seed of the projection matrix
-F_FEATURE_TOKENS = "feature_tokens"  # rows per recorded block: the teacher's latent tokens, or 1 when pooled
-F_FEATURE_PROJECTION_SHA256 = "feature_projection_sha256"
-F_SAMPLE_FIELDS = "sample_fields"  # tensors every sample carries (schema.py)
-F_TEACHER_IDENTITY = "teacher_identity"  # hashes of the teacher's configs and weight files (fingerprinted)
-F_NEGATIVE_SHA256 = "negative_sha256"  # sha256 of negative.safetensors
-# teacher-cache --record-steps N: the steps every trajectory records (sorted; absent: every step), and the settings
-# that chose them (absent without --record-steps, so caches of every step keep their fingerprint)
-F_RECORDED_STEPS = "recorded_steps"
-F_RECORD_STEPS = "record_steps"
-F_RECORD_SEED = "record_seed"
-F_KEEP_STEPS = "keep_steps"
-# shard records (in the manifest and in progress.json)
-S_PATH = "path"
-S_PART = "part"
-S_SAMPLES = "samples"
-S_BYTES = "bytes"
-S_CRC32C = "crc32c"  # of the shard's bytes (cache/checksum.py)
-S_BLOCKS = "blocks"  # the part's trajectory blocks the shard holds (lets a lost shard be recomputed alone)
+# The JSON records (manifest.json, progress.json, their shard records): cache/records.py, one field per key.
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

@@ -61,13 +61,13 @@ SAMPLE_FIELDS: dict[str, SampleField] = {f.name: f for f in (
     SampleField(F.T_X_T, "the noisy latent the teacher saw at this step", _latent),
     SampleField(F.T_TARGET, "the prediction the teacher's sampler used (CFG-guided when the cache's cfg is true)",
                 _latent),
-    SampleField(F.T_TARGET_COND, "the teacher's conditional prediction", _latent, when=F.F_SAVE_COND_UNCOND,
+    SampleField(F.T_TARGET_COND, "the teacher's conditional prediction", _latent, when="save_cond_uncond",
                 recorded_by="teacher-cache --save-cond-uncond"),
-    SampleField(F.T_TARGET_UNCOND, "the teacher's unconditional prediction", _latent, when=F.F_SAVE_COND_UNCOND,
+    SampleField(F.T_TARGET_UNCOND, "the teacher's unconditional prediction", _latent, when="save_cond_uncond",
                 recorded_by="teacher-cache --save-cond-uncond"),
     SampleField(F.T_FEATURES, "the conditional branch's hidden states after each recorded teacher block (of the "
                 "expert that ran the step), times the cache's fixed projection: [blocks, tokens or 1, feature_dim]",
-                _features, when=F.F_RECORD_FEATURES, recorded_by="teacher-cache --record-features BLOCKS"),
+                _features, when="record_features", recorded_by="teacher-cache --record-features BLOCKS"),
 )}
 
 META_FIELDS: dict[str, MetaField] = {f.name: f for f in (
@@ -174,5 +174,5 @@ def meta_problems(key: str, meta: Mapping, manifest: CacheHeader, identity: bool
     recorded = manifest.recorded_steps
     if not problems and recorded is not None and meta[F.M_STEP] not in recorded:
         problems.append(f"sample {key} is of step {meta[F.M_STEP]}, which the cache does not record (its "
-                        f"{F.F_RECORDED_STEPS}: {','.join(map(str, recorded))})")
+                        f"recorded_steps: {','.join(map(str, recorded))})")
     return problems

@@ -14,9 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cache.format import (
-    F_BYTES, F_NUM_PARTS, F_SAMPLES, MANIFEST, PARTS_DIR,
-)
+from cache.format import MANIFEST, PARTS_DIR
 from cache.part_progress import PartProgress, list_parts
 from cache.schema import recorded_steps
 from cache.size import human
@@ -136,9 +134,9 @@ def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
     if (cache_dir / MANIFEST).exists() or not (cache_dir / PARTS_DIR).is_dir():
         return None
     num_parts, statuses = parts_status(cache_dir)
-    return {"cache": str(cache_dir), "finished": False, F_NUM_PARTS: num_parts,
+    return {"cache": str(cache_dir), "finished": False, "num_parts": num_parts,
             "parts_finished": sum(s.state == FINISHED for s in statuses),
-            F_SAMPLES: sum(s.samples for s in statuses), F_BYTES: sum(s.bytes for s in statuses),
+            "samples": sum(s.samples for s in statuses), "bytes": sum(s.bytes for s in statuses),
             "parts": [asdict(s) | {"eta_s": eta_s(cache_dir, s)} for s in statuses],
             "to_finish": to_finish(num_parts, statuses)}
 
@@ -172,8 +170,8 @@ def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
 
 def lines(info: dict) -> list[str]:
     """`summarize_unfinished`'s dict in words: a head line, a line per part, then how to finish it."""
-    out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info[F_NUM_PARTS]} part(s) finished, "
-           f"{info[F_SAMPLES]} samples ({human(info[F_BYTES])}) so far"]
+    out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info['num_parts']} part(s) finished, "
+           f"{info['samples']} samples ({human(info['bytes'])}) so far"]
     for part in info["parts"]:
         part = dict(part)
         eta = part.pop("eta_s")

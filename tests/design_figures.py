@@ -41,9 +41,11 @@ def lines(src: dict[str, str]) -> int:
 
 def _field_names() -> set[str]:
     sys.path.insert(0, str(ROOT))
-    from cache import format as F  # the one table of the cache's names
+    from dataclasses import fields
 
-    return {v for k, v in vars(F).items() if k[:2] in ("F_", "S_") and isinstance(v, str)}
+    from cache import records  # the cache's JSON records, one field per key
+
+    return {f.name for r in (records.Manifest, records.ShardRecord, records.PartEntry) for f in fields(r)}
 
 
 def _is_field_key(node: ast.AST, fields: set[str]) -> bool:

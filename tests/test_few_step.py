@@ -118,7 +118,7 @@ def test_a_cache_without_the_needed_states_is_refused_in_one_line(tiny_cache, tm
     # a cache that does not record its sigmas
     m = json.loads((broken / F.MANIFEST).read_text())
     shutil.copytree(tiny_cache / F.PARTS_DIR, broken / F.PARTS_DIR, dirs_exist_ok=True)
-    del m[F.F_SIGMAS]
+    del m["sigmas"]
     (broken / F.MANIFEST).write_text(json.dumps(m))
     line = _one_line_error(base + ["--cache", str(broken), "--out", str(tmp_path / "d"), "--student-steps", "2"])
     assert "sigma" in line

@@ -60,7 +60,7 @@ def test_a_tar_member_claiming_a_petabyte_is_refused_not_skipped_for_ever(cache_
     data[148:156] = b" " * 8
     data[148:156] = b"%06o\0 " % sum(data[:512])
     shard.write_bytes(bytes(data))
-    _edit(cache_copy / F.MANIFEST, lambda m: m[F.F_SHARDS][0].update({F.S_CRC32C: crc32c(bytes(data))}))
+    _edit(cache_copy / F.MANIFEST, lambda m: m["shards"][0].update({"crc32c": crc32c(bytes(data))}))
     for checksum in (True, False):
         with pytest.raises(ShardError, match=f"{shard.name}.*past the shard's"):
             scan_shard(cache_copy, dataclasses.replace(rec, crc32c=crc32c(bytes(data))), checksum=checksum)
@@ -89,12 +89,12 @@ def test_a_billion_parts_are_refused_before_anything_is_counted(cache_copy):
 
 
 @pytest.mark.parametrize("what,edit,needle", [
-    ("shard bytes a string", lambda m: m[F.F_SHARDS][0].update({F.S_BYTES: "lots"}), "'bytes' is 'lots'"),
-    ("samples missing", lambda m: m.pop(F.F_SAMPLES), "lacks the field 'samples'"),
-    ("prompts a string", lambda m: m.update({F.F_PROMPTS: "235"}), "'prompts' is '235'"),
-    ("shards an object", lambda m: m.update({F.F_SHARDS: {}}), "'shards' is {}"),
-    ("latent_shape negative", lambda m: m.update({F.F_LATENT_SHAPE: [16, -1, 8, 8]}), "'latent_shape'"),
-    ("a shard of another name", lambda m: m[F.F_SHARDS][0].update({F.S_PATH: "shards/x.tar"}),
+    ("shard bytes a string", lambda m: m["shards"][0].update({"bytes": "lots"}), "'bytes' is 'lots'"),
+    ("samples missing", lambda m: m.pop("samples"), "lacks the field 'samples'"),
+    ("prompts a string", lambda m: m.update({"prompts": "235"}), "'prompts' is '235'"),
+    ("shards an object", lambda m: m.update({"shards": {}}), "'shards' is {}"),
+    ("latent_shape negative", lambda m: m.update({"latent_shape": [16, -1, 8, 8]}), "'latent_shape'"),
+    ("a shard of another name", lambda m: m["shards"][0].update({"path": "shards/x.tar"}),
      "not of the form shards/part-PPPPP-SSSSSS.tar"),
 ])
 def test_malformed_manifest_fields_are_one_line(cache_copy, what, edit, needle):
@@ -109,7 +109,7 @@ def test_malformed_manifest_fields_are_one_line(cache_copy, what, edit, needle):
     (lambda d: d.update(done_blocks=5), "'done_blocks' is 5"),
     (lambda d: d.update(done_blocks=[10**6]), "'done_blocks' lists blocks past"),
     (lambda d: d.pop("header"), "lacks the field 'header'"),
-    (lambda d: d["header"].update({F.F_SEEDS_PER_PROMPT: 10**9}), "its header: its field 'seeds_per_prompt'"),
+    (lambda d: d["header"].update({"seeds_per_prompt": 10**9}), "its header: its field 'seeds_per_prompt'"),
     (lambda d: d.update(evil=1), "unknown field 'evil'"),
 ])
 def test_malformed_progress_fields_are_one_line(cache_copy, edit, needle):
@@ -168,8 +168,8 @@ def test_a_progress_record_naming_a_file_outside_as_a_shard_is_refused(cache_cop
     """D15: stage one read a progress record's shard paths as it found them (and said "cache complete" over
     /etc/hostname); the same check as the manifest's refuses one that is not a shard of that part."""
     _unfinished(cache_copy)
-    _edit(cache_copy / PROGRESS, lambda d: d[F.F_SHARDS].append(
-        {F.S_PATH: path, F.S_PART: 0, F.S_SAMPLES: 4, F.S_BYTES: 10, F.S_CRC32C: 0, F.S_BLOCKS: [0]}))
+    _edit(cache_copy / PROGRESS, lambda d: d["shards"].append(
+        {"path": path, "part": 0, "samples": 4, "bytes": 10, "crc32c": 0, "blocks": [0]}))
     _one_line(_info(cache_copy), PROGRESS, f"shard path {path!r}")
 
 

@@ -194,7 +194,7 @@ def test_a_one_shard_part_ends_its_bar_on_the_bytes_written():
     bar = progress_bar(total=24, desc="teacher-cache part 0", unit="sample", file=log)
     progress = StageOneProgress(bar, part=0, steps=8, seeds=1, cache_samples=24, shards=[])
     progress.block(24)  # the part's one block, then its one shard closes
-    progress.shard({F.S_PATH: "shards/part-00000-000000.tar", F.S_SAMPLES: 24, F.S_BYTES: 256_000})
+    progress.shard({"path": "shards/part-00000-000000.tar", "samples": 24, "bytes": 256_000})
     bar.close()
     last = log.getvalue().splitlines()[-1]
     assert "24/24" in last and "written=250.0 KiB" in last and "cache=~250.0 KiB]" in last, last

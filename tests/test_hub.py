@@ -134,7 +134,7 @@ def test_every_command_that_names_a_teacher_takes_its_hub_id(offline, prompts_fi
                *tiny)
     assert r.exit_code == 0, r.output
     manifest = json.loads((cache / F.MANIFEST).read_text())
-    assert manifest[F.F_TEACHER] == TINY_ID and manifest[F.F_TEACHER_PATH].endswith(MAIN)
+    assert manifest["teacher"] == TINY_ID and manifest["teacher_path"].endswith(MAIN)
     r = invoke("train-student", "--cache", cache, "--student-config", STUDENT, "--out", run, "--max-steps", "2",
                "--batch-size", "4", "--num-workers", "0", "--device", "cpu", "--init-from-teacher", TINY_ID,
                "--revision", "main", "--holdout-prompts", "1")

@@ -41,7 +41,7 @@ def cache_copy(tiny_cache, tmp_path) -> Path:
 def _streamed(cache_dir: Path) -> dict[str, tuple[dict, dict]]:
     """Every sample as webdataset's streaming reader sees it."""
     m = json.loads((cache_dir / F.MANIFEST).read_text())
-    urls = [str(cache_dir / s[F.S_PATH]) for s in m[F.F_SHARDS]]
+    urls = [str(cache_dir / s["path"]) for s in m["shards"]]
     out = {}
     for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
         out[s["__key__"]] = decode_sample({F.EXT_TENSORS: s[F.EXT_TENSORS], F.EXT_META: s[F.EXT_META]})
@@ -53,7 +53,7 @@ def test_index_reads_every_sample_as_webdataset_does(tiny_cache, checksum):
     index = build_index([tiny_cache], checksum)
     streamed = _streamed(tiny_cache)
     m = json.loads((tiny_cache / F.MANIFEST).read_text())
-    assert len(index) == m[F.F_SAMPLES] == len(streamed) == 28
+    assert len(index) == m["samples"] == len(streamed) == 28
     reader = SampleReader(index, max_open=1)  # forces reopening: descriptors are evicted and reopened
     for row in reversed(range(len(index))):  # random access, not stream order
         tensors, meta = reader.read(row)
@@ -134,11 +134,11 @@ def test_open_caches_refuses_missing_empty_twice_and_mixed(tiny_cache, cache_cop
         open_caches([tiny_cache, Path(str(tiny_cache) + "/.")])
     other = Path(shutil.copytree(tiny_cache, tmp_path / "other"))
     m = json.loads((other / F.MANIFEST).read_text())
-    m[F.F_FINGERPRINT] = "0" * 64
+    m["fingerprint"] = "0" * 64
     (other / F.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(CacheError, match="different settings"):
         open_caches([tiny_cache, other])
-    m.update({F.F_SHARDS: [], F.F_SAMPLES: 0})
+    m.update({"shards": [], "samples": 0})
     (other / F.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(CacheError, match="holds no samples"):
         open_caches([other])

@@ -166,7 +166,7 @@ def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
     from cache import format as F
 
     ours, cpu = (json.loads((c / F.MANIFEST).read_text()) for c in (cache, tiny_cache))
-    assert ours[F.F_FINGERPRINT] == cpu[F.F_FINGERPRINT] and ours[F.F_SAMPLES] == cpu[F.F_SAMPLES]  # the cpu cache
+    assert ours["fingerprint"] == cpu["fingerprint"] and ours["samples"] == cpu["samples"]  # the cpu cache
 
     resolved = json.loads((cache / F.PARTS_DIR / F.part_dirname(0) / F.RESOLVED_CONFIG).read_text())
     assert resolved["placement"] == "toy"

@@ -89,13 +89,13 @@ def _nan_in_sample(cache: Path) -> str:
     """Rewrite the cache's first shard with NaN in x_t of its second sample, recorded as if stage one wrote it (the
     shard's size and checksum in the manifest): what a teacher that overflowed would leave. Returns the key."""
     m = json.loads((cache / F.MANIFEST).read_text())
-    rec = m[F.F_SHARDS][0]
+    rec = m["shards"][0]
     samples: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(cache / rec[F.S_PATH]) as tar:
+    with tarfile.open(cache / rec["path"]) as tar:
         for info in tar:
             key, _, ext = info.name.partition(".")
             samples.setdefault(key, {})[ext] = tar.extractfile(info).read()
-    writer = ShardWriter(cache, rec[F.S_PART], int(Path(rec[F.S_PATH]).stem.rsplit("-", 1)[1]))
+    writer = ShardWriter(cache, rec["part"], int(Path(rec["path"]).stem.rsplit("-", 1)[1]))
     bad = list(samples)[1]
     for key, members in samples.items():
         tensors, meta = decode_sample(members)
@@ -103,9 +103,9 @@ def _nan_in_sample(cache: Path) -> str:
             tensors[F.T_X_T] = tensors[F.T_X_T].clone()
             tensors[F.T_X_T].view(-1)[3] = float("nan")
         writer.write(key, tensors, meta)
-    new = writer.close(rec[F.S_BLOCKS])
-    m[F.F_BYTES] += new.bytes - rec[F.S_BYTES]
-    rec.update({F.S_BYTES: new.bytes, F.S_CRC32C: new.crc32c})
+    new = writer.close(rec["blocks"])
+    m["bytes"] += new.bytes - rec["bytes"]
+    rec.update({"bytes": new.bytes, "crc32c": new.crc32c})
     (cache / F.MANIFEST).write_text(json.dumps(m, indent=2))
     return bad
 
@@ -148,7 +148,7 @@ def test_student_rotary_table_smaller_than_the_cache(tiny_cache, tmp_path):
     failed in its first forward; refused with the figure before training starts."""
     cfg = json.loads(Path(TINY).read_text()) | {"rope_max_seq_len": 1}
     manifest = json.loads((tiny_cache / F.MANIFEST).read_text())
-    c, f, h, w = manifest[F.F_LATENT_SHAPE]
+    c, f, h, w = manifest["latent_shape"]
     _, ph, pw = cfg["patch_size"]
     assert max(h // ph, w // pw) > 1
     path = tmp_path / "student.json"
@@ -195,7 +195,7 @@ def _unfinished(cache: Path) -> None:
     """As a killed stage one leaves it: no manifest, the last shard gone (its blocks run again on resume)."""
     m = json.loads((cache / F.MANIFEST).read_text())
     (cache / F.MANIFEST).unlink()
-    (cache / m[F.F_SHARDS][-1][F.S_PATH]).unlink()
+    (cache / m["shards"][-1]["path"]).unlink()
 
 
 def _resume(teacher: Path, prompts: Path, cache: Path):
@@ -225,8 +225,8 @@ def test_resume_refuses_a_damaged_prompt_store_and_the_remedy_works(tiny_teacher
              "--overwrite")
     shutil.rmtree(part_dir)  # the remedy: that part is computed again, equal to the reference
     assert _resume(tiny_teacher, prompts_file, cache_copy).exit_code == 0
-    want = {s[F.S_PATH]: s[F.S_CRC32C] for s in json.loads((tiny_cache / F.MANIFEST).read_text())[F.F_SHARDS]}
-    got = {s[F.S_PATH]: s[F.S_CRC32C] for s in json.loads((cache_copy / F.MANIFEST).read_text())[F.F_SHARDS]}
+    want = {s["path"]: s["crc32c"] for s in json.loads((tiny_cache / F.MANIFEST).read_text())["shards"]}
+    got = {s["path"]: s["crc32c"] for s in json.loads((cache_copy / F.MANIFEST).read_text())["shards"]}
     assert got == want
 
 
@@ -261,7 +261,7 @@ def test_eval_refuses_a_manifest_edited_after_stage_one(cache_copy, tmp_path):
 
     build_student(load_student_config(TINY), TINY, 0).save_pretrained(tmp_path / "student")
     m = json.loads((cache_copy / F.MANIFEST).read_text())
-    m[F.F_GUIDANCE] = 7.5
+    m["guidance"] = 7.5
     (cache_copy / F.MANIFEST).write_text(json.dumps(m, indent=2))
     one_line(_cli("eval", "--student", tmp_path / "student", "--cache", cache_copy, "--no-teacher-timing"),
              "no longer hash to its fingerprint", "guidance is 7.5 there")
@@ -271,7 +271,7 @@ def test_eval_refuses_a_manifest_edited_after_stage_one(cache_copy, tmp_path):
 def test_verify_refuses_a_manifest_without_negative_sha256(cache_copy):
     """This format records the negative prompt's sha256: a manifest without it (edited) is named, not noted."""
     m = json.loads((cache_copy / F.MANIFEST).read_text())
-    del m[F.F_NEGATIVE_SHA256]
+    del m["negative_sha256"]
     (cache_copy / F.MANIFEST).write_text(json.dumps(m, indent=2))
     r = _cli("cache", "verify", cache_copy)
     assert r.exit_code == 1 and not [ln for ln in r.stdout.splitlines() if ln.startswith("NOTE ")]

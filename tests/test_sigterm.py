@@ -98,7 +98,7 @@ def test_stage_one_records_the_finished_blocks_exits_143_and_the_rerun_equals_th
                              "command to resume"], r.describe()
     assert "Traceback" not in r.err
     prog = read_progress(out)[0]
-    assert prog["done_blocks"] == [0] and [s[F.S_SAMPLES] for s in prog["shards"]] == [12]  # a shorter shard
+    assert prog["done_blocks"] == [0] and [s["samples"] for s in prog["shards"]] == [12]  # a shorter shard
     assert not temp_files(out) and not (out / F.MANIFEST).exists()
 
     again = run_cli(argv(out))

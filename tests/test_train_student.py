@@ -78,7 +78,7 @@ def test_config_rejects_bad_values():
 @pytest.fixture
 def corrupt_cache(tiny_cache, tmp_path) -> tuple[Path, str]:
     cache = Path(shutil.copytree(tiny_cache, tmp_path / "corrupt"))
-    rel = json.loads((cache / F.MANIFEST).read_text())[F.F_SHARDS][-1][F.S_PATH]
+    rel = json.loads((cache / F.MANIFEST).read_text())["shards"][-1]["path"]
     data = bytearray((cache / rel).read_bytes())
     data[700] ^= 0xFF
     (cache / rel).write_bytes(bytes(data))
@@ -93,7 +93,7 @@ def test_bad_inputs_end_in_one_line_and_exit_2(tiny_cache, corrupt_cache, tmp_pa
     wide_cfg.write_text(json.dumps(wide))
     other = Path(shutil.copytree(tiny_cache, tmp_path / "other"))
     m = json.loads((other / F.MANIFEST).read_text())
-    (other / F.MANIFEST).write_text(json.dumps(m | {F.F_FINGERPRINT: "f" * 64}))
+    (other / F.MANIFEST).write_text(json.dumps(m | {"fingerprint": "f" * 64}))
     corrupt, rel = corrupt_cache
     base = ["--student-config", TINY, "--num-workers", "0"]
     cases = [
@@ -108,7 +108,7 @@ def test_bad_inputs_end_in_one_line_and_exit_2(tiny_cache, corrupt_cache, tmp_pa
         (["--cache", str(tiny_cache), "--mixed-precision", "fp16", "--device", "cpu"] + base, "fp16 needs CUDA"),
     ]
     m_corrupt = json.loads((corrupt / F.MANIFEST).read_text())
-    assert m_corrupt[F.F_FINGERPRINT] == m[F.F_FINGERPRINT]  # so the mixed case really tests fingerprints
+    assert m_corrupt["fingerprint"] == m["fingerprint"]  # so the mixed case really tests fingerprints
     cases[6] = (["--cache", str(other), "--cache", str(tiny_cache)] + base, "different settings")
     for i, (args, needle) in enumerate(cases):
         result = invoke(*args, "--out", str(tmp_path / f"out{i}"))
@@ -191,9 +191,9 @@ def test_cli_end_to_end_writes_a_loadable_student(tiny_cache, tiny_teacher, tmp_
     assert ema.config.num_layers == 1
     d = json.loads((out / "distill.json").read_text())
     m = json.loads((tiny_cache / F.MANIFEST).read_text())
-    assert d["fingerprints"] == [m[F.F_FINGERPRINT]] and d["cfg"] is True and d["guidance"] == 4.0
+    assert d["fingerprints"] == [m["fingerprint"]] and d["cfg"] is True and d["guidance"] == 4.0
     assert d["max_sequence_length"] == 32 and d["expand_timesteps"] is False and d["latent_shape"] == [16, 1, 8, 8]
-    assert d["teacher"] == m[F.F_TEACHER] and d["train_steps"] == [0, 1, 3] and len(d["heldout_prompts"]) == 1
+    assert d["teacher"] == m["teacher"] and d["train_steps"] == [0, 1, 3] and len(d["heldout_prompts"]) == 1
     assert d["student_ema"] == "student_ema" and d["optimizer_steps"] == 7
     assert d["init_from_teacher"] == str(tiny_teacher) and d["init_seed"] == 0
     cfg = json.loads((out / "config.json").read_text())

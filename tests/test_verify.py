@@ -25,7 +25,7 @@ def _verify(path):
 
 def _first_shard(cache):
     m = json.loads((cache / F.MANIFEST).read_text())
-    return cache / m[F.F_SHARDS][0][F.S_PATH], m[F.F_SHARDS][0][F.S_PATH]
+    return cache / m["shards"][0]["path"], m["shards"][0]["path"]
 
 
 def test_sound_cache_verifies(tiny_cache):
@@ -66,7 +66,7 @@ def test_deleted_shard_and_missing_negative(cache_copy):
 
 def test_manifest_edited_by_hand(cache_copy):
     m = json.loads((cache_copy / F.MANIFEST).read_text())
-    m[F.F_SHARDS][1][F.S_SAMPLES] += 1
+    m["shards"][1]["samples"] += 1
     (cache_copy / F.MANIFEST).write_text(json.dumps(m))
     r = _verify(cache_copy)
     assert r.exit_code == 1 and "manifest says" in r.output

@@ -152,7 +152,7 @@ def test_a_cache_of_an_older_format_is_refused_in_one_line(cache_copy, tmp_path,
     """Format 1 (before this version's bytes): refused whole, by every reader and by a resume, never read in part."""
     path = cache_copy / (F.MANIFEST if record == "manifest" else f"{F.PARTS_DIR}/{F.part_dirname(0)}/{F.PROGRESS}")
     rec = json.loads(path.read_text())
-    rec[F.F_FORMAT_VERSION] = 1
+    rec["format_version"] = 1
     path.write_text(json.dumps(rec))
     said = "written by an older wandistiller (format 1); rebuild it with teacher-cache"
     if record == "manifest":
@@ -183,7 +183,7 @@ def test_flipped_byte_in_the_negative_prompt(cache_copy, tmp_path):
 # -- the manifest --------------------------------------------------------------------------------------
 
 def test_edited_guidance_no_longer_hashes_to_the_fingerprint(cache_copy, tmp_path):
-    _edit_manifest(cache_copy, lambda m: m.update({F.F_GUIDANCE: 7.5}))
+    _edit_manifest(cache_copy, lambda m: m.update({"guidance": 7.5}))
     r = _verify(cache_copy)
     assert r.exit_code == 1 and "its settings no longer hash to its fingerprint" in r.output
     assert "guidance is 7.5 there, 4.0 in parts/part-00000/progress.json" in r.output
@@ -193,10 +193,10 @@ def test_edited_guidance_no_longer_hashes_to_the_fingerprint(cache_copy, tmp_pat
 
 
 def test_a_field_edited_in_both_manifest_and_progress_record_names_the_field_set(cache_copy):
-    _edit_manifest(cache_copy, lambda m: m.update({F.F_STEPS: 9}))
+    _edit_manifest(cache_copy, lambda m: m.update({"steps": 9}))
     prog = cache_copy / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS
     rec = json.loads(prog.read_text())
-    rec["header"][F.F_STEPS] = 9
+    rec["header"]["steps"] = 9
     prog.write_text(json.dumps(rec))
     r = _verify(cache_copy)
     assert r.exit_code == 1 and "fingerprinted settings: boundary_ratio, cfg," in r.output and "--overwrite" in r.output
@@ -207,7 +207,7 @@ def test_the_fingerprint_hashes_the_header_less_where_the_teacher_was_found(tiny
     less the teacher's name, revision and folder; every other field of the manifest is the manifest's own."""
     m = load_manifest(tiny_cache)
     header = json.loads((tiny_cache / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS).read_text())["header"]
-    not_hashed = (F.F_TEACHER, F.F_REVISION, F.F_TEACHER_PATH)
+    not_hashed = ("teacher", "revision", "teacher_path")
     assert m.fingerprint == fingerprint({k: v for k, v in header.items() if k not in not_hashed})
     assert set(CacheHeader.NOT_FINGERPRINTED) == set(not_hashed) and m.header().to_json() == header
     own = set(m.to_json()) - set(header)
@@ -219,7 +219,7 @@ def test_shard_paths_outside_the_cache_are_refused(cache_copy, tmp_path, bad):
     rel = load_manifest(cache_copy).shards[0].path
     if not bad.startswith("/"):  # the same bytes outside: without the check it would verify and train
         shutil.copy(cache_copy / rel, (cache_copy / bad).resolve())
-    _edit_manifest(cache_copy, lambda m: m[F.F_SHARDS][0].update({F.S_PATH: bad}))
+    _edit_manifest(cache_copy, lambda m: m["shards"][0].update({"path": bad}))
     needle = f"shard path {bad!r} is outside the cache folder"
     with pytest.raises(CacheError, match="outside the cache folder"):
         open_caches([cache_copy])

@@ -40,7 +40,7 @@ _PART_DIR = re.compile(r"part-\d{5,}")
 _PART_LOCK = re.compile(r"part-\d{5,}\.lock")
 _SHARD = re.compile(r"part-\d{5,}-\d{6,}\.tar")
 # The fields that make a JSON file one of ours (any format version: an older cache is still ours to --overwrite).
-_MANIFEST_KEYS = {F.F_FINGERPRINT, F.F_SHARDS}
+_MANIFEST_KEYS = {"fingerprint", "shards"}
 _PROGRESS_KEYS = {"part", "num_parts", "fingerprint", "done_blocks"}
 _CONFIG_KEYS = {"teacher", "prompts", "out", "steps", "seeds_per_prompt"}
 

@@ -76,7 +76,7 @@ class Segment(Objective):
                             f"from 1 to {steps} (a divisor of {steps} reproduces the schedule exactly)")
         if not (isinstance(sigmas, list) and len(sigmas) == steps):
             raise UserError(f"--objective segment needs every state's sigma, and the cache {cache} does not record "
-                            f"them ({F.F_SIGMAS} in its manifest); rebuild it with this version's teacher-cache")
+                            f"them (sigmas in its manifest); rebuild it with this version's teacher-cache")
         if not is_flow_matching(sched):
             raise UserError(f"--objective segment needs a flow-matching teacher schedule; the cache {cache} was "
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")

@@ -66,13 +66,13 @@ def read_progress(cache: Path) -> dict[int, dict]:
 
 
 def shard_record_problems(cache: Path, rec: dict) -> list[str]:
-    path = cache / rec[F.S_PATH]
+    path = cache / rec["path"]
     if not path.is_file():
-        return [f"{rec[F.S_PATH]} is listed but missing"]
-    if path.stat().st_size != rec[F.S_BYTES]:
-        return [f"{rec[F.S_PATH]} is listed with {rec[F.S_BYTES]} bytes but has {path.stat().st_size} (partial)"]
-    if crc32c(path.read_bytes()) != rec[F.S_CRC32C]:
-        return [f"{rec[F.S_PATH]} is listed but its crc32c differs (torn or rewritten)"]
+        return [f"{rec['path']} is listed but missing"]
+    if path.stat().st_size != rec["bytes"]:
+        return [f"{rec['path']} is listed with {rec['bytes']} bytes but has {path.stat().st_size} (partial)"]
+    if crc32c(path.read_bytes()) != rec["crc32c"]:
+        return [f"{rec['path']} is listed but its crc32c differs (torn or rewritten)"]
     return []
 
 
@@ -95,20 +95,20 @@ def manifest_problems(cache: Path) -> list[str]:
     if m is None:
         return [f"no {F.MANIFEST}"]
     problems = []
-    listed = [s[F.S_PATH] for s in m[F.F_SHARDS]]
+    listed = [s["path"] for s in m["shards"]]
     on_disk = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache / F.SHARDS_DIR).iterdir())
     if sorted(listed) != on_disk:
         unlisted, missing = sorted(set(on_disk) - set(listed)), sorted(set(listed) - set(on_disk))
         problems.append(f"manifest lists {len(listed)} shards, {len(on_disk)} files in {F.SHARDS_DIR}/ "
                         f"(unlisted: {unlisted}, missing: {missing})")
-    for rec in m[F.F_SHARDS]:
+    for rec in m["shards"]:
         problems += shard_record_problems(cache, rec)
-    total = sum(s[F.S_SAMPLES] for s in m[F.F_SHARDS])
-    expected = m[F.F_PROMPTS] * m[F.F_SEEDS_PER_PROMPT] * m[F.F_STEPS]
-    if not total == m[F.F_SAMPLES] == expected:
-        problems.append(f"manifest: samples {m[F.F_SAMPLES]}, its shards hold {total}, expected {expected}")
+    total = sum(s["samples"] for s in m["shards"])
+    expected = m["prompts"] * m["seeds_per_prompt"] * m["steps"]
+    if not total == m["samples"] == expected:
+        problems.append(f"manifest: samples {m['samples']}, its shards hold {total}, expected {expected}")
     prog = read_progress(cache)
-    from_parts = sorted(s[F.S_PATH] for p in prog.values() for s in p["shards"])
+    from_parts = sorted(s["path"] for p in prog.values() for s in p["shards"])
     if from_parts != sorted(listed):
         problems.append("manifest and progress records list different shards")
     return problems
@@ -124,23 +124,23 @@ def read_samples(cache: Path, problems: list[str] | None = None) -> tuple[dict[s
         if problems is not None:
             problems.append(f"no {F.MANIFEST}: no sample can be read")
         return out, dup
-    for rec in m[F.F_SHARDS]:
+    for rec in m["shards"]:
         members: dict[str, dict[str, bytes]] = {}
         try:
-            with tarfile.open(cache / rec[F.S_PATH]) as tar:
+            with tarfile.open(cache / rec["path"]) as tar:
                 for info in tar:
                     key, _, ext = info.name.partition(".")
                     members.setdefault(key, {})[ext] = tar.extractfile(info).read()
         except (OSError, tarfile.TarError) as e:
             if problems is not None:
-                problems.append(f"{rec[F.S_PATH]} is unreadable ({e})")
+                problems.append(f"{rec['path']} is unreadable ({e})")
             continue
         for key, mem in members.items():
             try:
                 sample = (st_load_np(mem[F.EXT_TENSORS]), json.loads(mem[F.EXT_META]))
             except Exception as e:  # noqa: BLE001 - any member that does not decode is a lost sample
                 if problems is not None:
-                    problems.append(f"{rec[F.S_PATH]}: sample {key} does not decode ({type(e).__name__})")
+                    problems.append(f"{rec['path']}: sample {key} does not decode ({type(e).__name__})")
                 continue
             dup += key in out
             out[key] = sample

@@ -37,7 +37,7 @@ def _edit_manifest(cache: Path, edit: Callable[[dict], None]) -> None:
 
 
 def _shard(cache: Path, i: int) -> tuple[Path, str]:
-    rel = _manifest(cache)[F.F_SHARDS][i][F.S_PATH]
+    rel = _manifest(cache)["shards"][i]["path"]
     return cache / rel, rel
 
 
@@ -46,9 +46,9 @@ def _rerecord(cache: Path, rel: str) -> None:
     path = cache / rel
 
     def edit(m):
-        for s in m[F.F_SHARDS]:
-            if s[F.S_PATH] == rel:
-                s[F.S_BYTES], s[F.S_CRC32C] = path.stat().st_size, crc32c(path.read_bytes())
+        for s in m["shards"]:
+            if s["path"] == rel:
+                s["bytes"], s["crc32c"] = path.stat().st_size, crc32c(path.read_bytes())
 
     _edit_manifest(cache, edit)
 
@@ -139,8 +139,8 @@ def shard_record_dropped(cache: Path):
     _, rel = _shard(cache, 8)
 
     def edit(m):
-        m[F.F_SHARDS] = [s for s in m[F.F_SHARDS] if s[F.S_PATH] != rel]
-        m[F.F_SAMPLES] = sum(s[F.S_SAMPLES] for s in m[F.F_SHARDS])
+        m["shards"] = [s for s in m["shards"] if s["path"] != rel]
+        m["samples"] = sum(s["samples"] for s in m["shards"])
 
     _edit_manifest(cache, edit)
     return ["the cache is incomplete"], [rel], RERUN
@@ -150,8 +150,8 @@ def shard_listed_twice(cache: Path):
     _, rel = _shard(cache, 9)
 
     def edit(m):
-        m[F.F_SHARDS].append(dict(next(s for s in m[F.F_SHARDS] if s[F.S_PATH] == rel)))
-        m[F.F_SAMPLES] = sum(s[F.S_SAMPLES] for s in m[F.F_SHARDS])
+        m["shards"].append(dict(next(s for s in m["shards"] if s["path"] == rel)))
+        m["samples"] = sum(s["samples"] for s in m["shards"])
 
     _edit_manifest(cache, edit)
     return [f"BAD {rel}: sample", "appears in more than one place"], [rel], RERUN
@@ -159,13 +159,13 @@ def shard_listed_twice(cache: Path):
 
 def sample_count_edited(cache: Path):
     _, rel = _shard(cache, 10)
-    _edit_manifest(cache, lambda m: m[F.F_SHARDS][10].update({F.S_SAMPLES: m[F.F_SHARDS][10][F.S_SAMPLES] - 1}))
+    _edit_manifest(cache, lambda m: m["shards"][10].update({"samples": m["shards"][10]["samples"] - 1}))
     return [f"BAD {rel}:", "manifest says"], [rel], DELETE
 
 
 def checksum_edited(cache: Path):
     _, rel = _shard(cache, 11)
-    _edit_manifest(cache, lambda m: m[F.F_SHARDS][11].update({F.S_CRC32C: m[F.F_SHARDS][11][F.S_CRC32C] ^ 1}))
+    _edit_manifest(cache, lambda m: m["shards"][11].update({"crc32c": m["shards"][11]["crc32c"] ^ 1}))
     return [f"BAD {rel}: crc32c mismatch"], [rel, "checksum"], DELETE
 
 
@@ -220,7 +220,7 @@ def negative_flipped(cache: Path):
 
 
 def guidance_edited(cache: Path):
-    _edit_manifest(cache, lambda m: m.update({F.F_GUIDANCE: 7.5}))  # would reach the student's distill.json
+    _edit_manifest(cache, lambda m: m.update({"guidance": 7.5}))  # would reach the student's distill.json
     return (["its settings no longer hash to its fingerprint", "guidance is 7.5"], [F.MANIFEST, "guidance is 7.5"],
             RERUN)
 
@@ -230,7 +230,7 @@ def shard_path_escapes(cache: Path):
     _, rel = _shard(cache, 1)
     outside = f"../{cache.name}-escaped.tar"
     shutil.copy(cache / rel, cache.parent / outside[3:])
-    _edit_manifest(cache, lambda m: m[F.F_SHARDS][1].update({F.S_PATH: outside}))
+    _edit_manifest(cache, lambda m: m["shards"][1].update({"path": outside}))
     said = f"shard path {outside!r} is outside the cache folder"
     return [said], [F.MANIFEST, said], RERUN
 

@@ -94,7 +94,7 @@ class Hostile:
         out = self.cache(name)
         m = json.loads((out / F.MANIFEST).read_text())
         (out / F.MANIFEST).unlink()
-        last = m[F.F_SHARDS][-1][F.S_PATH]
+        last = m["shards"][-1]["path"]
         (out / last).unlink()
         progress = out / F.PARTS_DIR / "part-00000" / F.PROGRESS
         rec = json.loads(progress.read_text())
@@ -143,9 +143,9 @@ def _set_tar_size(shard: Path, size: int) -> None:
 def _rerecord(cache: Path) -> None:
     """The manifest made to agree with the shards' current bytes (an attacker's edit, or a buggy tool's)."""
     m = json.loads((cache / F.MANIFEST).read_text())
-    for s in m[F.F_SHARDS]:
-        p = cache / s[F.S_PATH]
-        s[F.S_BYTES], s[F.S_CRC32C] = p.stat().st_size, crc32c(p.read_bytes())
+    for s in m["shards"]:
+        p = cache / s["path"]
+        s["bytes"], s["crc32c"] = p.stat().st_size, crc32c(p.read_bytes())
     (cache / F.MANIFEST).write_text(json.dumps(m))
 
 
@@ -274,7 +274,7 @@ def cache_readers(h: Hostile) -> list[tuple[str, list[Case]]]:
     train = lambda c: ws.train(h.path("run"), cache=c, max_steps=2)  # noqa: E731
     # D4: a tar member that claims 10^15 bytes, the manifest re-recorded to match
     c_tar = h.cache("tar-huge-member")
-    shard = c_tar / json.loads((c_tar / F.MANIFEST).read_text())[F.F_SHARDS][0][F.S_PATH]
+    shard = c_tar / json.loads((c_tar / F.MANIFEST).read_text())["shards"][0]["path"]
     _set_tar_size(shard, 10**15)
     _rerecord(c_tar)
     # D6: a progress record claiming a billion parts
@@ -282,11 +282,11 @@ def cache_readers(h: Hostile) -> list[tuple[str, list[Case]]]:
     h.edit_json(c_parts / F.PARTS_DIR / "part-00000" / F.PROGRESS, lambda d: d.update(num_parts=10**9))
     # D10: manifest and progress fields of the wrong type or missing
     c_bytes = h.cache("manifest-bytes")
-    h.edit_json(c_bytes / F.MANIFEST, lambda d: d[F.F_SHARDS][0].update({F.S_BYTES: "lots"}))
+    h.edit_json(c_bytes / F.MANIFEST, lambda d: d["shards"][0].update({"bytes": "lots"}))
     c_samples = h.cache("manifest-samples")
-    h.edit_json(c_samples / F.MANIFEST, lambda d: d.pop(F.F_SAMPLES))
+    h.edit_json(c_samples / F.MANIFEST, lambda d: d.pop("samples"))
     c_prompts = h.cache("manifest-prompts")
-    h.edit_json(c_prompts / F.MANIFEST, lambda d: d.update({F.F_PROMPTS: "235"}))
+    h.edit_json(c_prompts / F.MANIFEST, lambda d: d.update({"prompts": "235"}))
     c_done = h.killed_cache("progress-done-blocks")
     h.edit_json(c_done / F.PARTS_DIR / "part-00000" / F.PROGRESS, lambda d: d.update(done_blocks=5))
     # D14: a shard, shards/ and prompts.zarr that are links to copies outside the cache
