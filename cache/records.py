@@ -22,6 +22,7 @@ import numpy as np
 
 from . import format as F
 from .cache_error import FormatVersionError
+from .feature_projection import matrix_sha256, projection_matrix
 
 MAX_PARTS, MAX_PROMPTS, MAX_SEEDS, MAX_STEPS = 10**5, 10**8, 100, 1000
 # The format's own upper bounds: the names hold 5 digits of part, 6 of shard, 8 of prompt, 2 of seed and 3 of step
@@ -255,8 +256,6 @@ def _features(cfg, teacher, latent_shape) -> dict:
     written beside them."""
     if cfg.record_features is None:
         return {}
-    from .feature_projection import matrix_sha256, projection_matrix
-
     tcfg = teacher.transformer_config
     dim = int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"])
     _, f, h, w = latent_shape

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import ClassVar
 
 from cache.records import CacheHeader, Record
 
@@ -208,16 +207,12 @@ class DistillRecord(Record):
     # a compact student.
     lora: dict | None = None
 
-    # The manifest fields copied as they are.
-    FROM_CACHE: ClassVar[tuple[str, ...]] = (
-        "teacher", "teacher_path", "revision", "cfg", "guidance", "guidance_2", "boundary_ratio", "negative_prompt",
-        "max_sequence_length", "expand_timesteps", "latent_shape", "height", "width", "frames", "dtype", "steps",
-        "timesteps", "sigmas", "scheduler")
-
     @classmethod
     def of_cache(cls, manifest: CacheHeader, **learned) -> DistillRecord:
-        """The record of a student trained on the cache `manifest` describes (`learned`: the run's own fields)."""
-        return cls(**{k: getattr(manifest, k) for k in cls.FROM_CACHE}, **learned)
+        """The record of a student trained on the cache `manifest` describes: the fields the two records share
+        copied from it as they are, `learned` (the run's own fields) for the rest."""
+        shared = {f.name for f in fields(CacheHeader)} & {f.name for f in fields(cls)}
+        return cls(**{k: getattr(manifest, k) for k in shared}, **learned)
 
     @property
     def guided(self) -> bool:
