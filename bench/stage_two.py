@@ -60,7 +60,7 @@ class StepBench:
         from stages.train_student.epoch import EpochPlan, RankBatches
         from stages.train_student.index import prepare
         from stages.train_student.objective_velocity import Velocity
-        from stages.train_student.student import build_student, load_student_config
+        from stages.train_student.student import student_kind
         from stages.train_student.strategy import get_strategy
         from stages.train_student.train_plan import MIXED, TrainPlan, mixed_mode
         from pipeline.artifact import RunLayout
@@ -76,15 +76,15 @@ class StepBench:
         env = dist_env()
         data = prepare(open_caches([cache]), env, device, "size", None, 0)
         self.plan = EpochPlan(len(data.train_rows), 1, batch_size)
-        student_cfg = load_student_config(student_json)
-        self.model = build_student(student_cfg, str(student_json), 0).to(device).train()
+        student = student_kind(self.cfg)
+        self.model = student.build(0, torch.float32).to(device).train()
         self.optimizer = TR.make_optimizer(self.model, self.cfg, device)
         mixed = MIXED[mixed_mode(self.cfg, device)]
         scaler = torch.amp.GradScaler(device.type, enabled=False)
         out.mkdir(parents=True, exist_ok=True)
-        plan = TrainPlan(self.cfg, env, device, mixed, RunLayout(out), student_cfg, Velocity(), data, self.plan,
+        plan = TrainPlan(self.cfg, env, device, mixed, RunLayout(out), student, Velocity(), data, self.plan,
                          10**9, None, get_strategy("ddp", env, device, mixed))
-        plan.strategy.wrap(self.model, None)
+        plan.strategy.wrap(self.model, None, student)
         self.trainer = L.Trainer(plan, L.Parts(self.model, None, self.optimizer, scaler), L.TrainState(), out)
         self.data = data
         self._stream = self._batches()

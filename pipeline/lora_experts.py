@@ -1,12 +1,7 @@
-"""The LoRA student as one model (`LoraExperts`): the teacher's transformer(s), frozen, with peft adapters, called like
-one transformer by the training loop, the sampler (pipeline/sampling.py) and the inference commands.
-
-Each sample goes to the expert WanPipeline runs at its timestep: t >= boundary_ratio x num_train_timesteps ->
-`transformer` (high noise), else `transformer_2` (low noise), stage one's rule too, so an adapter learns from the
-samples its own expert produced and a K-step sampler switches expert at the same boundary. Training builds it in
-stages/train_student/lora_student.py; `load` rebuilds it from a run's student/ folder for `sample`, `eval` and `export`,
-through diffusers' own LoRA loader (the path `WanPipeline.load_lora_weights` takes), so what they run is what a
-diffusers user loads.
+"""The LoRA student as one model (`LoraExperts`, docs/lora.md): the teacher's transformer(s), frozen, with peft
+adapters, called like one transformer. Each sample goes to the expert WanPipeline runs at its timestep (stage one's
+rule). Training builds it (stages/train_student/lora_student.py); `load` rebuilds it from a run's student/ folder for
+`sample`, `eval` and `export` through diffusers' own LoRA loader, so what they run is what a diffusers user loads.
 """
 
 from __future__ import annotations
@@ -45,8 +40,8 @@ class LoraExperts(torch.nn.Module):
         self.experts = torch.nn.ModuleDict(experts)
         self.boundary_timestep = boundary_timestep
         self.record = record
-        # Under --strategy fsdp (set by stages/train_student/lora_student.py `shard`) every expert runs in every forward, in
-        # the same order on every rank: its units' gathers and gradient reductions are collectives (`_every_expert`).
+        # Under --strategy fsdp (set by lora_student.py's `shard`) every expert runs in every forward, in the same
+        # order on every rank: its units' gathers and gradient reductions are collectives (`_every_expert`).
         self.every_expert = False
 
     @property

@@ -10,36 +10,15 @@ images with this module, so a student is sampled the same way everywhere:
                              guidance=1.0, negative_embeds=None, expand_timesteps=False)
     frames = decode_latents(vae, latents)            # optional: [B, F, H, W, 3] in [0, 1], as WanPipeline's "np"
 
-Stable API (another stage imports it; add keyword arguments, never change these):
-  - `sample_latents(transformer, scheduler, init_noise, prompt_embeds, steps, guidance=1.0, negative_embeds=None,
-    *, expand_timesteps=False, patch=(1, 2, 2)) -> Tensor`: diffusers' `WanPipeline` denoising loop for one
-    transformer (no expert switch), op for op: the same casts, the same scheduler calls, CFG as two forwards
-    when guidance > 1. Its result equals `WanPipeline(transformer=..., scheduler=..., ...)(prompt_embeds=...,
-    latents=init_noise, num_inference_steps=steps, guidance_scale=guidance, output_type="latent").frames`.
-  - `student_scheduler(source) -> scheduler`: the scheduler the student is meant to sample with (a fresh
-    instance; `sample_latents` calls its `set_timesteps`).
-  - `student_steps(source) -> int`: the steps the student is meant to sample with.
-  - `scheduler_from_config(config)`, `euler_config(config)`, `segment_boundaries(config, steps, k)`.
-  - `mse(a, b) -> Tensor [B]`: the per-sample distance of a student's output to the teacher's (stage two's loss
-    terms, eval's errors).
+Stable API (another stage imports it; add keyword arguments, never change these): `sample_latents` (diffusers'
+`WanPipeline` denoising loop for one transformer, op for op: its result equals `WanPipeline(transformer=...,
+scheduler=...)(prompt_embeds=..., latents=init_noise, num_inference_steps=steps, guidance_scale=guidance,
+output_type="latent").frames`), `student_scheduler` (a fresh instance), `student_steps`, `scheduler_from_config`,
+`euler_config`, `segment_boundaries`, `mse(a, b)` (the per-sample distance of a student's output to the teacher's:
+stage two's loss terms, eval's errors).
 
-The few-step schedule. A `segment` student (stages/train_student/objective_velocity.py) learns, at each cached state
-of the teacher's trajectory, the average velocity to the end of its segment: K segments whose boundaries are
-cached steps, the last ending at the final latent. It is sampled with K Euler steps that land exactly on those
-boundaries: `x <- x + (sigma_next - sigma) * v`. Wan's teachers sample with `UniPCMultistepScheduler` on flow
-sigmas (`use_flow_sigmas`, `flow_shift`, final sigma 0): N steps put sigma_k = shift(u_k) with
-u_k = (1 - 1/T)(1 - k/N), shift(u) = s u / (1 + (s - 1) u), T = num_train_timesteps, and integer timesteps
-floor(1000 sigma_k). The same scheduler set to `solver_order=1` with the corrector disabled *is* the Euler step
-(its first-order data-prediction update on flow sigmas is x_s - (sigma_s - sigma_t) v, equal to float rounding),
-and called with K steps it puts its sigmas at u_j = (1 - 1/T)(1 - j/K): exactly the cached sigmas and timesteps
-of steps j N / K. So the default boundaries are the K-step grid's points, and **when K divides N** the K-step
-Euler scheduler reproduces them bit for bit; otherwise each boundary is the cached step nearest to the grid
-point (round(j N / K)) and the K-step scheduler lands up to half a teacher step away from it
-(`segment_boundaries` says which). diffusers' `FlowMatchEulerDiscreteScheduler` with the same shift would not
-do: its K points run from sigma 1 down to shift(shift(1/T)) ~ 0.009 and then 0, so its last step is spent on
-the last 1% of the noise and its grid never meets the teacher's (for the 8-step shapes cache and K = 4 it gives
-sigmas 1, 0.86, 0.60, 0.009 where the cache has 1, 0.90, 0.75, 0.50). A teacher that itself samples with
-`FlowMatchEulerDiscreteScheduler` keeps it: its K-step points are the cached ones when (K - 1) divides (N - 1).
+The few-step schedule (why UniPC at order 1 is the Euler step, and on which grid): docs/architecture.md,
+"Sampling a student".
 """
 
 from __future__ import annotations

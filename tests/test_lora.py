@@ -28,14 +28,17 @@ def lora_train(cache, teacher, out, **kw) -> dict:
     return train(cache, out, **(LORA | {"lora_of": str(teacher)} | kw))
 
 
-def spec_of(teacher, cache, **kw) -> lora_student.LoraSpec:
+def spec_of(teacher, cache, **kw) -> lora_student.LoraStudent:
+    """The LoRA student kind of a run on `cache`, prepared (checked against the cache) as the run prepares it."""
     cfg = TrainStudentConfig(**({"cache": (str(cache),), "out": "o", "lora_of": str(teacher)} | LORA | kw))
-    return lora_student.LoraSpec.from_config(cfg, load_manifest(cache))
+    spec = lora_student.LoraStudent(cfg)
+    spec.prepare(load_manifest(cache), str(cache), None)
+    return spec
 
 
-def with_adapters(spec: lora_student.LoraSpec, folder: Path, seed: int = 0) -> lora_student.LoraExperts:
+def with_adapters(spec: lora_student.LoraStudent, folder: Path, seed: int = 0) -> lora_student.LoraExperts:
     """The LoRA student rebuilt from the teacher and a run's student/ files (diffusers' key names mapped back)."""
-    model = lora_student.build(spec, seed, torch.float32)
+    model = spec.build(seed, torch.float32)
     params = dict(model.named_parameters())
     for comp in spec.trained:
         for k, v in load_file(folder / spec.record()["files"][comp]).items():
@@ -68,7 +71,7 @@ def test_each_sample_reaches_the_expert_that_produced_it(tiny_teacher, tiny_cach
     by_expert = {e: [s for s in samples if s[1][F.M_EXPERT] == e][:2] for e in (1, 2)}
     assert all(len(v) == 2 for v in by_expert.values())
     mixed = [by_expert[2][0], by_expert[1][0], by_expert[2][1], by_expert[1][1]]
-    model = lora_student.build(spec, 0, torch.float32)
+    model = spec.build(0, torch.float32)
     b = _batch(mixed, tiny_cache)
     with torch.no_grad():
         got = model(**b)[0]

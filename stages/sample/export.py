@@ -1,20 +1,6 @@
 """`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument.
 
-    PIPE_DIR/
-      model_index.json   the teacher's, with transformer_2 and boundary_ratio null (one transformer, no
-                         expert switch) and a `_wandistiller` entry: how to sample (guidance, steps, size)
-      transformer/       the student's weights, always copied (a later train-student run into the same OUT
-                         must not change an exported pipeline under its user's feet)
-      text_encoder/ tokenizer/ vae/ scheduler/
-                         the teacher's, copied by default (a self-contained folder, what the Hub needs), symlinked
-                         to the teacher's absolute paths with --link; a few-step student's scheduler/ is its own
-                         (pipeline/sampling.py: Euler on the teacher's sigmas), so num_inference_steps=K
-                         reproduces the schedule it was trained on
-      distill.json       the student's, when it has one, without local paths (caches by fingerprint)
-      README.md          the model card: YAML metadata for the Hub (license from the teacher's card, base_model =
-                         the teacher's Hub id, pipeline_tag, library_name, tags; stages/sample/hub_card.py), then the
-                         recommended steps, guidance, resolution and text length, with a copy-paste call; no
-                         local path anywhere
+The folder's layout: docs/architecture.md, "The export".
 
 `--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub_card.push`).
 
@@ -30,9 +16,11 @@ replaces is swapped out in the same step: `cache.atomic.publish_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -226,38 +214,47 @@ def run(cfg: ExportConfig) -> dict:
     if cfg.push_to_hub:
         hub_card.check_online(cfg.push_to_hub)
     student = find_student(cfg.student, cfg.weights)
-    if cfg.fuse and student.lora is None:
+    if cfg.fuse and not student.kind.fuses:
         raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
                         "student (its export is already a standalone pipeline); drop --fuse")
-    teacher_name, tpath, index = _teacher(cfg, student)
+    teacher = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)
+    hints = _sampling_hints(student, _vae_spatial(teacher[1]))
+    # a pipeline folder here; a LoRA run's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
+    return _pushed(cfg, out, student.kind.export(cfg, student, hints, out, teacher))
 
-    hints = _sampling_hints(student, _vae_spatial(tpath))
-    if student.lora is not None:  # its adapters in diffusers' LoRA format, or with --fuse a merged pipeline
-        from . import export_lora
 
-        return _pushed(cfg, out, export_lora.run(cfg, student, hints, out))
+def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, teacher_name: str, tpath: Path,
+                   index: dict) -> dict:
+    """A compact student's export: the pipeline folder at `out`; returns the summary."""
     own_scheduler = student.distill is not None and own_sampler(student.distill) is not None
     base_model, teacher = hub_card.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
     card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
+    with building(out) as tmp:
+        tmp.mkdir(parents=True)
+        _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
+    tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
+               f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
+               + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
+               + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
+    return {"out": str(out), **index[MARK]}
+
+
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` (not yet made) to write the export into; when the block ends it is fsynced
+    and swapped in, so an earlier export at --out stays whole until the new one replaces it; removed on a failure."""
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
-        # fsynced, then swapped in: an earlier export at --out stays whole until the new one replaces it
+        yield tmp
         publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
-               f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
-               + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
-               + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
-    return _pushed(cfg, out, {"out": str(out), **index[MARK]})
 
 
 def _pushed(cfg: ExportConfig, out: Path, summary: dict) -> dict:

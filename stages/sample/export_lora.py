@@ -1,44 +1,66 @@
-"""`wandistiller export` of a LoRA run (`train-student --lora-of`): the adapters in the form Wan users load them.
-
-    LORA_DIR/
-      high_noise_model.safetensors   expert 1's adapter (transformer), diffusers' LoRA format; a one-expert
-      low_noise_model.safetensors    teacher's is pytorch_lora_weights.safetensors. Each holds its LoraConfig as
-                                     metadata, so `load_lora_weights` restores alpha as well as the weights
-      lora.json                      which file is which expert, the base, rank, alpha, targets
-      scheduler/                     the schedule to sample with (a K-step student's Euler steps on the teacher's
-                                     sigmas; else the teacher's)
-      distill.json, README.md        the run's record, and the model card: the Hub's YAML metadata (as the
-                                     compact export's, tagged `lora`), base, steps, guidance 1, text length
-
-No local path is written anywhere (`--push-to-hub` uploads these files): the base is named by its Hub id, else its
-folder's name, and the folder itself by --push-to-hub's repo id, else its own name (`hub_card.public_teacher`,
-`hub_card.public_record`, as the compact export). Files are copies of contents, not modes, created under the umask.
-
-loaded as `WanPipeline.from_pretrained(BASE)` + `pipe.load_lora_weights(LORA_DIR, weight_name=...)` (transformer_2's
-with `load_into_transformer_2=True`). `--fuse` writes a standalone pipeline instead: the teacher with the adapters
-merged into its transformers (diffusers' `fuse_lora`, then `unload_lora_weights`) and the student's scheduler.
+"""A LoRA run (`train-student --lora-of`) as the inference commands take it: `LoraRun`, the student kind of models.py
+(found by its lora.json, loaded as the teacher with its adapters, untrained as the teacher itself), and its
+`wandistiller export` (docs/lora.md): the adapter files (diffusers' LoRA format, each with its LoraConfig as metadata),
+lora.json, the student's scheduler/, distill.json and the model card (tagged `lora`), loaded as
+`WanPipeline.from_pretrained(BASE)` + `pipe.load_lora_weights(LORA_DIR, weight_name=...)`; or with `--fuse` a
+standalone pipeline: the teacher with the adapters merged (`fuse_lora`, then `unload_lora_weights`). No local path is
+written anywhere (the base by its Hub id, else its folder's name: `hub_card.public_teacher`, as the compact export);
+files are copies of contents, created under the umask.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from cache.atomic import honour_umask, publish_dir
-from pipeline.artifact import DISTILL, LORA_JSON
+from cache.atomic import honour_umask
+from pipeline import lora_experts
+from pipeline.artifact import DISTILL, LORA_JSON, RunLayout
 from pipeline.config import ExportConfig
-from pipeline.faults import fault_point
+from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
-from .models import Student
+from .export import MARK, building
+from .models import Student, read_distill, read_json, teacher_dir, teacher_transformer_config
 
-MARK = "_wandistiller"  # (export.MARK): the key that lets --overwrite replace an earlier export
+
+
+class LoraRun:
+    """A LoRA run's student: its adapters (student_ema/'s when chosen) on the teacher lora.json names."""
+
+    marker = LORA_JSON  # the file that makes a student folder this kind's
+    fuses = True  # `export --fuse` merges the adapters into the teacher
+
+    def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
+        record = read_json(chosen / LORA_JSON, "LoRA description")
+        missing = [f for f in record.get("files", {}).values() if not (chosen / f).is_file()]
+        if missing or not run.distill.is_file():
+            raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the "
+                            "same train-student command with --resume")
+        teacher = teacher_dir(record["teacher"], record.get("revision"), recorded_in=str(chosen / LORA_JSON))
+        return Student(root=p, path=chosen, weights=which, config=teacher_transformer_config(teacher), kind=self,
+                       distill=read_distill(run.distill), lora=record, teacher_path=teacher)
+
+    def load(self, student: Student, dtype, device):
+        return lora_experts.load(student.teacher_path, student.path, student.lora, dtype, device)
+
+    def init_exact(self, student: Student, seed: int | None) -> bool:
+        return True  # it starts as the teacher: its adapters start at zero
+
+    def untrained(self, student: Student, seed: int | None, dtype, device):
+        model = lora_experts.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device)
+        return model, {"source": f"the teacher {student.lora['teacher']} (LoRA adapters start at zero)", "exact": True}
+
+    def export(self, cfg: ExportConfig, student: Student, hints: dict, out: Path, teacher: tuple) -> dict:
+        return run(cfg, student, hints, out)
+
+
+LORA_RUN = LoraRun()
 
 
 def _load_calls(student: Student, where: str) -> str:
@@ -111,16 +133,14 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
 
     from cache.format import DTYPES
 
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     base_model, base = hub_card.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
-                             own_sampler(student.distill) is not None, lora=not cfg.fuse)
+                             own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",))
             + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
     lora = student.lora | {"teacher": base}
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
             "fused": cfg.fuse, "cache_fingerprints": student.fingerprints}
-    try:
+    with building(out) as tmp:
         if cfg.fuse:
             _fused(student, tmp, DTYPES.get(student.setting("dtype"), torch.float32))
             index = json.loads((tmp / "model_index.json").read_text())
@@ -131,13 +151,9 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
                 shutil.copyfile(student.path / name, tmp / name)
             (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
-        (tmp / DISTILL).write_text(json.dumps(hub_card.public_record(student.distill, base), indent=2) + "\n")
+        record = hub_card.public_record(student.distill, base) | {"lora": student.distill.lora | {"teacher": base}}
+        (tmp / DISTILL).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(card)
-        publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
-                    after_replace=lambda: fault_point("after_dir_rename"))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     what = "merged pipeline" if cfg.fuse else "LoRA adapters"
     tqdm.write(f"{what} written to {out} (base {student.lora['teacher']}); sample at guidance_scale=1.0, "
                f"num_inference_steps={hints.get('num_inference_steps')}, "

@@ -47,13 +47,12 @@ def public_teacher(teacher: str, folder: Path | None, base_model: str | None = N
 def public_record(record: DistillRecord, teacher: str) -> dict:
     """distill.json as an export carries it: the same record with the teacher named as the card names it
     (`public_teacher`) and no local path: the caches by fingerprint alone, files by their names, a LoRA run's base
-    by the teacher's public name."""
+    by the teacher's public name (export_lora.py)."""
     name = lambda p: Path(p).name if p else p  # noqa: E731
-    lora = record.lora if record.lora is None else record.lora | {"teacher": teacher}
     return dataclasses.replace(record, teacher=teacher, teacher_path=None,
                                caches=[{"fingerprint": c["fingerprint"]} for c in record.caches],
                                init_from_teacher=name(record.init_from_teacher),
-                               student_config=name(record.student_config), lora=lora).to_json()
+                               student_config=name(record.student_config)).to_json()
 
 
 def drop_local_names(folder: Path) -> None:
@@ -100,12 +99,12 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
     return license_ if isinstance(license_, str) and license_ else None
 
 
-def front_matter(license_: str | None, base_model: str | None, few_step: bool, lora: bool = False) -> str:
+def front_matter(license_: str | None, base_model: str | None, few_step: bool, tags: tuple[str, ...] = ()) -> str:
     """The model card's YAML metadata block: what the Hub indexes the model by (a LoRA export's adapters under
-    their base model)."""
+    their base model, tagged `lora`), `tags` after the common ones."""
     from huggingface_hub import ModelCardData
 
-    tags = TAGS + (["few-step"] if few_step else []) + (["lora"] if lora else [])
+    tags = TAGS + (["few-step"] if few_step else []) + list(tags)
     data = ModelCardData(license=license_, base_model=base_model, pipeline_tag="text-to-image",
                          library_name="diffusers", tags=tags)
     return f"---\n{data.to_yaml()}\n---\n"

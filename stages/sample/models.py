@@ -1,11 +1,13 @@
 """Find and load what the inference commands run: the trained student (with its distill.json), its untrained
-twin, the teacher pipeline, and a WanPipeline with the student as its one transformer.
+twin and the teacher pipeline.
 
 Stage two writes the run artifact of pipeline/artifact.py: OUT/student/ (a WanTransformer3DModel in diffusers
 format), OUT/student_ema/ when EMA is on, and OUT/distill.json (a DistillRecord). A bare student folder works
 too, and then the student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
 A LoRA run (`train-student --lora-of`) holds adapters in student/ instead (diffusers' LoRA format and lora.json):
 its student is the teacher's transformers with them loaded (pipeline/lora_experts.py), called like one transformer.
+Which of the two a run holds is the student's `kind` (`CompactRun` here, export_lora.py's `LoraRun`): how it is
+found, loaded, rebuilt untrained and exported; the inference commands call it and never ask which kind it is.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.artifact import DISTILL, LORA_JSON, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
+from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
+
+if TYPE_CHECKING:
+    from .export_lora import LoraRun
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class Student:
     path: Path  # the transformer folder whose weights are used
     weights: str  # "ema", "raw" or "folder" (a bare folder was given)
     config: dict  # the transformer's config.json
+    kind: CompactRun | LoraRun  # what it is (the module docstring)
     distill: DistillRecord | None = None  # distill.json; None for a bare student folder
     lora: dict | None = None  # a LoRA run's lora.json (its teacher, experts, files, rank); None for a compact student
     teacher_path: Path | None = None  # a LoRA run's teacher folder (the base its adapters load into)
@@ -78,7 +85,7 @@ class Student:
                 "student_steps": self.distill.sampling_steps if self.distill is not None else None}
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
     try:
         obj = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -93,7 +100,7 @@ def _transformer_config(folder: Path) -> dict | None:
     cf = folder / "config.json"
     if not cf.is_file():
         return None
-    cfg = _read_json(cf, "model config")
+    cfg = read_json(cf, "model config")
     if cfg.get("_class_name") != TRANSFORMER_CLASS:
         raise UserError(f"{folder} holds a {cfg.get('_class_name')!r}, not a {TRANSFORMER_CLASS} student")
     if not any(folder.glob("*.safetensors")):
@@ -102,7 +109,7 @@ def _transformer_config(folder: Path) -> dict | None:
     return cfg
 
 
-def _read_distill(path: Path) -> DistillRecord:
+def read_distill(path: Path) -> DistillRecord:
     try:
         return DistillRecord.read(path)
     except (ValueError, TypeError) as e:
@@ -127,46 +134,79 @@ def find_student(path: str, weights: str = "auto") -> Student:
                             "folder of a finished `wandistiller train-student` run")
         # OUT/student given directly: its distill.json is one level up.
         parent = RunLayout(p.parent)
-        distill = (_read_distill(parent.distill) if p.name in (STUDENT, STUDENT_EMA) and parent.distill.is_file()
+        distill = (read_distill(parent.distill) if p.name in (STUDENT, STUDENT_EMA) and parent.distill.is_file()
                    else None)
-        return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, distill=distill)
+        return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, kind=COMPACT,
+                       distill=distill)
     if not run.student.is_dir():  # train-student renames student/ into place last: without it the run did not finish
         raise UserError(f"{p} holds no finished student: {STUDENT}/ is missing (train-student was stopped "
                         "before it saved); rerun the same train-student command with --resume to finish it")
-    if (run.student / LORA_JSON).is_file():
-        return _lora_student(p, run, weights)
-    has_ema = (run.student_ema / "config.json").is_file()
+    from .export_lora import LORA_RUN  # (it builds on this module)
+
+    kind = next((k for k in (LORA_RUN,) if (run.student / k.marker).is_file()), COMPACT)
+    has_ema = (run.student_ema / kind.marker).is_file()
     if weights == "ema" and not has_ema:
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); "
                         "use --weights raw or auto")
-    chosen, kind = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
+    chosen, which = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
         else (run.student, "raw")
-    cfg = _transformer_config(chosen)
-    if cfg is None:
-        raise UserError(f"{p} holds no student: {chosen.name}/config.json is missing; pass the --out folder of "
-                        "a finished `wandistiller train-student` run")
-    distill = _read_distill(run.distill) if run.distill.is_file() else None
-    if distill is None:
-        log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL)
-    return Student(root=p, path=chosen, weights=kind, config=cfg, distill=distill)
+    return kind.find(p, run, chosen, which)
 
 
-def _lora_student(p: Path, run: RunLayout, weights: str) -> Student:
-    """A LoRA run's student: its adapters (student_ema/'s when chosen) on the teacher lora.json names."""
-    has_ema = (run.student_ema / LORA_JSON).is_file()
-    if weights == "ema" and not has_ema:
-        raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); use --weights raw "
-                        "or auto")
-    chosen, kind = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
-        else (run.student, "raw")
-    record = _read_json(chosen / LORA_JSON, "LoRA description")
-    missing = [f for f in record.get("files", {}).values() if not (chosen / f).is_file()]
-    if missing or not run.distill.is_file():
-        raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the same "
-                        "train-student command with --resume")
-    teacher = teacher_dir(record["teacher"], record.get("revision"), recorded_in=str(chosen / LORA_JSON))
-    return Student(root=p, path=chosen, weights=kind, config=teacher_transformer_config(teacher),
-                   distill=_read_distill(run.distill), lora=record, teacher_path=teacher)
+class CompactRun:
+    """A compact run's student: a WanTransformer3DModel folder (student/, or student_ema/)."""
+
+    marker = "config.json"  # the file that makes a student folder this kind's
+    fuses = False  # `export --fuse` applies (it has adapters to merge)
+
+    def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
+        cfg = _transformer_config(chosen)
+        if cfg is None:
+            raise UserError(f"{p} holds no student: {chosen.name}/config.json is missing; pass the --out folder of "
+                            "a finished `wandistiller train-student` run")
+        distill = read_distill(run.distill) if run.distill.is_file() else None
+        if distill is None:
+            log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL)
+        return Student(root=p, path=chosen, weights=which, config=cfg, kind=self, distill=distill)
+
+    def load(self, student: Student, dtype: torch.dtype, device: torch.device):
+        from diffusers import WanTransformer3DModel
+
+        try:
+            model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise UserError(f"cannot load the student from {student.path} ({str(e).splitlines()[0]}); "
+                            "rerun train-student or pass another --student") from e
+        return model.to(device).eval().requires_grad_(False)
+
+    def init_exact(self, student: Student, seed: int | None) -> bool:
+        if seed is None and _has_init_dir(student):
+            return True
+        return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
+
+    def untrained(self, student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
+        from diffusers import WanTransformer3DModel
+
+        exact = self.init_exact(student, seed)
+        if seed is None and _has_init_dir(student):
+            model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)
+            how = {"source": f"{STUDENT_INIT}/", "exact": exact}
+        else:
+            if seed is None:
+                seed = int(student.setting("init_seed", 0))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = WanTransformer3DModel.from_config(student.config)
+            how = {"source": "config.json + torch.manual_seed", "seed": seed, "exact": exact}
+        return model.to(device, dtype).eval().requires_grad_(False), how
+
+    def export(self, cfg, student: Student, hints: dict, out: Path, teacher: tuple) -> dict:
+        from .export import write_pipeline  # (it builds on this module)
+
+        return write_pipeline(cfg, student, hints, out, *teacher)
+
+
+COMPACT = CompactRun()
 
 
 def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
@@ -186,18 +226,8 @@ def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dty
 
 
 def load_transformer(student: Student, dtype: torch.dtype, device: torch.device):
-    from diffusers import WanTransformer3DModel
-
-    if student.lora is not None:
-        from pipeline import lora_experts
-
-        return lora_experts.load(student.teacher_path, student.path, student.lora, dtype, device)
-    try:
-        model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"cannot load the student from {student.path} ({str(e).splitlines()[0]}); "
-                        "rerun train-student or pass another --student") from e
-    return model.to(device).eval().requires_grad_(False)
+    """The trained student, ready to sample (a LoRA run's: the teacher with its adapters)."""
+    return student.kind.load(student, dtype, device)
 
 
 def _has_init_dir(student: Student) -> bool:
@@ -206,10 +236,9 @@ def _has_init_dir(student: Student) -> bool:
 
 def init_exact(student: Student, seed: int | None) -> bool:
     """Whether `untrained_transformer` reproduces the student's starting weights: saved ones, or train-student's
-    own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in."""
-    if student.lora is not None or (seed is None and _has_init_dir(student)):
-        return True  # (a LoRA student starts as the teacher: its adapters start at zero)
-    return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
+    own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in (a LoRA student
+    starts as the teacher: its adapters start at zero)."""
+    return student.kind.init_exact(student, seed)
 
 
 def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
@@ -218,27 +247,9 @@ def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype
     OUT/student_init/ when stage two saved it. Otherwise the architecture is re-instantiated from the student's
     config.json after `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`, else
     `seed`, else 0), which is how train-student builds a student: the same weights, unless it then copied
-    teacher blocks in (`init_from_teacher`), which this cannot redo without the teacher.
+    teacher blocks in (`init_from_teacher`), which this cannot redo without the teacher. A LoRA run's: the teacher.
     """
-    from diffusers import WanTransformer3DModel
-
-    exact = init_exact(student, seed)
-    if student.lora is not None:
-        from pipeline import lora_experts
-
-        return (lora_experts.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device),
-                {"source": f"the teacher {student.lora['teacher']} (LoRA adapters start at zero)", "exact": True})
-    if seed is None and _has_init_dir(student):
-        model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)
-        how = {"source": f"{STUDENT_INIT}/", "exact": exact}
-    else:
-        if seed is None:
-            seed = int(student.setting("init_seed", 0))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = WanTransformer3DModel.from_config(student.config)
-        how = {"source": "config.json + torch.manual_seed", "seed": seed, "exact": exact}
-    return model.to(device, dtype).eval().requires_grad_(False), how
+    return student.kind.untrained(student, seed, dtype, device)
 
 
 def check_compatible(student: Student, *, in_channels: int, text_dim: int, latent_hw: tuple[int, int] | None,
@@ -278,7 +289,7 @@ def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None 
     mi = p / "model_index.json"
     if not mi.is_file():
         raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")
-    cls = _read_json(mi, "teacher index").get("_class_name")
+    cls = read_json(mi, "teacher index").get("_class_name")
     if cls != PIPELINE_CLASS:
         raise UserError(f"teacher {name!r} is a {cls!r}, not a {PIPELINE_CLASS}")
     return p
@@ -289,7 +300,7 @@ def teacher_transformer_config(path: Path) -> dict:
     for comp in ("transformer", "transformer_2"):
         cf = path / comp / "config.json"
         if cf.is_file():
-            return _read_json(cf, "teacher config")
+            return read_json(cf, "teacher config")
     raise UserError(f"teacher {path} has no transformer/config.json")
 
 
@@ -307,4 +318,3 @@ def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: 
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-

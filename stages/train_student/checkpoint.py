@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -181,36 +182,11 @@ def _state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
 
 
-def _frozen(model: torch.nn.Module) -> bool:
-    return any(not p.requires_grad for p in model.parameters())
-
-
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps of the student: its state dict, or, where part of it is frozen (a LoRA student's base,
-    read again from the teacher at every start), the trained parameters alone."""
-    if not _frozen(model):
-        return _state_dict(model)
-    return {k: p.detach().cpu().contiguous() for k, p in model.named_parameters() if p.requires_grad}
-
-
-def load_model_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put a checkpoint's `model_state` back; strict either way (every trained parameter, nothing else)."""
-    if not _frozen(model):
-        model.load_state_dict(tensors, strict=True)
-        return
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    if params.keys() != tensors.keys():
-        raise RuntimeError(f"checkpoint holds {len(tensors)} trained tensors, the student {len(params)} "
-                           f"(e.g. {sorted(params.keys() ^ tensors.keys())[:1]})")
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[k])
-
-
-def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[str, torch.Tensor] | None,
-         optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int, heads: torch.nn.Module | None = None) -> Path:
+def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
+         ema: dict[str, torch.Tensor] | None, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
+         heads: torch.nn.Module | None = None) -> Path:
     """Write checkpoint `step` (rank 0 only) with its digest record and drop all but the newest `keep`; returns
-    its folder."""
+    its folder. `model_state`: what the student kind keeps of the student (`StudentKind.checkpoint_state`)."""
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{step_dirname(step)}.{os.getpid()}{TMP}"  # the pid: never another writer's folder
@@ -220,7 +196,7 @@ def save(out: str | os.PathLike, step: int, model: torch.nn.Module, ema: dict[st
     # fsync release the GIL): the digests cost little more than the slowest of the two.
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = {}
-        save_tensors(model_state(model), tmp / MODEL)
+        save_tensors(model_state, tmp / MODEL)
         pending[MODEL] = pool.submit(_fsync_and_digest, tmp / MODEL)
         fault_point("in_checkpoint")
         if ema is not None:
@@ -578,11 +554,11 @@ def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
                     "and rerun with --resume to train again from step 0, or start without --resume in a new --out")
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-         heads: torch.nn.Module | None = None) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Restore weights (the objective's heads too) and optimizer from checkpoint `path`; returns (trainer state,
-    EMA tensors or None)."""
-    load_model_state(model, load_file(path / MODEL))
+def load(path: Path, load_model: Callable[[dict[str, torch.Tensor]], None], optimizer: torch.optim.Optimizer,
+         device: torch.device, heads: torch.nn.Module | None = None) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Restore weights (handed to `load_model`: `StudentKind.load_checkpoint_state`; the objective's heads too) and
+    optimizer from checkpoint `path`; returns (trainer state, EMA tensors or None)."""
+    load_model(load_file(path / MODEL))
     if heads is not None:
         heads.load_state_dict(load_file(path / HEADS), strict=True)
     optimizer.load_state_dict(_load_optimizer(path, device))

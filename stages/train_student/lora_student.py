@@ -1,28 +1,21 @@
-"""LoRA students (`train-student --lora-of TEACHER`): the teacher's own transformer(s), frozen, each with a peft LoRA
-adapter, trained from the cache alone with the usual objectives (`velocity`, `segment --student-steps K`).
+"""The LoRA student kind (`train-student --lora-of TEACHER`, docs/lora.md): the teacher's own transformer(s), frozen,
+each with a peft LoRA adapter, trained from the cache alone with the usual objectives; `LoraStudent` is student.py's
+`StudentKind` for it. One model is in memory (the frozen base plus small adapters) and no teacher forward runs.
 
-The few-step LoRAs Wan users run (Wan2.2-Lightning, LightX2V) are this: 4-step, CFG-free adapters on the A14B
-experts. Trained from the cache, only one model is in memory (the frozen base plus small adapters) and no teacher
-forward runs: the targets are the cache's.
-
-Two experts (Wan 2.2 A14B): `LoraExperts` holds the teacher's `transformer` (high noise) and `transformer_2` (low
-noise) and sends each sample to the one WanPipeline runs at its timestep, t >= boundary_ratio x
-num_train_timesteps -> transformer, else transformer_2 (stage one's rule). Before the first step `LoraSpec.check`
-refuses a cache whose recorded expert of some step is not the one this rule picks, so each adapter learns only from
-the samples its own expert produced, and a K-step sampler switches expert at the same boundary. `--lora-experts 1|2`
-trains one expert alone: its steps only (the data selection), with only that expert in memory.
-
-What is kept: checkpoints hold the adapters alone (the trainable parameters, `checkpoint.model_state`) and their
-optimizer state; the base is read again from the teacher at every start, and its identity (the hashes stage one
-fingerprints the teacher with) is part of the run identity, so a resume on other base weights is refused. The
-artifact's student/ holds each expert's adapter in diffusers' LoRA format (`save_pretrained` below).
+Two experts (Wan 2.2 A14B): each sample goes to the expert WanPipeline runs at its timestep (pipeline/lora_experts.py),
+and before the first step `check` refuses a cache whose recorded expert of some step is not the one this rule picks,
+so each adapter learns only from the samples its own expert produced. `--lora-experts 1|2` trains one expert alone.
+Checkpoints hold the adapters alone; the base is read again from the teacher at every start, and its identity (the
+hashes stage one fingerprints the teacher with) is part of the run identity, so a resume on other base weights is
+refused.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -33,13 +26,16 @@ from pipeline.hub import teacher_folder
 from pipeline.lora_experts import ADAPTER, COMPONENTS, LoraExperts, add_adapter
 from pipeline.teacher_files import hash_json, sample_file
 
+from .student import StudentKind, check_compatible, trained_parameters
+
 _MODEL_FILES = ("model_index.json", "transformer*/*.json", "transformer*/*.safetensors")
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """The LoRA student a run trains: which teacher, which of its experts, which adapters."""
+class LoraStudent(StudentKind):
+    """A LoRA student: which teacher, which of its experts, which adapters (set by `prepare`, which needs the cache's
+    schedule), built as the teacher's experts frozen in the autocast dtype with float32 adapters."""
 
+    bf16_policy = False  # (its base is built in the autocast dtype already, its adapters float32)
     teacher: str  # as the user named it (folder or Hub id)
     path: Path  # its local folder
     revision: str | None
@@ -52,8 +48,13 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
 
-    @classmethod
-    def from_config(cls, cfg, manifest: dict) -> LoraSpec:
+    def prepare(self, manifest, cache, requested):
+        self._read_teacher(self.cfg, manifest)
+        self.check(manifest, cache)
+        check_compatible(self.config, manifest, self.cfg.lora_of)
+        return self.train_steps(manifest, requested)
+
+    def _read_teacher(self, cfg, manifest: dict) -> None:
         path = teacher_folder(cfg.lora_of, cfg.revision, files=_MODEL_FILES, flag="--lora-of")
         index = _read(path / "model_index.json", cfg.lora_of)
         experts = tuple(c for c in COMPONENTS if isinstance(index.get(c), list) and index[c][0])
@@ -67,10 +68,11 @@ class LoraSpec:
         steps = manifest.scheduler.get("num_train_timesteps", 1000)
         config = {k: v for k, v in _read(path / experts[0] / "config.json", cfg.lora_of).items()
                   if not k.startswith("_")}
-        return cls(teacher=cfg.lora_of, path=path, revision=cfg.revision, experts=experts, trained=trained,
-                   boundary_timestep=None if ratio is None else ratio * steps, boundary_ratio=ratio, config=config,
-                   rank=cfg.lora_rank, alpha=float(cfg.lora_alpha or cfg.lora_rank),
-                   targets=tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip()))
+        self.teacher, self.path, self.revision, self.experts, self.trained = cfg.lora_of, path, cfg.revision, \
+            experts, trained
+        self.boundary_timestep, self.boundary_ratio = None if ratio is None else ratio * steps, ratio
+        self.config, self.rank, self.alpha = config, cfg.lora_rank, float(cfg.lora_alpha or cfg.lora_rank)
+        self.targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
 
     def expert_of(self, timestep: float) -> int:
         """1 or 2: the expert WanPipeline (and stage one) runs at `timestep`."""
@@ -118,6 +120,9 @@ class LoraSpec:
         return {"configs": configs, "weights": weights, "trained": list(self.trained), "rank": self.rank,
                 "alpha": self.alpha, "targets": list(self.targets)}
 
+    def teacher_flag(self):
+        return "--lora-of", self.cfg.lora_of
+
     def record(self) -> dict:
         """distill.json's `lora` and student/lora.json: what `sample`, `eval` and `export` rebuild the student from."""
         return {"teacher": self.teacher, "revision": self.revision, "experts": list(self.experts),
@@ -126,28 +131,53 @@ class LoraSpec:
                 "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
 
 
+    def build(self, seed, dtype) -> LoraExperts:
+        """The trained experts of the teacher in `dtype`, frozen, each with a fresh adapter drawn from `seed` (the
+        same on every rank); lora_B starts at zero, so the untrained student is the teacher."""
+        from diffusers import WanTransformer3DModel
+
+        experts = {}
+        for i, comp in enumerate(self.trained):
+            model = WanTransformer3DModel.from_pretrained(self.path / comp, torch_dtype=dtype)
+            torch.manual_seed(seed + i)
+            try:
+                add_adapter(model, self.rank, self.alpha, self.targets)
+            except ValueError as e:  # e.g. a target that no module matches
+                raise UserError(f"--lora-targets {','.join(self.targets)}: {str(e).splitlines()[0]}") from e
+            experts[comp] = model
+        return LoraExperts(experts, self.boundary_timestep, self.record())
+
+    def describe(self, model):
+        trained = sum(p.numel() for _, p in trained_parameters(model))
+        return f" ({trained / 1e6:.2f}M trained: rank-{self.rank} LoRA of {self.teacher})"
+
+    def checkpoint_state(self, model):
+        """The adapters alone: the base is read again from the teacher at every start."""
+        return {k: p.detach().cpu().contiguous() for k, p in trained_parameters(model)}
+
+    def load_checkpoint_state(self, model, tensors):
+        params = dict(trained_parameters(model))
+        if params.keys() != tensors.keys():
+            raise RuntimeError(f"checkpoint holds {len(tensors)} trained tensors, the student {len(params)} "
+                               f"(e.g. {sorted(params.keys() ^ tensors.keys())[:1]})")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(tensors[k])
+
+    def shard(self, model, **kw):
+        shard(model, **kw)
+
+    def gathered(self, model, is_main):
+        """The adapters alone, gathered (the base is the teacher's): what a DDP run saves."""
+        states = model.adapter_states()
+        return SimpleNamespace(save_pretrained=partial(model.save_pretrained, states=states)) if is_main else None
+
+
 def _read(path: Path, teacher: str) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--lora-of {teacher}: cannot read {path} ({e})") from e
-
-
-def build(spec: LoraSpec, seed: int, dtype: torch.dtype) -> LoraExperts:
-    """The LoRA student: the trained experts of the teacher in `dtype`, frozen, each with a fresh adapter drawn from
-    `seed` (the same on every rank); lora_B starts at zero, so the untrained student is the teacher."""
-    from diffusers import WanTransformer3DModel
-
-    experts = {}
-    for i, comp in enumerate(spec.trained):
-        model = WanTransformer3DModel.from_pretrained(spec.path / comp, torch_dtype=dtype)
-        torch.manual_seed(seed + i)
-        try:
-            add_adapter(model, spec.rank, spec.alpha, spec.targets)
-        except ValueError as e:  # e.g. a target that no module matches
-            raise UserError(f"--lora-targets {','.join(spec.targets)}: {str(e).splitlines()[0]}") from e
-        experts[comp] = model
-    return LoraExperts(experts, spec.boundary_timestep, spec.record())
 
 
 def shard(model: LoraExperts, **kw) -> None:

@@ -5,7 +5,8 @@ starts in (docs/multi-gpu.md has the arithmetic and usage).
 gradients, AdamW moments and EMA over the ranks with PyTorch FSDP2 (`fully_shard`: one unit per transformer block
 and one, the root, for the rest; a unit's full weights exist only while it runs). The same under every strategy:
 the epoch plan, the loss scaling, AdamW, the EMA rule and the run artifact. What differs is one method each below.
-The objective's heads stay whole on every rank under both. A LoRA student under fsdp: lora_student.py `shard`.
+The objective's heads stay whole on every rank under both. What differs by student kind (compact or LoRA: fsdp's
+units and bf16 policy, what a checkpoint keeps, what rank 0 gathers to save) is the kind's (student.py), given to wrap.
 
 How to add a strategy: subclass `Strategy`, implement the methods, declare it in `pipeline/registries.py`
 (STRATEGIES: name, help, this module's path, its `StrategyCaps`), and test it as tests/test_fsdp.py does (two gloo
@@ -25,14 +26,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from pipeline.lora_experts import LoraExperts
 from pipeline.registries import STRATEGIES, StrategyCaps
 from pipeline.runtime import DistEnv
 
-from . import checkpoint, lora_student
+from . import checkpoint
 from .comm import all_gather_bytes
 from .objective_velocity import WithHeads
-from .student import empty_student, trained_parameters
+from .student import StudentKind, trained_parameters
 
 def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dtype | None) -> Strategy:
     """The strategy declared as `name` (its module imported now), for this rank."""
@@ -71,8 +71,10 @@ class Strategy:
         self.env, self.device, self.mixed = env, device, mixed
         self.model: torch.nn.Module | None = None
         self.heads: torch.nn.Module | None = None
+        self.student: StudentKind | None = None  # the kind of `model` (set by wrap)
 
-    def wrap(self, model: torch.nn.Module, heads: torch.nn.Module | None) -> torch.nn.Module | None:
+    def wrap(self, model: torch.nn.Module, heads: torch.nn.Module | None,
+             student: StudentKind) -> torch.nn.Module | None:
         """Move the student (built on the CPU) and the heads to the device, laid out as this strategy trains them.
         Called before the optimizer is built, which must see the final parameters. Returns the module the loop
         runs forward and backward through, None when that is the student itself."""
@@ -125,8 +127,8 @@ class DDP(Strategy):
         super().__init__(env, device, mixed)
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
 
-    def wrap(self, model, heads):
-        self.model, self.heads = model.to(self.device), heads
+    def wrap(self, model, heads, student):
+        self.model, self.heads, self.student = model.to(self.device), heads, student
         if heads is not None:
             heads.to(self.device)
         if self.env.world_size > 1:  # broadcasts rank 0's weights to every rank
@@ -147,10 +149,12 @@ class DDP(Strategy):
 
     def save_checkpoint(self, out, step, ema, optimizer, trainer_state, keep):
         if self.env.is_main:
-            checkpoint.save(out, step, self.model, ema, optimizer, trainer_state, keep, self.heads)
+            checkpoint.save(out, step, self.student.checkpoint_state(self.model), ema, optimizer, trainer_state, keep,
+                            self.heads)
 
     def load_checkpoint(self, path, optimizer):
-        return checkpoint.load(path, self.model, optimizer, self.device, self.heads)
+        return checkpoint.load(path, lambda t: self.student.load_checkpoint_state(self.model, t), optimizer,
+                               self.device, self.heads)
 
     @contextlib.contextmanager
     def ema_weights(self, ema) -> Iterator[None]:
@@ -184,10 +188,9 @@ class FSDP(Strategy):
     """PyTorch FSDP2: weights, gradients, AdamW moments and EMA sharded over the ranks, a unit per block."""
     lockstep = True
     syncs_init = False  # nothing is broadcast: every rank builds (and initialises) the same student, then shards it
-    is_lora = False  # the student is a LoRA student (set by wrap)
     policy = False  # the bf16 MixedPrecisionPolicy is on (set by wrap)
 
-    def wrap(self, model, heads):
+    def wrap(self, model, heads, student):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -196,8 +199,8 @@ class FSDP(Strategy):
                                     rank=0, world_size=1)
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
         kw = {"mesh": mesh}
-        self.is_lora = isinstance(model, LoraExperts)
-        self.policy = self.mixed == torch.bfloat16 and not self.is_lora  # (a LoRA base is built in bf16 already)
+        self.student = student
+        self.policy = self.mixed == torch.bfloat16 and student.bf16_policy
         if self.policy:
             # Gather and compute in bf16, keep the float32 shards as master weights and reduce gradients in
             # float32. Inputs keep their dtype (autocast casts what it casts, as under ddp): bf16 holds integers
@@ -207,11 +210,7 @@ class FSDP(Strategy):
         # The transformer's output is a view (its final reshape); no objective changes it in place, which is
         # what FSDP2 warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        if self.is_lora:
-            lora_student.shard(model, **kw)  # a unit per block of each expert, one per expert for the rest
-        else:
-            for block in model.blocks:
-                fully_shard(block, **kw)
+        student.shard(model, **kw)  # a unit per block (of each expert, and one per expert for the rest)
         fully_shard(model, **kw)  # the root: patch and condition embedders, output norm and projection
         # fully_shard moved each unit's shards to the mesh's device; the heads are whole on every rank
         self.model, self.heads = model, heads
@@ -340,18 +339,8 @@ class FSDP(Strategy):
         # The EMA weights stay swapped in until the caller is done: with one rank the gathered tensors are the
         # shards themselves, which the swap's end overwrites.
         with self.ema_weights(ema) if ema is not None else contextlib.nullcontext():
-            if self.is_lora:  # the adapters alone are gathered (the base is the teacher's): what ddp's save writes
-                self._shards()
-                states = self.model.adapter_states()
-                yield _Adapters(self.model, states) if self.env.is_main else None
-                return
-            full = self._state(full=True)
-            if not self.env.is_main:
-                yield None
-                return
-            plain = empty_student(dict(self.model.config))  # the unsharded class, given the gathered tensors
-            plain.load_state_dict(full, assign=True)
-            yield plain
+            self._shards()
+            yield self.student.gathered(self.model, self.env.is_main)  # (a LoRA student's: its adapters alone)
 
     def weights_sha(self) -> str:
         """`state_sha` of the full weights, one tensor gathered at a time (a LoRA student's base is the teacher's
@@ -362,13 +351,3 @@ class FSDP(Strategy):
         gathered = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in held)
         sha = items_sha(gathered)  # every rank takes part in each gather, in the same order
         return all_gather_bytes(sha.encode(), self.device)[0].decode()
-
-
-class _Adapters:
-    """What rank 0 saves of an FSDP LoRA student: its adapters, gathered (`LoraExperts.adapter_states`)."""
-
-    def __init__(self, model: LoraExperts, states: dict[str, dict[str, torch.Tensor]]):
-        self.model, self.states = model, states
-
-    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
-        self.model.save_pretrained(folder, safe_serialization, states=self.states)

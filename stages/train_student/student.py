@@ -1,5 +1,9 @@
-"""The student: a `WanTransformer3DModel` built from a JSON config, checked against the cache, and
-optionally initialised from a subset of the teacher's blocks read lazily from safetensors."""
+"""The student kind (`StudentKind`, docs/architecture.md "The student kind"): all stage two knows of what it trains,
+chosen once from the config by `student_kind`; nothing else asks which kind it is. Two variants: `CompactStudent`
+here (`--student-config`: a small `WanTransformer3DModel` built from a JSON config, checked against the cache,
+optionally initialised from a subset of the teacher's blocks read lazily from safetensors), and `LoraStudent`
+(lora_student.py, `--lora-of TEACHER`: the teacher's frozen transformer(s) with peft adapters). What trains is
+`trained_parameters` for both (the parameters with gradients)."""
 
 from __future__ import annotations
 
@@ -81,6 +85,92 @@ def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
                         + f" (cache: latent {[c, f, h, w]}, text_dim {text_dim}, patch {teacher_patch})")
 
 
+class StudentKind:
+    """One kind of student, as stage two trains it (the module docstring)."""
+
+    config: dict  # its WanTransformer3DModel config, checked against the cache (set by `prepare` at the latest)
+    bf16_policy = True  # --strategy fsdp may gather its float32 master weights in bf16 (a MixedPrecisionPolicy)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def prepare(self, manifest: dict, cache: str, requested: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Refuse (one line) a cache this student cannot learn from; returns the cached steps to train on."""
+        raise NotImplementedError
+
+    def build(self, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+        """The untrained student, the same on every rank for `seed` (`dtype`: the autocast dtype, float32 without)."""
+        raise NotImplementedError
+
+    def describe(self, model: torch.nn.Module) -> str:
+        """What the run's first line adds about the student."""
+        return ""
+
+    def record(self) -> dict | None:
+        """distill.json's `lora` entry."""
+        return None
+
+    def identity(self) -> dict | None:
+        """The run identity's entry of what this kind adds to its config (a resume must find it again)."""
+        return None
+
+    def teacher_flag(self) -> tuple[str, str | None]:
+        """(flag, teacher) of the teacher this run names, if any."""
+        return "--init-from-teacher", self.cfg.init_from_teacher
+
+    def checkpoint_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the student (a DDP checkpoint's model.safetensors), in host memory."""
+        return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+    def load_checkpoint_state(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Put a checkpoint's `checkpoint_state` back, strictly."""
+        model.load_state_dict(tensors, strict=True)
+
+    def shard(self, model: torch.nn.Module, **kw) -> None:
+        """FSDP2 units below the root one (`kw`: fully_shard's mesh and policy): one per transformer block."""
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, **kw)
+
+    def gathered(self, model: torch.nn.Module, is_main: bool):
+        """What rank 0 saves of an FSDP-sharded student (every rank calls this; None off rank 0): the full weights
+        in host memory, in the unsharded class."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main:
+            return None
+        with torch.device("meta"):  # no memory behind its weights: the gathered tensors become them
+            plain = _model_class()(**{k: v for k, v in model.config.items() if not k.startswith("_")})
+        plain.load_state_dict(full, assign=True)
+        return plain
+
+
+def student_kind(cfg) -> StudentKind:
+    """The student `cfg` asks for, chosen once: LoRA adapters on the teacher with --lora-of, else a compact one."""
+    if cfg.lora_of is None:
+        return CompactStudent(cfg)
+    from .lora_student import LoraStudent  # (it builds on this module)
+
+    return LoraStudent(cfg)
+
+
+class CompactStudent(StudentKind):
+    """A compact student: a small WanTransformer3DModel from --student-config, trained whole."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.config = load_student_config(cfg.student_config)
+
+    def prepare(self, manifest, cache, requested):
+        check_compatible(self.config, manifest, self.cfg.student_config)
+        return requested
+
+    def build(self, seed, dtype):
+        return build_student(self.config, self.cfg.student_config, seed)
+
+
 def build_student(cfg: dict, path: str, seed: int) -> torch.nn.Module:
     """A float32 student with weights drawn from `seed` (same seed, same weights on every rank)."""
     torch.manual_seed(seed)
@@ -94,13 +184,6 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     """The student's parameters that training changes, by name: all of a compact student's, a LoRA student's adapters
     (its base is frozen). What the optimizer, the EMA and the checkpoints hold."""
     return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-
-
-def empty_student(config: dict) -> torch.nn.Module:
-    """The student's module with no memory behind its weights (meta device), to be given them with
-    `load_state_dict(..., assign=True)`: how full weights gathered from shards become a model to save."""
-    with torch.device("meta"):
-        return _model_class()(**{k: v for k, v in config.items() if not k.startswith("_")})
 
 
 def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path], dict]:

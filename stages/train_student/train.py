@@ -25,11 +25,11 @@ from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
 
-from . import checkpoint, lora_student, train_dry_run
+from . import checkpoint, train_dry_run
 from .comm import all_gather_bytes
 from .loop import Parts, TrainState, Trainer, make_ema, plot_losses, truncate_metrics
 from .run_identity import check_resumable, length_note
-from .student import build_student, init_from_teacher, trained_parameters
+from .student import init_from_teacher, trained_parameters
 from .tracking import open_tracker, require_backend
 from .train_plan import TrainPlan, make_plan
 from .validation import make_validator
@@ -131,7 +131,7 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
         init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config,
         optimizer_steps=state.step, samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
         objective_settings=objective.record(), student_steps=objective.student_steps(m),
-        lora=p.lora.record() if p.lora is not None else None,
+        lora=p.student.record(),
     )
 
 
@@ -140,10 +140,7 @@ def _build(p: TrainPlan, fresh: bool) -> Parts:
     strategy, the objective's heads, the optimizer and the fp16 scaler, and the module the loop runs (the DDP
     wrapper, or None: the student itself)."""
     cfg, env = p.cfg, p.env
-    if p.lora is not None:  # the teacher's experts, frozen in the autocast dtype (float32 without), and the adapters
-        model = lora_student.build(p.lora, cfg.seed, p.mixed or torch.float32)
-    else:
-        model = build_student(p.student_cfg, cfg.student_config, cfg.seed)
+    model = p.student.build(cfg.seed, p.mixed or torch.float32)
     if cfg.init_from_teacher and fresh and (env.is_main or not p.strategy.syncs_init):
         rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "
@@ -156,10 +153,10 @@ def _build(p: TrainPlan, fresh: bool) -> Parts:
     model.train()
     with torch.random.fork_rng(devices=[]):  # the heads' own stream: the student's init and data order stay
         torch.manual_seed(cfg.seed + 1)
-        heads = p.objective.heads(p.student_cfg, p.manifest)
+        heads = p.objective.heads(p.student.config, p.manifest)
     if heads is not None:
         heads.train()
-    wrapped = p.strategy.wrap(model, heads)  # onto the device: replicated (ddp) or sharded (fsdp)
+    wrapped = p.strategy.wrap(model, heads, p.student)  # onto the device: replicated (ddp) or sharded (fsdp)
     return Parts(model, heads, make_optimizer(model, cfg, p.device, heads),
                  torch.amp.GradScaler(p.device.type, enabled=p.mixed == torch.float16), wrapped)
 
@@ -269,8 +266,7 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
     if isinstance(started, dict):
         return started
     parts, state, ckpt = started
-    trained = sum(x.numel() for _, x in trained_parameters(parts.model))
-    kind = "" if p.lora is None else f" ({trained / 1e6:.2f}M trained: rank-{p.lora.rank} LoRA of {cfg.lora_of})"
+    kind = p.student.describe(parts.model)
     print0(f"train-student: {sum(x.numel() for x in parts.model.parameters()) / 1e6:.2f}M-parameter student{kind} "
            f"on {env.world_size} x {device.type} ({cfg.strategy}), objective {p.objective.name}, "
            f"{len(p.data.train_rows)} training samples ({len(p.data.heldout_rows)} held out), global batch "
@@ -286,7 +282,7 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
                            is_main=env.is_main)
     # Validation samples the student as distill.json will say it is sampled (its steps and scheduler).
     validator = make_validator(cfg, env.is_main, p.data, _distill_record(p, state, parts.ema is not None), device,
-                               every_rank=p.strategy.lockstep)
+                               every_rank=p.strategy.lockstep, teacher=p.student.teacher_flag())
     trainer = Trainer(p, parts, state, p.layout.root, tracker, validator)
     with signals.deferred():  # SIGTERM: a checkpoint at the next step boundary (Trainer.fit); after the last, finish
         state = trainer.fit()

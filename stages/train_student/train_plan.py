@@ -23,13 +23,12 @@ from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv, dist_env, print0
 
-from . import lora_student
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
 from .objective_velocity import Objective, check_cache, get_objective
 from .run_identity import KeptSettings, RunIdentity
 from .strategy import Strategy, get_strategy
-from .student import check_compatible, load_student_config
+from .student import StudentKind, student_kind
 
 
 @dataclass
@@ -41,14 +40,13 @@ class TrainPlan:
     device: torch.device
     mixed: torch.dtype | None  # the autocast dtype; None: float32
     layout: RunLayout
-    student_cfg: dict
+    student: StudentKind  # compact or LoRA (student.py), chosen once
     objective: Objective
     data: DataSplit
     epochs: EpochPlan  # the exact order of every epoch
     total: int  # optimizer steps of the run
     identity: RunIdentity  # what a checkpoint must match to be resumed
     strategy: Strategy  # how the student is laid over the ranks (strategy.py)
-    lora: lora_student.LoraSpec | None = None  # a LoRA student's teacher and adapters (--lora-of)
 
     @property
     def manifest(self) -> Manifest:
@@ -70,15 +68,12 @@ def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> Tr
     _check_apart(layout.root, cfg.cache)
     if not cfg.dry_run:  # a dry run writes nothing to --out: no lock, no folder (train_dry_run.py)
         _check_out(layout.root, cfg.resume)
-    student_cfg = load_student_config(cfg.student_config) if cfg.lora_of is None else None
+    student = student_kind(cfg)
     objective = get_objective(cfg.objective).from_config(cfg)
     caches = open_caches(list(cfg.cache))
-    manifest, train_steps, spec = caches[0].manifest, cfg.train_steps, None
-    if cfg.lora_of is not None:  # the student is the teacher itself: its transformer config, checked against the cache
-        spec = lora_student.LoraSpec.from_config(cfg, manifest)
-        spec.check(manifest, str(caches[0].path))
-        student_cfg, train_steps = spec.config, spec.train_steps(manifest, cfg.train_steps)
-    check_compatible(student_cfg, manifest, cfg.student_config or cfg.lora_of)  # before the (slower) shard check
+    manifest = caches[0].manifest
+    train_steps = student.prepare(manifest, str(caches[0].path), cfg.train_steps)  # before the (slower) shard check
+    student_cfg = student.config
     check_cache(objective, manifest, str(caches[0].path), int(student_cfg.get("num_layers", 1)))
     # A dry run checks sizes only: the checksum of an A14B cache's shards is hours of reading, not a step's cost.
     data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, train_steps, cfg.holdout_prompts)
@@ -90,15 +85,15 @@ def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> Tr
         fingerprints=sorted({c.fingerprint for c in data.index.caches}), data=data.digest(), seed=cfg.seed,
         global_batch=epochs.global_batch, grad_accum=cfg.grad_accum,
         student_config=student_cfg | {"patch_size": list(student_cfg.get("patch_size", (1, 2, 2)))},
-        settings=KeptSettings.of(cfg, mode), lora=spec.identity() if spec is not None else None,
+        settings=KeptSettings.of(cfg, mode), lora=student.identity(),
         # the default objective without settings is recorded as none
         objective={"name": objective.name, **objective.record()}
         if objective.name != default_objective or objective.record() else None,
         order=order_identity(epochs, cfg.embedding_cache_size))
     mixed = MIXED[mode]
-    return TrainPlan(cfg, env, device, mixed, layout, student_cfg, objective, data, epochs, total,
+    return TrainPlan(cfg, env, device, mixed, layout, student, objective, data, epochs, total,
                      RunIdentity.from_json(json.loads(json.dumps(identity.to_json()))),  # as a checkpoint holds it
-                     get_strategy(cfg.strategy, env, device, mixed), spec)
+                     get_strategy(cfg.strategy, env, device, mixed))
 
 
 MIXED = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --mixed-precision: the autocast dtype

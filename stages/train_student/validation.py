@@ -192,14 +192,14 @@ def image_grid(teacher: np.ndarray, student: np.ndarray) -> np.ndarray:
 
 
 def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torch.device,
-                   every_rank: bool = False) -> Validator | None:
+                   every_rank: bool = False, teacher: tuple[str, str | None] = ("", None)) -> Validator | None:
     """Rank 0's validator when --val-every is on (None elsewhere: the other ranks only train). `every_rank`: a
     sharded student's forward needs every rank (--strategy fsdp), so every rank samples the same trajectories;
-    rank 0 alone decodes and logs."""
+    rank 0 alone decodes and logs. `teacher`: (flag, name) of the teacher the run names (`StudentKind.teacher_flag`),
+    whose VAE decodes."""
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
     decode, vae = cfg.val_decode and is_main, None
     if decode:  # settled before step 1: a refusal costs no training
-        flag, teacher = ("--lora-of", cfg.lora_of) if cfg.lora_of else ("--init-from-teacher", cfg.init_from_teacher)
-        vae = vae_folder(flag, teacher, cfg.revision, data.index.manifest)
+        vae = vae_folder(*teacher, cfg.revision, data.index.manifest)
     return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, decode, vae)
