@@ -12,6 +12,7 @@ found, loaded, rebuilt untrained and exported; the inference commands call it an
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from dataclasses import dataclass
@@ -141,9 +142,7 @@ def find_student(path: str, weights: str = "auto") -> Student:
     if not run.student.is_dir():  # train-student renames student/ into place last: without it the run did not finish
         raise UserError(f"{p} holds no finished student: {STUDENT}/ is missing (train-student was stopped "
                         "before it saved); rerun the same train-student command with --resume to finish it")
-    from .export_lora import LORA_RUN  # (it builds on this module)
-
-    kind = next((k for k in (LORA_RUN,) if (run.student / k.marker).is_file()), COMPACT)
+    kind = next((k for k in map(_load, OTHER_KINDS) if (run.student / k.marker).is_file()), COMPACT)
     has_ema = (run.student_ema / kind.marker).is_file()
     if weights == "ema" and not has_ema:
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); "
@@ -201,12 +200,17 @@ class CompactRun:
         return model.to(device, dtype).eval().requires_grad_(False), how
 
     def export(self, cfg, student: Student, hints: dict, out: Path, teacher: tuple) -> dict:
-        from .export import write_pipeline  # (it builds on this module)
-
-        return write_pipeline(cfg, student, hints, out, *teacher)
+        return _load("stages.sample.export:write_pipeline")(cfg, student, hints, out, *teacher)
 
 
 COMPACT = CompactRun()
+# The other kinds, declared by import path as the registries declare implementations (each builds on this module).
+OTHER_KINDS = ("stages.sample.export_lora:LORA_RUN",)
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:

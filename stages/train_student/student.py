@@ -7,6 +7,7 @@ optionally initialised from a subset of the teacher's blocks read lazily from sa
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
@@ -151,9 +152,8 @@ def student_kind(cfg) -> StudentKind:
     """The student `cfg` asks for, chosen once: LoRA adapters on the teacher with --lora-of, else a compact one."""
     if cfg.lora_of is None:
         return CompactStudent(cfg)
-    from .lora_student import LoraStudent  # (it builds on this module)
-
-    return LoraStudent(cfg)
+    # (declared by import path, as the registries declare implementations: lora_student.py builds on this module)
+    return importlib.import_module("stages.train_student.lora_student").LoraStudent(cfg)
 
 
 class CompactStudent(StudentKind):
