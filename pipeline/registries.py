@@ -59,6 +59,10 @@ class Registry:
 
         return deco
 
+    def forget(self, name: str) -> None:
+        """Undo a declaration (a plug-in declared for one `with` block: objective_base.registered)."""
+        self._entries.pop(name, None)
+
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
