@@ -186,7 +186,7 @@ def test_part_out_of_range_names_where_it_came_from(tiny_teacher, prompts_file, 
 # --- stage one's progress: the bytes on the bar's last line ------------------------------------------------------
 
 def test_a_one_shard_part_ends_its_bar_on_the_bytes_written():
-    from cache import format as F
+    from cache.records import ShardRecord
     from pipeline.progress_bar import progress_bar
     from stages.teacher_cache.throughput import StageOneProgress
 
@@ -194,7 +194,8 @@ def test_a_one_shard_part_ends_its_bar_on_the_bytes_written():
     bar = progress_bar(total=24, desc="teacher-cache part 0", unit="sample", file=log)
     progress = StageOneProgress(bar, part=0, steps=8, seeds=1, cache_samples=24, shards=[])
     progress.block(24)  # the part's one block, then its one shard closes
-    progress.shard({"path": "shards/part-00000-000000.tar", "samples": 24, "bytes": 256_000})
+    progress.shard(ShardRecord(path="shards/part-00000-000000.tar", part=0, samples=24, bytes=256_000, crc32c=0,
+                               blocks=[0]))
     bar.close()
     last = log.getvalue().splitlines()[-1]
     assert "24/24" in last and "written=250.0 KiB" in last and "cache=~250.0 KiB]" in last, last
