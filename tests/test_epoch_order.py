@@ -66,7 +66,7 @@ def fake_index(prompts: int, steps: int, parts: int = 1, sample_bytes: int = 100
     t[:, C_META_OFF] = np.concatenate([np.arange(np.sum(t[:, C_SHARD] == s)) for s in range(parts)]) * sample_bytes
     t[:, C_META_LEN], t[:, C_TENS_OFF] = 100, t[:, C_META_OFF] + 1024
     t[:, C_TENS_LEN] = sample_bytes - 1024
-    return SimpleNamespace(table=t, caches=[SimpleNamespace(manifest={"num_parts": parts})])
+    return SimpleNamespace(table=t, caches=[SimpleNamespace(manifest=SimpleNamespace(num_parts=parts))])
 
 
 def test_auto_keeps_the_shuffle_while_the_lru_holds_every_prompt():
