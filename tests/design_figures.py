@@ -2,8 +2,8 @@
 tests/test_design.py holds each to its bound.
 
 - lines: `wc -l` of pipeline/ cache/ stages/ (*.py)
-- record lookups: subscripts and `.get(...)` keyed by a cache field name (`F.F_*`, `F.S_*` or the same string)
-  outside the modules that define the records
+- record lookups: subscripts and `.get(...)` keyed by a record's field name, on something named as a record
+  (manifest, header, distill, progress, ...), outside the modules that define the records
 - name comparisons: a registry entry's name (a placement, objective or strategy) compared with `==`, `!=` or `in`
   to something that holds a chosen component, or a table keyed by entries' names, outside pipeline/registries.py
 - student-kind branches: an `if` (or conditional expression) that asks whether the student is a LoRA one, outside
@@ -14,6 +14,7 @@ tests/test_design.py holds each to its bound.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -56,16 +57,25 @@ def _is_field_key(node: ast.AST, fields: set[str]) -> bool:
     return isinstance(node, ast.Constant) and node.value in fields
 
 
+# What a record read as a raw dict is called where it is read (a plan's result, a diffusers config or a safetensors
+# header keyed by the same words is no record).
+_RECORD_NAMES = re.compile(r"manifest|header|distill|record|progress|\bprog\b|\bm\b|saved")
+
+
+def _a_record(node: ast.AST) -> bool:
+    return bool(_RECORD_NAMES.search(ast.unparse(node).lower()))
+
+
 def record_lookups(src: dict[str, str]) -> dict[str, int]:
     fields, found = _field_names(), Counter()
     for rel, text in src.items():
         if rel in RECORD_MODULES:
             continue
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Subscript) and _is_field_key(node.slice, fields):
+            if isinstance(node, ast.Subscript) and _is_field_key(node.slice, fields) and _a_record(node.value):
                 found[rel] += 1
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                  and node.args and _is_field_key(node.args[0], fields)):
+                  and node.args and _is_field_key(node.args[0], fields) and _a_record(node.func.value)):
                 found[rel] += 1
     return dict(found)
 
