@@ -1,8 +1,5 @@
-"""Atomic file and folder replacement: write to a temporary name, fsync, rename, fsync the folder.
-
-A reader either sees the old complete file (or folder) or the new complete one, never a torn one, even if the
-writer is SIGKILLed or the machine loses power between any two instructions.
-"""
+"""Atomic file and folder replacement (temporary name, fsync, rename, fsync of the folder), and the page-cache
+handling of what writers never read again."""
 
 from __future__ import annotations
 
@@ -61,9 +58,8 @@ def umask() -> int:
 
 
 def honour_umask(path: str | os.PathLike) -> None:
-    """Give the file `path`, or every `*.safetensors` below the folder `path` (symlinks left alone), the mode a plain
-    open() gives a new file: 0o666 less the umask. safetensors creates its files 0600 whatever the umask, which shuts
-    colleagues on shared storage out of weights (a student, a checkpoint, an export) they are meant to read."""
+    """Give the file `path`, or every `*.safetensors` below the folder `path` (not symlinks), the mode open() gives a
+    new file: safetensors creates its files 0600 whatever the umask, shutting colleagues out of shared weights."""
     path = Path(path)
     mode = 0o666 & ~umask()
     files = [path] if not path.is_dir() else [p for p in path.rglob("*.safetensors") if not p.is_symlink()]
@@ -82,9 +78,8 @@ FSYNC_THREADS = 16
 
 
 def fsync_paths(paths) -> None:
-    """Make `paths` durable: every file, every file below a folder (symlinks are left alone: their parent's
-    fsync holds them), then every folder that holds one of them, so that names created, replaced or removed
-    there survive a power loss too. A path that no longer exists (a chunk removed) needs only its parent."""
+    """Make `paths` durable: every file, every file below a folder (not symlinks: their parent's fsync holds them),
+    then every folder holding one, so that names created, replaced or removed there survive a power loss too."""
     files, dirs = [], set()
     for p in dict.fromkeys(map(Path, paths)):
         dirs.add(p.parent)
@@ -103,14 +98,10 @@ def fsync_paths(paths) -> None:
 
 
 def drop_behind(fd: int, upto: int | None = None) -> None:
-    """Flush a file written through `fd` and drop its pages from the page cache (posix_fadvise DONTNEED, which
-    frees clean pages only: hence the flush first): the whole file, fsynced (it is complete), or with `upto` its
-    first `upto` bytes, fdatasynced (it is still being written: `ShardWriter` every WRITE_BEHIND_BYTES). For what
-    the writer never reads again (shards): the page
-    cache then keeps what is read (the teacher's weight files under the `disk` and `offload` placements), and the
-    writes reuse the pages just freed rather than claim new ones. On a VM whose memory is backed lazily that is
-    the difference between ~350 MiB/s and ~1.5 GiB/s of writes kept on disk (a first write to guest memory
-    faulted in by the host there costs ~3 s/GiB)."""
+    """Flush a file written through `fd` and drop its pages from the page cache (DONTNEED frees clean pages only:
+    hence the flush first): the whole file, fsynced, or with `upto` its first `upto` bytes, fdatasynced (still being
+    written). The page cache then keeps what is read (the teacher's weights under `disk` and `offload`), and writes
+    reuse the pages just freed: on a VM whose memory is backed lazily ~350 MiB/s -> ~1.5 GiB/s of writes."""
     (os.fsync if upto is None else os.fdatasync)(fd)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, upto or 0, os.POSIX_FADV_DONTNEED)
@@ -157,12 +148,10 @@ _SFR = _sync_file_range()
 
 
 class WriteBehind:
-    """Sends what a writer wrote to the disk while it goes on writing, and drops it from the page cache once there
-    (`drop_behind` says why): each range handed over (`add`) starts its writeback at once, without waiting, and the
-    range before it, written back meanwhile, is waited for and dropped, so the writer and the disk work at the same
-    time instead of in turn. bench.real_size's writer at 4,000 A14B-sized prompts, dev VM, each way twice: shards
-    247 -> 274 MiB/s, the whole writer 228 -> 246 MiB/s. Not a durability point: whoever records the bytes as
-    written fsyncs them first. Without sync_file_range (not Linux) each range is dropped at once (`drop_behind`)."""
+    """Sends what a writer wrote to the disk while it goes on writing, and drops it from the page cache once there:
+    each range handed over (`add`) starts its writeback at once and the range before it is waited for and dropped
+    (bench.real_size, A14B sizes: shards 247 -> 274 MiB/s). Not a durability point: whoever records the bytes fsyncs
+    them first. Without sync_file_range (not Linux) each range is dropped at once (`drop_behind`)."""
 
     def __init__(self):
         self._last: tuple[int, int, int, bool] | None = None  # (fd, offset, bytes (0: to the end), fd ours to close)
@@ -220,12 +209,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def publish_dir(tmp: str | os.PathLike, dest: str | os.PathLike, before_replace: Callable[[], None] | None = None,
                 after_replace: Callable[[], None] | None = None) -> None:
-    """Make the complete folder `tmp` appear as `dest`: everything in it fsynced, then one rename, then the
-    parent fsynced. A reader (or a crash at any instant) sees the old `dest` or the new one, never a half-written
-    one. An existing `dest` is swapped with `tmp` in one step where the filesystem can (`_exchange`), and the old
-    copy, now under the temporary name, is deleted after; elsewhere it is renamed aside first, so a crash
-    between the two renames leaves no `dest`, the old one whole under a `.tmp` name. `before_replace` and
-    `after_replace` (fault injection) run just before the rename and just before the old copy is deleted."""
+    """Make the complete folder `tmp` appear as `dest`, fsynced, in one rename (an existing `dest` swapped out in one
+    step where the filesystem can, else renamed aside first: docs/reliability.md, "What is atomic").
+    `before_replace` and `after_replace` (fault injection) run just before the rename and before the old copy goes."""
     tmp, dest = Path(tmp), Path(dest)
     fsync_paths([tmp])
     if before_replace is not None:

@@ -1,9 +1,4 @@
-"""crc32c, the one checksum of what the cache holds: prompt-store rows (zarr's own "crc32c" codec checks each
-chunk) and shards (their record in progress.json and the manifest).
-
-From the `crc32c` package: hardware crc32c instructions, ~9 GiB/s a core on the dev VM, and it lets go of the GIL.
-What the checksums guard against is a file changed after it was written (a bad disk, a bad copy, a stray write).
-"""
+"""crc32c, the one checksum of what the cache holds (the `crc32c` package: hardware instructions, GIL released)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The fixed projection that teacher features are stored through (`teacher-cache --record-features`).
-
-A Wan2.2-A14B block output at 480x832 is 1,560 tokens x 5,120 x 2 bytes = 16 MB per sample; the cache keeps
-it small by storing `hidden @ P`, P a fixed [dim, feature_dim] Gaussian matrix scaled by 1/sqrt(dim) (a
-random projection keeps the geometry of the features: Johnson-Lindenstrauss), optionally pooled over tokens.
-P is a function of (dim, feature_dim, seed) alone and is written into the cache beside the manifest; its
-seed, size and sha256 are in the fingerprint.
+"""The fixed projection that teacher features are stored through (`teacher-cache --record-features`): P, a
+[dim, feature_dim] Gaussian matrix scaled by 1/sqrt(dim), a function of (dim, feature_dim, seed) alone
+(docs/architecture.md, "Feature distillation").
 """
 
 from __future__ import annotations
@@ -14,11 +10,11 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save_file
+from safetensors.torch import load, save
 
-from .atomic import fsync_dir, honour_umask
+from .atomic import atomic_write_bytes
 from .cache_error import CacheError, UnsafeFileError
-from .format import FEATURE_PROJECTION, P_MATRIX, TMP_SUFFIX
+from .format import FEATURE_PROJECTION, P_MATRIX
 from .safe_open import read_bytes
 
 POOLS = ("none", "mean")
@@ -35,15 +31,9 @@ def matrix_sha256(matrix: torch.Tensor) -> str:
 
 
 def write_projection(cache_dir: str | os.PathLike, matrix: torch.Tensor) -> Path:
-    """CACHE_DIR/feature_projection.safetensors, written to a temporary name and renamed."""
+    """CACHE_DIR/feature_projection.safetensors, written atomically (parts on other processes write it too)."""
     path = Path(cache_dir) / FEATURE_PROJECTION
-    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")  # parts on other processes write it too
-    save_file({P_MATRIX: matrix.contiguous()}, tmp)
-    honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_write_bytes(path, save({P_MATRIX: matrix.contiguous()}))
     return path
 
 

@@ -70,8 +70,6 @@ P_MATRIX = "matrix"  # [teacher dim, feature_dim] float32
 NEG_EMBEDS = "embeds"
 NEG_SEQ_LEN = "seq_len"
 
-# The JSON records (manifest.json, progress.json, their shard records): cache/records.py, one field per key.
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -1,15 +1,6 @@
-"""manifest.json: the single entry point for readers of a finished cache, plus the fingerprint.
-
-The manifest is written (atomically) only once every part is complete; it aggregates the parts' shard
-records. Separate processes (`--part/--num-parts`) each try once their part is complete, so whichever
-finishes last writes it. Under torchrun every rank waits at a barrier until all parts are complete, then
-rank 0 writes it. Two writers finishing together write identical content to distinct temporary files,
-and the rename makes one of them win whole.
-
-Readers take a manifest as untrusted: it is opened through `safe_open` (no link, no FIFO), its fields are checked
-against `records.Manifest.problem` (types, ranges, required and unknown keys) and `records.shard_problem` (every shard path `shards/part-PPPPP-SSSSSS.tar` of
-one of its parts) before any is used, so that no reader opens a file outside the cache because the manifest says so,
-and a malformed one ends in one line.
+"""manifest.json: the single entry point for readers of a finished cache, written atomically by whichever part
+finishes last (rank 0 under torchrun); read as untrusted input, checked whole (`records`) before any field is used.
+See docs/architecture.md, "The cache".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Per-part progress record: which trajectory blocks are done and which shards hold them.
-
-`progress.json` is rewritten atomically after each shard is renamed into place, so every shard it lists
-exists and is complete, and every block it calls done is inside a listed shard. A crash between the
-rename and the rewrite leaves an unlisted shard, which the part's next run deletes and recomputes.
-"""
+"""Per-part progress record (`progress.json`): which trajectory blocks are done and which shards hold them;
+rewritten atomically after each shard is in place (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -92,8 +88,5 @@ def list_parts(cache_dir: str | os.PathLike) -> list[int]:
     root = Path(cache_dir) / PARTS_DIR
     if not root.is_dir():
         return []
-    parts = []
-    for d in sorted(root.iterdir()):
-        if d.name.startswith("part-") and (d / PROGRESS).exists():
-            parts.append(int(d.name.split("-")[1]))
-    return parts
+    return [int(d.name.split("-")[1]) for d in sorted(root.iterdir())
+            if d.name.startswith("part-") and (d / PROGRESS).exists()]

@@ -1,12 +1,6 @@
-"""Per-part prompt store (zarr v3 arrays): prompt text, text embeddings, initial noise and final latents.
-
-Each part writes only its own `parts/part-P/prompts.zarr`; rows never written read as the fill value (`seq_lens` -1).
-`embeds` holds only real tokens, every row's packed after the one before ([tokens, D]; `token_start` says where a
-row begins): no padding is stored or visited (an A14B embedding is 4 MiB padded, ~0.5 MiB real), and a file (zarr
-shard) of TOKENS_PER_FILE tokens is written once, whole. The latents are zarr shards of ROWS_PER_FILE rows. Every
-chunk ends in its crc32c (checked by zarr on every read, as is each file's index), and `row_crc32c/embeds` holds
-each row's real tokens' crc32c: a chunk or file that is gone, which zarr reads as zeros, is an error.
-"""
+"""Per-part prompt store (zarr v3 arrays `parts/part-P/prompts.zarr`): prompt text, text embeddings (real tokens
+packed end to end), initial noise and final latents; rows never written read as the fill value (`seq_lens` -1).
+Layout and checks: docs/architecture.md, "The cache"."""
 
 from __future__ import annotations
 
@@ -144,11 +138,9 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 
 
 class PromptRowWriter:
-    """Writes one part's encoded prompts as the text encoder makes them, a batch at a time (`add`), in memory that
-    does not grow with the prompt count: each row's real tokens (never the padding past them) are appended to a
-    buffer of one file (TOKENS_PER_FILE tokens), written once, whole, when it is full. The small arrays are written
-    once, by `close`, which also writes the last, partly filled file. Until `close` returns the rows are not all
-    there: stage one's progress record says `encoded` only after it (a killed run encodes again)."""
+    """Writes one part's encoded prompts a batch at a time (`add`): each row's real tokens go to a buffer of one file
+    (TOKENS_PER_FILE tokens), written whole when full; `close` writes the last file and the small arrays. Until
+    `close` returns the rows are not all there: stage one records `encoded` only after it."""
 
     def __init__(self, g: zarr.Group):
         self.g = g
@@ -199,10 +191,9 @@ class PromptRowWriter:
 def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[int], latents: torch.Tensor,
                       behind: WriteBehind | None = None) -> list[Path]:
     """Write per-trajectory latents (`init_noise` or `final_latents`), one zarr write per run of consecutive rows (a
-    row some of whose seeds are not given is read first, its chunk checked). Returns the files written, which the
-    caller fsyncs before anything records them as written (`atomic.fsync_paths`). Each file is flushed and dropped
-    from the page cache at once, or with `behind` sent to the disk while the caller writes the next (the encode
-    phase's initial noise, a file per call: the writer 279 / 259 -> 296 / 303 MiB/s, `bench.real_size`)."""
+    row some of whose seeds are not given is read first). Returns the files written, which the caller fsyncs before
+    recording them (`atomic.fsync_paths`); each is dropped from the page cache at once, or handed to `behind` (the
+    encode phase's initial noise: the writer 279 / 259 -> 296 / 303 MiB/s, `bench.real_size`)."""
     arr = g[name].with_config(_STORE_ALL)
     lat = latents.detach().float().cpu().numpy()
     given: dict[int, dict[int, int]] = {}  # row -> seed -> index into `lat`
@@ -226,9 +217,8 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
 
 
 def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]:
-    """The store's `files` ("<array>/<file>"), just written, flushed and dropped from the page cache
-    (`atomic.drop_behind`, as `writer._Checksummed`), or handed to `behind`; their paths, which the caller fsyncs
-    with their folders."""
+    """The store's `files` ("<array>/<file>"), just written, dropped from the page cache (`atomic.drop_behind`) or
+    handed to `behind`; their paths."""
     root = Path(str(g.store.root)) / g.path
     paths = [root / f for f in files]
     for p in paths:
@@ -255,8 +245,8 @@ REBUILD = "rebuild the cache with the same `wandistiller teacher-cache` command 
 
 
 def damaged_part(cache_dir: str | os.PathLike, part: int, what: str) -> CacheError:
-    """Stage one resuming a part whose own files fail their checks (`what`: which and how): the one line, with the
-    two ways to rebuild it. A part cannot be patched row by row: its rows are encoded in one pass."""
+    """Stage one resuming a part whose own files fail their checks (`what`): a part cannot be patched row by row
+    (its rows are encoded in one pass), so the line names the two ways to rebuild it."""
     part_dir = Path(cache_dir) / PARTS_DIR / part_dirname(part)
     return CacheError(f"part {part} of {cache_dir} is damaged: {what}; delete {part_dir} and rerun the same "
                       "`wandistiller teacher-cache` command (that part is computed again), or rerun it with "
@@ -280,13 +270,9 @@ def _damage(e: Exception) -> str:
 
 
 class PartRows:
-    """One part's prompt store, opened for reading rows that are checked against what stage one recorded: every chunk
-    against its crc32c (zarr), a row's real tokens against theirs (a chunk or file gone would read as zeros), a
-    trajectory's latents against being all zeros (never written). Each array opens on first use.
-
-    With `whole_files` (the checks, which go through the rows in order) a row is served from its whole file, read
-    in one zarr call (~2 ms each) and kept until another file is asked for; a file that does not read is read again
-    row by row, so that the error names the rows it concerns."""
+    """One part's prompt store, its rows read checked (docs/architecture.md, "The cache"); each array opens on first
+    use. With `whole_files` (the in-order checks) a row is served from its whole file, read in one zarr call and kept
+    until another file is asked for; a file that does not read is read again row by row, naming the rows."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, whole_files: bool = False):
         self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
@@ -392,9 +378,8 @@ class PartRows:
         return values[seed]
 
     def padded(self, rows: list[int]) -> np.ndarray:
-        """[len(rows), max_len, D] (storage dtype): the rows' real tokens zero-padded as the pipeline pads them,
-        read in one zarr call (the tokens of consecutive rows lie together); unchecked against the rows' crc32c
-        (zarr checks each chunk's), for stage one, which wrote them."""
+        """[len(rows), max_len, D] (storage dtype): the rows' real tokens zero-padded as the pipeline pads them, in one
+        zarr call; unchecked against the rows' crc32c (zarr checks each chunk's), for stage one, which wrote them."""
         starts, lens = self.token_start[rows], self.seq_lens[rows]
         if (starts < 0).any() or (lens < 0).any():
             raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(rows[int(np.argmin(lens))])} were never "
@@ -463,9 +448,7 @@ def _store_rows(cache_dir, part: int, prompts: int, num_parts: int, checksums: b
 def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: int, checksums: bool = False,
                         progress: bool = False) -> list[str]:
     """Every row a reader relies on that is missing or wrong in the parts' stores (empty = sound): rows never written
-    (zarr returns the fill value for those) and rows holding another prompt. With `checksums` every byte of every
-    row is read and checked: each chunk against its crc32c, each row's real tokens against theirs, no trajectory's
-    initial noise or final latent unwritten (`cache verify`)."""
+    and rows holding another prompt; with `checksums` every byte of every row read and checked (`cache verify`)."""
     problems = []
     for part in range(num_parts):
         rows, found = _store_rows(cache_dir, part, prompts, num_parts, checksums)
@@ -567,11 +550,9 @@ def _trimmed(rows: PartRows, row: int) -> tuple[torch.Tensor, int]:
 
 
 class EmbeddingCache(RowCache):
-    """prompt_idx -> its embedding, the one LRU of embeddings that readers keep. `get` pads it with zeros to
-    max_sequence_length exactly as the teacher's pipeline padded it; `get_trimmed` gives the real tokens alone and
-    the padded length, for a reader that pads later (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed). Every
-    read is checked (`PartRows.trimmed`): CacheError for a row never written, missing or damaged, never zeros.
-    `capacity`: the prompts kept (stage two's is --embedding-cache-size; a reader of a known set, that set's size)."""
+    """prompt_idx -> its embedding, the one LRU of embeddings that readers keep (`capacity` prompts), each read
+    checked (`PartRows.trimmed`). `get` pads it with zeros as the teacher's pipeline did; `get_trimmed` gives the real
+    tokens and the padded length, for a reader that pads later (A14B: 4 MiB padded, ~0.5 MiB trimmed)."""
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int):
         super().__init__(cache_dir, num_parts, capacity, _trimmed)
@@ -606,11 +587,9 @@ def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: i
 
 
 def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | None:
-    """Why a part's prompt store is not what the manifest says it holds: an array of another shape, dtype or chunk
-    (each chunk no larger than its array or file: what a read allocates), or a store that does not open; None when
-    every array is as stage one creates it. Metadata only (a `zarr.json` each): every reader checks it before reading
-    a row (`reader.open_caches`), so that no edited shape makes one allocate terabytes, nor an edited dtype read
-    other numbers. Rows themselves are checked as they are read, and by `cache verify`."""
+    """Why a part's prompt store is not what the manifest says it holds (an array of another shape, dtype or chunk,
+    or one that does not open), or None. Metadata only: every reader checks it before reading a row, so that no
+    edited shape makes one allocate terabytes (a chunk no larger than its array or file), nor a dtype misread."""
     m, dtype = manifest, manifest.dtype
     for part in range(m.num_parts):
         rows = len(part_prompts(part, m.prompts, m.num_parts))

@@ -1,10 +1,7 @@
 """Random-access reader of finished caches: the shard index and reads of a sample by row.
 
-webdataset's streaming reader visits shards in whatever order its workers pull them, so it cannot promise "every
-sample exactly once per epoch across all ranks and workers", nor equal step counts per rank, nor a resumable
-position. Here the manifest already says how many samples every shard holds, so each sample gets a fixed row number
-before any byte is read; the tar headers give the byte offset of each member, and a sample is read with one `pread`
-(`SampleReader`). The order in which a stage reads the rows is its own (stage two: `stages/train_student/epoch.py`).
+Unlike webdataset's streaming reader, every sample gets a fixed row number from the manifest before any byte is
+read (so every sample once per epoch, equal steps per rank, a resumable position); a sample is read with one `pread`.
 """
 
 from __future__ import annotations
@@ -82,10 +79,9 @@ class CacheInfo:
 
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
-    """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, shard paths
-    outside a cache (`load_manifest`) and settings that no longer hash to their fingerprint (edited by hand: an
-    edited `guidance` would reach the student's distill.json) or prompt stores whose arrays are not of the shapes and
-    dtypes the manifest says (`prompt_store.store_problem`)."""
+    """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
+    does not load, settings that no longer hash to their fingerprint, or a prompt store not of the manifest's shapes
+    (`prompt_store.store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -164,17 +160,10 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
             raise ShardError(shard_problem(cache_dir, rec, SHARD_TAR) + f" ({e})", SHARD_TAR) from e
     if reader is not None and not reader.matches(rec):
         raise ShardError(shard_problem(cache_dir, rec, SHARD_CHECKSUM), SHARD_CHECKSUM)
-    rows = []
-    for key, mem in members.items():
-        try:
-            p, s, k = F.parse_key(key)
-        except ValueError:
-            rows = None
-            break
-        if F.EXT_META not in mem or F.EXT_TENSORS not in mem:
-            rows = None
-            break
-        rows.append((p, s, k, *mem[F.EXT_META], *mem[F.EXT_TENSORS]))
+    try:  # (a foreign key: ValueError; a member alone: KeyError)
+        rows = [(*F.parse_key(key), *mem[F.EXT_META], *mem[F.EXT_TENSORS]) for key, mem in members.items()]
+    except (ValueError, KeyError):
+        rows = None
     if rows is None or len(rows) != rec.samples:
         found = "unpaired or foreign members" if rows is None else f"{len(rows)} samples, manifest says {rec.samples}"
         raise ShardError(shard_problem(cache_dir, rec, SHARD_MEMBERS) + f" ({found})", SHARD_MEMBERS)
@@ -182,10 +171,8 @@ def scan_shard(cache_dir: str | os.PathLike, rec: dict, checksum: bool = True) -
 
 
 class ShardStream:
-    """Iterate over every sample of one shard as webdataset groups its members ({"__key__", "json",
-    "safetensors", ...}), in one sequential pass that also checksums the file: once the iteration ends, `matches`
-    says whether the whole file is the one `rec` records (size and crc32c). Iterating raises OSError /
-    tarfile.TarError for an unreadable shard."""
+    """Every sample of one shard as webdataset groups its members, in one pass that also checksums the file: once
+    the iteration ends, `matches` says whether it is the file `rec` records. OSError / TarError when unreadable."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
         self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec.path
@@ -234,11 +221,8 @@ def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, 
 
 
 class CacheIndex:
-    """Every sample of one or more caches (sharing one fingerprint), addressable by row.
-
-    The same (prompt, seed, step) held by two caches is the same target (same fingerprint, deterministic
-    stage one), so it is kept once: the first cache's copy.
-    """
+    """Every sample of one or more caches (sharing one fingerprint), addressable by row. The same (prompt, seed,
+    step) in two caches is the same target (deterministic stage one): the first cache's copy is kept."""
 
     def __init__(self, caches: list[CacheInfo], table: np.ndarray):
         self.caches = caches
@@ -340,9 +324,8 @@ _ST_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": to
 
 
 def _tensors_in(buf: np.ndarray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `buf`, as views of its memory (`safetensors.torch.load`
-    copies each one out of a `bytes`; at A14B sizes a sample's copy costs as much as reading it). ValueError
-    for anything that is not a well-formed safetensors file: corruption."""
+    """The tensors of a safetensors file held in `buf`, as views of its memory (`safetensors.torch.load` copies,
+    which at A14B sizes costs as much as the read); ValueError for anything not well-formed."""
     n = int.from_bytes(buf[:8], "little")
     if len(buf) < 8 or not 0 < n <= len(buf) - 8:
         raise ValueError(f"header length {n} does not fit a member of {len(buf)} bytes")
@@ -408,9 +391,8 @@ class SampleReader:
         return buf
 
     def read(self, row: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, metadata) of one sample; CacheError naming the shard if it does not decode. The tensors are views
-        of one buffer read from the shard (the writer puts the metadata member first, a header away from the
-        tensors: both are read at once)."""
+        """(tensors, metadata) of one sample, views of one buffer holding both members (the writer puts them a tar
+        header apart); CacheError naming the shard if it does not decode."""
         r = self.index.table[row]
         fd = self._fd(int(r[C_SHARD]))
         meta_off, meta_len, tens_off, tens_len = (int(r[c]) for c in (C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN))
@@ -420,7 +402,6 @@ class SampleReader:
         else:
             meta_b, tens_b = self._span(fd, meta_off, meta_len, row).tobytes(), self._span(fd, tens_off, tens_len, row)
         return self._decode_members(row, meta_b, tens_b)
-
 
     def _decode_members(self, row: int, meta_b: bytes, tens_b: np.ndarray) -> tuple[dict[str, torch.Tensor], dict]:
         r = self.index.table[row]
@@ -437,13 +418,11 @@ class SampleReader:
                             for name, dtype, count, offset, shape in layout}, meta
             except Exception:
                 pass  # (the full decode below says what is wrong, naming the sample)
-        key = self.index.key(row)
-        manifest = self.index.caches[int(r[C_CACHE])].manifest
+        key, manifest = self.index.key(row), self.index.caches[int(r[C_CACHE])].manifest
         try:
             tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
         except Exception as e:  # any parse failure is corruption of that member
-            raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
-                             f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
+            raise self._undecodable(row, e) from e
         problems = sample_problems(key, tensors, meta, manifest)
         if problems:
             raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
@@ -452,6 +431,10 @@ class SampleReader:
             self._layouts[head] = [
                 (name, t.dtype, t.numel(), t.data_ptr() - base, tuple(t.shape)) for name, t in tensors.items()]
         return tensors, meta
+
+    def _undecodable(self, row: int, e: Exception) -> CacheError:
+        return CacheError(f"sample {self.index.key(row)} in {self.index.shard_path(row)} does not decode "
+                          f"({type(e).__name__}: {e}); run `wandistiller cache verify`")
 
     def read_tensors(self, row: int, names: tuple[str, ...] = (F.T_X_T,)) -> dict[str, torch.Tensor]:
         """The tensors `names` of one sample, from one `pread` of its tensor member (no metadata): the second state of
@@ -462,8 +445,7 @@ class SampleReader:
         try:
             tensors = _tensors_in(data)
         except Exception as e:  # any parse failure is corruption of that member
-            raise CacheError(f"sample {key} in {self.index.shard_path(row)} does not decode "
-                             f"({type(e).__name__}: {e}); run `wandistiller cache verify`") from e
+            raise self._undecodable(row, e) from e
         out = {}
         for name in names:
             t, spec = tensors.get(name), SAMPLE_FIELDS[name]

@@ -1,10 +1,7 @@
 """The cache's JSON records as frozen dataclasses: stage one's header, the manifest, a shard record.
 
-Each record's fields are its JSON keys, in the order written (`to_json`), so manifest.json and progress.json are
-the bytes they were; `from_json` refuses an unknown key, a missing one or one of another type or range in one line
-(the checks below, one per field, read from its annotation and narrowed by RANGES). Nothing outside this module
-looks a key up in a raw record: readers use attributes. Fields marked `optional()` are written only when set (the
---record-features and --record-steps settings), so that caches without them keep their fingerprint.
+Each record's fields are its JSON keys, in the order written (`to_json`); `from_json` refuses an unknown key, a
+missing one or one of another type or range in one line (docs/architecture.md, "The cache").
 """
 
 from __future__ import annotations
@@ -230,9 +227,8 @@ class CacheHeader(Record):
     @classmethod
     def planned(cls, cfg, teacher, scheduler, schedule, *, dtype: str, prompts: int, prompt_set_sha256: str,
                 identity: dict) -> CacheHeader:
-        """The header of the cache `cfg` (teacher-cache's settings) writes with this teacher (a TeacherSpec: path,
-        shapes, configs), its scheduler and the sampler's `schedule` built from it, at `dtype`, for `prompts`
-        prompts: what stage one records and fingerprints, and what `plan` projects the cache's bytes from."""
+        """The header of the cache `cfg` (teacher-cache's settings) writes with `teacher` (a TeacherSpec), its
+        scheduler and `schedule`, at `dtype`, for `prompts` prompts (stage one records it, `plan` projects from it)."""
         tcfg, latent = teacher.transformer_config, list(teacher.latent_shape(cfg.height, cfg.width, cfg.frames))
         guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if teacher.boundary_ratio
                                                                          else None)
@@ -277,11 +273,8 @@ def _recorded(cfg) -> dict:
 
 
 def choose_recorded_steps(steps: int, record_steps: int | None, seed: int, keep=()) -> list[int]:
-    """The steps every trajectory records under --record-steps N, ascending: step 0 (the noise state any K-step
-    student starts from) and `keep`, then the rest drawn uniformly, without replacement, from the other steps by a
-    generator seeded with `seed` alone. One set for the whole cache (not one per trajectory): every reader (the
-    epoch plan, `cache verify`, a segment student's boundaries, eval's per-step table) then knows the cache's steps
-    from its manifest. None, or N >= steps: every step."""
+    """The steps every trajectory records under --record-steps N, ascending (docs/architecture.md, "The cache",
+    Recorded steps): step 0, `keep`, the rest drawn by a generator seeded with `seed` alone; None or N >= steps: all."""
     if record_steps is None or record_steps >= steps:
         return list(range(steps))
     fixed = sorted({0, *keep})
@@ -351,9 +344,8 @@ def shard_path_problem(rel, cache_dir) -> str | None:
 
 
 def shard_problem(shards: list[ShardRecord], cache_dir, num_parts: int, part: int | None = None) -> str | None:
-    """Why a shard record of a manifest (or of part `part`'s progress record) read from `cache_dir` is not one: its
-    path not `shards/part-PPPPP-SSSSSS.tar` of one of its parts (of its own part); None when every one is sound. A
-    reader never opens a file outside the cache because a record says so."""
+    """Why a shard record of a manifest (or of part `part`'s progress record) is not one: its path not
+    `shards/part-PPPPP-SSSSSS.tar` of one of its parts (of its own part); None when every one is sound."""
     for rec in shards:
         problem = shard_path_problem(rec.path, cache_dir)
         if problem is None and (rec.path_part >= num_parts or rec.part != rec.path_part

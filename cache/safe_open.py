@@ -1,8 +1,5 @@
-"""The one way a reader opens a file of a cache: by its path relative to the cache folder, one component at a time,
-none of them a symbolic link (`O_NOFOLLOW`), the file itself a regular file (`fstat`; opened `O_NONBLOCK`, so a FIFO
-is named, not waited on). Everything in a cache came from elsewhere: nothing a reader opens lies outside the folder
-it was given, and nothing makes it hang. The cache folder itself is the user's choice and may be reached through
-links."""
+"""The one way a reader opens a file of a cache: from the cache folder down, one component at a time, no link
+followed, a regular file only, never waited on (docs/architecture.md, "The cache", Untrusted input)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""The declared sample schema: every tensor and metadata field a cached sample may carry.
-
-One entry per field says its dtype, its shape (a rule over the manifest), and whether every sample of a
-cache carries it (always, or when a manifest setting turned it on). The writer refuses undeclared
-fields, the reader and `cache verify` check each sample against these entries, and stage two's
-objectives name the fields they need from here. Adding a field: one `SampleField` below (plus the
-manifest setting that turns it on, in `format.py`), then the code that produces it in stage one and
-consumes it in stage two.
-
-Every setting that turns a field on is part of stage one's header, and the whole header is hashed into
-the fingerprint, so a cache with a field and one without can never be mixed in training.
+"""The declared sample schema: every tensor and metadata field a cached sample may carry (docs/architecture.md,
+"The cache"; adding a field: "Extension points"). Every setting that turns a field on is in stage one's header, so
+in the fingerprint: a cache with a field and one without are never mixed in training.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -90,8 +83,7 @@ def sample_fields(manifest: CacheHeader) -> tuple[str, ...]:
 
 def recorded_steps(manifest: CacheHeader) -> tuple[int, ...]:
     """The teacher steps every trajectory of the cache records, ascending: the manifest's `recorded_steps`
-    (teacher-cache --record-steps N), else every step. The same for every (prompt, seed), so a cache holds
-    prompts x seeds x len(recorded_steps) samples."""
+    (teacher-cache --record-steps N), else every step."""
     return tuple(manifest.recorded_steps) if manifest.recorded_steps is not None else tuple(range(manifest.steps))
 
 
@@ -106,10 +98,7 @@ def sample_bytes(manifest: CacheHeader, fields=None) -> int:
     total = 0
     for name in fields if fields is not None else sample_fields(manifest):
         f = SAMPLE_FIELDS[name]
-        n = 1
-        for d in f.shape(manifest):
-            n *= int(d)
-        total += n * F.DTYPES[f.dtype_name(manifest)].itemsize
+        total += math.prod(int(d) for d in f.shape(manifest)) * F.DTYPES[f.dtype_name(manifest)].itemsize
     return total
 
 

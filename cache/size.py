@@ -1,19 +1,7 @@
 """What a cache costs on disk, from its settings: bytes per sample, per prompt, and for a prompt count.
 
-The one place for the arithmetic that `cache info`, `wandistiller plan` and teacher-cache's disk check share. The
-figures are file sizes (filesystem blocks aside), exact for what stage one writes:
-
-- a sample, in a shard: a tar header and the JSON metadata, a tar header and the safetensors member (its header,
-  then every tensor the schema declares for the cache), each member padded to the tar's 512-byte blocks; a shard
-  closes at the first block of trajectories past `samples_per_shard` samples and ends in two zero blocks, padded
-  to a whole 10 KiB tar record;
-- a prompt, in its part's prompt store: the real tokens of its embedding (the zero padding past them is never
-  written; a part's tokens are packed end to end in chunks of EMBED_CHUNK_TOKENS, its last chunk padded:
-  `embeds_bytes`), its initial noise and its final latents (float32, every seed, one chunk each), each chunk ending
-  in its 4-byte crc32c; and per file of those arrays (TOKENS_PER_FILE tokens, `ROWS_PER_FILE` rows) the file's
-  index (16 bytes per chunk it can hold, then a crc32c);
-- fixed: the manifest, the negative prompt, progress records, configs and zarr metadata (measured on a finished
-  cache; a few KiB per part). Before a run, an embedding is taken at its bound (`embed_tokens_bound`).
+The one place for the arithmetic that `cache info`, `wandistiller plan` and teacher-cache's disk check share, exact
+for what stage one writes (docs/architecture.md, "The cache", Size).
 """
 
 from __future__ import annotations
@@ -112,9 +100,8 @@ def _latents_bytes(settings: CacheHeader, rows: int) -> int:
 
 
 def prompt_bytes(settings: CacheHeader, embed_tokens: float | None = None) -> float:
-    """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: all of
-    max_sequence_length, the bound): the embedding, then the initial noise and final latents of its seeds (the
-    files' indexes and the last chunk's padding, a few KiB per part, left out)."""
+    """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: the bound,
+    max_sequence_length), and its seeds' latents (the files' indexes and last chunk's padding left out)."""
     if embed_tokens is None:
         embed_tokens = settings.max_sequence_length
     embed = embed_tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
@@ -150,10 +137,9 @@ class CacheSize:
 
 def project(settings: CacheHeader, prompts: int, num_parts: int = 1, *, batch_size: int, samples_per_shard: int,
             embed_tokens: float | None = None, fixed_bytes: int = 0) -> CacheSize:
-    """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts (prompt i in
-    part i % num_parts) without interruption (a resume closes the shard it was writing early: a few KiB more), in
-    blocks of `batch_size` trajectories and shards of `samples_per_shard` samples (stage one's settings: no defaults
-    of their own here)."""
+    """The size of a cache of `prompts` prompts with these settings, written in `num_parts` parts without
+    interruption (a resume closes a shard early: a few KiB more), in blocks of `batch_size` trajectories and shards
+    of `samples_per_shard` samples."""
     per_sample, recorded = sample_disk_bytes(settings), len(recorded_steps(settings))
     seeds = settings.seeds_per_prompt
     tokens = settings.max_sequence_length if embed_tokens is None else embed_tokens
@@ -196,9 +182,8 @@ _PER_PROMPT_ARRAYS = (F.Z_EMBEDS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS)
 
 
 def fixed_bytes(cache_dir: Path) -> int:
-    """Bytes of a finished cache's files that are neither shards nor per-prompt chunks: the files at its root,
-    and everything under parts/ but the chunk files of the arrays `prompt_bytes` counts (not listed: at a
-    million prompts they are millions of files)."""
+    """Bytes of a finished cache's files that are neither shards nor the chunk files of the arrays `prompt_bytes`
+    counts (not listed: at a million prompts they are millions of files)."""
     total = sum(p.stat().st_size for p in cache_dir.iterdir() if p.is_file())
     for root, dirs, files in os.walk(cache_dir / F.PARTS_DIR):
         here = Path(root)

@@ -1,12 +1,5 @@
-"""`cache verify`: check every byte a stage reads against what stage one recorded.
-
-safetensors is not a checksum: a flipped bit inside tensor data still parses. The crc32c of each shard, recorded
-while it was written, catches that; the member walk catches truncation and missing members,
-and each sample is checked against the declared schema (schema.py), as stage two's reader checks it. The
-manifest's settings must hash to its fingerprint and its shard paths stay inside the cache; negative.safetensors
-must match the sha256 the manifest records; every chunk of the prompt stores must match its crc32c, every row's
-real tokens theirs, and no chunk holding them may be missing (`prompt_store.prompt_row_problems`). A cache of
-another format version is refused whole (`load_manifest`).
+"""`cache verify`: check every byte a stage reads against what stage one recorded (docs/architecture.md, "The
+cache", Checksums). safetensors is not a checksum: a flipped bit inside tensor data still parses.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Shard writer: one webdataset tar per shard (`tarfile`, laid out as webdataset's `TarWriter(encoder=False, mtime=0)`
-lays it out, byte for byte), written under a temporary name and renamed when complete.
-
-The rename is the last thing that happens to a shard, so a shard that exists under its final name is whole;
-anything still ending in `.tmp` after a crash is an orphan that its own part deletes on resume. The shard's crc32c
-is computed over the bytes as they are written (`_Checksummed`), never by reading the file back.
+"""Shard writer: one webdataset tar per shard, written under a temporary name and renamed when complete, so a shard
+under its final name is whole; its crc32c is taken over the bytes as written (docs/architecture.md, Write path).
 """
 
 from __future__ import annotations
@@ -34,9 +30,7 @@ def encode_sample(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, byt
 
 class _Checksummed:
     """A write-only file that keeps the crc32c and the count of the bytes written through it, and every
-    WRITE_BEHIND_BYTES hands them to the disk and drops them from the page cache (`atomic.WriteBehind`): stage one
-    never reads a shard back, and on a VM whose memory is backed lazily, reused pages write ~1.4x faster than new
-    ones."""
+    WRITE_BEHIND_BYTES hands them to the disk and drops them from the page cache (`atomic.WriteBehind`)."""
 
     def __init__(self, path: Path):
         self.f = open(path, "wb")

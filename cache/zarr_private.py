@@ -1,8 +1,5 @@
-"""zarr's internals the prompt store relies on, in one place: the layout of its chunk keys (which file holds a row,
-for dropping a written file from the page cache and naming a damaged one) and two helpers from `zarr.core`, which
-zarr does not export. Read in the zarr versions CHECKED names; tests/test_private_adapters.py fails on a zarr outside
-CHECKED, on a helper gone or on a file not where `chunk_file` says.
-"""
+"""zarr's internals the prompt store relies on, in one place: the layout of its chunk keys (which file holds a row)
+and two helpers zarr does not export, read in the zarr versions CHECKED names (tests/test_private_adapters.py)."""
 
 from __future__ import annotations
 
