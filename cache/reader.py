@@ -256,13 +256,8 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
     """CacheError unless the indexed samples of `cache` are exactly one per (prompt, seed, recorded step) its
     manifest promises: a manifest edited by hand (a shard dropped or listed twice) must not become a partial or
     skewed epoch. `shards` is `shard_list` of the caches the table was built from."""
-    m = cache.manifest
-    try:
-        dims = (int(m.prompts), int(m.seeds_per_prompt), int(m.steps))
-        recorded = np.asarray(recorded_steps(m), dtype=np.int64)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CacheError(f"{cache.path / F.MANIFEST} lacks the field {e}; rebuild the cache with "
-                         "`wandistiller teacher-cache`") from e
+    m = cache.manifest  # (a checked record: `load_manifest`)
+    dims, recorded = (m.prompts, m.seeds_per_prompt, m.steps), np.asarray(recorded_steps(m), dtype=np.int64)
     rows = table[table[:, C_CACHE] == cache_id]
     fix = (f"rerun the same `wandistiller teacher-cache` command on it: it rewrites {F.MANIFEST} from the parts' "
            "progress records (`wandistiller cache verify` lists every problem)")

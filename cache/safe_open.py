@@ -34,9 +34,8 @@ def _refuse(cache_dir, parts: tuple[str, ...], st: os.stat_result, folder: bool)
 
 
 def open_fd(cache_dir: str | os.PathLike, rel: str) -> int:
-    """A read-only descriptor of the regular file CACHE_DIR/`rel` (the caller closes it). FileNotFoundError where
-    it is not there; UnsafeFileError where `rel` leaves the folder, a component is a link, or it is no regular
-    file."""
+    """A read-only descriptor of the regular file CACHE_DIR/`rel` (the caller closes it); FileNotFoundError, or
+    UnsafeFileError where `rel` leaves the folder, a component is a link, or it is no regular file."""
     parts = PurePosixPath(rel).parts
     if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
         raise UnsafeFileError(f"{rel!r} is not a path inside the cache folder {cache_dir}; rebuild the cache with the "
