@@ -111,17 +111,13 @@ def shard_relpath(part: int, index: int) -> str:
 def torch_to_storage(t: torch.Tensor) -> np.ndarray:
     """A numpy view that keeps the tensor's bits (bfloat16 travels as uint16)."""
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy()
-    return t.numpy()
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def storage_to_torch(a: np.ndarray, dtype_name: str) -> torch.Tensor:
     """Inverse of `torch_to_storage`."""
     t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        return t.view(torch.bfloat16)
-    return t.to(DTYPES[dtype_name])
+    return t.view(torch.bfloat16) if dtype_name == "bfloat16" else t.to(DTYPES[dtype_name])
 
 
 def storage_numpy_dtype(dtype_name: str) -> str:

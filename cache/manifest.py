@@ -55,7 +55,7 @@ def settings_problem(cache_dir: str | os.PathLike, m: Manifest) -> str | None:
         header = prog.header.settings()
         diff = sorted(k for k in set(header) | set(settings)
                       if header.get(k, "<absent>") != settings.get(k, "<absent>"))
-        if prog.header.settings_fingerprint() != fp:  # the progress record does not match either: nothing to rewrite from
+        if prog.header.settings_fingerprint() != fp:  # nor does the progress record: nothing to rewrite from
             fix = "rebuild the cache with the same `wandistiller teacher-cache` command and --overwrite"
         elif diff:
             changed = " (" + ", ".join(f"{k} is {_short(settings.get(k, '<absent>'))} there, "

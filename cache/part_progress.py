@@ -34,6 +34,8 @@ class PartProgress(Record):
     header: CacheHeader  # the run's settings, identical in every part
     format_version: int = FORMAT_VERSION
 
+    NESTED = {"header": (CacheHeader, "its header: "), "shards": (ShardRecord, "a shard record: ")}
+
     @staticmethod
     def path(cache_dir: str | os.PathLike, part: int) -> Path:
         return Path(cache_dir) / PARTS_DIR / part_dirname(part) / PROGRESS
@@ -45,19 +47,12 @@ class PartProgress(Record):
 
     @classmethod
     def problem(cls, obj, where: str = "") -> str | None:
-        problem = super().problem(obj, where) or CacheHeader.problem(obj["header"], "its header: ")
-        for rec in obj["shards"] if problem is None else ():
-            problem = problem or ShardRecord.problem(rec, "a shard record: ")
-        problem = problem or parts_problem(obj["num_parts"], obj["header"]["prompts"])
+        problem = super().problem(obj, where) or parts_problem(obj["num_parts"], obj["header"]["prompts"])
         if problem is None and obj["part"] >= obj["num_parts"]:
             problem = f"its part {obj['part']} is not below its field 'num_parts' {obj['num_parts']}"
         if problem is None and any(b >= obj["blocks"] for b in obj["done_blocks"]):
             problem = f"its field 'done_blocks' lists blocks past its {obj['blocks']} blocks"
         return problem
-
-    @classmethod
-    def _build(cls, obj: dict) -> PartProgress:
-        return cls(**obj | {"header": CacheHeader(**obj["header"]), "shards": [ShardRecord(**s) for s in obj["shards"]]})
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike, part: int) -> PartProgress | None:

@@ -92,6 +92,8 @@ class Record:
     """JSON in the field order, back with every field checked (`problem`)."""
 
     FIRST: ClassVar[tuple[str, ...]] = ()  # fields written before the rest (the manifest's own)
+    # Fields holding records (or lists of them): field -> (its record type, how its problem names it).
+    NESTED: ClassVar[dict[str, tuple[type, str]]] = {}
 
     def to_json(self) -> dict:
         names = [f.name for f in fields(self)]
@@ -125,6 +127,10 @@ class Record:
             check = _check(f)
             if not check[0](obj[name]):
                 return f"{where}its field {name!r} is {_short(obj[name])}, expected {check[1]}"
+        for name, (kind, label) in cls.NESTED.items():
+            for rec in obj[name] if isinstance(obj[name], list) else [obj[name]]:
+                if (problem := kind.problem(rec, label)) is not None:
+                    return problem
         return None
 
     @classmethod
@@ -137,7 +143,8 @@ class Record:
 
     @classmethod
     def _build(cls, obj: dict):
-        return cls(**obj)
+        return cls(**obj | {name: [kind(**r) for r in obj[name]] if isinstance(obj[name], list) else kind(**obj[name])
+                            for name, (kind, _) in cls.NESTED.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,22 +312,14 @@ class Manifest(CacheHeader):
     negative_sha256: str | None = optional()  # of negative.safetensors
 
     FIRST: ClassVar[tuple[str, ...]] = ("format_version", "fingerprint")
+    NESTED = {"parts": (PartEntry, "a part record: "), "shards": (ShardRecord, "a shard record: ")}
 
     def header(self) -> CacheHeader:
         return CacheHeader(**{f.name: getattr(self, f.name) for f in fields(CacheHeader)})
 
     @classmethod
     def problem(cls, obj, where: str = "") -> str | None:
-        problem = super().problem(obj, where)
-        for name, kind in (("parts", PartEntry), ("shards", ShardRecord)):
-            for rec in obj[name] if problem is None else ():
-                problem = problem or kind.problem(rec, f"a {name[:-1]} record: ")
-        return problem or parts_problem(obj["num_parts"], obj["prompts"])
-
-    @classmethod
-    def _build(cls, obj: dict):
-        return cls(**obj | {"parts": [PartEntry(**p) for p in obj["parts"]],
-                            "shards": [ShardRecord(**s) for s in obj["shards"]]})
+        return super().problem(obj, where) or parts_problem(obj["num_parts"], obj["prompts"])
 
 
 def parts_problem(num_parts: int, prompts: int) -> str | None:
