@@ -27,11 +27,6 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
     """uint8 first frames of every caption drawn by the teacher (its experts, its CFG, its steps) and by each entry
     (its own schedule, steps and guidance; decoded with the teacher's VAE), all from the same initial noise
     (caption i: seed + i, as `wandistiller sample` draws row i)."""
-    common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
-                  max_sequence_length=settings.max_sequence_length, output_type="np")
-    teacher_kw = dict(guidance_scale=settings.guidance)
-    if settings.guidance_2 is not None:
-        teacher_kw["guidance_scale_2"] = settings.guidance_2
     images = {"teacher": [], **{e.label: [] for e in entries}}
     bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
@@ -42,7 +37,7 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
             images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                                         latents=latents.clone(), **common, **teacher_kw).frames)
+                                                         latents=latents.clone(), **settings.teacher_call()).frames)
             for e in entries:
                 frames = decode_latents(teacher.vae, e.draw(embeds, latents.clone(), neg)).numpy()
                 images[e.label] += first_frames_u8(frames)

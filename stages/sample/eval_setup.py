@@ -21,7 +21,7 @@ from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
 from .models import (
-    Student, check_compatible, find_student, init_exact, load_transformer, named_teacher, pick_device, teacher_dir,
+    Student, check_compatible, find_student, load_transformer, named_teacher, pick_device,
 )
 from .sample import SamplingSettings, student_sampler
 
@@ -87,8 +87,7 @@ class Entry:
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
     """`student` sampled at `steps`, else its own (a few-step student's distill.json's), else the cache's; at
     guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
-    d = student.distill
-    steps = steps or (d.sampling_steps if d is not None and d.sampling_steps else int(manifest.steps))
+    steps = steps or student.setting("sampling_steps") or int(manifest.steps)
     guidance = 1.0 if student.guided else float(manifest.guidance)
     settings = SamplingSettings(steps=steps, guidance=guidance, guidance_2=None, student_guidance=guidance,
                                 negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
@@ -153,10 +152,9 @@ def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | No
     """The cache's teacher (or --teacher), when timing or --attributes needs it."""
     if not (cfg.teacher_timing or cfg.attributes):
         return None
-    name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, manifest.teacher,
-                                                manifest.revision, f"{cache_dir}/{F.MANIFEST}")
     try:
-        return teacher_dir(name, revision, recorded_in)
+        return named_teacher(cfg.teacher, cfg.revision, manifest.teacher, manifest.revision,
+                             f"{cache_dir}/{F.MANIFEST}")
     except UserError as e:
         raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
                         f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e
@@ -187,7 +185,7 @@ def setup(cfg: EvalConfig) -> Setup:
         if seen:
             warnings.append(f"{len(seen)} of the {selection['prompts']} prompts evaluated were trained on (this is "
                             "the student's training cache): they are not held out")
-    if student.setting("init_from_teacher") and not init_exact(student, cfg.init_seed):
+    if student.setting("init_from_teacher") and not student.kind.init_exact(student, cfg.init_seed):
         warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
                         "random initialisation, not its starting point (save student_init/ to compare with that)")
     return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, trajs, selection, in_training,

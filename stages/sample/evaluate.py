@@ -19,7 +19,7 @@ from .eval_latents import final_latent_errors
 from .eval_setup import REPORT_NAME, Entry, Setup, entries as make_entries, make_entry, setup
 from .eval_timing import time_sampling
 from .eval_velocity import velocity_errors
-from .models import load_teacher, load_transformer, untrained_transformer
+from .models import load_teacher, load_transformer
 from .report import few_step_table, format_table, plot_report, summary_line
 
 __all__ = ["REPORT_NAME", "run"]
@@ -51,7 +51,7 @@ def run(cfg: EvalConfig) -> dict:
     for w in su.warnings:
         tqdm.write(f"warning: {w}")
     models = {"student": load_transformer(su.student, su.dtype, su.device)}
-    models["untrained"], init_how = untrained_transformer(su.student, cfg.init_seed, su.dtype, su.device)
+    models["untrained"], init_how = su.student.kind.untrained(su.student, cfg.init_seed, su.dtype, su.device)
     entries = make_entries(cfg, su, models["student"])
     # the untrained twin at the first entry's steps is the baseline
     untrained = make_entry("untrained", su.student, models["untrained"], manifest, entries[0].steps)

@@ -1,17 +1,5 @@
-"""`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument.
-
-The folder's layout: docs/architecture.md, "The export".
-
-`--push-to-hub REPO_ID` uploads the finished folder through huggingface_hub (`hub_card.push`).
-
-Every copy is of contents, not modes (`copy_contents`): the export's files and folders are created under the user's
-umask, whatever the modes of the teacher's files (a world-writable teacher folder) or the run's.
-
-diffusers ignores model_index keys starting with '_', so `_wandistiller` does not disturb loading.
-A LoRA run (`train-student --lora-of`) is exported as its adapters in diffusers' LoRA format, or with --fuse merged
-into the teacher's pipeline: export_lora.py.
-The folder is built under a temporary name, fsynced and renamed into place when complete (an earlier export it
-replaces is swapped out in the same step: `cache.atomic.publish_dir`).
+"""`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument (a LoRA run's:
+export_lora.py). The folder's layout, its copies and how it is published: docs/architecture.md, "The export".
 """
 
 from __future__ import annotations
@@ -34,11 +22,10 @@ from pipeline.progress_bar import progress_bar
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
-from .models import (
-    BORROWED, Student, check_compatible, find_student, named_teacher, teacher_dir, teacher_transformer_config,
-)
+from .models import BORROWED, Student, check_compatible, find_student, student_teacher, teacher_transformer_config
 
-MARK = "_wandistiller"  # model_index key of an export; also what lets --overwrite replace a folder
+# model_index key of an export (diffusers ignores keys starting with '_'); also what lets --overwrite replace a folder
+MARK = "_wandistiller"
 
 
 def _sampling_hints(student: Student, vae_spatial: int) -> dict:
@@ -48,14 +35,11 @@ def _sampling_hints(student: Student, vae_spatial: int) -> dict:
     guidance = 1.0 if student.guided else teacher_guidance
     hints = {"guidance_scale": guidance, "guided_targets": student.guided,
              "teacher_guidance_scale": teacher_guidance}
-    steps = student.distill.sampling_steps if student.distill is not None else None
-    if steps is not None:
-        hints["num_inference_steps"] = steps
-    if student.setting("steps") is not None:
-        hints["teacher_steps"] = student.setting("steps")
-    for key in ("max_sequence_length", "negative_prompt", "height", "width", "latent_shape", "objective"):
+    for hint, key in (("num_inference_steps", "sampling_steps"), ("teacher_steps", "steps"),
+                      *((k, k) for k in ("max_sequence_length", "negative_prompt", "height", "width", "latent_shape",
+                                         "objective"))):
         if student.setting(key) is not None:
-            hints[key] = student.setting(key)
+            hints[hint] = student.setting(key)
     shape = hints.get("latent_shape")
     if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
         hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
@@ -135,13 +119,6 @@ def copy_contents(src: Path, dst: Path) -> None:
             shutil.copyfile(Path(root) / name, here / name)
 
 
-def _place(src: Path, dst: Path, copy: bool) -> None:
-    if copy:
-        copy_contents(src, dst)
-    else:
-        os.symlink(src.resolve(), dst, target_is_directory=True)
-
-
 def _check_out(out: Path, overwrite: bool) -> None:
     if not out.exists():
         return
@@ -169,11 +146,7 @@ def _vae_spatial(tpath: Path) -> int:
 
 def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
     """The teacher's name, folder and model_index, checked to hold what the pipeline borrows and to fit the student."""
-    teacher_name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, student.teacher,
-                                                        student.setting("revision"), f"{cfg.student}'s distill.json")
-    if teacher_name is None:
-        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    tpath = teacher_dir(teacher_name, revision, recorded_in)
+    teacher_name, tpath = student_teacher(cfg, student)
     index = json.loads((tpath / "model_index.json").read_text())
     missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
     if missing:
@@ -192,8 +165,10 @@ def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: di
     for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
         if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
             student_scheduler(student.distill).save_pretrained(tmp / comp)
+        elif cfg.copy:
+            copy_contents(tpath / comp, tmp / comp)
         else:
-            _place(tpath / comp, tmp / comp, cfg.copy)
+            os.symlink((tpath / comp).resolve(), tmp / comp, target_is_directory=True)
     index.update({
         "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
         "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
@@ -222,7 +197,11 @@ def run(cfg: ExportConfig) -> dict:
     _check_out(out, cfg.overwrite)
     hints = _sampling_hints(student, _vae_spatial(teacher[1]))
     # a pipeline folder here; a LoRA run's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
-    return _pushed(cfg, out, student.kind.export(cfg, student, hints, out, teacher))
+    summary = student.kind.export(cfg, student, hints, out, teacher)
+    if cfg.push_to_hub:
+        summary["hub"] = hub_card.push(out, cfg.push_to_hub, cfg.private)
+        tqdm.write(f"pushed to the Hub: {summary['hub']}")
+    return summary
 
 
 def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, teacher_name: str, tpath: Path,
@@ -255,11 +234,3 @@ def building(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _pushed(cfg: ExportConfig, out: Path, summary: dict) -> dict:
-    """`summary`, once the folder at `out` is uploaded where --push-to-hub says (nothing to do without it)."""
-    if cfg.push_to_hub:
-        summary["hub"] = hub_card.push(out, cfg.push_to_hub, cfg.private)
-        tqdm.write(f"pushed to the Hub: {summary['hub']}")
-    return summary

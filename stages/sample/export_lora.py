@@ -1,11 +1,6 @@
 """A LoRA run (`train-student --lora-of`) as the inference commands take it: `LoraRun`, the student kind of models.py
 (found by its lora.json, loaded as the teacher with its adapters, untrained as the teacher itself), and its
-`wandistiller export` (docs/lora.md): the adapter files (diffusers' LoRA format, each with its LoraConfig as metadata),
-lora.json, the student's scheduler/, distill.json and the model card (tagged `lora`), loaded as
-`WanPipeline.from_pretrained(BASE)` + `pipe.load_lora_weights(LORA_DIR, weight_name=...)`; or with `--fuse` a
-standalone pipeline: the teacher with the adapters merged (`fuse_lora`, then `unload_lora_weights`). No local path is
-written anywhere (the base by its Hub id, else its folder's name: `hub_card.public_teacher`, as the compact export);
-files are copies of contents, created under the umask.
+`wandistiller export`: the adapters and their card, or with `--fuse` the merged pipeline (docs/lora.md, "Using it").
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ from pipeline.sampling import own_sampler, student_scheduler
 from . import hub_card
 from .export import MARK, building
 from .models import Student, read_distill, read_json, teacher_dir, teacher_transformer_config
-
 
 
 class LoraRun:
@@ -63,14 +57,6 @@ class LoraRun:
 LORA_RUN = LoraRun()
 
 
-def _load_calls(student: Student, where: str) -> str:
-    lines = []
-    for comp, name in student.lora["files"].items():
-        into = ", load_into_transformer_2=True" if comp == "transformer_2" else ""
-        lines.append(f'pipe.load_lora_weights("{where}", weight_name="{name}", adapter_name="{comp}"{into})')
-    return "\n".join(lines)
-
-
 def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> str:
     """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call. `name`: what the
     export is loaded as (its Hub id, or the folder's name), `base`: the teacher's public name; never a local path."""
@@ -86,7 +72,9 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> 
         where = "" if is_hub_id(base) else "  # the base: where your copy of the teacher lies"
         load = (f'pipe = WanPipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda"){where}\n'
                 f'pipe.scheduler = UniPCMultistepScheduler.from_pretrained("{name}", subfolder="scheduler")\n'
-                + _load_calls(student, name))
+                + "\n".join(f'pipe.load_lora_weights("{name}", weight_name="{f}", adapter_name="{comp}"'
+                            + (", load_into_transformer_2=True)" if comp == "transformer_2" else ")")
+                            for comp, f in student.lora["files"].items()))
     return f"""# WanDistiller LoRA: {steps}-step, guidance 1, on {lora['teacher']}
 
 Base: `{lora['teacher']}`{f" (revision {lora['revision']})" if lora.get('revision') else ''}. Rank {lora['rank']},

@@ -1,10 +1,6 @@
-"""What makes an export ready for the Hugging Face Hub: the model card's metadata (YAML front matter the Hub reads
-for its license, base model, task and library), names without local paths (`public_teacher`, `public_record`: the
-one place both exports, a compact student's pipeline and a LoRA run's adapters, strip them), and the upload itself
-(`export --push-to-hub REPO_ID`), all through huggingface_hub.
-
-A Hub card describes the model to strangers: it names the teacher by its Hub id and says nothing of the folders it
-was trained from (an absolute path there leaks a user name and means nothing to anyone else).
+"""What makes an export ready for the Hugging Face Hub: the model card's metadata, names without local paths (the
+one place both exports strip them: an absolute path leaks a user name and means nothing to anyone else) and the
+upload (`export --push-to-hub`), all through huggingface_hub: docs/architecture.md, "The export".
 """
 
 from __future__ import annotations

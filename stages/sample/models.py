@@ -1,13 +1,6 @@
-"""Find and load what the inference commands run: the trained student (with its distill.json), its untrained
-twin and the teacher pipeline.
-
-Stage two writes the run artifact of pipeline/artifact.py: OUT/student/ (a WanTransformer3DModel in diffusers
-format), OUT/student_ema/ when EMA is on, and OUT/distill.json (a DistillRecord). A bare student folder works
-too, and then the student is assumed to have learned the teacher's CFG-guided targets (the cache's `target`).
-A LoRA run (`train-student --lora-of`) holds adapters in student/ instead (diffusers' LoRA format and lora.json):
-its student is the teacher's transformers with them loaded (pipeline/lora_experts.py), called like one transformer.
-Which of the two a run holds is the student's `kind` (`CompactRun` here, export_lora.py's `LoraRun`): how it is
-found, loaded, rebuilt untrained and exported; the inference commands call it and never ask which kind it is.
+"""Find and load what the inference commands run: the trained student (the run artifact, or a bare transformer
+folder), its untrained twin and the teacher pipeline. The student's `kind` (`CompactRun` here, export_lora.py's
+`LoraRun`) finds, loads, rebuilds untrained and exports it: docs/architecture.md, "The run artifact".
 """
 
 from __future__ import annotations
@@ -55,10 +48,6 @@ class Student:
         return self.distill.guided if self.distill is not None else True
 
     @property
-    def teacher(self) -> str | None:
-        return self.setting("teacher")
-
-    @property
     def fingerprints(self) -> list[str]:
         """Fingerprints of the cache(s) the student was trained on."""
         return list(self.distill.fingerprints) if self.distill is not None else []
@@ -83,7 +72,7 @@ class Student:
     def describe(self) -> dict:
         return {"path": str(self.path), "weights": self.weights, "distill_json": self.distill is not None,
                 "guided_targets": self.guided, "objective": self.setting("objective"),
-                "student_steps": self.distill.sampling_steps if self.distill is not None else None}
+                "student_steps": self.setting("sampling_steps")}
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -179,11 +168,16 @@ class CompactRun:
         return model.to(device).eval().requires_grad_(False)
 
     def init_exact(self, student: Student, seed: int | None) -> bool:
+        """Whether `untrained` reproduces the starting weights: saved ones, or the recorded seed and no teacher
+        blocks copied in."""
         if seed is None and _has_init_dir(student):
             return True
         return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
 
     def untrained(self, student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
+        """The student before training, and how it was obtained: OUT/student_init/ when stage two saved it, else the
+        architecture re-instantiated from config.json after `torch.manual_seed(seed)` (seed: --init-seed, else
+        distill.json's `init_seed`, else 0), as train-student builds it (unless it then copied teacher blocks in)."""
         from diffusers import WanTransformer3DModel
 
         exact = self.init_exact(student, seed)
@@ -238,24 +232,6 @@ def _has_init_dir(student: Student) -> bool:
     return _transformer_config(RunLayout(student.root).student_init) is not None
 
 
-def init_exact(student: Student, seed: int | None) -> bool:
-    """Whether `untrained_transformer` reproduces the student's starting weights: saved ones, or train-student's
-    own recipe (seeded plain construction) with its recorded seed and no teacher blocks copied in (a LoRA student
-    starts as the teacher: its adapters start at zero)."""
-    return student.kind.init_exact(student, seed)
-
-
-def untrained_transformer(student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
-    """The student before training, and how it was obtained.
-
-    OUT/student_init/ when stage two saved it. Otherwise the architecture is re-instantiated from the student's
-    config.json after `torch.manual_seed(seed)` (seed: --init-seed, else distill.json's `init_seed`, else
-    `seed`, else 0), which is how train-student builds a student: the same weights, unless it then copied
-    teacher blocks in (`init_from_teacher`), which this cannot redo without the teacher. A LoRA run's: the teacher.
-    """
-    return student.kind.untrained(student, seed, dtype, device)
-
-
 def check_compatible(student: Student, *, in_channels: int, text_dim: int, latent_hw: tuple[int, int] | None,
                      expand_timesteps: bool | None, against: str) -> None:
     """Refuse a student that cannot run on these latents and text embeddings, with one line saying why."""
@@ -277,13 +253,21 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
 
 
 def named_teacher(teacher: str | None, revision: str | None, recorded: str | None,
-                  recorded_revision: str | None, record: str) -> tuple[str | None, str | None, str | None]:
-    """The teacher a command runs, its Hub revision, and the file that named it (None when the user did): --teacher
-    (with --revision), else the one the run recorded in `record` (distill.json, or the cache's manifest) at its
-    recorded revision, unless --revision says another."""
+                  recorded_revision: str | None, record: str) -> Path:
+    """The folder of the teacher a command runs: --teacher (with --revision), else the one the run recorded in
+    `record` (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
     if teacher:
-        return teacher, revision, None
-    return recorded, revision or recorded_revision, record
+        return teacher_dir(teacher, revision)
+    return teacher_dir(recorded, revision or recorded_revision, record)
+
+
+def student_teacher(cfg, student: Student) -> tuple[str, Path]:
+    """The name and folder of the teacher `sample` and `export` run: --teacher, else the one distill.json names."""
+    name = cfg.teacher or student.setting("teacher")
+    if name is None:
+        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
+    return name, named_teacher(cfg.teacher, cfg.revision, name, student.setting("revision"),
+                               f"{cfg.student}'s distill.json")
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:

@@ -1,10 +1,8 @@
 """`wandistiller sample`: teacher and student images from the same initial noise, side by side in one grid.
 
-The teacher runs as diffusers' WanPipeline (its experts, its CFG, its steps); the student through the one
-student sampler (pipeline/sampling.py: WanPipeline's loop for one transformer) with its own schedule and steps
-(a few-step student's K Euler steps by default, `--student-steps` to override), and the teacher's VAE decodes
-it. Each prompt is encoded once and both get the same embeddings and the same initial latents, so the two
-columns differ only by the denoiser and its schedule.
+The teacher runs as diffusers' WanPipeline; each student through the one sampler (pipeline/sampling.py) with its own
+schedule and steps, decoded by the teacher's VAE. Each prompt is encoded once and every column gets the same
+embeddings and initial latents, so the columns differ only by the denoiser and its schedule.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from pipeline.prompts import dedupe, read_prompt_file
 
 from .grid import draw_grid
 from .models import (
-    Student, check_compatible, find_student, load_teacher, load_transformer, named_teacher, pick_device, teacher_dir,
+    Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, student_teacher,
 )
 
 @dataclass(frozen=True)
@@ -48,6 +46,12 @@ class SamplingSettings:
     max_sequence_length: int
     seed: int
     student_steps: int | None = None  # the student's sampling steps; None: `steps`
+
+    def teacher_call(self) -> dict:
+        """The keyword arguments of the teacher's WanPipeline call for one image of these settings."""
+        kw = dict(height=self.height, width=self.width, num_frames=1, num_inference_steps=self.steps,
+                  max_sequence_length=self.max_sequence_length, output_type="np", guidance_scale=self.guidance)
+        return kw if self.guidance_2 is None else kw | {"guidance_scale_2": self.guidance_2}
 
 
 def student_sampler(student: Student, transformer, settings: SamplingSettings, teacher_scheduler,
@@ -103,8 +107,7 @@ def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSe
         max_sequence_length=int(cfg.max_sequence_length or student.setting("max_sequence_length",
                                                                             DEFAULT_MAX_SEQUENCE_LENGTH)),
         seed=cfg.seed,
-        student_steps=int(cfg.student_steps or (student.distill.sampling_steps if student.distill is not None
-                                                and student.distill.sampling_steps else steps)))
+        student_steps=int(cfg.student_steps or student.setting("sampling_steps") or steps))
 
 
 def initial_latents(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -123,33 +126,26 @@ def _write_png(img: Image.Image, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def _check_against_teacher(student: Student, teacher, teacher_name: str, settings: SamplingSettings) -> None:
-    tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
-    check_compatible(student, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
-                     latent_hw=(settings.height // vs, settings.width // vs),
-                     expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
-
-
 def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: str, settings: SamplingSettings,
                    dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
     """The student and every --compare student, each checked against the teacher and sampled with its own schedule,
     steps and guidance: ({column: (draw, steps)}, {column: description})."""
-    _check_against_teacher(student, teacher, teacher_name, settings)
-    expand = bool(teacher.config.expand_timesteps)
-    drawers = {"student": (student_sampler(student, load_transformer(student, dtype, device), settings,
-                                           teacher.scheduler, expand), settings.student_steps)}
-    described = {"student": student.describe()}
-    for path in cfg.compare:
-        other = find_student(path, cfg.weights)
-        _check_against_teacher(other, teacher, teacher_name, settings)
-        k = other.distill.sampling_steps if other.distill is not None and other.distill.sampling_steps \
-            else settings.steps
-        own = dataclasses.replace(settings, student_steps=k,
-                                  student_guidance=1.0 if other.guided else settings.guidance)
-        name = Path(path).name if Path(path).name not in drawers else f"{Path(path).name}-{len(drawers)}"
-        drawers[name] = (student_sampler(other, load_transformer(other, dtype, device), own, teacher.scheduler,
-                                         expand), k)
-        described[name] = other.describe()
+    tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
+    drawers, described = {}, {}
+    for path in (None, *cfg.compare):
+        one, own, name = student, settings, "student"
+        if path is not None:
+            one = find_student(path, cfg.weights)
+            own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
+                                      student_guidance=1.0 if one.guided else settings.guidance)
+            name = Path(path).name if Path(path).name not in drawers else f"{Path(path).name}-{len(drawers)}"
+        check_compatible(one, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
+                         latent_hw=(settings.height // vs, settings.width // vs),
+                         expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+        model = load_transformer(one, dtype, device)
+        drawers[name] = (student_sampler(one, model, own, teacher.scheduler, bool(teacher.config.expand_timesteps)),
+                         own.student_steps)
+        described[name] = one.describe()
     return drawers, described
 
 
@@ -159,11 +155,6 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
     prompt, and the seconds each column spent sampling (decoding included for the students)."""
     tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
     shape = (1, tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
-    common = dict(height=settings.height, width=settings.width, num_frames=1, num_inference_steps=settings.steps,
-                  max_sequence_length=settings.max_sequence_length, output_type="np")
-    teacher_kw = dict(guidance_scale=settings.guidance)
-    if settings.guidance_2 is not None:
-        teacher_kw["guidance_scale_2"] = settings.guidance_2
     rows: list[list[Image.Image]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(progress_bar(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
@@ -173,8 +164,8 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
         t = time.perf_counter()
-        t_img = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(), **common,
-                        **teacher_kw).frames
+        t_img = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
+                        **settings.teacher_call()).frames
         seconds["teacher"] += time.perf_counter() - t
         row = [to_image(t_img)]
         for name, (draw, _) in drawers.items():
@@ -194,13 +185,9 @@ def run(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     student = find_student(cfg.student, cfg.weights)
-    teacher_name, revision, recorded_in = named_teacher(cfg.teacher, cfg.revision, student.teacher,
-                                                        student.setting("revision"), f"{cfg.student}'s distill.json")
-    if teacher_name is None:
-        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
+    teacher_name, teacher_path = student_teacher(cfg, student)
     device, dtype = pick_device(cfg.device, cfg.dtype)
-
-    teacher = load_teacher(teacher_dir(teacher_name, revision, recorded_in), dtype, device)
+    teacher = load_teacher(teacher_path, dtype, device)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
