@@ -1,16 +1,6 @@
-"""A rule-based reader of shapes images: does a generated image show what its caption says?
-
-For captions of `pipeline.shapes`' grammar it snaps every pixel to the nearest palette colour (so mild blur
-and noise do not matter) and reads, per image:
-  - the background colour: the most common palette colour of the image;
-  - the shape colours: the next most common palette colours, one per captioned shape, each covering at
-    least MIN_PIXELS pixels (fewer counts as no shape); they are compared with the caption's as a set, so
-    two shapes drawn in swapped places still have the right colours;
-  - each captioned shape's rough position: the centroid of the pixels of its colour, snapped to the nearest
-    of the five anchors (when that colour was read at all).
-The shape's kind and size are not read. Colours do not depend on where a shape is: Wan's transformer has no
-absolute position signal (RoPE in self-attention only), so a tiny one places shapes poorly long before it
-gets colours wrong, and the two are scored apart.
+"""A rule-based reader of shapes images (captions of `pipeline.shapes`' grammar): does a generated image show the
+background colour, shape colours and rough positions its caption says? What it reads and why: docs/tiny-teacher.md,
+"A teacher that draws".
 """
 
 from __future__ import annotations

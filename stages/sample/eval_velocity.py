@@ -1,5 +1,7 @@
-"""eval's velocity errors: every model's prediction at each cached x_t against the teacher's cached target, per
-step, on the prompt embeddings the cache stores (the untrained twin alongside as the baseline)."""
+"""eval's errors against the teacher's cache, on the prompt embeddings it stores: velocity errors (every model's
+prediction at each cached x_t against the teacher's cached target, per step, the untrained twin alongside as the
+baseline) and final-latent errors (each entry sampled from the cached initial noise against the teacher's final
+latent)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pipeline.progress_bar import progress_bar
 from pipeline.sampling import mse
 from pipeline.wan_inputs import model_timestep
 
-from .eval_setup import Setup
+from .eval_setup import Entry, Setup
 
 
 def _batches(su: Setup, size: int):
@@ -70,3 +72,24 @@ def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
         for row in per_step:
             row["trained_step"] = row["step"] in trained_steps
     return {"per_step": per_step, "mean": {name: sum(sums[name]) / sum(counts) for name in models}}
+
+
+def final_latent_errors(su: Setup, entries: list[Entry], neg: torch.Tensor, batch_size: int) -> dict:
+    """MSE between each entry's sampled final latent and the teacher's, per trajectory and mean (latents are read
+    a batch at a time); the first entry's figure is also the report's `student`."""
+    embeds = su.embeddings()
+    errs = {e.label: [] for e in entries}
+    bar = progress_bar(total=len(su.trajs) * len(entries), desc="eval sampling", unit="traj", dynamic_ncols=True)
+    for i in range(0, len(su.trajs), batch_size):
+        chunk = su.trajs[i:i + batch_size]
+        init, final = su.latents(chunk)
+        emb = torch.stack([embeds.get(t.prompt_idx) for t in chunk]).to(su.device)
+        for e in entries:
+            out = e.draw(emb, init.to(su.device), neg.to(su.device)).float().cpu()
+            errs[e.label] += mse(out, final).tolist()
+            bar.update(len(chunk))
+    bar.close()
+    return {**{name: sum(v) / len(v) for name, v in errs.items()},
+            "per_trajectory": [{"prompt_idx": t.prompt_idx, "seed_idx": t.seed_idx,
+                                **{name: errs[name][j] for name in errs}} for j, t in enumerate(su.trajs)],
+            "student": sum(errs[entries[0].label]) / len(su.trajs), "student_steps": entries[0].steps}

@@ -1,6 +1,5 @@
 """`wandistiller eval`, the orchestration: `eval_setup.setup` (every check), then each metric family (eval_velocity,
-eval_latents, eval_timing, eval_attributes), then the report (report.py). docs/architecture.md ("eval") says what
-each family measures."""
+eval_timing, eval_attributes), then the report (report.py): docs/architecture.md, "eval"."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 
 from .eval_attributes import attribute_scores
-from .eval_latents import final_latent_errors
 from .eval_setup import REPORT_NAME, Entry, Setup, entries as make_entries, make_entry, setup
 from .eval_timing import time_sampling
-from .eval_velocity import velocity_errors
+from .eval_velocity import final_latent_errors, velocity_errors
 from .models import load_teacher, load_transformer
 from .report import few_step_table, format_table, plot_report, summary_line
 

@@ -58,14 +58,6 @@ class Student:
         return default if v is None else v
 
     @property
-    def in_channels(self) -> int:
-        return int(self.config["in_channels"])
-
-    @property
-    def out_channels(self) -> int:
-        return int(self.config.get("out_channels") or self.config["in_channels"])
-
-    @property
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.config.get("patch_size", (1, 2, 2)))
 
@@ -170,9 +162,8 @@ class CompactRun:
     def init_exact(self, student: Student, seed: int | None) -> bool:
         """Whether `untrained` reproduces the starting weights: saved ones, or the recorded seed and no teacher
         blocks copied in."""
-        if seed is None and _has_init_dir(student):
-            return True
-        return seed is None and student.setting("init_seed") is not None and not student.setting("init_from_teacher")
+        return seed is None and (_has_init_dir(student) or student.setting("init_seed") is not None
+                                 and not student.setting("init_from_teacher"))
 
     def untrained(self, student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
         """The student before training, and how it was obtained: OUT/student_init/ when stage two saved it, else the
@@ -236,8 +227,10 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
                      expand_timesteps: bool | None, against: str) -> None:
     """Refuse a student that cannot run on these latents and text embeddings, with one line saying why."""
     problems = []
-    if student.in_channels != in_channels or student.out_channels != in_channels:
-        problems.append(f"latent channels {student.in_channels}->{student.out_channels}, {against} has {in_channels}")
+    cin = int(student.config["in_channels"])
+    cout = int(student.config.get("out_channels") or cin)
+    if cin != in_channels or cout != in_channels:
+        problems.append(f"latent channels {cin}->{cout}, {against} has {in_channels}")
     if int(student.config.get("text_dim", -1)) != text_dim:
         problems.append(f"text_dim {student.config.get('text_dim')}, {against} has {text_dim}")
     if latent_hw is not None:
