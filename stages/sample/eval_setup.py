@@ -20,10 +20,8 @@ from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
-from .models import (
-    Student, check_compatible, find_student, load_transformer, named_teacher, pick_device,
-)
-from .sample import SamplingSettings, student_sampler
+from .models import Student, check_compatible, find_student, load_transformer, named_teacher, pick_device
+from .sample import student_sampler
 
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
 COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shape", "steps", "negative_prompt")
@@ -54,7 +52,6 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     target_key: str  # the cached target the student learned
-    guided_cache: bool
     warnings: list[str]
 
     def embeddings(self) -> EmbeddingCache:
@@ -63,8 +60,7 @@ class Setup:
 
     def latents(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""
-        return read_latents(self.cache_dir, int(self.manifest.num_parts), [(t.prompt_idx, t.seed_idx)
-                                                                                 for t in trajs])
+        return read_latents(self.cache_dir, int(self.manifest.num_parts), [(t.prompt_idx, t.seed_idx) for t in trajs])
 
 
 @dataclasses.dataclass
@@ -89,10 +85,7 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
     guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
     steps = steps or student.setting("sampling_steps") or int(manifest.steps)
     guidance = 1.0 if student.guided else float(manifest.guidance)
-    settings = SamplingSettings(steps=steps, guidance=guidance, guidance_2=None, student_guidance=guidance,
-                                negative_prompt="", height=0, width=0, max_sequence_length=0, seed=0,
-                                student_steps=steps)
-    draw = student_sampler(student, model, settings, scheduler_from_config(manifest.scheduler),
+    draw = student_sampler(student, model, steps, guidance, scheduler_from_config(manifest.scheduler),
                            manifest.expand_timesteps)
     return Entry(label, student, model, steps, guidance, draw)
 
@@ -178,7 +171,6 @@ def setup(cfg: EvalConfig) -> Setup:
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
     trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
-    guided_cache = manifest.cfg
     warnings = _settings_warnings(student, manifest)
     if in_training:
         seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
@@ -189,8 +181,7 @@ def setup(cfg: EvalConfig) -> Setup:
         warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
                         "random initialisation, not its starting point (save student_init/ to compare with that)")
     return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, trajs, selection, in_training,
-                 device, dtype, F.T_TARGET_COND if guided_cache and not student.guided else F.T_TARGET, guided_cache,
-                 warnings)
+                 device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET, warnings)
 
 
 def _label(path: str, taken: set[str]) -> str:

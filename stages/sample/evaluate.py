@@ -60,7 +60,7 @@ def run(cfg: EvalConfig) -> dict:
     report = {
         "student": {**su.student.describe(), "init": init_how},
         "cache": {"path": str(su.cache_dir), "fingerprint": manifest.fingerprint, "teacher": manifest.teacher,
-                  "steps": manifest.steps, "guidance": manifest.guidance, "cfg": su.guided_cache,
+                  "steps": manifest.steps, "guidance": manifest.guidance, "cfg": su.manifest.cfg,
                   "in_training_cache": su.in_training},
         "selection": su.selection, "trajectories": len(su.trajs), "target": su.target_key,
         "student_guidance": entries[0].guidance,

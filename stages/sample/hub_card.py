@@ -20,23 +20,14 @@ _CACHED = re.compile(r"^models--([\w.-]+?)--([\w.-]+)$")
 TAGS = ["wandistiller", "distillation", "wan", "text-to-image"]
 
 
-def hub_id(teacher: str, folder: Path | None = None) -> str | None:
-    """The Hub id the teacher is known by: the name itself when it is one (and no local folder of that name exists),
-    or the repository of the local Hub cache snapshot it was loaded from; None for a folder of one's own."""
-    if is_hub_id(teacher) and not Path(teacher).exists():
-        return teacher
-    for part in Path(folder or teacher).resolve().parts[::-1]:
-        m = _CACHED.match(part)
-        if m:
-            return f"{m.group(1)}/{m.group(2)}"
-    return None
-
-
 def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
     """(base_model, name): the teacher's Hub id for the card's metadata (`base_model` when the user gave one, else the
-    id it is known by, else None), and what an export calls the teacher: that id, else its folder's name; never a
-    local path."""
-    base = base_model or hub_id(teacher, folder)
+    name itself when it is a Hub id and no local folder, else the repository of the local Hub cache snapshot it was
+    loaded from, else None), and what an export calls the teacher: that id, else its folder's name; never a path."""
+    base = base_model or (teacher if is_hub_id(teacher) and not Path(teacher).exists() else None)
+    if base is None:
+        snapshots = (_CACHED.match(part) for part in Path(folder or teacher).resolve().parts[::-1])
+        base = next((f"{m.group(1)}/{m.group(2)}" for m in snapshots if m), None)
     return base, base or Path(teacher).name
 
 
@@ -80,18 +71,12 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
     from huggingface_hub.repocard import metadata_load
 
     card = folder / "README.md"
-    if not card.is_file() and repo_id is not None:
-        try:  # (the snapshot of the teacher's weights leaves its card out)
-            card = Path(hf_hub_download(repo_id, "README.md"))
-        except Exception:  # offline and not cached, or no card: the license stays unknown, the export goes on
-            return None
-    if not card.is_file():
-        return None
     try:
-        meta = metadata_load(card) or {}
-    except Exception:  # a card whose front matter is not YAML declares nothing we can carry over
-        return None
-    license_ = meta.get("license")
+        if not card.is_file() and repo_id is not None:  # (the snapshot of the teacher's weights leaves its card out)
+            card = Path(hf_hub_download(repo_id, "README.md"))
+        license_ = (metadata_load(card) or {}).get("license") if card.is_file() else None
+    except Exception:  # offline and not cached, no card, or front matter that is not YAML: the license stays unknown,
+        return None  # and the export goes on
     return license_ if isinstance(license_, str) and license_ else None
 
 

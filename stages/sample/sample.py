@@ -54,14 +54,13 @@ class SamplingSettings:
         return kw if self.guidance_2 is None else kw | {"guidance_scale_2": self.guidance_2}
 
 
-def student_sampler(student: Student, transformer, settings: SamplingSettings, teacher_scheduler,
+def student_sampler(student: Student, transformer, steps: int, guidance: float, teacher_scheduler,
                     expand_timesteps: bool = False):
     """`draw(prompt_embeds, latents, negative_embeds=None) -> final latents`: the student sampled by the one sampler
     (pipeline/sampling.py) with its own schedule (distill.json's: a few-step student's Euler steps, else the
-    teacher's scheduler) and `settings.student_steps`, at `settings.student_guidance`."""
+    teacher's scheduler) at `steps` and `guidance`."""
     from pipeline.sampling import sample_latents, scheduler_from_config, student_scheduler
 
-    steps = settings.student_steps or settings.steps
     if student.distill is not None and student.distill.scheduler:
         make = lambda: student_scheduler(student.distill)  # noqa: E731
     else:  # a bare student folder: the teacher's scheduler
@@ -69,9 +68,9 @@ def student_sampler(student: Student, transformer, settings: SamplingSettings, t
         make = lambda: scheduler_from_config(conf)  # noqa: E731
 
     def draw(embeds, latents, negative_embeds=None):
-        g = settings.student_guidance
-        return sample_latents(transformer, make(), latents, embeds, steps, guidance=g,
-                              negative_embeds=negative_embeds if g > 1.0 else None, expand_timesteps=expand_timesteps)
+        return sample_latents(transformer, make(), latents, embeds, steps, guidance=guidance,
+                              negative_embeds=negative_embeds if guidance > 1.0 else None,
+                              expand_timesteps=expand_timesteps)
 
     return draw
 
@@ -94,9 +93,7 @@ def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSe
         if cfg.guidance_2 is not None:
             raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it")
         guidance_2 = None
-    student_guidance = cfg.student_guidance
-    if student_guidance is None:
-        student_guidance = 1.0 if student.guided else guidance
+    student_guidance = cfg.student_guidance if cfg.student_guidance is not None else 1.0 if student.guided else guidance
     steps = int(cfg.steps or student.setting("steps", DEFAULT_STEPS))
     return SamplingSettings(
         steps=steps, guidance=guidance,
@@ -143,8 +140,8 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
                          latent_hw=(settings.height // vs, settings.width // vs),
                          expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
         model = load_transformer(one, dtype, device)
-        drawers[name] = (student_sampler(one, model, own, teacher.scheduler, bool(teacher.config.expand_timesteps)),
-                         own.student_steps)
+        drawers[name] = (student_sampler(one, model, own.student_steps or own.steps, own.student_guidance,
+                                         teacher.scheduler, bool(teacher.config.expand_timesteps)), own.student_steps)
         described[name] = one.describe()
     return drawers, described
 
