@@ -71,12 +71,8 @@ def _rates(checks) -> dict:
 
 
 def score(images, captions) -> dict:
-    """Accuracy of `images` against their `captions` (same order), in [0, 1]: background colour; shape colour
-    (per captioned shape: its colour is among those read); position (per captioned shape: its colour was
-    read, at the captioned anchor); colour (per image: background and every shape colour right); all (per
-    image: colours and positions right). "by_shapes" holds the same scores of the one-shape and of the
-    two-shape captions apart (keys "1", "2"): a small teacher can draw the first well and still hedge on the
-    second, blending the two colours or scattering them over the corners."""
+    """Accuracy of `images` against their `captions` (same order), in [0, 1], overall and under "by_shapes" for the
+    one-shape and the two-shape captions apart (keys "1", "2"); what each score counts: docs/tiny-teacher.md."""
     images, captions = list(images), list(captions)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions")

@@ -19,9 +19,8 @@ from .eval_setup import Entry, Setup
 
 
 def _batches(su: Setup, size: int):
-    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories (all seeds of
-    their prompts), read by row through the cache's index (tar headers are scanned, only the selected samples' bytes
-    are read), each checked against the schema."""
+    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories, read by row
+    through the cache's index (only the selected samples' bytes are read), each checked against the schema."""
     index = open_index([su.cache_dir])
     rows = prompt_rows(index, {t.prompt_idx for t in su.trajs})
     reader = SampleReader(index)

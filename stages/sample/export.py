@@ -28,9 +28,12 @@ from .models import BORROWED, Student, check_compatible, find_student, student_t
 MARK = "_wandistiller"
 
 
-def _sampling_hints(student: Student, vae_spatial: int) -> dict:
+def _sampling_hints(student: Student, tpath: Path) -> dict:
     """What a user of the exported pipeline should pass: the student's own steps (a few-step student's K), guidance
-    1 for a student of guided targets, the training resolution and text length."""
+    1 for a student of guided targets, the training resolution (from the latent shape and the teacher's VAE when
+    distill.json has no size) and text length."""
+    vae_cfg = tpath / "vae" / "config.json"
+    vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
     teacher_guidance = student.setting("guidance")
     guidance = 1.0 if student.guided else teacher_guidance
     hints = {"guidance_scale": guidance, "guided_targets": student.guided,
@@ -110,8 +113,7 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 
 def copy_contents(src: Path, dst: Path) -> None:
     """Copy the folder `src` to `dst`: the bytes of every file (a symlink's target's, as a Hub cache snapshot's links
-    to its blobs), not their modes: every folder and file is created anew under the umask, so a teacher folder that
-    is world-writable, or weights saved 0600, do not hand their modes to the export (copytree copies them)."""
+    to its blobs), not their modes, which copytree would copy (docs/architecture.md, "The export")."""
     for root, _dirs, files in os.walk(src, followlinks=True):
         here = dst / Path(root).relative_to(src)
         here.mkdir(parents=True, exist_ok=True)
@@ -137,11 +139,6 @@ def _check_out(out: Path, overwrite: bool) -> None:
                         + (" or add --overwrite to replace this earlier export" if ours else ""))
     if not ours:
         raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
-
-
-def _vae_spatial(tpath: Path) -> int:
-    vae_cfg = tpath / "vae" / "config.json"
-    return int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
 
 
 def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
@@ -195,7 +192,7 @@ def run(cfg: ExportConfig) -> dict:
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)
-    hints = _sampling_hints(student, _vae_spatial(teacher[1]))
+    hints = _sampling_hints(student, teacher[1])
     # a pipeline folder here; a LoRA run's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
     summary = student.kind.export(cfg, student, hints, out, teacher)
     if cfg.push_to_hub:

@@ -9,9 +9,11 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from cache.atomic import honour_umask
+from cache.format import DTYPES
 from pipeline import lora_experts
 from pipeline.artifact import DISTILL, LORA_JSON, RunLayout
 from pipeline.config import ExportConfig
@@ -117,10 +119,6 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     """Write the adapters (or, with --fuse, the merged pipeline) to `out`; returns the summary."""
-    import torch
-
-    from cache.format import DTYPES
-
     base_model, base = hub_card.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",))

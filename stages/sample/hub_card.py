@@ -32,9 +32,8 @@ def public_teacher(teacher: str, folder: Path | None, base_model: str | None = N
 
 
 def public_record(record: DistillRecord, teacher: str) -> dict:
-    """distill.json as an export carries it: the same record with the teacher named as the card names it
-    (`public_teacher`) and no local path: the caches by fingerprint alone, files by their names, a LoRA run's base
-    by the teacher's public name (export_lora.py)."""
+    """distill.json as an export carries it: the teacher named as the card names it (`public_teacher`) and no local
+    path: the caches by fingerprint alone, files by their names."""
     name = lambda p: Path(p).name if p else p  # noqa: E731
     return dataclasses.replace(record, teacher=teacher, teacher_path=None,
                                caches=[{"fingerprint": c["fingerprint"]} for c in record.caches],

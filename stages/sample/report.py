@@ -13,9 +13,7 @@ COLORS = {"student": "tab:blue", "untrained": "tab:gray", "teacher re-run": "tab
 
 
 def few_step_table(report: dict) -> list[dict]:
-    """One row for the teacher and one per entry: steps, final-latent MSE against the teacher from the same noise,
-    attribute accuracy and the share of images with every attribute right (and of the teacher's kept), time per
-    image (denoising, whole pipeline) and speed-ups."""
+    """One row for the teacher and one per entry: steps, final-latent MSE, attribute scores, times and speed-ups."""
     attrs, timing = report["attributes"], report["timing"]
 
     def attr(name: str) -> dict:
