@@ -213,8 +213,7 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
         _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
     tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
                f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
-               + (f", num_inference_steps={hints['num_inference_steps']}" if "num_inference_steps" in hints else "")
-               + (f", max_sequence_length={hints['max_sequence_length']}" if "max_sequence_length" in hints else ""))
+               + "".join(f", {k}={hints[k]}" for k in ("num_inference_steps", "max_sequence_length") if k in hints))
     return {"out": str(out), **index[MARK]}
 
 
