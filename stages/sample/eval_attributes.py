@@ -24,9 +24,8 @@ KEPT = ("background", "shape_colour", "position", "colour")
 
 def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: SamplingSettings, device,
               batch_size: int) -> dict[str, list]:
-    """uint8 first frames of every caption drawn by the teacher (its experts, its CFG, its steps) and by each entry
-    (its own schedule, steps and guidance; decoded with the teacher's VAE), all from the same initial noise
-    (caption i: seed + i, as `wandistiller sample` draws row i)."""
+    """uint8 first frames of every caption drawn by the teacher and by each entry (decoded with the teacher's VAE),
+    all from the same initial noise (caption i: seed + i, as `wandistiller sample` draws row i)."""
     images = {"teacher": [], **{e.label: [] for e in entries}}
     bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):

@@ -42,8 +42,7 @@ def _pieces(draw: ImageDraw.ImageDraw, word: str, font, width: int) -> list[str]
     """`word` cut into pieces of at most `width` pixels (after a '-' where one fits), for words wider than a line."""
     out: list[str] = []
     while draw.textlength(word, font=font) > width and len(word) > 1:
-        cut = max(1, max((i for i in range(1, len(word)) if draw.textlength(word[:i], font=font) <= width),
-                         default=1))
+        cut = max((i for i in range(1, len(word)) if draw.textlength(word[:i], font=font) <= width), default=1)
         dash = word.rfind("-", 0, cut)
         cut = dash + 1 if dash > 0 else cut
         out.append(word[:cut])

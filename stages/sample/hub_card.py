@@ -21,9 +21,9 @@ TAGS = ["wandistiller", "distillation", "wan", "text-to-image"]
 
 
 def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
-    """(base_model, name): the teacher's Hub id for the card's metadata (`base_model` when the user gave one, else the
-    name itself when it is a Hub id and no local folder, else the repository of the local Hub cache snapshot it was
-    loaded from, else None), and what an export calls the teacher: that id, else its folder's name; never a path."""
+    """(base_model, name): the teacher's Hub id for the card's metadata (--base-model, else the name when it is a Hub
+    id and no local folder, else the repo of the Hub cache snapshot it was loaded from, else None), and what an export
+    calls the teacher: that id, else its folder's name; never a path."""
     base = base_model or (teacher if is_hub_id(teacher) and not Path(teacher).exists() else None)
     if base is None:
         snapshots = (_CACHED.match(part) for part in Path(folder or teacher).resolve().parts[::-1])

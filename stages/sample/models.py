@@ -166,9 +166,8 @@ class CompactRun:
                                  and not student.setting("init_from_teacher"))
 
     def untrained(self, student: Student, seed: int | None, dtype: torch.dtype, device: torch.device):
-        """The student before training, and how it was obtained: OUT/student_init/ when stage two saved it, else the
-        architecture re-instantiated from config.json after `torch.manual_seed(seed)` (seed: --init-seed, else
-        distill.json's `init_seed`, else 0), as train-student builds it (unless it then copied teacher blocks in)."""
+        """The student before training and how it was obtained: OUT/student_init/ when saved, else config.json after
+        `torch.manual_seed` (--init-seed, else distill.json's `init_seed`, else 0), as train-student builds it."""
         from diffusers import WanTransformer3DModel
 
         exact = self.init_exact(student, seed)
