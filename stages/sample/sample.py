@@ -32,6 +32,7 @@ from .models import (
     Student, check_compatible, find_student, load_teacher, load_transformer, pick_device, student_teacher,
 )
 
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """Everything that decides the two images of a prompt, resolved from flags, distill.json and defaults."""
