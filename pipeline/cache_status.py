@@ -1,11 +1,6 @@
-"""Where a cache stage one has not finished stands: each part's prompts done, shards, samples and bytes, who writes
-it and, while a live process does, its ETA; and what finishes it.
-
-It is read from what stage one keeps anyway: each part's progress record (`cache.part_progress.PartProgress`) and its
-stage-one lock (`lock.live_writers`: a lock a live process holds, probed without taking it). `cache info`
-prints it (`summarize_unfinished`, `lines`), and every reader's refusal of such a cache says it in one line
-(`unfinished_problem`: `load_manifest` raises `UnfinishedCacheError`, which `errors.classify` words with it). The
-words live here rather than in `cache/`, which keeps to the format and its reading (and under its size budget).
+"""Where a cache stage one has not finished stands, and what finishes it: `cache info`'s lines and every reader's
+refusal (`unfinished_problem`), from each part's progress record and its stage-one lock. The words live here, not in
+`cache/`, which keeps to the format and its reading.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`wandistiller`: one subcommand per stage. Each command parses, builds its config and calls the stage.
-
-The options of a stage command are generated from its config's settings (pipeline/options.py); the CLI imports no
-stage, torch or diffusers at load: a command imports its stage once its config says where it runs (`_start`)."""
+"""`wandistiller`: one subcommand per stage, its options generated from its config (pipeline/options.py). No stage,
+torch or diffusers is imported at load: a command imports its stage once its config says where it runs (`_start`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Configs of every command, side by side: one frozen dataclass each (teacher-cache, train-student, sample,
-export, eval, plan), loaded from TOML with CLI flags on top (`load_config`). Every setting is one `setting` field
-(pipeline/settings.py; docs/architecture.md, "Settings and registries"); `__post_init__` keeps the rules that tie
-several together. Imports nothing heavy: the CLI builds its options from it at load.
+"""Configs of every command, side by side: one frozen dataclass each, loaded from TOML with CLI flags on top
+(`load_config`; docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI builds its options
+from it at load.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Every config value checked against its field's declared type, before a stage sees it.
-
-TOML has its own types, and a quoted value is a string: `overwrite = "false"` is a non-empty string, which
-Python treats as true. So a value of the wrong type is refused (one line naming the key and the file),
-never coerced: bools are TOML booleans, integers are not floats or bools, and a float field takes a finite
-number (TOML and click both accept `nan` and `inf`, which no setting means).
+"""Every config value checked against its field's declared type, before a stage sees it, and refused (never coerced)
+when it does not fit: `overwrite = "false"` is a true string to Python (docs/reliability.md, "Exit codes").
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""diffusers' group-offloading internals that the `disk` and `offload` placements use, in one place: the hook that
-marks a group-offloaded module, the layers leaf-level offloading groups, and the file and tensor keys a group on
-disk has. Each was read in the diffusers versions CHECKED names; `internal` refuses in one line when one has moved,
-and tests/test_private_adapters.py fails on a diffusers outside CHECKED or on an internal gone.
+"""diffusers' group-offloading internals that the `disk` and `offload` placements use, in one place, each read in
+the diffusers versions CHECKED names: `internal` refuses in one line when one has moved (tests/test_private_adapters.py).
 """
 
 from __future__ import annotations

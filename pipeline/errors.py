@@ -1,26 +1,7 @@
 """User-facing errors: one clear line, a remedy and a non-zero exit, from the CLI and from every torchrun rank.
 
-The exit codes: one table for every command and every torchrun rank. `classify` maps an exception to its row;
-`user_errors` (the CLI decorator) and `exit_rank` (the end of a failing torchrun rank) both go through it.
-
-  code  meaning                                                            what is printed
-  0     done (or nothing left to do)
-  1     a bug: any exception not below (`cache verify` also exits 1 when   the traceback, then `error: Type: msg`
-        it finds problems: one `BAD` line each)
-  2     the user's input is wrong (paths, prompts, configs, a missing,     `error:` and one line: what and how to fix
-        corrupt or mismatched cache) or the disk is full (ENOSPC, EDQUOT,
-        EFBIG, EROFS)
-  3     out of memory (torch.OutOfMemoryError, MemoryError)                `error: out of memory in STAGE: ...`, then
-                                                                           memory figures and the stage's remedies
-  4     lost contact with another rank (torch.distributed.DistError, a     `error: lost contact with another rank`;
-        gloo peer that closed its connection): not this rank's fault       the rank that failed first says why
-  130   interrupted (Ctrl-C)                                               `error: interrupted; rerun ...`
-  143   terminated by SIGTERM (pipeline/signals.py): the stage stopped     `error: terminated (SIGTERM) ...; rerun ...`
-        cleanly (stage one: finished blocks recorded; stage two: a
-        checkpoint at the step it stopped)
-
-Under torchrun every line starts with `[rank R] `, and the failing rank's text also goes to torchrun's error
-file, so torchrun's closing ChildFailedError summary quotes it.
+The exit codes are one table (`classify`; docs/reliability.md, "Exit codes"), used by `user_errors` (the CLI
+decorator) and `exit_rank` (the end of a failing torchrun rank).
 """
 
 from __future__ import annotations

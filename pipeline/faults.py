@@ -1,29 +1,7 @@
 """Fault injection for the fault-tolerance suite (tests/faults): die or fail at a named point of a stage.
 
-WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" makes the process stop the n-th time (1-based) it reaches
-`<point>`: `kill` (default) sends itself SIGKILL (no cleanup, no `finally`, exactly like the OOM killer or
-a preempted node); `enospc` raises OSError(ENOSPC) there, as a full disk would; `stop` sends itself SIGSTOP
-(the test resumes it with SIGCONT): a writer caught in the middle of its work, for concurrency tests; `term`
-has SIGTERM sent to it and to its children (DataLoader workers) by another process, as SLURM signals every
-process of a job step before its grace period ends; `int` sends itself SIGINT (Ctrl-C). WANDISTILLER_KILL_RANK=R
-(torchrun) limits it to rank R. Points:
-
-  stage one  after_encode_rows  prompt rows are in prompts.zarr, the progress record does not say so yet
-             mid_shard          samples of a block are in the shard's temporary file, not yet renamed
-             after_rename       a shard has its final name; its final latents and progress record are not written
-             before_progress    final latents written and fsynced; the progress record does not list the shard yet
-             in_manifest        manifest.json's temporary file is written and fsynced, not yet renamed
-             denoise_step       the teacher finished one denoising step of a block (main thread)
-  stage two  train_step         an optimizer step begins
-             in_checkpoint      the checkpoint's weights are written into its temporary folder, the rest not
-             before_checkpoint_rename   the temporary folder is complete and fsynced, not yet renamed
-             after_checkpoint_rename    the checkpoint has its final name; older ones are not yet pruned
-  folders    before_dir_rename  student/, student_ema/, student_init/ or an export is complete and fsynced under its
-                                temporary name, not yet renamed (cache.atomic.publish_dir)
-             after_dir_rename   it has its final name; the folder it replaced is not yet deleted
-
-Unset (every real run), `fault_point` returns after one global lookup. The variable is read on the
-first call, not at import, so processes forked from a preloaded server still see their own setting.
+WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" (docs/reliability.md, "What the suite does", lists the points and hows).
+The variable is read on the first call, not at import, so processes forked from a preloaded server see their own.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """Where a teacher the user names lives on this machine: the one place that turns `--teacher` (and
-`--init-from-teacher`) into a local folder.
-
-A name that is a folder (or file) here is used as it is. A name shaped like a Hub id (`Org/Name`) is fetched
-through huggingface_hub's `snapshot_download`, which looks in the local Hub cache first (HF_HOME / HF_HUB_CACHE)
-and downloads only what is missing; with HF_HUB_OFFLINE=1, or without a network, a cached copy is used as it is.
-Each command asks for the files it reads and no more (`plan` its configs, `--init-from-teacher` the first
-transformer, the others the whole pipeline), so `plan` on a laptop downloads a few kilobytes.
-
+`--init-from-teacher`) into a local folder (docs/architecture.md, "Teachers by name: local folders and Hub ids").
 huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module.
 """
 

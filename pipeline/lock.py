@@ -1,14 +1,7 @@
 """One writer per output: an exclusive `flock` on a lock file, held for the life of the writing process.
 
-The kernel drops a flock when its process dies, so a crash never leaves a lock to clear by hand; the file only
-records the last holder (pid, host, start time, command) so that a refused second writer can name it (on NFS, a
-dead host's lock lapses with its lease, which the refusal says). Stage one locks each part (`locks/part-NNNNN.lock`
-in the cache), stage two its run folder (rank 0); the file is removed on release (the holder checks after locking
-that the file it holds is still the one at the path, so a removal never lets two in).
-
-A lock file sits in a folder someone else may have handed us: `open_regular` keeps it only if it is a regular file
-with one link, opened without following a link or blocking; docs/reliability.md ("One writer per output folder",
-"Folders someone else handed over") gives the cases and the refusals.
+docs/reliability.md ("One writer per output folder", "Folders someone else handed over") gives the design, the
+cases and the refusals; stage one locks each part (`locks/part-NNNNN.lock`), stage two its run folder (rank 0).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The LoRA student as one model (`LoraExperts`, docs/lora.md): the teacher's transformer(s), frozen, with peft
-adapters, called like one transformer. Each sample goes to the expert WanPipeline runs at its timestep (stage one's
-rule). Training builds it (stages/train_student/lora_student.py); `load` rebuilds it from a run's student/ folder for
-`sample`, `eval` and `export` through diffusers' own LoRA loader, so what they run is what a diffusers user loads.
+adapters, called like one transformer; `load` rebuilds it through diffusers' own LoRA loader.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The click options of a command, generated from its config's settings (pipeline/settings.py).
-
-One option per declared field: `batch_size` -> `--batch-size`; a bool -> `--x/--no-x` (or the field's
-`flag="copy/symlink"`); an int, a float or a string -> that type; a fixed `one_of` check -> a click choice; a repeatable
-setting -> a flag given once per value. Every option defaults to None (not given), so that a TOML file's value stands
-unless the flag overrides it, and the help ends in the real default, read from the field: `--help` cannot drift from
-the config.
+"""The click options of a command, generated from its config's settings (docs/architecture.md, "Settings and
+registries"). Every option defaults to None (not given), so that a TOML value stands unless a flag overrides it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Progress bars that read well where they are written: tqdm's redrawn bar on a terminal, and in a log file (stderr
-not a TTY: a SLURM job's output, `2> run.log`) one plain line every LOG_INTERVAL_S instead of carriage-return
-frames, which a log keeps all of and `less` shows as one endless line.
-
-Every bar of the stages comes from `progress_bar`; `tqdm.write` (and `runtime.print0`) still print above either.
+"""Progress bars: tqdm's redrawn bar on a terminal, and in a log file (stderr not a TTY) one plain line every
+LOG_INTERVAL_S instead of carriage-return frames, which a log keeps all of.
 """
 
 from __future__ import annotations

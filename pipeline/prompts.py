@@ -1,9 +1,5 @@
-"""Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`.
-
-Lines are numbered as an editor numbers them: a line ends at `\\n` (a `\\r\\n` ending is one too), and nowhere else
-(`str.splitlines` would also split at a form feed, `\\x1c`-`\\x1e`, NEL, U+2028 and U+2029, and every error's line
-number after one would be off). A control character in a prompt (NUL, a lone `\\r`, ESC, ...) is refused with
-its line, and so is a prompt longer than MAX_PROMPT_CHARS, before anything tokenizes it.
+"""Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`
+(docs/usage.md). A control character or an over-long prompt is refused with its line, before anything tokenizes it.
 """
 
 from __future__ import annotations
@@ -60,8 +56,9 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
 
 
 def _lines(p: Path, f):
-    """(line number, decoded line without its ending) for each line of the binary file `f`, read a line at a time:
-    a line past MAX_LINE_BYTES is refused before it is read whole."""
+    """(line number, decoded line without its ending) for each line of `f`, read a line at a time (a line past
+    MAX_LINE_BYTES is refused before it is read whole). A line ends at `\\n` alone, as an editor numbers them:
+    `str.splitlines` would also split at a form feed, NEL, U+2028, ... and every error's line number would be off."""
     offset = 0
     for n in itertools.count(1):
         raw = f.readline(MAX_LINE_BYTES + 1)

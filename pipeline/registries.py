@@ -1,14 +1,6 @@
-"""The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools.
-
-Each registry lists its entries' names, one-line help, where an entry takes settings its settings dataclass (as
-torchtitan's `Configurable.Config`), what it can do (`caps`, read instead of its name) and, where a stage runs it,
-the import path of its implementation (`impl`, "stages.teacher_cache.placements.cpu:Cpu"), which the stage loads
-(`Entry.load`). The declarations live here, not beside the implementations, because the CLI must read them without
-importing torch or a stage (a CPU run hides the GPUs before any stage loads, and `--help` answers at once); a test
-checks that every declared implementation imports.
-
-An objective's settings become flags of `train-student` (`pipeline.settings.merged`): a field's flag is its name
-unless `flag=` says otherwise (segment's `velocity_weight` is `--segment-velocity-weight`).
+"""The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools
+(docs/architecture.md, "Settings and registries"). Declared here, not beside the implementations, because the CLI
+reads them without importing torch or a stage; an entry names its implementation by import path (`Entry.load`).
 """
 
 from __future__ import annotations

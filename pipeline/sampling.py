@@ -1,24 +1,7 @@
 """The one teacher-free sampler of a trained student, and the schedule it samples with.
 
-`sample`, `eval`, `export` (through the test that checks it) and stage two's validation all draw a student's
-images with this module, so a student is sampled the same way everywhere:
-
-    from pipeline.sampling import sample_latents, student_scheduler, student_steps
-
-    scheduler = student_scheduler(record)            # a DistillRecord, distill.json's dict or a cache Manifest
-    latents = sample_latents(transformer, scheduler, init_noise, prompt_embeds, student_steps(record),
-                             guidance=1.0, negative_embeds=None, expand_timesteps=False)
-    frames = decode_latents(vae, latents)            # optional: [B, F, H, W, 3] in [0, 1], as WanPipeline's "np"
-
-Stable API (another stage imports it; add keyword arguments, never change these): `sample_latents` (diffusers'
-`WanPipeline` denoising loop for one transformer, op for op: its result equals `WanPipeline(transformer=...,
-scheduler=...)(prompt_embeds=..., latents=init_noise, num_inference_steps=steps, guidance_scale=guidance,
-output_type="latent").frames`), `student_scheduler` (a fresh instance), `student_steps`, `scheduler_from_config`,
-`euler_config`, `segment_boundaries`, `mse(a, b)` (the per-sample distance of a student's output to the teacher's:
-stage two's loss terms, eval's errors).
-
-The few-step schedule (why UniPC at order 1 is the Euler step, and on which grid): docs/architecture.md,
-"Sampling a student".
+`sample`, `eval`, `export` and stage two's validation all sample a student with it; its stable API, the usage and
+the few-step schedule: docs/architecture.md, "Sampling a student".
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""A setting is declared once: one dataclass field whose metadata holds its help, its check and how the CLI spells it.
-
-    steps: int = setting(40, help="Denoising steps; one sample per step.", check=at_least(1))
-
-`check_settings` (each config's `__post_init__`) runs the checks; pipeline/options.py generates the click options
-from the same fields. `merged` lays a registry's component settings (pipeline/registries.py) side by side as fields
-of a stage config (`--student-steps` stays a flag of `train-student`), and `settings_of` reads the chosen entry's
-back out. Imports nothing heavy: the CLI reads it at load.
+"""A setting is declared once: one dataclass field whose metadata holds its help, its check and how the CLI spells it
+(docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI reads it at load.
 """
 
 from __future__ import annotations

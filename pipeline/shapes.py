@@ -1,15 +1,6 @@
-"""Procedural captioned shapes: the data set the pretrained tiny teacher learns to draw.
+"""Procedural captioned shapes: the data set the pretrained tiny teacher learns to draw (docs/tiny-teacher.md).
 
-A scene is one or two flat shapes (circle, square, triangle, star, heart, hexagon) in a named colour, size
-and position on a plain coloured background, 64x64 RGB, with a caption from a small grammar:
-
-    "a small red circle in the top left on a blue background"
     "a large green square in the top right and a small white star in the bottom left on a black background"
-
-Every word is a whole-word piece of the tiny teacher's tokenizer (`tiny_teacher._WORDS`). Scenes are a pure
-function of (seed, index): the same seed draws the same images on any machine. A fixed 10% of the captions
-(by a hash of the caption text, so independent of seed and order) is held out for evaluation and never drawn
-by the training stream.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Stopping cleanly on SIGTERM: what SLURM and Kubernetes send before they kill a job, after a grace period.
+"""Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits").
 
-`handle_sigterm()` (a context manager, or a decorator on a stage's `run`) installs the handler while the stage
-runs and puts the previous one back afterwards. Outside a `deferred()` block SIGTERM raises `Terminated` at once,
-as Ctrl-C raises KeyboardInterrupt: setup, encoding and loading leave nothing worth waiting for, and every write
-there is atomic. Inside one, SIGTERM only sets a flag and the stage's loop stops at its next boundary, after
-making what it finished durable (stage one: a shard of its finished blocks; stage two: a checkpoint), by raising
-`Terminated` with the line to print. Either way the exit code is 143 (`pipeline.errors`).
-
-Under torchrun stage two's ranks must stop at the same step, since a checkpoint is a collective: `agree` reduces
-every rank's flag once per step, so a SIGTERM that reaches one rank stops all of them there.
+Outside a `deferred()` block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at
+its next boundary. Under torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step.
 """
 
 from __future__ import annotations

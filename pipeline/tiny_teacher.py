@@ -1,10 +1,5 @@
-"""The embedded default teacher: a tiny, deterministic Wan pipeline in diffusers format.
-
-It has every component of the real Wan 2.x checkpoints (UMT5 text encoder, T5 tokenizer, Wan VAE,
-UniPC flow scheduler, one or two `WanTransformer3DModel` experts with a boundary ratio), only small, so
-that the loading and sampling code of WanDistiller runs unchanged on it and on
-`Wan-AI/Wan2.2-T2V-A14B-Diffusers`. Weights are random but seeded: the same seed writes byte-identical
-files. Nothing is downloaded: the tokenizer is a Unigram vocabulary built here.
+"""The embedded default teacher: a tiny, deterministic Wan pipeline in diffusers format, with every component of
+the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -92,21 +87,10 @@ def build_tokenizer():
 def _text_encoder(vocab_size: int):
     from transformers import UMT5Config, UMT5EncoderModel
 
-    cfg = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return UMT5EncoderModel(cfg)
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab_size, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        dropout_rate=0.0, pad_token_id=0, eos_token_id=1))
 
 
 def _vae(spec: TinySpec):

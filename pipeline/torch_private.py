@@ -1,8 +1,6 @@
-"""torch's private internals that WanDistiller uses, in one place: torch elastic's error-file writer, shared-memory
-storage, and the DCP pieces of the checkpoint reader that runs no pickled code. Each was read in the torch versions
-CHECKED names; `internal` refuses in one line when one has moved, and tests/test_private_adapters.py fails on a torch
-outside CHECKED, on an internal gone, or on a changed `DefaultLoadPlanner.load_bytes` (copied below).
-Imported only by code that already runs torch: the CLI never loads it.
+"""torch's private internals that WanDistiller uses, in one place, each read in the torch versions CHECKED names:
+`internal` refuses in one line when one has moved; tests/test_private_adapters.py checks them (and the copy of
+`DefaultLoadPlanner.load_bytes` below). Imported only by code that already runs torch.
 """
 
 from __future__ import annotations
