@@ -35,8 +35,8 @@ class PartStatus:
 
 
 def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartStatus]]:
-    """(the run's part count, or None when no part has a record; the status of every part of that count and of any
-    other part that has a record or a live writer)."""
+    """(the run's part count, None when no part has a record; the status of each of its parts and of any other
+    part with a record or a live writer)."""
     records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
     counts = {r.num_parts for r in records.values()}
     num_parts = max(counts) if counts else None
@@ -58,8 +58,8 @@ def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartSt
 
 
 def _prompts_done(prog: PartProgress, seeds: int) -> int:
-    """Prompts whose every trajectory (row r's are r * seeds .. r * seeds + seeds - 1) is in a done block (block b
-    holds trajectories b * batch_size ..): work in the done blocks alone, whatever counts the record claims."""
+    """Prompts whose every trajectory (row r's: r * seeds ..) is in a done block (block b's: b * batch_size ..),
+    from the done blocks alone, whatever counts the record claims."""
     done, spans = 0, []
     for b in sorted(set(prog.done_blocks)):  # runs of consecutive done blocks: [first trajectory, end)
         lo, hi = b * prog.batch_size, (b + 1) * prog.batch_size
@@ -73,8 +73,7 @@ def _prompts_done(prog: PartProgress, seeds: int) -> int:
 
 
 def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:
-    """One part in words: `part 1: stopped, 3 of 7 prompts, 2 shards` (with `sizes`: its samples and bytes too;
-    then its writer, and the `eta` given)."""
+    """One part in words: `part 1: stopped, 3 of 7 prompts, 2 shards` (`sizes`: its samples and bytes too)."""
     if s.state == NOT_STARTED:
         return f"part {s.part}: not started"
     text = f"part {s.part}: {s.state}"
@@ -88,8 +87,7 @@ def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> st
 
 
 def unfinished_problem(cache_dir: str | os.PathLike) -> str:
-    """Why a cache with parts but no manifest cannot be read yet, naming each unfinished part and how to finish it:
-    what every reader (stage two, `cache verify`, eval) says instead of reading it."""
+    """Why a cache with parts but no manifest cannot be read yet, naming each unfinished part and how to finish it."""
     num_parts, statuses = parts_status(cache_dir)
     head = f"{cache_dir} has no {MANIFEST}: stage one has not finished there"
     left = [s for s in statuses if s.state != FINISHED]
@@ -122,9 +120,8 @@ def to_finish(num_parts: int | None, statuses: list[PartStatus]) -> str:
 # -- `cache info` ------------------------------------------------------------------------------------------------
 
 def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
-    """What `cache info` prints of a cache stage one is still writing (or stopped writing): each part's prompts
-    done, shards, samples and bytes, who writes it and its ETA when a live process does; None when the cache is
-    finished (or is no cache: `cache.manifest.summarize` says which)."""
+    """What `cache info` prints of a cache stage one has not finished; None when it is finished (or no cache:
+    `cache.manifest.summarize` says which)."""
     cache_dir = Path(cache_dir)
     if (cache_dir / MANIFEST).exists() or not (cache_dir / PARTS_DIR).is_dir():
         return None
@@ -137,9 +134,8 @@ def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
 
 
 def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
-    """Seconds a running part needs for its samples left, at the rate of the shards its process wrote since it
-    started (between its first shard and its last: loading the teacher before the first does not count); None for
-    a part no live process writes, or before its first shard."""
+    """Seconds a running part needs for its samples left, at the rate of the shards its process wrote (between its
+    first and its last: loading the teacher does not count); None for a part not running, or before a shard."""
     started = (status.holder or {}).get("started")
     prog = PartProgress.load(cache_dir, status.part) if status.state == RUNNING else None
     if prog is None or not isinstance(started, (int, float)):

@@ -29,15 +29,12 @@ from .settings import (
 DTYPES = one_of(("float32", "bfloat16", "float16"))
 DTYPE_DEFAULT = "bfloat16 on CUDA, float32 on CPU"
 
-# The teacher's sampling settings when nothing says otherwise: WanPipeline's own defaults. Stage one uses them
-# for a new cache; the inference commands fall back to them when distill.json does not record a value.
+# WanPipeline's own defaults: stage one's for a new cache, the inference commands' when distill.json records none.
 DEFAULT_HEIGHT = 480
 DEFAULT_WIDTH = 832
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # text tokens (padding length)
-# The most text tokens a prompt may be padded to: 8x the 512 Wan's UMT5 was trained and run with. Beyond Wan's 512 the
-# DiT's cross-attention sees lengths it never saw; 4096 still leaves room to try longer captions (UMT5's relative
-# positions take them; an A14B embedding of 4096 tokens is 32 MiB), and the tokenizer is never asked for a
-# padding of 10^8 tokens, which aborts the whole process in its Rust code (exit 134) instead of raising.
+# At most 8x Wan's 512 text tokens: room to try longer captions (an A14B embedding of 4096 is 32 MiB), and the
+# tokenizer is never asked to pad to 10^8 tokens, which aborts the process in its Rust code (exit 134).
 MAX_SEQUENCE_LENGTH = 4096
 _SEQUENCE_LENGTH = int_in(1, MAX_SEQUENCE_LENGTH, f" (Wan's text encoder reads {DEFAULT_MAX_SEQUENCE_LENGTH} tokens)")
 DEFAULT_STEPS = 40
@@ -45,11 +42,8 @@ DEFAULT_GUIDANCE = 4.0
 
 
 def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
-    """Build `cls` from a TOML file (optional) with `overrides` (CLI flags that were given) on top.
-
-    TOML keys may use dashes or underscores, at the top level or under a table named after the stage.
-    Unknown keys and bad values end in a UserError naming the key and the file.
-    """
+    """Build `cls` from a TOML file (optional; keys with dashes or underscores, at the top level or under the
+    stage's table) with `overrides` (the CLI flags given) on top; a bad key or value is a UserError naming it."""
     values: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cls)}
     if toml_path is not None:
@@ -93,7 +87,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
 
 def _source(cls, message: str, given: dict[str, Any], in_file: set[str], toml_path) -> str:
     """Where the settings a refusal names came from, as the end of its line: the config file, the command line, or
-    each its own. Without a config file every value is a flag (or a default), and the message's flags say so."""
+    each its own (without a config file: nothing to add)."""
     if not toml_path:
         return ""
     words = {w.rstrip("-") for w in re.findall(r"[A-Za-z][\w-]*", message)}
@@ -108,8 +102,7 @@ def _source(cls, message: str, given: dict[str, Any], in_file: set[str], toml_pa
 
 
 def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
-    """A required setting given neither as a flag nor in the config file: one line naming each flag (the dataclass's
-    own TypeError speaks of keyword arguments)."""
+    """A required setting given neither as a flag nor in the config file: one line naming each flag."""
     missing = [f for f in declared(cls) if required(f) and values.get(f.name) is None]
     if not missing:
         return
@@ -127,24 +120,17 @@ def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
-    """Write the resolved config next to an output, so every result says how it was made (tmp + fsync + rename:
-    a kill leaves the old one or the new one)."""
+    """Write the resolved config next to an output (atomically), so every result says how it was made."""
     from cache.atomic import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n").encode())
 
 
 class _DeviceChoice:
-    """A command with a `device` setting runs on the CPU when it says so."""
-
     @property
     def cpu_only(self) -> bool:
         """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
         return self.device == "cpu"
-
-
-def _json_path(v: str) -> bool:
-    return v.endswith(".json")
 
 
 def _revision(of: str = "--teacher", default_text: str | None = None):
@@ -155,8 +141,8 @@ def _revision(of: str = "--teacher", default_text: str | None = None):
 
 @dataclass(frozen=True, kw_only=True)
 class RunShape:
-    """The run's shape: what the teacher computes for each trajectory and how many run together. Stage one runs it;
-    `plan` and the cost code (placement_choice, plan_report) size it from the same fields and defaults."""
+    """What the teacher computes for each trajectory and how many run together: stage one runs it, `plan` and the
+    cost code size it from the same fields."""
 
     dtype: str | None = setting(None, help="Teacher dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
     steps: int = setting(DEFAULT_STEPS, help="Denoising steps of the teacher's sampler; one sample per step.",
@@ -177,12 +163,9 @@ class RunShape:
 
 @dataclass(frozen=True, kw_only=True)
 class RecordSettings:
-    """What each sample records besides x_t and the target (the settings of cache/schema.py's optional sample
-    fields): `plan` counts their bytes from the same settings stage one writes."""
+    """What each sample records besides x_t and the target (cache/schema.py's optional fields)."""
 
     save_cond_uncond: bool = setting(False, help="Also store the conditional and unconditional predictions.")
-    # Feature distillation: the outputs of these teacher blocks on the conditional branch, times a fixed seeded
-    # projection to feature_dim, pooled over tokens when feature_pool is "mean" (cache/feature_projection.py).
     record_features: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Teacher blocks (each expert's) whose projected outputs every sample stores, e.g. "
                                    "0,20: for `train-student --objective velocity+feature`.")
@@ -190,7 +173,6 @@ class RecordSettings:
     feature_pool: str = setting("none", help=f"Feature rows: {FEATURE_POOLS.listing()}.",
                                 check=one_of(FEATURE_POOLS.names))
     feature_seed: int = setting(0, help="Seed of the fixed feature projection.")
-    # Bounded cache size: every step still runs; the same steps for every trajectory.
     record_steps: int | None = setting(
         None, check=at_least(1), default_text="every step",
         help="Record only N of the --steps per trajectory (every step still runs; the final latent is always kept): "
@@ -204,8 +186,7 @@ class RecordSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherRun(PlacementSettings, RunShape, RecordSettings):
-    """The teacher's run as `plan` sizes it and `teacher-cache` runs it: the teacher, where it runs (the placement
-    and its settings), the run's shape and what each sample records."""
+    """The teacher's run as `plan` sizes it and `teacher-cache` runs it."""
 
     teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
                                 "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
@@ -213,7 +194,7 @@ class TeacherRun(PlacementSettings, RunShape, RecordSettings):
     revision: str | None = _revision()
     placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
                                           "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
-                             check=one_of(PLACEMENTS.names, cli_choice=False, otherwise=_json_path,
+                             check=one_of(PLACEMENTS.names, cli_choice=False, otherwise=lambda v: v.endswith(".json"),
                                           otherwise_text=" or a device-map .json file"))
 
 
@@ -242,8 +223,7 @@ class TeacherCacheConfig(TeacherRun):
                                         "would do and exit: no weight loaded, nothing written.")
 
     @property
-    def cpu_only(self) -> bool:
-        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+    def cpu_only(self) -> bool:  # (as _DeviceChoice's)
         return placement_entry(self.placement).caps.gpu == "no"
 
     def __post_init__(self):
@@ -286,8 +266,7 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
 
 
 def _cores() -> int:
-    """The CPU cores this process may run on (its affinity: what taskset, cgroups or SLURM's --cpus-per-task left
-    it), else the machine's."""
+    """The CPU cores this process may run on (its affinity: taskset, cgroups, SLURM's --cpus-per-task)."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # (not Linux)
@@ -295,9 +274,8 @@ def _cores() -> int:
 
 
 def _workers(name, v) -> None:
-    """At most one DataLoader worker per core. A worker's work is CPU work (each sample's pread, crc32c, safetensors
-    decode and collate; the reads ahead are its prefetch_factor's): more workers than cores only wait for each other,
-    each with its own embedding LRU, and 500 of them on 2 cores fork 500 processes."""
+    """At most one DataLoader worker per core: a worker's work is CPU work (read, crc32c, decode, collate), and more
+    workers than cores only wait for each other (500 of them on 2 cores fork 500 processes)."""
     at_least(0)(name, v)
     cores = _cores()
     if v > cores:
@@ -306,8 +284,7 @@ def _workers(name, v) -> None:
 
 
 def _default_workers() -> int:
-    """The rank's share of CPU cores minus two (the training process and its torch threads), at most 4: 0 on a
-    2-core machine, where workers would only compete with training."""
+    """The rank's share of CPU cores minus two (the trainer and its torch threads), at most 4: 0 on 2 cores."""
     world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
     return max(0, min(4, (os.cpu_count() or 1) // world - 2))
 
@@ -317,8 +294,7 @@ _ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective
 
 @dataclass(frozen=True, kw_only=True)
 class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
-    """Stage two: train a student `WanTransformer3DModel` (or LoRA adapters on the teacher's own transformers, the
-    `lora_*` settings) from one or more finished caches."""
+    """Stage two: train a student (compact, or LoRA adapters on the teacher) from one or more finished caches."""
 
     TOML_SECTION = "train_student"
 
@@ -382,8 +358,7 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
                                           check=positive())
     strategy: str = setting("ddp", help=f"How the student is laid over the ranks: {STRATEGIES.listing()}.",
                             check=one_of(STRATEGIES.names))
-    # A registered objective's name; plug-ins registered after the CLI loaded pass too (get_objective refuses an
-    # unknown one when the stage starts), so the choice is checked there, not here.
+    # Plug-ins registered after the CLI loaded pass too: get_objective refuses an unknown one when the stage starts.
     objective: str = setting("velocity", help=f"What the student learns: {OBJECTIVES.listing()}.", check=non_empty)
     report_to: str = setting("tensorboard", check=one_of(TRACKERS.names),
                              help=f"Where the curves go besides metrics.jsonl (rank 0): {TRACKERS.listing()}.")
@@ -479,8 +454,7 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
 
 
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
-# Settings left as None are resolved at run time from the student's distill.json, then the cache manifest or
-# the teacher, then the DEFAULT_* above; the resolved values are written next to every output.
+# A setting left None is resolved at run time: distill.json, the manifest or the teacher, then the DEFAULT_* above.
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -510,8 +484,6 @@ def _paths(name, v) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Inference(_DeviceChoice):
-    """What every command that runs a trained student takes: which weights, on which device, in which dtype."""
-
     student: str = _student()
     weights: str = _weights()
     device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_device)
@@ -643,9 +615,8 @@ def _bad_steps(name, v):
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """`wandistiller plan`'s own settings: the machine it plans for (what is not given is this machine's) and the
-    size of the run, for the cache's bytes and stage one's time. The teacher's run settings (--placement,
-    --batch-size, --height, ...) are teacher-cache's own declarations, `TeacherRun`."""
+    """`wandistiller plan`'s own settings: the machine it plans for (by default this one) and the run's size; the
+    teacher's run settings are teacher-cache's, `TeacherRun`."""
 
     TOML_SECTION = "plan"
 

@@ -1,5 +1,5 @@
 """diffusers' group-offloading internals that the `disk` and `offload` placements use, in one place, each read in
-the diffusers versions CHECKED names: `internal` refuses in one line when one has moved (tests/test_private_adapters.py).
+the diffusers versions CHECKED names: `internal` refuses in one line when one has moved (test_private_adapters.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ GROUP_ATTRIBUTES = ("tensor_to_key", "safetensors_file_path")  # what ModuleGrou
 
 
 def internal(name: str):
-    """The private `name` of diffusers' group offloading (one of INTERNALS); RuntimeError in one line when this
-    diffusers has moved it."""
+    """The private `name` of diffusers' group offloading (one of INTERNALS); RuntimeError in one line if moved."""
     import diffusers
 
     assert name in INTERNALS, name  # every private name is listed, so that the test checks it

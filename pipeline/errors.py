@@ -32,13 +32,12 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempt
 
 
 class Terminated(BaseException):
-    """SIGTERM stopped the stage (pipeline/signals.py). The message, when there is one, says where it stopped and how
-    to continue. A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
+    """SIGTERM stopped the stage (pipeline/signals.py); a BaseException, like KeyboardInterrupt, so that no
+    `except Exception` swallows it."""
 
 
 def _torch():
-    """torch when this process has imported it, else None: an exception of torch's can only come from a process
-    that imported it, and the CLI's own errors (a bad flag) must not wait seconds for torch to load."""
+    """torch when this process has imported it, else None: a bad flag must not wait seconds for torch to load."""
     return sys.modules.get("torch")
 
 
@@ -74,8 +73,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _memory_report() -> list[str]:
-    """Memory figures of this process: peak RSS, and per-CUDA-device allocated/reserved/free when this process
-    uses CUDA (a CPU run's report must not initialise it)."""
+    """Peak RSS, and each CUDA device's figures when this process uses CUDA (a CPU run's must not initialise it)."""
     lines = [f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"]
     torch = _torch()
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -105,11 +103,8 @@ def _disk_message(exc: OSError, stage: str) -> str:
 
 
 def classify(exc: BaseException, stage: str) -> tuple[int, str]:
-    """(exit code, message) of an exception that ends `stage`: the table of the module docstring.
-
-    The message is what follows `error: ` (its first line is the one line; an OOM report adds indented
-    lines). EXIT_BUG means the exception was not expected: callers keep its traceback.
-    """
+    """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG: not expected, the
+    callers keep its traceback."""
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
     torch = _torch()
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
@@ -137,15 +132,9 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     return EXIT_BUG, f"{type(exc).__name__}: {exc}"
 
 
-def _rank_prefix() -> str:
-    rank = os.environ.get("RANK")
-    return f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-
-
 def _record_for_torchrun(text: str) -> None:
-    """Our text into torch elastic's error file, so torchrun's closing summary quotes it (torch_private); a no-op
-    outside torchrun. `@record` does not fit: a failing rank leaves through `os._exit` (below), and it passes a
-    `sys.exit(2)` of `user_errors` through without recording it."""
+    """Our text into torch elastic's error file, so torchrun's closing summary quotes it. (`@record` does not fit:
+    a failing rank leaves through `os._exit`, and it passes `user_errors`' `sys.exit(2)` through unrecorded.)"""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # not under torchrun: nothing to record, torch not needed
         from .torch_private import write_error_file
 
@@ -153,8 +142,7 @@ def _record_for_torchrun(text: str) -> None:
 
 
 def user_errors(stage: str):
-    """Decorator for CLI commands: an exception of the table becomes its message and exit code; a bug keeps its
-    traceback (it propagates)."""
+    """Decorator for CLI commands: an exception of the table becomes its message and exit code; a bug propagates."""
 
     def deco(fn):
         @functools.wraps(fn)
@@ -165,7 +153,8 @@ def user_errors(stage: str):
                 code, message = classify(e, stage)
                 if code == EXIT_BUG:  # also click's own exceptions and SystemExit: they pass through as they are
                     raise
-                text = f"{_rank_prefix()}error: {message}"
+                rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None
+                text = f"{'' if rank is None else f'[rank {rank}] '}error: {message}"
                 click.echo(text, err=True)
                 sys.stderr.flush()
                 _record_for_torchrun(text)  # a no-op outside torchrun
@@ -177,13 +166,9 @@ def user_errors(stage: str):
 
 
 def exit_rank(exc: BaseException, env: DistEnv, stage: str) -> NoReturn:
-    """End a failing torchrun rank: print its error (stderr, `[rank R] error: ...`; a bug with its traceback),
-    record it for torchrun's summary and leave at once with the table's code. Call it in the `except` block.
-
-    Leaving at once (no `finally`, no teardown) matters: torchrun then stops the other ranks, and a rank
-    blocked in a collective with this one fails fast (gloo) or at --collective-timeout-s (NCCL) instead of
-    waiting in a teardown. An error that every rank raises alike (`exc.all_ranks`) is printed by rank 0 alone.
-    """
+    """End a failing torchrun rank (call it in the `except` block): print its error, record it for torchrun's
+    summary and leave at once (no teardown: torchrun then stops the other ranks, and a rank blocked in a collective
+    with this one fails instead of waiting). An error every rank raises alike (`exc.all_ranks`): rank 0 prints it."""
     code, message = classify(exc, stage)
     text = f"[rank {env.rank}] error: {message}"
     if code == EXIT_BUG:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-# What each command reads of a diffusers pipeline. fnmatch patterns, as huggingface_hub's allow_patterns.
+# What each command reads of a diffusers pipeline (huggingface_hub's allow_patterns).
 CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "*/*.safetensors.index.json")
 PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
 FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
@@ -25,14 +25,9 @@ def is_hub_id(name: str) -> bool:
 def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, ...] = PIPELINE,
                    flag: str = "--teacher", hint_files: tuple[str, ...] | None = None,
                    recorded_in: str | None = None) -> Path:
-    """The local folder of teacher `name`: the path itself, or the Hub snapshot of `name` at `revision` holding at
-    least `files` (patterns). A UserError (one line naming the teacher and what to do) when neither works; its
-    `hf download` names `hint_files` (default `files`): what the command will need, where it looks at less first
-    (`teacher-cache --dry-run` checks the configs of a teacher its run downloads whole).
-
-    `recorded_in` names the file the name came from when the user did not give it (a cache's manifest, a run's
-    distill.json or lora.json): such a Hub id is taken from the local Hub cache only, never downloaded, since a file
-    handed over by someone else must not choose what this machine fetches."""
+    """The local folder of teacher `name`: the path itself, or the Hub snapshot at `revision` holding at least
+    `files` (patterns); else a UserError whose `hf download` names `hint_files` (default `files`). `recorded_in`:
+    the file the name came from, not the user; then the local Hub cache only (a file must not choose downloads)."""
     p = Path(name).expanduser()
     if p.exists():
         if revision is not None:

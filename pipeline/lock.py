@@ -29,17 +29,14 @@ _PART_LOCK = re.compile(r"part-(\d{1,9})\.lock")  # the names `part_lock_path` g
 
 
 class UnsafeFile(UserError):
-    """A path where we expect a plain file of ours holds something else: a link, a FIFO, a device, a folder, or a
-    file with more than one name. The message names it and says to delete it."""
+    """A path where we expect a plain file of ours holds something else (a link, a FIFO, a folder, a hard link)."""
 
 
 def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", mode: int = 0o644,
                  single_link: bool = True) -> int:
-    """os.open(`path`, `flags`) that neither follows a symbolic link nor blocks (O_NOFOLLOW, O_NONBLOCK: a FIFO opens
-    at once), and returns the fd only when it is a regular file (with `single_link`, one whose bytes have no other
-    name). Else UnsafeFile: "`what` PATH is a FIFO, not a file WanDistiller wrote; delete it and rerun".
-    lstat first, so that a FIFO or a device is refused without being opened at all; fstat after, for the instant
-    between the two. FileNotFoundError (without O_CREAT) and other OSErrors pass through."""
+    """os.open(`path`, `flags`) that neither follows a link nor blocks, returning the fd only for a regular file
+    (with `single_link`: one whose bytes have no other name), else UnsafeFile. lstat first, so that a FIFO or a
+    device is never opened; fstat after, for the instant between the two. Other OSErrors pass through."""
     path = Path(path)
 
     def refuse(kind: str) -> UnsafeFile:
@@ -73,9 +70,8 @@ def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", m
 
 
 def read_head(path: str | os.PathLike, n: int) -> bytes:
-    """The first `n` bytes of the regular file `path`, opened by `open_regular` (never through a link, never waiting on
-    a FIFO); b"" where there is no such file or it cannot be read. How a folder someone else handed over is looked
-    into: its files' names and sizes prove nothing, and none is read whole."""
+    """The first `n` bytes of the regular file `path`, opened by `open_regular`; b"" where there is none or it cannot
+    be read. How a folder someone else handed over is looked into."""
     try:
         fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
     except (OSError, UnsafeFile):
@@ -89,8 +85,8 @@ def read_head(path: str | os.PathLike, n: int) -> bytes:
 
 
 def _check_locks_dir(folder: Path) -> bool:
-    """Whether the folder of stage-one locks exists; UnsafeFile when it is a link (to a folder elsewhere, whose files
-    a lock would create or overwrite) or anything else but a folder."""
+    """Whether the folder of stage-one locks exists; UnsafeFile when it is a link (whose files a lock would
+    overwrite) or anything else but a folder."""
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
@@ -105,18 +101,13 @@ def part_lock_path(cache_dir: str | os.PathLike, part: int) -> Path:
     return Path(cache_dir) / LOCKS_DIR / f"part-{part:05d}.lock"
 
 
-class _Held:
-    def __init__(self, fd: int, made_dir: Path | None):
-        self.fd = fd
-        self.made_dir = made_dir  # the folder acquire created, removed on release if left empty
-
-
-_HELD: dict[Path, _Held] = {}  # this process's locks; acquiring one it already holds is a no-op
+# This process's locks: (fd, the folder acquire created, removed on release if left empty).
+_HELD: dict[Path, tuple[int, Path | None]] = {}
 
 
 def acquire(path: str | os.PathLike, what: str) -> None:
-    """Take the exclusive lock `path` for `what` (e.g. "part 0 of cache /x") or refuse with one line naming the
-    holder (exit 2). Kept until `release` or until this process exits."""
+    """Take the exclusive lock `path` for `what` (e.g. "part 0 of cache /x"), until `release` or the process exits,
+    or refuse with one line naming the holder. One it holds already: a no-op."""
     path = Path(path).absolute()
     if path in _HELD:
         return
@@ -150,13 +141,12 @@ def acquire(path: str | os.PathLike, what: str) -> None:
               "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    _HELD[path] = _Held(fd, made_dir)
+    _HELD[path] = (fd, made_dir)
 
 
 def _lock_exclusive(fd: int) -> bool:
-    """Take the exclusive flock on `fd`, or False when another process holds it. A refusal is retried for a moment:
-    `live_writer` (the probe of `cache info` and of every reader's refusal) holds a shared lock for
-    microseconds, which must not pass for a writer."""
+    """Take the exclusive flock on `fd`, or False when another process holds it; retried for a moment, because
+    `live_writer`'s probe holds a shared lock for microseconds, which must not pass for a writer."""
     for attempt in range(PROBE_RETRIES + 1):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -171,16 +161,16 @@ def _lock_exclusive(fd: int) -> bool:
 
 def release(path: str | os.PathLike) -> None:
     """Give up the lock `path` if this process holds it, removing the lock file (and the folder acquire made
-    for it, if nothing else is in it). Unlinked before unlocking, so no one can lock a file about to vanish."""
+    for it, if empty). Unlinked before unlocking, so no one can lock a file about to vanish."""
     path = Path(path).absolute()
-    held = _HELD.pop(path, None)
-    if held is None:
+    if path not in _HELD:
         return
+    fd, made_dir = _HELD.pop(path)
     path.unlink(missing_ok=True)
-    os.close(held.fd)
-    if held.made_dir is not None:
+    os.close(fd)
+    if made_dir is not None:
         try:
-            held.made_dir.rmdir()
+            made_dir.rmdir()
         except OSError:
             pass
 
@@ -228,13 +218,10 @@ def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
 
 
 def live_writer(path: str | os.PathLike) -> dict | None:
-    """The record of the live process holding the stage-one lock `path` (pid, host, since, started, command, as
-    `acquire` writes it; {} if not written yet), or None when no process holds it: a lock file a killed writer
-    left behind is not a live run. Probed with a shared flock taken and dropped at once (which sees holders on other
-    NFS clients too), never by the file's existence or a pid, which say nothing across hosts.
-
-    A lock path that holds no regular file (a link, a FIFO, a folder: see `open_regular`) is junk, not a lock a
-    live writer holds (`acquire` refuses to take one): None, without opening it, and without failing the reader."""
+    """The record `acquire` wrote of the live process holding the stage-one lock `path` ({} if not written yet), or
+    None when none holds it (a killed writer's file, or junk that is no regular file). Probed with a shared flock
+    taken and dropped at once (it sees holders on other NFS clients too), never by a pid, which says nothing across
+    hosts."""
     try:
         fd = open_regular(path, os.O_RDONLY, single_link=False)  # the probe writes nothing: a second name is harmless
     except (FileNotFoundError, UnsafeFile):

@@ -16,8 +16,8 @@ ADAPTER = "default"  # the adapter's name inside each expert (peft's default)
 
 
 def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
-    """A LoRA adapter (peft, through diffusers' PeftAdapterMixin) on `model`'s `targets`; the base frozen, the adapter's
-    weights in float32 whatever the base's dtype (they are the master weights AdamW updates)."""
+    """A peft LoRA adapter on `model`'s `targets`, the base frozen; the adapter in float32 whatever the base's dtype
+    (they are the master weights AdamW updates)."""
     from peft import LoraConfig
 
     model.requires_grad_(False)
@@ -31,7 +31,7 @@ def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[
 
 class LoraExperts(torch.nn.Module):
     """One or two frozen Wan transformers with adapters, called like one: each sample goes to the expert WanPipeline
-    runs at its timestep (the module docstring). The training loop, the sampler and the checkpoints see one model."""
+    runs at its timestep."""
 
     def __init__(self, experts: dict[str, torch.nn.Module], boundary_timestep: float | None, record: dict):
         super().__init__()
@@ -99,10 +99,9 @@ class LoraExperts(torch.nn.Module):
         return out
 
     def _every_expert(self, groups: list, inputs: tuple) -> torch.Tensor:
-        """FSDP's forward: every expert runs, in expert order, on every rank and in every forward (evaluation and
-        sampling too), so that each rank gathers and reduces the same units in the same order. An expert without a
-        sample here runs on the first row, and its output reaches the loss times 0.0: its adapter's gradients are
-        exactly zero (as the DDP path's), and its units' backward runs as on the ranks that did use it."""
+        """FSDP's forward: every expert runs, in expert order, on every rank and in every forward, so that each rank
+        gathers and reduces the same units in the same order. An expert without a sample runs on the first row, its
+        output times 0.0 in the loss: exactly zero gradients, and its units' backward runs as on the other ranks."""
         rows_of = dict(groups)
         outs, idle = [], []
         for comp in self.experts:
@@ -117,8 +116,8 @@ class LoraExperts(torch.nn.Module):
         return out
 
     def adapter_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each trained expert's adapter, in peft's key names, whole and in host memory. Under FSDP the adapters are
-        sharded (DTensors): every rank calls this, each tensor is gathered in turn (the frozen base never is)."""
+        """Each trained expert's adapter, in peft's key names, whole and in host memory (under FSDP every rank calls
+        this: each sharded tensor is gathered)."""
         from peft.utils import get_peft_model_state_dict
 
         states = {}
@@ -130,9 +129,8 @@ class LoraExperts(torch.nn.Module):
 
     def save_pretrained(self, folder, safe_serialization: bool = True,
                         states: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-        """Each expert's adapter in diffusers' LoRA format (what `WanPipeline.load_lora_weights` loads, with its
-        LoraConfig as the file's metadata so that alpha comes back), and `lora.json`. `states`: `adapter_states()`,
-        gathered beforehand (FSDP: on every rank, while only rank 0 writes)."""
+        """Each expert's adapter in diffusers' LoRA format (with its LoraConfig as metadata, so that alpha comes back),
+        and `lora.json`. `states`: `adapter_states()`, gathered beforehand (FSDP: on every rank, rank 0 writes)."""
         from diffusers import WanPipeline
 
         folder = Path(folder)
@@ -151,9 +149,8 @@ class LoraExperts(torch.nn.Module):
 
 
 def _sort_metadata(path: Path) -> None:
-    """Rewrite the safetensors file `path` with its header's `__metadata__` keys sorted. safetensors (Rust) keeps them
-    in a HashMap seeded anew in every process, so with two keys (diffusers' `format` and `lora_adapter_metadata`) their
-    order, and so the file's bytes, changes from run to run; sorted, it is what safetensors writes in that order."""
+    """Rewrite the safetensors file `path` with its header's `__metadata__` keys sorted: safetensors (Rust) keeps them
+    in a HashMap seeded anew in every process, so their order, and the file's bytes, change from run to run."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
@@ -166,7 +163,7 @@ def _sort_metadata(path: Path) -> None:
 
 def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
     """A trained LoRA student for inference: every expert of the teacher (in `dtype`), each trained one with its
-    adapter from `folder` loaded by diffusers' LoRA loader (as `WanPipeline.load_lora_weights` does)."""
+    adapter from `folder` loaded by diffusers' LoRA loader."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     experts = {}

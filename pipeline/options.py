@@ -26,8 +26,8 @@ def _default_text(f: dataclasses.Field) -> str | None:
 
 
 def help_of(f: dataclasses.Field, text: str | None = None) -> str:
-    """The field's help (or `text`) with its default appended, as `--help` shows it; `[required]` for a setting
-    without one (not click's `required=True`: the value may come from the --config file instead)."""
+    """The field's help (or `text`) with its default appended; `[required]` for a setting without one (not click's
+    `required=True`: the value may come from the --config file)."""
     text, default = text or f.metadata["help"], _default_text(f)
     if required(f):
         return f"{text}  [required]"
@@ -64,8 +64,8 @@ def _option(f: dataclasses.Field, tp):
 
 
 def config_options(cls):
-    """Decorator: the options of every CLI setting of the config class `cls`, the class's own fields first (in
-    declaration order), then those it inherits, then the settings of its components (e.g. each objective's)."""
+    """Decorator: the options of every CLI setting of `cls`: its own fields first, then those it inherits, then its
+    components' (each objective's)."""
     types = hints(cls)
     mine = set(cls.__dict__.get("__annotations__", {}))
     fields = [f for f in declared(cls) if f.metadata.get("cli", True)]

@@ -14,15 +14,13 @@ LOG_INTERVAL_S = 30.0  # between two lines of a bar in a log file: a day-long ru
 
 class LineBar(tqdm):
     """A tqdm bar that writes its state as a whole line at most every `mininterval` seconds (and once more when it
-    closes), never a carriage return: each line is what the terminal bar would show at that moment."""
+    closes), never a carriage return."""
 
     def __init__(self, *args, **kwargs):
         self._line_t = -float("inf")  # when the last line was written (the first refresh writes one at once)
         self._line_n = None  # the count that line showed: close() does not repeat it
         kwargs.setdefault("mininterval", LOG_INTERVAL_S)
-        # No width: a log has none to fit, and tqdm cuts a line at `ncols`, its figures (the postfix) first: at 100
-        # columns stage one's bar lost `cache=~...` and half of `written=...`. Without one the bar is 10 characters
-        # and the line is whole.
+        # No width: a log has none to fit, and tqdm cuts a line at `ncols`, its figures (the postfix) first.
         kwargs.update(ascii=True, dynamic_ncols=False, ncols=None)
         super().__init__(*args, **kwargs)
 
@@ -51,8 +49,7 @@ class LineBar(tqdm):
 
 
 def progress_bar(*args, file=None, **kwargs) -> tqdm:
-    """A tqdm bar (same arguments) on stderr, or on `file`: redrawn in place on a terminal, periodic plain lines
-    (`LineBar`) anywhere else."""
+    """A tqdm bar (same arguments) on stderr or `file`: redrawn on a terminal, plain lines (`LineBar`) elsewhere."""
     file = sys.stderr if file is None else file
     isatty = getattr(file, "isatty", None)
     if isatty is not None and isatty():

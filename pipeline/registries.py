@@ -22,7 +22,7 @@ class Entry:
     impl: str | type | None = None  # "module:Class" of the implementation, imported by `load`; a plug-in: its class
 
     def load(self):
-        """The implementation `impl` names (imported on first use: the CLI never imports a stage)."""
+        """The implementation `impl` names (imported on first use)."""
         if not isinstance(self.impl, str):
             return self.impl
         module, _, attr = self.impl.partition(":")
@@ -87,7 +87,7 @@ class Registry:
 
 @dataclass(frozen=True)
 class PlacementCaps:
-    """What a placement can do: stage one, `plan`, the launch and the cost code read these, never its name."""
+    """What a placement can do: stage one, `plan` and the cost code read these, never its name."""
 
     gpu: str = "no"  # "required": stops without CUDA; "if available": the rank's GPU when one is visible; "no"
     without_gpu: str = "cpu"  # what to suggest when a required GPU is missing
@@ -149,9 +149,7 @@ class PlacementSettings:
         None, help="--placement balanced/sequential: memory per device, e.g. \"0=70GiB,1=70GiB,cpu=200GiB\".")
     offload_dir: str | None = setting(None, path=True, default_text="CACHE_DIR/offload",
                                       help="--placement disk: folder the weights stream from.")
-    # Two-expert teachers: "step" runs every step of a block before the next block; "expert" runs a window of
-    # blocks with expert 1, then with expert 2, so one expert is resident at a time; "auto" picks "expert" when
-    # both experts do not fit where the placement keeps them. The cache is the same either way.
+    # "step": every step of a block before the next; "expert": a window of blocks with expert 1, then expert 2.
     expert_order: str = setting("auto", check=one_of(EXPERT_ORDERS),
                                 help="Two experts: expert = one expert resident at a time, step = both (same "
                                      "cache); auto picks expert when both do not fit.")
@@ -159,8 +157,7 @@ class PlacementSettings:
 
 # -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ---------------------------------------------------
 
-# Every block's attention (self and cross) and FFN projections, in diffusers' WanTransformer3DModel names; peft
-# matches each name as a suffix of a module's path. The same set Wan's few-step LoRAs in use train.
+# Every block's attention (self and cross) and FFN projections (diffusers' names): what Wan's few-step LoRAs train.
 LORA_TARGETS = "to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2"
 
 

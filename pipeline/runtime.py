@@ -29,21 +29,17 @@ def dist_env() -> DistEnv:
 
 
 def hide_gpus() -> None:
-    """Hide the GPUs from this process and its children, for a run that asked for the CPU. Called before anything
-    asks CUDA, because much does without being asked to: importing diffusers queries the accelerator, and torch's
-    optimizers ask the current accelerator's stream at every step, even for CPU parameters. Each query initialises
-    the CUDA driver: on GPU 0 a context nobody wanted (one per torchrun rank), and in a process forked after
-    CUDA started, "CUDA error: initialization error". CUDA reads CUDA_VISIBLE_DEVICES once, at its first query;
-    DataLoader workers and torchrun's ranks inherit it."""
+    """Hide the GPUs from this process and its children, for a run that asked for the CPU, before anything asks
+    CUDA (importing diffusers does, torch's optimizers do at every step): each query starts a CUDA context nobody
+    wanted, and breaks a process forked later (docs/architecture.md, "Devices: a CPU run never touches CUDA")."""
     if torch.cuda.is_initialized():  # too late to hide (an in-process caller used CUDA already): nothing to gain
         return
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def init_distributed(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistEnv:
-    """Join the torchrun process group: NCCL when the ranks compute on CUDA (each on its LOCAL_RANK GPU), gloo
-    otherwise; no-op for one process. `use_cuda` is the run's choice (None: whether CUDA is visible); a run
-    that computes on the CPU never initialises CUDA, even on a GPU node."""
+    """Join the torchrun process group: NCCL when the ranks compute on CUDA (`use_cuda`; None: whether CUDA is
+    visible), each on its LOCAL_RANK GPU, gloo otherwise; a no-op for one process."""
     env = dist_env()
     if use_cuda is None:
         use_cuda = torch.cuda.is_available()
@@ -63,8 +59,7 @@ def teardown() -> None:
 
 
 def barrier(device: torch.device | None = None) -> None:
-    """Wait until every rank gets here; a no-op for one process. NCCL synchronises through a CUDA tensor:
-    on `device`, by default the current one (init_distributed set it to LOCAL_RANK)."""
+    """Wait until every rank gets here (NCCL: through a CUDA tensor on `device`, by default the current one)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     if dist.get_backend() == "nccl":
@@ -76,7 +71,6 @@ def barrier(device: torch.device | None = None) -> None:
 
 
 def print0(msg: str) -> None:
-    """Print a line on rank 0 only, through tqdm: a progress bar on the terminal is redrawn below the line
-    instead of being cut by it."""
+    """Print a line on rank 0 only, through tqdm, so that a progress bar is redrawn below it, not cut by it."""
     if dist_env().is_main:
         tqdm.write(msg)

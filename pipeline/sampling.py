@@ -17,9 +17,7 @@ from .wan_inputs import model_timestep
 
 UNIPC = "UniPCMultistepScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
-# distill.json's objective_settings["sampler"]: the sampler of an objective declared with one (ObjectiveCaps.sampler),
-# a key of SAMPLERS (below: each turns the teacher's scheduler config into the student's).
-SAMPLER = "sampler"
+SAMPLER = "sampler"  # distill.json's objective_settings key: an objective's own sampler, a key of SAMPLERS
 # UniPC's corrector is disabled per step index; this many covers any step count a Wan pipeline runs.
 _NO_CORRECTOR = 1000
 
@@ -52,7 +50,7 @@ def is_flow_matching(config: Mapping) -> bool:
 
 def euler_config(config: Mapping) -> dict:
     """The teacher's flow-matching scheduler config turned into a first-order Euler sampler on the same sigma
-    grid (see the module docstring); ValueError for a scheduler that is not flow matching."""
+    grid; ValueError for a scheduler that is not flow matching."""
     if not is_flow_matching(config):
         raise ValueError(f"scheduler {config.get('_class_name')!r} does not sample flow-matching sigmas to 0 "
                          f"({UNIPC} with use_flow_sigmas, or {FLOW_EULER}); a few-step Euler schedule needs one")
@@ -73,10 +71,8 @@ def schedule_sigmas(config: Mapping, steps: int) -> list[float]:
 
 def segment_boundaries(config: Mapping, steps: int, student_steps: int,
                        cached_sigmas: list[float] | None = None) -> tuple[list[int], bool]:
-    """(K boundary steps of the N-step cached schedule, exact): the cached step nearest (in sigma) to each
-    point of the K-step Euler schedule, starting at step 0; `exact` when the K-step scheduler reproduces the
-    cached sigmas there (K divides N for Wan's UniPC teachers). `cached_sigmas` defaults to the N-step
-    schedule of `config`."""
+    """(K boundary steps of the N-step cached schedule, exact): the cached step nearest in sigma to each point of
+    the K-step Euler schedule, from step 0; `exact` when those are the cached sigmas (K divides N for UniPC)."""
     if not 1 <= student_steps <= steps:
         raise ValueError(f"student steps must be in 1..{steps} (the cache's steps), got {student_steps}")
     cached = cached_sigmas if cached_sigmas is not None else schedule_sigmas(config, steps)
@@ -91,8 +87,7 @@ def segment_boundaries(config: Mapping, steps: int, student_steps: int,
 
 def student_scheduler(source):
     """A fresh scheduler for the student described by `source` (a DistillRecord, distill.json's dict or a cache
-    Manifest): the one its objective recorded for sampling (a few-step student's Euler schedule), else the
-    teacher's scheduler as the cache recorded it."""
+    Manifest): its objective's own sampler, else the teacher's scheduler."""
     record = _record(source)
     sampler = own_sampler(record)
     return scheduler_from_config(SAMPLERS[sampler](record.scheduler) if sampler else record.scheduler)
@@ -114,13 +109,8 @@ def student_steps(source) -> int:
 def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embeds: torch.Tensor, steps: int,
                    guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *,
                    expand_timesteps: bool = False, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
-    """Final latents [B, C, F, H, W] (float32, on the transformer's device) of `steps` denoising steps of
-    `transformer` from `init_noise`, as WanPipeline computes them (module docstring).
-
-    `prompt_embeds` [B, L, D] (padded as the cache stores them); `negative_embeds` [B or 1, L, D] is needed when
-    `guidance` > 1 (classifier-free guidance, two forwards per step). `patch` is the stride WanPipeline lays
-    per-token timesteps out with when `expand_timesteps` (TI2V); it uses (1, 2, 2).
-    """
+    """Final latents [B, C, F, H, W] (float32) of `steps` denoising steps of `transformer` from `init_noise`, op for op
+    as WanPipeline; `negative_embeds` [B or 1, L, D] is needed when `guidance` > 1 (CFG, two forwards per step)."""
     device = next(transformer.parameters()).device
     dtype = transformer.dtype
     cfg = guidance > 1.0
@@ -150,8 +140,7 @@ def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embe
 
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Frames [B, F, H, W, 3] float in [0, 1] (on the CPU) of final latents, decoded as WanPipeline decodes them
-    (its latents_mean / latents_std, then the VAE)."""
+    """Frames [B, F, H, W, 3] float in [0, 1] (on the CPU) of final latents, decoded as WanPipeline decodes them."""
     z = vae.config.z_dim
     lat = latents.to(next(vae.parameters()).device, dtype=vae.dtype)
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)

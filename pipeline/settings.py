@@ -16,14 +16,10 @@ Check = Callable[[str, Any], None]  # (the setting's name as the user spells it,
 def setting(default: Any = dataclasses.MISSING, *, help: str, check: Check | None = None,
             parse: Callable[[str, Any], Any] | None = None, flag: str | None = None, default_text: str | None = None,
             path: bool = False, multiple: bool = False, cli: bool = True) -> Any:
-    """A dataclass field with its documentation and check.
-
-    help: the `--help` line (the generator appends `[default: ...]`; never write it by hand);
-    check: refuses a bad value (ValueError naming the setting); parse: normalises a value first ("0,4" -> (0, 4));
-    flag: the CLI name when it is not the field's ("copy/symlink" for a boolean spelled by two words);
-    default_text: what the default means when the value alone does not say it (None resolved at run time);
-    path: the value is a file or folder; multiple: a repeatable flag; cli: False for a TOML-only setting.
-    """
+    """A dataclass field with its `--help` line (the default is appended), its `check` (ValueError naming the
+    setting) and `parse` ("0,4" -> (0, 4)); `flag`: its CLI name when not the field's ("copy/link" for a boolean);
+    `default_text`: what the default means when the value does not say it; `path`: a file or folder; `multiple`: a
+    repeatable flag; `cli`: False for a TOML-only setting."""
     meta = {"help": help, "check": check, "parse": parse, "flag": flag, "default_text": default_text, "path": path,
             "multiple": multiple, "cli": cli}
     return dataclasses.field(default=default, metadata=meta)
@@ -50,8 +46,7 @@ def hints(cls) -> dict[str, Any]:
 
 
 def check_settings(obj) -> None:
-    """Parse, then check every setting of `obj` (a frozen dataclass) from its field's metadata; None passes (an
-    unset optional setting; a required one is missing, which the dataclass itself refuses)."""
+    """Parse, then check every setting of `obj` (a frozen dataclass); None passes (unset)."""
     for f in declared(type(obj)):
         value = getattr(obj, f.name)
         parse = f.metadata.get("parse")
@@ -119,11 +114,8 @@ def non_empty(name, v) -> None:
 
 
 class one_of:  # noqa: N801 (used like the other check factories)
-    """One of a list of names: fixed, or read from a registry when the check runs (so a plug-in counts).
-
-    `cli_choice`: whether the CLI offers them as a click choice (False where other values are allowed too, or
-    where plug-ins registered after the CLI loaded must pass); `otherwise`: a value outside the names that is also
-    fine (e.g. a .json path)."""
+    """One of a list of names, fixed or read from a registry when the check runs (so a plug-in counts); `cli_choice`:
+    the CLI offers them as a click choice; `otherwise`: a value outside the names that is also fine (a .json path)."""
 
     def __init__(self, names: Iterable[str] | Callable[[], Iterable[str]], *, cli_choice: bool = True,
                  otherwise: Callable[[Any], bool] | None = None, otherwise_text: str = ""):
@@ -165,8 +157,8 @@ SOURCE = "source"  # ... and its field's name in the entry's own settings datacl
 
 
 def merged(cls_name: str, registry) -> type:
-    """A dataclass of every setting of every entry of `registry`, each field named as its flag (so that a stage
-    config that derives from it keeps `--segment-velocity-weight` and the TOML key `segment_velocity_weight`)."""
+    """A dataclass of every setting of every entry of `registry`, each field named as its flag (so that the stage
+    config deriving from it keeps `--segment-velocity-weight`)."""
     specs = []
     for entry in registry.entries():
         if entry.settings is None:
@@ -189,8 +181,8 @@ def settings_of(cfg, entry) -> Any:
 
 
 def refuse_foreign(cfg, chosen: str, what: str) -> None:
-    """A merged setting of an entry other than `chosen`, set to anything but its default, is refused (one line):
-    `--student-steps 4` does nothing for `--objective velocity`, so it is a mistake to catch, not to ignore."""
+    """A merged setting of an entry other than `chosen`, set to anything but its default, is refused: it would do
+    nothing, so it is a mistake to catch, not to ignore."""
     for f in dataclasses.fields(cfg):
         owner = f.metadata.get(OWNER)
         if owner is not None and owner != chosen and getattr(cfg, f.name) != f.default:
@@ -205,9 +197,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text, what: str = "the size") -> int:
-    """'24GiB', '80GB', '512MiB', '2TiB', '123B' -> bytes (GB = 10^9, GiB = 2^30, as accelerate); ValueError naming
-    `what` otherwise. A number without a unit is refused (0 aside): `--gpu-memory 80` means 80 GiB to a person and
-    80 bytes to a parser."""
+    """'24GiB', '80GB', '512MiB', '2TiB', '123B' -> bytes (GB = 10^9, GiB = 2^30, as accelerate). A number without a
+    unit is refused (0 aside): `--gpu-memory 80` means 80 GiB to a person and 80 bytes to a parser."""
     t = str(text).strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]

@@ -32,8 +32,8 @@ def _handler(signum, frame) -> None:
 
 @contextlib.contextmanager
 def handle_sigterm():
-    """Turn SIGTERM into `Terminated` (at once, or at the next boundary inside `deferred()`) while this block runs.
-    A no-op off the main thread (Python delivers signals there only) and when a handler is installed already."""
+    """Turn SIGTERM into `Terminated` while this block runs; a no-op off the main thread (Python delivers signals
+    there only) and when a handler is installed already."""
     global _installed, _requested, _deferring
     if _installed or threading.current_thread() is not threading.main_thread():
         yield
@@ -60,9 +60,8 @@ def deferred():
 
 @contextlib.contextmanager
 def held():
-    """SIGTERM blocked in this thread while the block runs. What matters is what a process forked inside inherits:
-    it starts with SIGTERM blocked, until it chooses what to do with it (`worker_ignores_sigterm`). This process
-    still gets its own SIGTERM, through its other threads."""
+    """SIGTERM blocked in this thread while the block runs, so that a process forked inside starts with it blocked
+    until it chooses what to do with it (`worker_ignores_sigterm`); this process still gets it, in other threads."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
@@ -71,13 +70,10 @@ def held():
 
 
 def worker_ignores_sigterm(worker_id: int = 0) -> None:
-    """A DataLoader `worker_init_fn`: ignore SIGTERM from anyone but the parent (the trainer).
-
-    SLURM signals every process of a job step: a worker that died of it would fail the trainer's next batch before
-    the step boundary where it checkpoints and stops. The trainer itself sends SIGTERM only to end its workers
-    (multiprocessing at exit), and they must then go, or its exit waits for them forever: torch's own worker
-    handler draws the same line but dies of the others' SIGTERM too. The worker is forked inside `held()`, so a
-    SIGTERM sent before this runs waits, blocked, for the thread below instead of killing it."""
+    """A DataLoader `worker_init_fn`: ignore SIGTERM from anyone but the parent (the trainer). SLURM signals every
+    process of a job step, and a worker that died of it would fail the trainer's next batch before the step where
+    it checkpoints and stops; the trainer sends SIGTERM only to end its workers, which must then go. Forked inside
+    `held()`, a SIGTERM sent before this runs waits for the thread below instead of killing it."""
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
 
@@ -90,7 +86,7 @@ def worker_ignores_sigterm(worker_id: int = 0) -> None:
 
 
 def requested() -> bool:
-    """Whether a SIGTERM arrived since `handle_sigterm` began (one global read: cheap enough for every step)."""
+    """Whether a SIGTERM arrived since `handle_sigterm` began (cheap enough for every step)."""
     return _requested
 
 
@@ -101,9 +97,8 @@ def check() -> None:
 
 
 def agree(device: torch.device) -> bool:
-    """Whether any rank got a SIGTERM. Under torchrun every rank must call it at the same point (a collective: an
-    all-reduce of one integer on `device`, the process group's: the CPU for gloo, the rank's GPU for NCCL); all
-    get the same answer. One process: just `requested()`."""
+    """Whether any rank got a SIGTERM: a collective (every rank calls it at the same point; `device` is the process
+    group's), so all get the same answer."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return _requested
     flag = torch.tensor([int(_requested)], dtype=torch.int32, device=device)

@@ -1,8 +1,5 @@
-"""What identifies a teacher's files, the same for every stage: a config's hash and a weight file's sampled digest.
-
-Stage one fingerprints the teacher with these (`TeacherSpec.identity`, written to the manifest as
-`teacher_identity`), and stage two's LoRA student checks with the same functions that the base it loads is the
-teacher the cache was made with (stages/train_student/lora_student.py), so neither stage imports the other.
+"""What identifies a teacher's files, the same for every stage: a config's hash and a weight file's sampled digest
+(stage one's `teacher_identity`, and stage two's LoRA check that its base is the cache's teacher).
 """
 
 from __future__ import annotations

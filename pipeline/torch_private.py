@@ -41,9 +41,8 @@ def internal(name: str):
 
 
 def write_error_file(text: str) -> None:
-    """Put `text` into torch elastic's per-worker error file (TORCHELASTIC_ERROR_FILE), whose record torchrun's
-    ChildFailedError summary prints (`extraInfo.py_callstack`). torch's own `record_exception` fills it with the
-    traceback alone; this keeps its file, record format and careful write (a warning, never an exception)."""
+    """Put `text` into torch elastic's per-worker error file, which torchrun's ChildFailedError summary prints
+    (torch's own `record_exception` writes the traceback alone), in its record format and careful write."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     handler = ErrorHandler()
@@ -54,8 +53,7 @@ def write_error_file(text: str) -> None:
 
 
 def shared_bytes(nbytes: int):
-    """A uint8 tensor of `nbytes` in shared memory (what a loader worker collates into, so that sending the batch to
-    the training process does not copy it again)."""
+    """A uint8 tensor of `nbytes` in shared memory (what a loader worker collates into: no copy to the trainer)."""
     import torch
 
     storage = internal("new_shared")(max(nbytes, 1))

@@ -1,10 +1,4 @@
-"""Inputs of a Wan transformer that every stage builds the same way.
-
-Wan 2.2 TI2V (`expand_timesteps`) gives the transformer one timestep per latent token rather than one per
-sample. diffusers' `WanPipeline` builds it from a mask over the latent grid sampled at the spatial patch
-stride (`mask[0][0][:, ::p, ::p]`); stage one (the teacher), stage two (the student) and the inference
-commands must lay it out identically, so they all call this one function.
-"""
+"""Inputs of a Wan transformer that every stage (teacher, student, inference) must build identically."""
 
 from __future__ import annotations
 
@@ -13,11 +7,8 @@ import torch
 
 def model_timestep(t: torch.Tensor, latent_fhw: tuple[int, int, int], expand: bool,
                    patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
-    """The transformer's timestep input for per-sample timesteps `t` [B].
-
-    Without `expand` that is `t` itself. With it, one value per token: the latent's frames times its rows
-    and columns taken every patch-stride (what `WanPipeline` computes), [B, F * ceil(H/ph) * ceil(W/pw)].
-    """
+    """The transformer's timestep input for per-sample timesteps `t` [B]: `t` itself, or with `expand` (Wan 2.2
+    TI2V) one per token, [B, F * ceil(H/ph) * ceil(W/pw)], as WanPipeline's mask sampled at the patch stride."""
     if not expand:
         return t
     f, h, w = (int(v) for v in latent_fhw)
