@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import io
 import json
 import logging
@@ -44,8 +45,8 @@ def _quiet_libraries() -> None:
 
 
 def _start(cpu_only: bool) -> None:
-    """What a command does once it knows where it runs, before it imports a stage (whose imports ask CUDA): a run
-    that asked for the CPU hides the GPUs from the process (runtime.hide_gpus); then the libraries are quietened."""
+    """Once a command knows where it runs, before it imports a stage (whose imports ask CUDA): a CPU run hides the
+    GPUs from the process (runtime.hide_gpus); then the libraries are quietened."""
     if cpu_only:
         from .runtime import hide_gpus
 
@@ -73,7 +74,7 @@ def common_options(fn):
 
 def _lowercase_error(e: click.ClickException) -> click.ClickException:
     """Have click's own refusals (a usage error, an unknown option) end in `error: ...` like every other message of
-    ours, instead of click's `Error: ...`: the usage and hint lines stay, the last line changes case."""
+    ours, instead of click's `Error: ...`."""
     show = e.show
 
     def shown(file=None):
@@ -99,6 +100,13 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except click.ClickException as e:
             raise _lowercase_error(e) from None
+
+
+def _run_stage(cls, config_file, flags, module: str) -> None:
+    """Build the command's config, then run the stage `module` (imported once the config says where it runs)."""
+    cfg = load_config(cls, config_file, flags)
+    _start(cfg.cpu_only)  # (a train-student dry run too: it measures steps on the device it names)
+    importlib.import_module(module).run(cfg)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -167,11 +175,7 @@ def sample_cmd(config_file, **flags):
       wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
         --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
     """
-    cfg = load_config(SampleConfig, config_file, flags)
-    _start(cfg.cpu_only)
-    from stages.sample import sample
-
-    sample.run(cfg)
+    _run_stage(SampleConfig, config_file, flags, "stages.sample.sample")
 
 
 @main.command("export")
@@ -189,11 +193,7 @@ def export_cmd(config_file, **flags):
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
       wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student
     """
-    cfg = load_config(ExportConfig, config_file, flags)
-    _start(cfg.cpu_only)
-    from stages.sample import export
-
-    export.run(cfg)
+    _run_stage(ExportConfig, config_file, flags, "stages.sample.export")
 
 
 @main.command("eval")
@@ -213,11 +213,7 @@ def eval_cmd(config_file, **flags):
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --student-steps 1,2,4 \\
         --compare runs/demo/student-4step --attributes data/shapes-heldout.txt
     """
-    cfg = load_config(EvalConfig, config_file, flags)
-    _start(cfg.cpu_only)
-    from stages.sample import evaluate
-
-    evaluate.run(cfg)
+    _run_stage(EvalConfig, config_file, flags, "stages.sample.evaluate")
 
 
 @main.command("train-student")
@@ -231,11 +227,7 @@ def train_student_cmd(config_file, **flags):
     Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
     --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
     """
-    cfg = load_config(TrainStudentConfig, config_file, flags)
-    _start(cfg.cpu_only)  # (a dry run too: it measures steps on the device it names, stages/train_student/train_dry_run.py)
-    from stages import train_student
-
-    train_student.run(cfg)
+    _run_stage(TrainStudentConfig, config_file, flags, "stages.train_student")
 
 
 @main.command("plan")
