@@ -13,17 +13,19 @@ from typing import Any
 from .settings import hints
 
 
+# The scalar types: (how a message describes them, whether a value fits).
+_SCALARS = {
+    bool: ("true or false (a TOML boolean, not quoted)", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    str: ("a string (quoted)", lambda v: isinstance(v, str)),
+    type(None): ("absent", lambda v: v is None),
+}
+
+
 def _describe(tp) -> str:
-    if tp is bool:
-        return "true or false (a TOML boolean, not quoted)"
-    if tp is int:
-        return "an integer"
-    if tp is float:
-        return "a finite number"
-    if tp is str:
-        return "a string (quoted)"
-    if tp is type(None):
-        return "absent"
+    if tp in _SCALARS:
+        return _SCALARS[tp][0]
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
@@ -33,16 +35,8 @@ def _describe(tp) -> str:
 
 
 def _fits(value, tp, seq_as_str: bool) -> bool:
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if tp is str:
-        return isinstance(value, str)
+    if tp in _SCALARS:
+        return _SCALARS[tp][1](value)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_fits(value, a, seq_as_str) for a in typing.get_args(tp))

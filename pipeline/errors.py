@@ -68,7 +68,7 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -79,20 +79,11 @@ def _memory_report() -> list[str]:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         for d in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(d)
-            lines.append(
-                f"cuda:{d} allocated {torch.cuda.memory_allocated(d) / 2**30:.2f} GiB, "
-                f"peak {torch.cuda.max_memory_allocated(d) / 2**30:.2f} GiB, "
-                f"reserved {torch.cuda.memory_reserved(d) / 2**30:.2f} GiB, "
-                f"free {free / 2**30:.2f} / {total / 2**30:.2f} GiB"
-            )
+            lines.append(f"cuda:{d} allocated {torch.cuda.memory_allocated(d) / 2**30:.2f} GiB, "
+                         f"peak {torch.cuda.max_memory_allocated(d) / 2**30:.2f} GiB, "
+                         f"reserved {torch.cuda.memory_reserved(d) / 2**30:.2f} GiB, "
+                         f"free {free / 2**30:.2f} / {total / 2**30:.2f} GiB")
     return lines
-
-
-def _oom_message(stage: str, exc: BaseException) -> str:
-    lines = [f"out of memory in {stage}: {_first_line(exc)}"]
-    lines += [f"  memory: {m}" for m in _memory_report()]
-    lines += ["  remedies:"] + [f"    - {r}" for r in OOM_REMEDIES.get(stage, [])]
-    return "\n".join(lines)
 
 
 def _disk_message(exc: OSError, stage: str) -> str:
@@ -108,7 +99,8 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
     torch = _torch()
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
-        return EXIT_OOM, _oom_message(stage, exc)
+        lines = [f"out of memory in {stage}: {first_line(exc)}", *(f"  memory: {m}" for m in _memory_report())]
+        return EXIT_OOM, "\n".join(lines + ["  remedies:"] + [f"    - {r}" for r in OOM_REMEDIES.get(stage, [])])
     if isinstance(exc, UnfinishedCacheError):  # each unfinished part in words, and what finishes them
         from .cache_status import unfinished_problem  # (loads cache/: not at the CLI's load)
 
@@ -127,7 +119,7 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
         return EXIT_INTERRUPTED, f"interrupted; {rerun} to continue"
     dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
     if isinstance(exc, dist_error) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)):
-        return EXIT_PEER_LOST, (f"lost contact with another rank ({_first_line(exc)}); the rank that failed first "
+        return EXIT_PEER_LOST, (f"lost contact with another rank ({first_line(exc)}); the rank that failed first "
                                 "prints why")
     return EXIT_BUG, f"{type(exc).__name__}: {exc}"
 

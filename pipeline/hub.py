@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 # What each command reads of a diffusers pipeline (huggingface_hub's allow_patterns).
 CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "*/*.safetensors.index.json")
@@ -54,11 +54,11 @@ def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str
         raise UserError(f"{flag} {repo}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
                         "that exists (or leave --revision out for main)") from e
     except (hf.GatedRepoError, hf.RepositoryNotFoundError) as e:
-        raise UserError(f"{flag} {repo} is not on the Hub or needs a login ({_first_line(e)}); check the id, accept "
+        raise UserError(f"{flag} {repo} is not on the Hub or needs a login ({first_line(e)}); check the id, accept "
                         "its licence on huggingface.co and run `hf auth login`, or pass a local folder") from e
     except hf.IncompleteSnapshotError as e:  # (a LocalEntryNotFoundError: before it)
         raise UserError(f"{flag} {repo}{at}: the cached copy is incomplete and the Hub cannot be reached "
-                        f"({_first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
+                        f"({first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
     except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
         if recorded_in is not None:
             raise UserError(f"{recorded_in} names the teacher {repo}{at}, a Hub id that is not in the local Hub cache "
@@ -70,13 +70,8 @@ def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str
                         f"download it where the Hub is reachable (`hf download {repo}{include}`) into that cache "
                         "(or set HF_HOME to one that holds it), or pass a local folder") from e
     except hf.HfHubHTTPError as e:  # (an OSError: before it)
-        raise UserError(f"{flag} {repo}: the Hub answered {_first_line(e)}; retry later, or pass a local "
+        raise UserError(f"{flag} {repo}: the Hub answered {first_line(e)}; retry later, or pass a local "
                         "folder") from e
     except OSError as e:  # a cache folder that cannot be written, a full disk
-        raise UserError(f"{flag} {repo}: fetching it from the Hub failed ({_first_line(e)}); free space or fix the "
+        raise UserError(f"{flag} {repo}: fetching it from the Hub failed ({first_line(e)}); free space or fix the "
                         f"permissions of {constants.HF_HUB_CACHE}, or pass a local folder") from e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -13,16 +13,12 @@ from pathlib import Path
 
 from .errors import UserError
 
-# A prompt's length, in characters. UMT5 (Wan's text encoder) reads max_sequence_length tokens, 512 by default and at
-# most config.MAX_SEQUENCE_LENGTH (4096); English text runs ~4-5 characters a token, so 64 Ki characters hold any
-# real caption many times over, even at that cap, and still refuse a megabyte pasted by mistake (a 10 MB line took
-# 65 s and 6.45 GiB in the tokenizer) before anything tokenizes it.
+# A prompt's length in characters: any real caption many times over, even at config.MAX_SEQUENCE_LENGTH tokens (~4-5
+# characters a token), and still a refusal of a megabyte pasted by mistake (a 10 MB line took 65 s and 6.45 GiB).
 MAX_PROMPT_CHARS = 65_536
-# A line's length in bytes, checked while reading, before a line is decoded or parsed: a .jsonl line holds its
-# prompt with JSON escapes (up to 12 bytes a character) and other fields, so the bound on bytes is looser.
+# A line's bytes, checked before it is decoded: a .jsonl line holds JSON escapes (up to 12 bytes a character).
 MAX_LINE_BYTES = 1 << 20
-# Unicode's control characters (category Cc: U+0000-001F, U+007F-009F) but the whitespace that may sit inside a
-# prompt, which the tokenizer reads as a space: tab, vertical tab, form feed. (A line feed ends the line.)
+# Unicode's control characters (Cc) but tab, vertical tab and form feed, which the tokenizer reads as a space.
 _CONTROL = re.compile("[\x00-\x08\x0d-\x1f\x7f-\x9f]")
 _CONTROL_NAMES = {"\x00": "NUL", "\r": "CARRIAGE RETURN", "\x1b": "ESCAPE", "\x7f": "DELETE", "\x85": "NEXT LINE"}
 # Files that hold a table, not one prompt a line: their header and columns would become prompts.

@@ -155,7 +155,7 @@ class PlacementSettings:
                                      "cache); auto picks expert when both do not fit.")
 
 
-# -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ---------------------------------------------------
+# -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ----------------------------------------------
 
 # Every block's attention (self and cross) and FFN projections (diffusers' names): what Wan's few-step LoRAs train.
 LORA_TARGETS = "to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2"
@@ -258,7 +258,7 @@ def stage_one_trackers() -> list[str]:
     return [e.name for e in TRACKERS.entries() if e.stage_one]
 
 
-# -- feature pools (cache/feature_projection.py POOLS) ---------------------------------------------------------------------
+# -- feature pools (cache/feature_projection.py POOLS) --------------------------------------------------------------
 
 FEATURE_POOLS = Registry("feature pool")
 FEATURE_POOLS.declare("none", "one feature row per latent token")

@@ -21,11 +21,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle", "star", "heart", "hexagon")
 SIZES = {"small": 8.0, "large": 13.0}  # radius in pixels
-# Anchor centres (x, y); "in the <name>".
 POSITIONS: dict[str, tuple[float, float]] = {
     "top left": (16.0, 16.0), "top right": (48.0, 16.0), "bottom left": (16.0, 48.0),
     "bottom right": (48.0, 48.0), "center": (32.0, 32.0),
-}
+}  # anchor centres (x, y): "in the <name>"
 CORNERS = ("top left", "top right", "bottom left", "bottom right")
 HELDOUT_PERCENT = 10
 JITTER = 2.0  # pixels of random offset of a shape's centre, and of its radius
@@ -62,8 +61,7 @@ def random_scene(rng: random.Random, two_prob: float = 0.3) -> Scene:
     """One scene: background first, shape colours differ from it (and from each other)."""
     bg = rng.choice(list(COLOURS))
     others = [c for c in COLOURS if c != bg]
-    if rng.random() < two_prob:
-        # Two shapes sit in distinct corners: never overlapping, even both large.
+    if rng.random() < two_prob:  # in distinct corners: never overlapping, even both large
         p1, p2 = rng.sample(CORNERS, 2)
         c1, c2 = rng.sample(others, 2)
         shapes = (Shape(c1, rng.choice(SHAPES), rng.choice(list(SIZES)), p1),
@@ -104,8 +102,7 @@ def _draw_shape(d: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: floa
     elif kind == "square":
         s = r * 0.85
         d.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill)
-    elif kind == "heart":
-        # Two lobes and a point.
+    elif kind == "heart":  # two lobes and a point
         lr = r * 0.52
         d.ellipse([cx - 2 * lr + 0.5, cy - r * 0.65, cx + 0.5, cy - r * 0.65 + 2 * lr], fill=fill)
         d.ellipse([cx - 0.5, cy - r * 0.65, cx + 2 * lr - 0.5, cy - r * 0.65 + 2 * lr], fill=fill)

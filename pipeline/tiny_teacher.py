@@ -57,12 +57,9 @@ class TinySpec:
 
 
 SPECS = {
-    # Wan2.2-T2V-A14B: high-noise + low-noise experts, switch at boundary_ratio * 1000.
-    "wan2.2": TinySpec(True, False, 16, 8, 3.0, 0.875),
-    # Wan2.1-T2V: one transformer.
-    "wan2.1": TinySpec(False, False, 16, 8, 3.0, None),
-    # Wan2.2-TI2V-5B: one transformer, per-token timesteps, 48-channel VAE with 16x spatial factor.
-    "ti2v": TinySpec(False, True, 48, 16, 5.0, None),
+    "wan2.2": TinySpec(True, False, 16, 8, 3.0, 0.875),  # Wan2.2-T2V-A14B: two experts, switch at boundary_ratio * 1000
+    "wan2.1": TinySpec(False, False, 16, 8, 3.0, None),  # Wan2.1-T2V: one transformer
+    "ti2v": TinySpec(False, True, 48, 16, 5.0, None),  # Wan2.2-TI2V-5B: per-token timesteps, 48-channel VAE, 16x
 }
 
 TEXT_DIM = 32
@@ -115,8 +112,7 @@ def _transformer(spec: TinySpec):
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=spec.z_dim,
         out_channels=spec.z_dim, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 
 
 def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
