@@ -35,8 +35,7 @@ class PartStatus:
 
 
 def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartStatus]]:
-    """(the run's part count, None when no part has a record; the status of each of its parts and of any other
-    part with a record or a live writer)."""
+    """(the part count, None without records; the status of each part, and of any other with a record or writer)."""
     records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
     counts = {r.num_parts for r in records.values()}
     num_parts = max(counts) if counts else None
@@ -120,8 +119,7 @@ def to_finish(num_parts: int | None, statuses: list[PartStatus]) -> str:
 # -- `cache info` ------------------------------------------------------------------------------------------------
 
 def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
-    """What `cache info` prints of a cache stage one has not finished; None when it is finished (or no cache:
-    `cache.manifest.summarize` says which)."""
+    """What `cache info` prints of a cache stage one has not finished; None when it is finished (or no cache)."""
     cache_dir = Path(cache_dir)
     if (cache_dir / MANIFEST).exists() or not (cache_dir / PARTS_DIR).is_dir():
         return None

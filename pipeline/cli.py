@@ -73,8 +73,7 @@ def common_options(fn):
 
 
 def _lowercase_error(e: click.ClickException) -> click.ClickException:
-    """Have click's own refusals (a usage error, an unknown option) end in `error: ...` like every other message of
-    ours, instead of click's `Error: ...`."""
+    """Have click's own refusals end in `error: ...` like every other message of ours, not click's `Error: ...`."""
     show = e.show
 
     def shown(file=None):

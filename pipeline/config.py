@@ -19,7 +19,6 @@ from .config_types import type_problem
 from .errors import UserError
 from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
-    stage_one_trackers,
 )
 from .settings import (
     at_least, byte_size, check_settings, declared, gpu_sizes, in_range, int_in, int_list, merged, name_of, non_empty,
@@ -141,8 +140,7 @@ def _revision(of: str = "--teacher", default_text: str | None = None):
 
 @dataclass(frozen=True, kw_only=True)
 class RunShape:
-    """What the teacher computes for each trajectory and how many run together: stage one runs it, `plan` and the
-    cost code size it from the same fields."""
+    """What the teacher computes for each trajectory and how many run together (stage one, `plan`, the costs)."""
 
     dtype: str | None = setting(None, help="Teacher dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
     steps: int = setting(DEFAULT_STEPS, help="Denoising steps of the teacher's sampler; one sample per step.",
@@ -216,7 +214,7 @@ class TeacherCacheConfig(TeacherRun):
     num_parts: int | None = setting(None, help="Number of parts the prompt set is split into.",
                                     default_text="WORLD_SIZE under torchrun, else 1")
     overwrite: bool = setting(False, help="Replace a cache made with other settings.")
-    report_to: str = setting("none", check=one_of(stage_one_trackers),
+    report_to: str = setting("none", check=one_of(lambda: [e.name for e in TRACKERS.entries() if e.stage_one]),
                              help="Progress scalars (prompts/s, samples/s, bytes, projected size, ETA) for TensorBoard "
                                   "under CACHE_DIR/parts/part-P/tensorboard, or none.")
     dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
@@ -344,7 +342,8 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
     eval_every: int = setting(100, help="Optimizer steps between held-out evaluations (also at start and end); 0 = "
                                         "ends only.", check=at_least(0))
     log_every: int = setting(10, help="Optimizer steps between metrics.jsonl lines.", check=at_least(1))
-    device: str = setting("auto", help="Training device (auto: CUDA if present).", check=one_of(("auto", "cuda", "cpu")))
+    device: str = setting("auto", help="Training device (auto: CUDA if present).",
+                          check=one_of(("auto", "cuda", "cpu")))
     verify: str = setting("checksum", check=one_of(("checksum", "size")),
                           help="Shard check before training: checksum (every byte of every shard against its recorded "
                                "checksum, and the prompt rows against theirs) or size (sizes and member index).")
@@ -615,8 +614,7 @@ def _bad_steps(name, v):
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """`wandistiller plan`'s own settings: the machine it plans for (by default this one) and the run's size; the
-    teacher's run settings are teacher-cache's, `TeacherRun`."""
+    """`wandistiller plan`'s own settings: the machine (by default this one) and the run's size."""
 
     TOML_SECTION = "plan"
 
@@ -640,8 +638,8 @@ class PlanSettings:
                                                                    "included) with the chosen placement, for the time "
                                                                    "projection.",
                                       default_text="--measure's, else the measured table of docs/costs.md")
-    measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement on "
-                                        "this machine (plan on the machine that will run it).")
+    measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement "
+                                        "on this machine (plan on the machine that will run it).")
 
     def __post_init__(self):
         check_settings(self)

@@ -49,8 +49,7 @@ def _fits(value, tp, seq_as_str: bool) -> bool:
 
 
 def type_problem(cls, values: dict[str, Any]) -> tuple[str, str] | None:
-    """The first value in `values` (field name -> value) that does not fit its field's declared type: (field,
-    the message of a UserError); None when all fit."""
+    """(field, message) of the first value in `values` that does not fit its field's type; None when all fit."""
     types = hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in values and not _fits(values[f.name], types[f.name], seq_as_str=True):

@@ -43,7 +43,7 @@ def groups(model) -> list:
 
 
 def disk_groups(model) -> list[tuple[object, dict, str]]:
-    """(group, {tensor: its key in the group's file}, the file's path) of each group of a model offloaded to a folder."""
+    """(group, {tensor: its key in the group's file}, the file's path) of each group of a model offloaded to disk."""
     found = groups(model)
     if not found or not all(hasattr(g, a) for g in found for a in GROUP_ATTRIBUTES):
         import diffusers

@@ -32,8 +32,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempt
 
 
 class Terminated(BaseException):
-    """SIGTERM stopped the stage (pipeline/signals.py); a BaseException, like KeyboardInterrupt, so that no
-    `except Exception` swallows it."""
+    """SIGTERM stopped the stage; a BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
 
 
 def _torch():
@@ -94,8 +93,7 @@ def _disk_message(exc: OSError, stage: str) -> str:
 
 
 def classify(exc: BaseException, stage: str) -> tuple[int, str]:
-    """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG: not expected, the
-    callers keep its traceback."""
+    """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG keeps its traceback."""
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
     torch = _torch()
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):

@@ -39,7 +39,7 @@ def _parse(spec: str | None) -> tuple[str, int, str] | None:
 
 
 def fault_point(name: str) -> None:
-    """Mark a point where a fault may be injected (see the module docstring); a no-op unless asked for."""
+    """Mark a point where a fault may be injected; a no-op unless asked for."""
     global _target
     if _target is None:
         return

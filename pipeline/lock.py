@@ -70,8 +70,7 @@ def open_regular(path: str | os.PathLike, flags: int, what: str = "lock file", m
 
 
 def read_head(path: str | os.PathLike, n: int) -> bytes:
-    """The first `n` bytes of the regular file `path`, opened by `open_regular`; b"" where there is none or it cannot
-    be read. How a folder someone else handed over is looked into."""
+    """The first `n` bytes of the regular file `path`, opened by `open_regular`; b"" where none can be read."""
     try:
         fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
     except (OSError, UnsafeFile):
@@ -85,8 +84,7 @@ def read_head(path: str | os.PathLike, n: int) -> bytes:
 
 
 def _check_locks_dir(folder: Path) -> bool:
-    """Whether the folder of stage-one locks exists; UnsafeFile when it is a link (whose files a lock would
-    overwrite) or anything else but a folder."""
+    """Whether the folder of stage-one locks exists; UnsafeFile when it is a link or anything else but a folder."""
     try:
         st = os.lstat(folder)
     except FileNotFoundError:

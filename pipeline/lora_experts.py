@@ -16,8 +16,7 @@ ADAPTER = "default"  # the adapter's name inside each expert (peft's default)
 
 
 def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
-    """A peft LoRA adapter on `model`'s `targets`, the base frozen; the adapter in float32 whatever the base's dtype
-    (they are the master weights AdamW updates)."""
+    """A peft LoRA adapter on `model`'s `targets`, the base frozen, the adapter in float32 (AdamW's master weights)."""
     from peft import LoraConfig
 
     model.requires_grad_(False)
@@ -30,8 +29,7 @@ def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[
 
 
 class LoraExperts(torch.nn.Module):
-    """One or two frozen Wan transformers with adapters, called like one: each sample goes to the expert WanPipeline
-    runs at its timestep."""
+    """Frozen Wan transformers with adapters called like one: each sample goes to the expert of its timestep."""
 
     def __init__(self, experts: dict[str, torch.nn.Module], boundary_timestep: float | None, record: dict):
         super().__init__()
@@ -116,8 +114,7 @@ class LoraExperts(torch.nn.Module):
         return out
 
     def adapter_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each trained expert's adapter, in peft's key names, whole and in host memory (under FSDP every rank calls
-        this: each sharded tensor is gathered)."""
+        """Each trained expert's adapter, whole and in host memory (FSDP: every rank calls this, to gather)."""
         from peft.utils import get_peft_model_state_dict
 
         states = {}
@@ -162,8 +159,7 @@ def _sort_metadata(path: Path) -> None:
 
 
 def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
-    """A trained LoRA student for inference: every expert of the teacher (in `dtype`), each trained one with its
-    adapter from `folder` loaded by diffusers' LoRA loader."""
+    """A trained LoRA student for inference: the teacher's experts, adapters from `folder` by diffusers' loader."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     experts = {}

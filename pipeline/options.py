@@ -64,8 +64,7 @@ def _option(f: dataclasses.Field, tp):
 
 
 def config_options(cls):
-    """Decorator: the options of every CLI setting of `cls`: its own fields first, then those it inherits, then its
-    components' (each objective's)."""
+    """Decorator: the options of `cls`'s CLI settings: its own first, then those it inherits, then its components'."""
     types = hints(cls)
     mine = set(cls.__dict__.get("__annotations__", {}))
     fields = [f for f in declared(cls) if f.metadata.get("cli", True)]

@@ -13,8 +13,7 @@ LOG_INTERVAL_S = 30.0  # between two lines of a bar in a log file: a day-long ru
 
 
 class LineBar(tqdm):
-    """A tqdm bar that writes its state as a whole line at most every `mininterval` seconds (and once more when it
-    closes), never a carriage return."""
+    """A tqdm bar writing its state as a whole line at most every `mininterval` seconds, and once more at close."""
 
     def __init__(self, *args, **kwargs):
         self._line_t = -float("inf")  # when the last line was written (the first refresh writes one at once)

@@ -254,10 +254,6 @@ TRACKERS.declare("wandb", "Weights & Biases: pip install wandb; WANDB_MODE=offli
 TRACKERS.declare("none", "metrics.jsonl alone")
 
 
-def stage_one_trackers() -> list[str]:
-    return [e.name for e in TRACKERS.entries() if e.stage_one]
-
-
 # -- feature pools (cache/feature_projection.py POOLS) --------------------------------------------------------------
 
 FEATURE_POOLS = Registry("feature pool")

@@ -49,8 +49,7 @@ def is_flow_matching(config: Mapping) -> bool:
 
 
 def euler_config(config: Mapping) -> dict:
-    """The teacher's flow-matching scheduler config turned into a first-order Euler sampler on the same sigma
-    grid; ValueError for a scheduler that is not flow matching."""
+    """The teacher's flow-matching scheduler config turned into a first-order Euler sampler on the same sigmas."""
     if not is_flow_matching(config):
         raise ValueError(f"scheduler {config.get('_class_name')!r} does not sample flow-matching sigmas to 0 "
                          f"({UNIPC} with use_flow_sigmas, or {FLOW_EULER}); a few-step Euler schedule needs one")
@@ -86,8 +85,7 @@ def segment_boundaries(config: Mapping, steps: int, student_steps: int,
 
 
 def student_scheduler(source):
-    """A fresh scheduler for the student described by `source` (a DistillRecord, distill.json's dict or a cache
-    Manifest): its objective's own sampler, else the teacher's scheduler."""
+    """A fresh scheduler for the student `source` describes: its objective's own sampler, else the teacher's."""
     record = _record(source)
     sampler = own_sampler(record)
     return scheduler_from_config(SAMPLERS[sampler](record.scheduler) if sampler else record.scheduler)

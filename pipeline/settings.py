@@ -181,8 +181,7 @@ def settings_of(cfg, entry) -> Any:
 
 
 def refuse_foreign(cfg, chosen: str, what: str) -> None:
-    """A merged setting of an entry other than `chosen`, set to anything but its default, is refused: it would do
-    nothing, so it is a mistake to catch, not to ignore."""
+    """A merged setting of an entry other than `chosen`, away from its default, would do nothing: refused."""
     for f in dataclasses.fields(cfg):
         owner = f.metadata.get(OWNER)
         if owner is not None and owner != chosen and getattr(cfg, f.name) != f.default:

@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import Terminated  # noqa: F401 (raised here; declared with the exit codes that map it to 143)
+from .errors import Terminated
 
 _installed = False
 _requested = False
@@ -97,8 +97,7 @@ def check() -> None:
 
 
 def agree(device: torch.device) -> bool:
-    """Whether any rank got a SIGTERM: a collective (every rank calls it at the same point; `device` is the process
-    group's), so all get the same answer."""
+    """Whether any rank got a SIGTERM: a collective on the process group's `device`, the same answer on all."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return _requested
     flag = torch.tensor([int(_requested)], dtype=torch.int32, device=device)

@@ -143,8 +143,7 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
 
 
 def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:
-    """Write the tiny pipeline to `out` in diffusers format (safetensors); return the folder. The `pretrained`
-    variant is a copy of the trained shapes teacher committed under data/ (`seed` does not apply to it)."""
+    """Write the tiny pipeline to `out` in diffusers format and return the folder (`pretrained`: a copy of data/'s)."""
     out = Path(out)
     if variant == PRETRAINED:
         if not (PRETRAINED_DIR / "model_index.json").is_file():
