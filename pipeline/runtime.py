@@ -46,10 +46,7 @@ def init_distributed(timeout_s: float = 600.0, use_cuda: bool | None = None) -> 
     if env.world_size > 1 and not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(env.local_rank)
-            backend = "nccl"
-        else:
-            backend = "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return env
 
 

@@ -115,11 +115,7 @@ def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embe
     if cfg and negative_embeds is None:
         raise ValueError("guidance > 1 needs negative_embeds (classifier-free guidance)")
     embeds = prompt_embeds.to(device).to(dtype)
-    neg = None
-    if cfg:
-        neg = negative_embeds.to(device).to(dtype)
-        if neg.shape[0] != embeds.shape[0]:
-            neg = neg.expand(embeds.shape[0], -1, -1)
+    neg = negative_embeds.to(device).to(dtype).expand(embeds.shape[0], -1, -1) if cfg else None
     scheduler.set_timesteps(steps, device=device)
     scheduler.set_begin_index(0)
     latents = init_noise.to(device=device, dtype=torch.float32)

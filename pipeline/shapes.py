@@ -86,13 +86,9 @@ def _polygon(kind: str, cx: float, cy: float, r: float) -> list[tuple[float, flo
         return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
     if kind == "hexagon":
         return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in np.arange(6) * math.pi / 3]
-    if kind == "star":
-        pts = []
-        for k in range(10):
-            rr = r if k % 2 == 0 else r * 0.45
-            a = -math.pi / 2 + k * math.pi / 5
-            pts.append((cx + rr * math.cos(a), cy + rr * math.sin(a)))
-        return pts
+    if kind == "star":  # tips and inner corners, alternating
+        angles = [-math.pi / 2 + k * math.pi / 5 for k in range(10)]
+        return [(cx + rr * math.cos(a), cy + rr * math.sin(a)) for rr, a in zip([r, r * 0.45] * 5, angles)]
     raise ValueError(kind)
 
 
