@@ -85,13 +85,6 @@ def _memory_report() -> list[str]:
     return lines
 
 
-def _disk_message(exc: OSError, stage: str) -> str:
-    where = f" while writing {exc.filename}" if exc.filename else ""
-    return (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and "
-            f"{RERUN.get(stage, 'rerun the same command')}: everything finished so far is kept and the run "
-            "resumes where it stopped")
-
-
 def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG keeps its traceback."""
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
@@ -108,9 +101,11 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
             return EXIT_USAGE, str(e)
     if isinstance(exc, (UserError, CacheError)):
         return EXIT_USAGE, str(exc)
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        return EXIT_USAGE, _disk_message(exc, stage)
     rerun = RERUN.get(stage, "rerun the same command")
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        where = f" while writing {exc.filename}" if exc.filename else ""
+        return EXIT_USAGE, (f"{exc.strerror or exc}{where}; free space (or raise the quota / file-size limit) and "
+                            f"{rerun}: everything finished so far is kept and the run resumes where it stopped")
     if isinstance(exc, Terminated):  # the stage's message says where it stopped; raised at once, it has none
         return EXIT_TERMINATED, str(exc) or f"terminated (SIGTERM); {rerun} to continue"
     if isinstance(exc, KeyboardInterrupt):

@@ -40,11 +40,8 @@ def _type(f: dataclasses.Field, tp):
         return click.Choice(check.names())
     if f.metadata.get("path"):
         return click.Path()
-    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    base = args[0]
-    if base in (int, float):
-        return base
-    return str  # strings, and lists written "0,4,8" (the config parses them)
+    base = ([a for a in typing.get_args(tp) if a is not type(None)] or [tp])[0]
+    return base if base in (int, float) else str  # (lists too: "0,4,8", which the config parses)
 
 
 def _none_if_empty(ctx, param, value):
