@@ -112,8 +112,7 @@ def acquire(path: str | os.PathLike, what: str) -> None:
     made_dir = None
     while True:
         try:
-            # A stage-one lock's folder is the cache's own `locks/`: never a link to elsewhere. (Stage two's folder
-            # is --out itself, which the user may well give as a link.)
+            # Stage one's lock folder is the cache's own `locks/`, never a link; stage two's is --out, which may be one.
             exists = _check_locks_dir(path.parent) if path.parent.name == LOCKS_DIR else path.parent.is_dir()
             if not exists:
                 made_dir = path.parent
