@@ -1,7 +1,5 @@
-"""Stage one: run the teacher once over prompts × seeds × steps and write the cache.
-
-What the CLI needs: `run` (the stage), `dry_run` (`--dry-run`: the plan the run executes, printed) and
-`plan_from_flags` (`wandistiller plan`)."""
+"""Stage one: run the teacher once over prompts × seeds × steps and write the cache; `dry_run` (`--dry-run`) and
+`plan_from_flags` (`wandistiller plan`) for the CLI."""
 
 from .make_cache import run
 from .part_plan import dry_run

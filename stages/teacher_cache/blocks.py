@@ -33,19 +33,10 @@ def expert_window(batch_size: int, steps: int, latent_numel: int, dtype_bytes: i
 
 
 class BlockSink:
-    """Runs in the writer thread: packs finished blocks into shards, then records them as done.
-
-    Order per shard: rename the tar into place (fsynced) → write its trajectories' final latents and fsync their
-    chunk files and folder → rewrite progress.json. A crash (or a power loss) anywhere before the last step
-    leaves the blocks not done; they rerun (the tar is an orphan the next run deletes).
-
-    The last two steps (the shard's commit) run in a thread of their own while the writer thread goes on with the
-    next shard's samples: the commit is zarr's codec work (its own event-loop thread) and fsyncs, the shard is
-    tarfile and safetensors, so on two cores they overlap. At most one commit is in flight, commits happen in shard
-    order, and an error of one surfaces at the next `add` or `flush`. bench.real_size's writer (which runs this
-    class), 4,000 A14B-sized prompts, dev VM, each way twice: its blocks 28.2 / 24.7 s -> 20.5 / 22.2 s, the whole
-    writer 225 / 250 -> 279 / 259 MiB/s.
-    """
+    """Runs in the writer thread: packs finished blocks into shards, then records them as done. Per shard: rename
+    the tar into place (fsynced), write and fsync its final latents, rewrite progress.json; a crash before the last
+    leaves the blocks not done. The last two (the commit) run in a thread of their own, one at a time, in shard
+    order, an error surfacing at the next `add` or `flush` (docs/architecture.md, "Write path")."""
 
     def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
                  progress: StageOneProgress):
@@ -135,20 +126,13 @@ class BlockSink:
         self._committer.shutdown(wait=True)
 
 
-def denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs, neg: torch.Tensor):
-    """Run a window of blocks to their last step; returns [(block, records, final latents)] in block order.
-
-    phases [None] is step-major (every step of a block, then the next block); [(1,), (2,)] is expert-major:
-    every block's high-noise steps with expert 1, then their low-noise steps with expert 2, each block's
-    scheduler state carried across. Both orders make the same records: same steps, same inputs, same batches.
-
-    A SIGTERM stops it after the step in progress (`signals.Terminated`; under --record-steps, the next step it
-    records): the window's blocks are dropped, so a scheduler's grace period needs to cover a teacher step or
-    two, not a whole block.
-    """
-    records: dict[int, list[StepRecord]] = {b: [] for b in window}
-    states: dict = {}
-    finals: dict[int, torch.Tensor] = {}
+def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]], inputs, neg: torch.Tensor):
+    """Run each window of blocks to their last step; yields (block, records, final latents) in block order as each
+    window finishes. phases [None] is step-major; [(1,), (2,)] is expert-major: every block's high-noise steps with
+    expert 1, then their low-noise steps with expert 2, each block's scheduler state carried across (the same
+    records either way). A SIGTERM stops it after the step in progress (under --record-steps, the next step it
+    records) or between windows (`signals.Terminated`): the window's blocks are dropped."""
+    records: dict[int, list[StepRecord]] = {}
 
     def keep(b: int):
         def on_step(record: StepRecord) -> None:
@@ -158,9 +142,15 @@ def denoise(runner: TrajectoryRunner, experts, phases, window: list[int], inputs
 
         return on_step
 
-    for phase in phases:
-        experts.activate(phase)
-        for b in window:
-            noise, cond = inputs(b)
-            finals[b], states[b] = runner.run(noise, cond, neg, on_step=keep(b), experts=phase, state=states.get(b))
-    return [(b, records[b], finals[b]) for b in window]
+    for window in windows:
+        records = {b: [] for b in window}
+        states: dict = {}
+        finals: dict[int, torch.Tensor] = {}
+        for phase in phases:
+            experts.activate(phase)
+            for b in window:
+                noise, cond = inputs(b)
+                finals[b], states[b] = runner.run(noise, cond, neg, on_step=keep(b), experts=phase,
+                                                  state=states.get(b))
+        yield from [(b, records[b], finals[b]) for b in window]
+        signals.check()

@@ -1,10 +1,5 @@
-"""What stage one costs before it runs: GPU-hours and wall time from the time of one teacher step.
-
-Every step of every trajectory runs (`--record-steps` only chooses which are written), so stage one is
-prompts x seeds x steps teacher steps, each a forward of the conditional and unconditional branch together.
-The time of one such step comes, in this order, from `plan --measure` (one real step with the chosen placement
-on this machine: measure.py), from `plan --step-time S`, or from `STEP_TABLE` below: measured figures, each with
-its source, which docs/costs.md shows too (tests/test_costs.py keeps the two equal).
+"""What stage one costs before it runs: prompts x seeds x steps teacher steps, times one step's seconds (from
+`plan --measure`, `--step-time` or `STEP_TABLE`, which docs/costs.md shows too: tests/test_costs.py keeps them equal).
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ class StepTime:
 
 
 def table_step_time(transformer_config: dict, tokens: int, placement: str) -> StepTime | None:
-    """The table's figure for this teacher and placement, scaled by tokens per sample when the size differs (the
-    linear layers, most of the work, grow with the tokens; attention grows faster: a rough figure then); None when
-    the table has no figure for the teacher's shape or the placement's speed was not measured."""
+    """The table's figure for this teacher and placement, scaled by tokens per sample when the size differs (rough:
+    attention grows faster); None without a figure for the teacher's shape or the placement's speed."""
     c = transformer_config
     shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
     fig = next((f for f in STEP_TABLE if f.shape == shape), None)
@@ -64,8 +58,7 @@ def table_step_time(transformer_config: dict, tokens: int, placement: str) -> St
 
 
 def project(prompts: int, seeds: int, steps: int, step: StepTime, parts: int, gpus_per_part: int) -> dict:
-    """Stage one's teacher compute for `prompts`: `parts` processes run at once, each holding `gpus_per_part` GPUs
-    (all of a node's under `balanced`, which keeps them busy one at a time)."""
+    """Stage one's teacher compute for `prompts`: `parts` processes at once, each holding `gpus_per_part` GPUs."""
     step_count = prompts * seeds * steps
     busy_s = step_count * step.seconds  # one process's seconds for the whole run
     return {"teacher_steps": step_count, "step_s": step.seconds, "step_source": step.source, "parts": parts,

@@ -1,11 +1,5 @@
-"""Refuse, before any weight loads, a teacher-cache run whose cache would not fit the free disk at --out.
-
-What remains to write is projected with `cache.size` (the arithmetic `cache info` and `plan` use): the shards of
-the part's blocks not done yet, and its prompt store when the prompts are not encoded yet (each embedding at the
-bound its text allows, so the projection errs high there), else the final latents still to come. Under torchrun
-the ranks of a node share --out, so their parts are counted together (this part's figure times the node's ranks;
-parts differ by one prompt at most). Parts on other machines check their own disks.
-"""
+"""Refuse, before any weight loads, a teacher-cache run whose cache would not fit the free disk at --out (projected
+with `cache.size`; the ranks of a node counted together: docs/architecture.md, "The cache")."""
 
 from __future__ import annotations
 
@@ -22,8 +16,8 @@ from pipeline.runtime import print0
 
 def remaining_bytes(header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
                     samples_per_shard: int) -> tuple[int, int, int]:
-    """(shard bytes, prompt-store bytes, samples) the part still writes: `texts` are its prompts in row order,
-    `blocks` its trajectory blocks, `prog` its progress record (None: nothing done yet)."""
+    """(shard bytes, prompt-store bytes, samples) the part still writes (`prog` None: nothing done yet); the store's
+    embeddings at the bound their text allows before encoding, else the final latents still to come."""
     done = set(prog.done_blocks) if prog is not None else set()
     todo = [len(b) for i, b in enumerate(blocks) if i not in done]
     recorded = len(recorded_steps(header))

@@ -10,12 +10,8 @@ from pipeline.progress_bar import progress_bar
 def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
                  device: torch.device, batch_size: int = 16, progress: bool = True):
     """(index of the batch's first prompt, embeddings [b, L, D] in `dtype` zero past each prompt's real length,
-    the lengths [b]) per batch of `batch_size` prompts, on the CPU: a caller writes each batch away, so memory
-    does not grow with the prompt count (10,000 A14B prompts padded are 40 GiB).
-
-    Calls the pipeline's own encode_prompt so tokenisation, cleaning and padding are exactly the
-    teacher's; the lengths come from the same tokenizer call it makes.
-    """
+    the lengths [b]) per batch, on the CPU, so memory does not grow with the prompt count. The pipeline's own
+    encode_prompt and tokenizer call: tokenisation, cleaning and padding are exactly the teacher's."""
     from diffusers import WanPipeline
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 

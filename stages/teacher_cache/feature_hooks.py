@@ -1,12 +1,6 @@
-"""Teacher features for feature distillation (`teacher-cache --record-features BLOCKS`), read on the way.
-
-The outputs of the chosen blocks of whichever expert runs a step are read by forward hooks that only look
-(they return nothing, so the block's output and every later computation are untouched: the cached targets
-are bit-identical to a cache made without features), during the same forward that makes the targets (no
-second teacher pass). With CFG the batch is [conditional; unconditional]: the first half is kept. Each is
-projected through the cache's fixed matrix on the device that holds the block (cache/feature_projection.py), pooled
-over tokens on request, and handed back on the CPU in the cache's dtype, per trajectory of the batch.
-"""
+"""Teacher features for feature distillation (`teacher-cache --record-features BLOCKS`), read by forward hooks
+that only look (they return nothing: the targets stay bit-identical) on the conditional half of the batch
+(docs/architecture.md, "Feature distillation")."""
 
 from __future__ import annotations
 

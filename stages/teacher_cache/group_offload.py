@@ -1,9 +1,5 @@
-"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`, diffusers group offloading at
-leaf level) or from a folder (`disk`, at block level), the next group prefetched on a CUDA stream on a GPU.
-
-What this adds to diffusers for `disk`: one folder per expert, named by a fingerprint of its weights, dtype and group
-layout and complete only once its marker (written last) is there, never a folder left by other weights; and the
-folder built from the checkpoint one group at a time on a meta model, so peak RAM is one block, not one expert.
+"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`, leaf level) or from a
+folder of one file per block (`disk`), built once per expert from the checkpoint on a meta model.
 docs/placements.md ("offload", "disk") gives the measurements behind each level and the folder's rules.
 """
 
@@ -34,9 +30,8 @@ _GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}  # disk: 
 # --- the meta model -------------------------------------------------------------------------------------------
 
 def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it: floating parameters in
-    `dtype`, except those under the class's `_keep_in_fp32_modules` (norms, time embedder, modulation tables),
-    which diffusers keeps in float32."""
+    """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it (`_keep_in_fp32_modules`
+    stay float32)."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     out = {}
     for name, p in model.named_parameters():
@@ -72,12 +67,9 @@ def largest_layer_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def meta_transformer(path: Path, comp: str, real_buffers: bool = True) -> torch.nn.Module:
-    """`WanTransformer3DModel` of `path/comp` with its parameters on the meta device (no memory).
-
-    With `real_buffers` the buffers (the rotary tables, computed from the config) are real, which streaming
-    needs; accelerate then builds each weight on the CPU before moving it to meta, so callers that only
-    measure pass False: every tensor is born on meta and the process heap is left as it was.
-    """
+    """`WanTransformer3DModel` of `path/comp` with its parameters on the meta device. `real_buffers` (the rotary
+    tables, which streaming needs) makes accelerate build each weight on the CPU first: callers that only measure
+    pass False, so the process heap is left as it was."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
@@ -88,11 +80,8 @@ def meta_transformer(path: Path, comp: str, real_buffers: bool = True) -> torch.
 
 
 def hollow_transformer(path: Path, comp: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The meta model with every parameter replaced by an empty CPU tensor of its load dtype.
-
-    Group offloading fills a parameter's data with the real tensor when its group runs and empties it again
-    afterwards, so the weights never need to exist in this process all at once.
-    """
+    """The meta model with every parameter an empty CPU tensor of its load dtype (group offloading fills it when
+    its group runs and empties it afterwards)."""
     model = meta_transformer(path, comp)
     dtypes = param_dtypes(model, dtype)
     for mname, module in model.named_modules():
@@ -106,18 +95,8 @@ def hollow_transformer(path: Path, comp: str, dtype: torch.dtype) -> torch.nn.Mo
 # --- group offloading ------------------------------------------------------------------------------------------
 
 def stream_from_ram(model: torch.nn.Module, device: torch.device) -> None:
-    """diffusers leaf-level group offloading onto `device`, the weights kept in CPU RAM (`offload`).
-
-    On CUDA the next layer is copied on a side stream while the current one computes (`use_stream`), from
-    CPU copies pinned once here (`low_cpu_mem_usage=False`: pinning at every copy would cost more than the
-    copy); `record_stream` lets the allocator reuse a layer's memory as soon as the compute stream is done
-    with it instead of synchronising. Each layer is pinned and its pageable original dropped before the next
-    one, so RAM peaks at one expert plus one layer.
-
-    On a CPU the weights already are where the model computes, so no hooks are installed: at leaf level they
-    would only cost time (a hook pair per layer per forward), and with nothing moving they could not even
-    show a wiring mistake.
-    """
+    """diffusers leaf-level group offloading onto `device` from CPU RAM (`offload`; the options' reasons:
+    docs/placements.md). On a CPU nothing moves, so no hooks are installed."""
     if device.type != "cuda":
         return
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
@@ -125,8 +104,7 @@ def stream_from_ram(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def stream_from_disk(model: torch.nn.Module, device: torch.device, folder: Path) -> None:
-    """diffusers block-level group offloading onto `device`, each group's weights read from its file in
-    `folder` at every forward (`disk`); on CUDA the next block is prefetched on a side stream."""
+    """diffusers block-level group offloading onto `device`, each group read from its file in `folder` (`disk`)."""
     cuda = device.type == "cuda"
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), use_stream=cuda,
                                record_stream=cuda, offload_to_disk_path=str(folder), **_GROUPING)
@@ -185,13 +163,13 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
 def _remove_stale(root: Path, comp: str, keep: Path) -> None:
-    """Delete this component's folders for other weights, and build folders of dead processes on this host.
-    Only names WanDistiller creates are touched."""
+    """Delete this component's folders for other weights, and build folders of dead processes on this host (only
+    names WanDistiller creates)."""
     host = socket.gethostname()
     for p in root.iterdir() if root.is_dir() else ():
         if not p.is_dir() or p == keep:
@@ -250,8 +228,7 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
 @contextlib.contextmanager
 def _locked(path: Path):
     """An exclusive lock file (filelock): the ranks of one node build a folder once, the others wait and reuse it.
-    Checked first as every lock is (`pipeline.lock.open_regular`): never a link, a FIFO or a file with a second name;
-    such a file is refused in one line saying to delete it. Nothing is written to it."""
+    Checked first as every lock is (`pipeline.lock.open_regular`: never a link, a FIFO or a file with a second name)."""
     os.close(lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file"))
     with filelock.FileLock(path):
         yield
@@ -259,11 +236,8 @@ def _locked(path: Path):
 
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
                         log=print) -> Path:
-    """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built.
-
-    Folders of this expert made for other weights, dtypes or layouts are deleted (they are never valid again),
-    so give concurrent runs of different teachers different --offload-dir.
-    """
+    """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built; this
+    expert's folders for other weights, dtypes or layouts are deleted."""
     root = Path(root)
     fp = expert_fingerprint(spec, comp, dtype)
     folder = expert_folder(root, comp, fp)
@@ -294,14 +268,8 @@ def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device
 
 
 def _map_large_allocations() -> None:
-    """Have glibc serve allocations of 128 KiB and more from their own mappings, unmapped when freed.
-
-    Each time a group goes back to disk, diffusers leaves an uninitialised placeholder the size of every weight
-    of the group. Under glibc's default (a threshold that rises to 32 MiB as large blocks are freed) those land
-    in heap pages that earlier weights touched, and RSS creeps towards the size of the model; mapped
-    placeholders are never touched, so they cost address space only. Freezing the threshold at glibc's initial
-    value keeps RSS at one block (measured in bench/placements.py).
-    """
+    """Have glibc serve allocations of 128 KiB and more from their own mappings, unmapped when freed: diffusers'
+    placeholders then cost address space, not RSS (docs/placements.md, "disk")."""
     import ctypes
     import ctypes.util
 

@@ -1,10 +1,5 @@
-"""How stage one uses every GPU of the machine `plan` is told about, and the command that does it.
-
-Stage one's unit of parallelism is the part (prompt i belongs to part i % parts; each process is one part: a
-torchrun rank, or `--part K --num-parts N`). The placement's capabilities say how many processes a node runs:
-one per GPU for a replica per GPU (by default where `replica_per_gpu`), one per node where it `spreads` over the
-node's GPUs, one (or --ranks-per-node) for the streamed ones, whose RAM the ranks of a node share
-(docs/architecture.md, "What `plan` says about a run").
+"""How stage one uses every GPU of the machine `plan` is told about (a process per part, as many per node as the
+placement's capabilities say), and the command that does it (docs/architecture.md, "What `plan` says about a run").
 """
 
 from __future__ import annotations
@@ -39,8 +34,8 @@ class Launch:
 
 def plan_launch(placement: str, nodes: int, gpus_per_node: int, ranks_given: int | None,
                 teacher_cache: list[str]) -> Launch:
-    """The processes of stage one for `placement` (a concrete one, as `plan` resolved it) on `nodes` nodes of
-    `gpus_per_node` GPUs, and their commands; `teacher_cache` is the `wandistiller teacher-cache ...` words."""
+    """The processes of stage one for the concrete `placement` on `nodes` nodes of `gpus_per_node` GPUs, and their
+    commands (`teacher_cache`: the `wandistiller teacher-cache ...` words)."""
     caps = placements.get(placement).caps
     if caps.spreads:
         ranks, gpus = 1, gpus_per_node
@@ -86,8 +81,7 @@ def _commands(launch: Launch, words: list[str]) -> list[dict]:
 
 
 def _line(words: list[str]) -> str:
-    """Shell words joined ($VARS left unquoted, so the shell expands them), wrapped with backslash continuations
-    before WIDTH, never between a flag and its value."""
+    """Shell words joined ($VARS unquoted), wrapped with backslashes before WIDTH, never between a flag and its value."""
     tokens: list[str] = []
     for w in (w if w.startswith("$") else shlex.quote(w) for w in words):
         if tokens and not w.startswith("-") and tokens[-1].startswith("-") and " " not in tokens[-1]:
@@ -117,7 +111,7 @@ def render(launch: Launch) -> list[str]:
 
 def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict) -> list[str]:
     """`wandistiller teacher-cache` with the teacher, placeholders for the prompts and the cache, the placement and
-    every run setting `plan` was given off its default (`given`: flag -> value), so the cache is the one planned."""
+    the settings `plan` was given (`given`: flag -> value)."""
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]

@@ -58,7 +58,7 @@ NOISE_ROWS = F.ROWS_PER_FILE
 @signals.handle_sigterm()
 def run(cfg: TeacherCacheConfig) -> dict:
     """Build (or resume) the cache described by `cfg`; returns the closing summary. SIGTERM: exit 143 once the
-    finished blocks are recorded (see `_run_blocks`); the same command resumes."""
+    finished blocks are recorded; the same command resumes."""
     t0 = time.time()
     part, num_parts, torchrun = resolve_parts(cfg)
     if torchrun:
@@ -87,7 +87,9 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
             _encode(job, prog)
         todo = [b for b in range(len(job.blocks)) if b not in set(prog.done_blocks)]
         if todo:
-            experts = _load(job)
+            if job.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(job.device)
+            experts = load_experts(job.spec, job.placement, log=print0)
             loop_s = _run_blocks(job, prog, experts, todo)
             experts.close()
         prog.complete = True
@@ -159,8 +161,8 @@ def _setup(plan: PartPlan) -> _Part:
 
 
 def _open_part(job: _Part) -> PartProgress:
-    """This part's progress record in --out: a new one, or the one to resume. Foreign or mismatched content is
-    refused unless --overwrite, which clears it first; what a crash left half done is tidied."""
+    """This part's progress record in --out: a new one, or the one to resume (other settings refused unless
+    --overwrite, which clears them first); what a crash left half done is tidied."""
     cfg, out, part = job.cfg, job.out, job.part
     outdir.check_out_dir(out)
     # One writer per part (two runs on one --out would interleave shards); parts on other nodes lock their own.
@@ -219,8 +221,7 @@ def _refuse_other_settings(job: _Part) -> None:
 
 
 def _encode(job: _Part, prog: PartProgress) -> None:
-    """Encode the part's prompts once (and the negative prompt), write the zarr rows and the initial noise,
-    then free the encoder."""
+    """Encode the part's prompts and the negative prompt, write the rows and the initial noise, free the encoder."""
     cfg, dtype, device = job.cfg, job.dtype, job.device
     tokenizer, encoder = load_text_encoder(job.spec, dtype, device, model_offload=job.placement.offloads_text_encoder)
     store = create_prompt_store(prompt_store_path(job.out, job.part), len(job.rows), cfg.max_sequence_length,
@@ -258,16 +259,8 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     prog.save(job.out)
 
 
-def _load(job: _Part) -> ExpertSet:
-    """The experts, where the placement keeps them (expert-major order: each loads when its phase starts)."""
-    if job.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(job.device)
-    return load_experts(job.spec, job.placement, log=print0)
-
-
 def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[int]) -> float:
-    """Run the blocks `todo` to their last step; the writer thread packs shards while the teacher computes.
-    Returns the loop's wall time."""
+    """Run the blocks `todo` to their last step while the writer thread packs shards; returns the loop's seconds."""
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
     neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
     runner = _trajectory_runner(job, experts)
@@ -278,7 +271,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     inputs = _block_inputs(job)
     windows, phases = _work_order(job, experts, todo)
     try:
-        stopped = _pack_blocks(_denoise_windows(runner, experts, phases, windows, inputs, neg), job.blocks, sink, pool)
+        stopped = _pack_blocks(denoise(runner, experts, phases, windows, inputs, neg), job.blocks, sink, pool)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         sink.abort()
@@ -296,8 +289,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
 
 
 def _trajectory_runner(job: _Part, experts: ExpertSet) -> TrajectoryRunner:
-    """The teacher's sampler over `experts`, keeping what the cache records: its steps, and the conditional and
-    unconditional targets and the features when asked for."""
+    """The teacher's sampler over `experts`, keeping the steps, targets and features the cache records."""
     cfg = job.cfg
     return TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
                             job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
@@ -306,8 +298,7 @@ def _trajectory_runner(job: _Part, experts: ExpertSet) -> TrajectoryRunner:
 
 
 def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm, StageOneProgress]:
-    """The bar over the samples the blocks `todo` write (shown by rank 0 alone under torchrun), and the figures on
-    it: rates, bytes, the projected cache size (and TensorBoard's scalars with --report-to tensorboard)."""
+    """The bar over the samples the blocks `todo` write (rank 0's alone under torchrun), and its figures."""
     cfg, recorded = job.cfg, len(job.recorded)
     bar = progress_bar(total=sum(len(job.blocks[b]) for b in todo) * recorded, desc=f"teacher-cache part {job.part}",
                        unit="sample", dynamic_ncols=True, disable=job.torchrun and not dist_env().is_main)
@@ -338,9 +329,8 @@ def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tenso
 
 
 def _work_order(job: _Part, experts: ExpertSet, todo: list[int]) -> tuple[list[list[int]], list]:
-    """(windows of blocks, expert phases). Step-major: one block at a time, all its steps. Expert-major: a window
-    of blocks with expert 1, then with expert 2, so one expert is resident at a time; the window's records wait in
-    RAM meanwhile."""
+    """(windows of blocks, expert phases): one block at a time, or (expert-major) a window of blocks with expert 1,
+    then with expert 2, their records waiting in RAM meanwhile."""
     cfg = job.cfg
     expert_major = job.placement.expert_major
     window = expert_window(cfg.batch_size, len(job.recorded), math.prod(job.latent_shape), job.dtype.itemsize,
@@ -349,18 +339,9 @@ def _work_order(job: _Part, experts: ExpertSet, todo: list[int]) -> tuple[list[l
     return [todo[w:w + window] for w in range(0, len(todo), window)], phases
 
 
-def _denoise_windows(runner: TrajectoryRunner, experts: ExpertSet, phases: list, windows: list[list[int]], inputs,
-                     neg: torch.Tensor):
-    """Yields (block, records, final latents) as each window finishes; a SIGTERM also stops it between windows."""
-    for window in windows:
-        yield from denoise(runner, experts, phases, window, inputs, neg)
-        signals.check()
-
-
 def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink, pool: cf.ThreadPoolExecutor) -> bool:
-    """Hands each finished block to the writer thread, then packs the last shard. Returns whether a SIGTERM stopped
-    the teacher: the window in progress is dropped; what finished is kept, in a shorter shard. `finished` is lazy
-    (`_denoise_windows`): the teacher runs as it is drawn, so inside the SIGTERM deferral here."""
+    """Hands each finished block to the writer thread, then packs the last shard; returns whether a SIGTERM stopped
+    the teacher (what finished is kept). `finished` is lazy: the teacher runs inside the SIGTERM deferral here."""
     pending: cf.Future | None = None
     stopped = False
     with signals.deferred():  # SIGTERM stops at the next teacher step (denoise) or between windows
@@ -379,7 +360,7 @@ def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink,
 
 def _feature_recorder(job: _Part) -> FeatureRecorder | None:
     """--record-features: the recorder, after writing the projection beside the manifest (every part writes the
-    same bytes; the rename makes one whole copy win)."""
+    same bytes)."""
     cfg = job.cfg
     if cfg.record_features is None:
         return None
@@ -391,11 +372,8 @@ def _feature_recorder(job: _Part) -> FeatureRecorder | None:
 
 
 def _wait_for_parts(job: _Part) -> None:
-    """The barrier before the manifest, under torchrun. A SIGTERM that reaches this rank while it waits there
-    (torchrun forwards one to every rank) reached the others too: a rank still denoising stops and leaves, which
-    ends the barrier with a lost peer, and this rank then stops as terminated, its part complete, not as the loss
-    of a rank (the SIGTERM's handler runs once the barrier returns: a blocked collective does not return to
-    Python before)."""
+    """The barrier before the manifest, under torchrun. A SIGTERM here reached every rank: a peer still denoising
+    leaves, the barrier fails, and this rank stops as terminated (its part complete), not as a lost rank."""
     with signals.deferred():
         try:
             barrier()
@@ -407,10 +385,8 @@ def _wait_for_parts(job: _Part) -> None:
 
 
 def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
-    """Write the manifest once every part is complete, and return (and print) the part's summary.
-
-    Separate processes (--part/--num-parts) each try, and whichever finishes last writes it. Under torchrun
-    every rank waits at a barrier until all parts are complete, then rank 0 writes it."""
+    """Write the manifest once every part is complete (the last of --part processes, or rank 0 after the barrier),
+    and return (and print) the part's summary."""
     out, part, num_parts, device = job.out, job.part, job.num_parts, job.device
     if job.torchrun:
         _wait_for_parts(job)

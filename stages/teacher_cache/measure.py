@@ -1,10 +1,5 @@
-"""`plan --measure`: the time of one real teacher step with the chosen placement on this machine.
-
-It loads what stage one would (the placement's first expert, where the placement keeps it), then runs the step
-stage one runs (`TrajectoryRunner.predict`: the conditional and unconditional branch in one forward) on a batch of
-noise with zero text embeddings: the time of a step does not depend on the prompt, so the text encoder (11 GiB for
-A14B) is not loaded. One step warms up (kernels, the allocator, a streamed placement's first pass), the next is
-timed. Both experts of a Wan 2.2 teacher have the same shape, so the first one stands for both.
+"""`plan --measure`: the time of one real teacher step (`TrajectoryRunner.predict`) with the chosen placement on
+this machine, on noise and zero text embeddings, the first expert standing for both (docs/costs.md).
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ from .trajectory import Schedule, TrajectoryRunner
 
 
 def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime:
-    """Seconds of one teacher step of one trajectory (a batch of `run.batch_size` timed, divided by it), run with
-    `placement` (the concrete one `plan` chose) and the run's shape."""
+    """Seconds of one teacher step of one trajectory (a batch of `run.batch_size` timed, divided by it), run with the
+    concrete `placement` and the run's shape."""
     spec = resolve_teacher(run.teacher, run.revision)
     spec.check_sizes(run.height, run.width, run.frames)
     with tempfile.TemporaryDirectory(prefix="wandistiller-measure-") as tmp:
@@ -63,13 +58,10 @@ def _time_step(runner: TrajectoryRunner, model, spec, cfg: TeacherCacheConfig, d
                           dtype=dtype)
     t = torch.full((b,), 999.0, device=device)
     timestep = model_timestep(t, latents.shape[2:], spec.expand_timesteps, spec.patch_size)
-    took = 0.0
-    for _ in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        took = time.perf_counter() - t0
-    return took
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)  # warms up
+    sync(device)
+    t0 = time.perf_counter()
+    runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
+    sync(device)
+    return time.perf_counter() - t0

@@ -1,18 +1,7 @@
 """Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left.
 
---out may be a folder someone else handed over, so nothing in it is trusted before it is checked (`refuse_foreign`,
-before anything is written, `--dry-run` too):
-
-- it must be new, empty, or demonstrably a cache of ours: a `manifest.json`, a `parts/part-N/progress.json` or a
-  part's resolved `config.json` that parses as stage one writes it, or nothing but what a run leaves before (or
-  without) any record: empty part folders, its lock files, temporary files, shards whose first member is a sample
-  of ours, the root's safetensors files. Names alone (`shards/`, `offload/`) prove nothing: a folder of someone
-  else's that holds them is refused, and `--overwrite` never deletes in it.
-- nothing inside it may be a symbolic link, a FIFO, a socket or a device: stage one would write (or delete, or
-  hang) through it, into a folder outside the cache. Each is refused in one line naming it.
-
-Only names the cache owns are ever deleted (cache/format.py defines them), never through a link, and a deletion
-that fails is an error, not skipped."""
+--out may be someone else's folder: nothing in it is trusted before `refuse_foreign` checks it, and only names the
+cache owns are ever deleted, never through a link (docs/reliability.md, "Folders someone else handed over")."""
 
 from __future__ import annotations
 
@@ -46,8 +35,7 @@ _CONFIG_KEYS = {"teacher", "prompts", "out", "steps", "seeds_per_prompt"}
 
 
 def refuse_foreign(out: Path) -> None:
-    """One clear error unless `out` is new, empty, or a cache of ours holding no link and no special file (checked
-    without writing: `--dry-run` too)."""
+    """One clear error unless `out` is new, empty, or a cache of ours holding no link and no special file."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
     if not out.is_dir():
@@ -72,9 +60,8 @@ def refuse_foreign(out: Path) -> None:
 
 
 def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
-    """(path, st_mode) of the first entry below `out` that is neither a folder nor a regular file (a symbolic link,
-    a FIFO, a socket, a device), or None. Links are never followed. Entries that vanish while we look (a concurrent
-    part's temporary files) are skipped."""
+    """(path, st_mode) of the first entry below `out` that is neither a folder nor a regular file, or None. Links are
+    never followed; entries that vanish meanwhile (a concurrent part's temporary files) are skipped."""
     todo = [out]
     while todo:
         folder = todo.pop()
@@ -119,9 +106,8 @@ def _part_dirs(out: Path) -> list[Path]:
 
 
 def _holds_a_cache(out: Path) -> bool:
-    """Whether `out` (not empty, only cache names in it) is demonstrably a cache stage one wrote: see the module
-    docstring. The skeleton a refused or killed first run leaves (empty `shards/`, `parts/part-N/`, its lock file,
-    temporary files) counts too, or a rerun after a refusal would be refused."""
+    """Whether `out` (not empty, only cache names in it) is demonstrably a cache stage one wrote, or the skeleton a
+    refused or killed first run leaves (else a rerun after a refusal would be refused)."""
     if _ours(_read_json(manifest_path(out)), _MANIFEST_KEYS):
         return True
     for d in _part_dirs(out):
@@ -131,9 +117,8 @@ def _holds_a_cache(out: Path) -> bool:
 
 
 def _is_skeleton(out: Path) -> bool:
-    """Only what stage one leaves before (or without) any record: empty part folders, its lock files, temporary
-    files, shards whose first member is a sample of ours, the root's safetensors files (a part folder deleted as a
-    damaged part's refusal advises, from a cache whose manifest is not written yet, leaves these)."""
+    """Only what stage one leaves before (or without) any record (the root's safetensors files: a damaged part's
+    folder deleted, as its refusal advises, before the manifest was written)."""
     def only(folder: Path, ok) -> bool:
         try:
             with os.scandir(folder) as it:
@@ -205,11 +190,9 @@ def check_out_dir(out: Path) -> None:
 
 
 def clear(out: Path, part: int | None) -> None:
-    """Remove cache files: all of them (part None) or one part's. Only names the cache owns are touched, in a folder
-    `refuse_foreign` accepted; a link among them is removed, never followed, and a removal that fails is one line.
-
-    The order keeps the folder a cache at every instant, for a part or rank that checks it meanwhile (and after a
-    kill): the manifest first (it must never outlive its shards), each part's progress record last of its part."""
+    """Remove cache files: all of them (part None) or one part's; a link among them is removed, never followed.
+    The order keeps the folder a cache at every instant (and after a kill): the manifest first (it must never
+    outlive its shards), each part's progress record last of its part."""
     _remove(manifest_path(out))
     if part is None:
         for name in (F.SHARDS_DIR, OFFLOAD_DIR, F.NEGATIVE, F.FEATURE_PROJECTION):
@@ -239,9 +222,8 @@ def _remove_part(d: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Delete `path`: a folder with everything in it, anything else (a link included) as the one name. shutil.rmtree
-    never follows a link inside the tree (it unlinks it). What vanished meanwhile is fine; any other failure is a
-    UserError naming what could not be removed."""
+    """Delete `path` (a folder with everything in it; shutil.rmtree unlinks links, never follows them). What
+    vanished meanwhile is fine; any other failure is a UserError naming what could not be removed."""
 
     def failed(e: BaseException, where) -> UserError:
         why = getattr(e, "strerror", None) or e
@@ -270,10 +252,8 @@ def _remove(path: Path) -> None:
 
 
 def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
-    """Delete what a crash of this part left half done: its shards that progress does not list (temporary,
-    or renamed just before the crash) and the temporary files of its atomic writes (progress record,
-    negative embedding, zarr chunks). Root files (manifest, negative) only when no other part writes
-    them meanwhile (`owns_root`): a part on another node may be renaming its manifest right now."""
+    """Delete what a crash of this part left half done: its shards progress does not list and its temporary
+    files; the root's only when no other part writes them meanwhile (`owns_root`)."""
     listed = {s.path for s in prog.shards}
     for f in (out / F.SHARDS_DIR).glob(f"part-{prog.part:05d}-*"):
         if f"{F.SHARDS_DIR}/{f.name}" not in listed:
@@ -287,9 +267,8 @@ def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
 
 
 def forget_lost_shards(out: Path, prog: PartProgress) -> None:
-    """Shards this part lists that are gone or have another size (deleted to be rebuilt, as `cache verify` and
-    stage two advise for a corrupt shard): forget them and their blocks, so this run computes them again.
-    Only existence and size are checked here (a stat per shard); `cache verify` re-checksums."""
+    """Forget the shards this part lists that are gone or have another size (deleted to be rebuilt, as `cache
+    verify` advises) and their blocks, so this run computes them again (a stat per shard, no checksum)."""
     lost = [s for s in prog.shards
             if not (out / s.path).is_file() or (out / s.path).stat().st_size != s.bytes]
     if not lost:

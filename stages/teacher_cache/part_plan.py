@@ -1,12 +1,5 @@
-"""Stage one's plan for one part, built the same way for the run and for `teacher-cache --dry-run`.
-
-`plan_part` does every check a run makes before its first weight loads that needs no GPU: the settings, the prompt
-file and this part's share of it, the teacher (a local folder checked whole; a Hub id resolved as the run resolves
-it, `hub.teacher_folder`: for a dry run its configs alone, found in the local Hub cache or fetched, a few kilobytes),
-the placement's checks that need no GPU (a device map's JSON and module names, --max-memory), and what --out holds
-(another run's cache, a part count or a resumed part's batch and shard sizes that differ). The run goes on from the
-plan; the dry run prints it (`dry_run`): nothing written to --out, no lock taken, no device touched, so a login node
-can check the command a SLURM array task will run (examples/slurm/teacher-cache.sbatch).
+"""Stage one's plan for one part, built the same way for the run and for `teacher-cache --dry-run`: every check a
+run makes before its first weight loads that needs no GPU (docs/architecture.md, "Settings and registries").
 """
 
 from __future__ import annotations
@@ -49,9 +42,8 @@ class PartPlan:
 
 
 def resolve_parts(cfg: TeacherCacheConfig, dry: bool = False) -> tuple[int, int, bool]:
-    """(part, num_parts, under torchrun): the flags, else torchrun's rank and world size. The run also refuses here,
-    before torchrun's process group is set up and before any rank touches a device, a placement that cannot run on
-    this machine's GPUs (e.g. more ranks than GPUs); a dry run does not look at them."""
+    """(part, num_parts, under torchrun): the flags, else torchrun's rank and world size. The run (not a dry run) also
+    refuses here, before torchrun's process group is set up, a placement this machine's GPUs cannot run."""
     env = dist_env()
     if cfg.num_parts is not None and env.world_size > 1:
         raise UserError("--part/--num-parts cannot be combined with torchrun (each rank is a part already)")
@@ -92,8 +84,7 @@ def check_part_count(out: Path, num_parts: int) -> None:
 
 
 def check_resume(prog: PartProgress, cfg: TeacherCacheConfig, out: Path) -> None:
-    """A part to resume keeps the batch and shard sizes it was started with: both are part of the cache's bytes
-    (another value would not equal an uninterrupted run)."""
+    """A part to resume keeps the batch and shard sizes it was started with (both are part of the cache's bytes)."""
     for name, theirs, ours in (("batch-size", prog.batch_size, cfg.batch_size),
                                ("samples-per-shard", prog.samples_per_shard, cfg.samples_per_shard)):
         if theirs != ours:

@@ -1,10 +1,5 @@
-"""The placement planner: what the teacher needs, what the machine has, and which placement `auto` picks.
-
-Everything here works from configs alone (models on the meta device; checkpoint sizes from safetensors headers when
-weight files are present), so a folder of Wan2.2-T2V-A14B's JSON configs can be planned on a laptop. `decide` is a
-pure function of the sizes and a device `Inventory` (tests feed it made-up machines); its rules, in order, are
-docs/placements.md's, each naming its placement by capabilities (pipeline/registries.py), never by name. What each
-placement keeps where is its own `layout` (placements/).
+"""The placement planner: what the teacher needs (from configs alone, models on the meta device), what the machine
+has, and which placement `auto` picks (`decide`, pure; its rules are docs/placements.md's, by capabilities).
 """
 
 from __future__ import annotations
@@ -37,13 +32,18 @@ def gib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
 
-def parse_size(text: str) -> int:
-    """'24GiB', '80GB', '512MiB' or '2TiB' -> bytes (GB = 10^9, GiB = 2^30, as accelerate); a number needs its unit
-    (settings.parse_bytes, which the settings' own checks use too)."""
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise UserError(f"{e}") from None
+def _user_errors(parse):
+    """`parse` with its ValueError turned into the UserError of the same line."""
+    def parsed(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise UserError(f"{e}") from None
+    return parsed
+
+
+parse_size = _user_errors(parse_bytes)  # '24GiB', '80GB' (GB = 10^9, GiB = 2^30, as accelerate) -> bytes
+_parse_gpus = _user_errors(parse_gpus)  # '4x24GiB', '80GiB,40GiB' or 'none' -> free bytes per GPU
 
 
 # --- the machine ---------------------------------------------------------------------------------------------
@@ -64,14 +64,10 @@ class Inventory:
                 gpus: bool = True) -> Inventory:
         """This machine. `gpus=False` leaves the GPUs out: asking CUDA for free memory initialises it, which a
         run that computes on the CPU must never do (in a process forked after CUDA started it raises)."""
-        want_gpus = gpus
-        gpus, totals = [], []
-        if want_gpus and torch.cuda.is_available():
-            for d in range(torch.cuda.device_count()):
-                free, total = torch.cuda.mem_get_info(d)
-                gpus.append(int(free))
-                totals.append(int(total))
-        return cls(tuple(gpus), tuple(totals), _available_ram(), _free_disk(offload_dir), ranks_per_node)
+        info = [torch.cuda.mem_get_info(d) for d in range(torch.cuda.device_count())] \
+            if gpus and torch.cuda.is_available() else []
+        return cls(tuple(int(f) for f, _ in info), tuple(int(t) for _, t in info), _available_ram(),
+                   _free_disk(offload_dir), ranks_per_node)
 
     @classmethod
     def assume(cls, gpus: str | None, ram: str | None, disk: str | None, ranks_per_node: int = 1,
@@ -102,13 +98,6 @@ class Inventory:
         gpus = ", ".join(gib(f) for f in self.gpus) if self.gpus else "none"
         ranks = f"; {self.ranks_per_node} ranks per node" if self.ranks_per_node > 1 else ""
         return f"GPUs free: {gpus}; RAM available {gib(self.ram)}; disk free {gib(self.disk)}{ranks} ({self.source})"
-
-
-def _parse_gpus(text: str) -> tuple[int, ...]:
-    try:
-        return parse_gpus(text)
-    except ValueError as e:
-        raise UserError(f"{e}") from None
 
 
 def _available_ram() -> int:
@@ -232,13 +221,9 @@ def tokens_per_sample(sizes: TeacherSizes, height: int, width: int, frames: int)
 
 
 def activation_bytes(sizes: TeacherSizes, shape: RunShape) -> int:
-    """Peak activation memory of one transformer forward for a block of `shape.batch_size` trajectories (estimate).
-
-    Counts the large tensors alive inside one WanTransformerBlock: the hidden states and their float32 copy,
-    q/k/v and the attention output (~8 x dim per token), the FFN's intermediate and its activation (2 x ffn
-    per token), and the projected text context for cross-attention (3 x dim per text token). Attention runs
-    through SDPA's memory-efficient kernels, so no tokens^2 term.
-    """
+    """Peak activation memory of one transformer forward for a block of `shape.batch_size` trajectories: the large
+    tensors alive inside one block (hidden states, f32 copy, q/k/v, attention out: ~8 x dim per token; the FFN's:
+    2 x ffn per token; the text context: 3 x dim per text token). SDPA's memory-efficient kernels: no tokens^2."""
     c = sizes.transformer_config
     dim = c["num_attention_heads"] * c["attention_head_dim"]
     b = DTYPE_BYTES[sizes.dtype]
@@ -272,20 +257,17 @@ class Needs:
 
     @property
     def block_streaming_gpu(self) -> int:
-        """GPU bytes of block-level streaming (`disk`): the block computing, the next one prefetched, the
-        weights outside the blocks (one group of their own) and the activations."""
+        """GPU bytes of `disk`: the block computing, the next one prefetched, the rest of the expert, activations."""
         return 2 * self.block + self.other + self.activations
 
     @property
     def layer_streaming_gpu(self) -> int:
-        """GPU bytes of leaf-level streaming (`offload`): the layer computing, the next one prefetched and the
-        activations."""
+        """GPU bytes of `offload`: the layer computing, the next one prefetched and the activations."""
         return 2 * self.layer + self.activations
 
 
 class FitsNowhere(UserError):
-    """`decide` found no placement: the one line (`line`, and where to see more), with what it was asked to place
-    where (`needs`, `inv`) for a report of what would fit (`wandistiller plan`)."""
+    """`decide` found no placement: the one line, with what it was asked to place where (for `plan`'s report)."""
 
     def __init__(self, line: str, needs: Needs, inv: Inventory):
         super().__init__(f"{line}; `wandistiller plan` shows the sizes and the machines that would fit")
@@ -293,8 +275,7 @@ class FitsNowhere(UserError):
 
 
 def machines_that_fit(needs: Needs, ranks_per_node: int = 1) -> list[str]:
-    """The least of each resource `decide` would accept for `needs`, one line per placement: a GPU's total memory,
-    RAM available and free disk, its margins included (a GPU counted as wholly free)."""
+    """The least of each resource `decide` would accept for `needs`, margins included, one line per placement."""
     gpu = lambda b: gib((b + GPU_RESERVE) / (1 - GPU_MARGIN))  # noqa: E731
     ram = lambda b: gib(b * ranks_per_node / (1 - RAM_MARGIN))  # noqa: E731
     both, one, act, two = sum(needs.experts), max(needs.experts), needs.activations, len(needs.experts) > 1

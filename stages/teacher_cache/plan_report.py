@@ -1,6 +1,5 @@
 """What `wandistiller plan` prints: where the teacher's weights would live, what each device holds, and (auto)
-why, from configs alone. The sizes and the decision come from placement_choice.py, the layout from the placement's
-own entry (placements/)."""
+why, from configs alone (docs/architecture.md, "What `plan` says about a run")."""
 
 from __future__ import annotations
 
@@ -147,8 +146,8 @@ def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(
 
 
 class NoPlacement(UserError):
-    """`plan` where the teacher fits nowhere: the error line, then the figures (`report`, from `_nowhere`) as
-    indented lines, or, for `plan --json`, all of it as one JSON object (`to_json`)."""
+    """`plan` where the teacher fits nowhere: the error line, then the figures (`_nowhere`) as indented lines, or
+    all of it as one JSON object (`plan --json`)."""
 
     def __init__(self, line: str, report: dict):
         self.line, self.report = line, report
@@ -159,8 +158,7 @@ class NoPlacement(UserError):
 
 
 def _nowhere(teacher: str, shape: RunShape, inv: Inventory) -> dict:
-    """Each component's parameters and bytes at each dtype, the activations, and per dtype the least machine of
-    each placement that would hold it."""
+    """Each component's parameters and bytes at each dtype, the activations, and per dtype the least machines."""
     dtypes = list(dict.fromkeys([shape.dtype, *(d for d in DTYPE_BYTES if d != "float16")]))  # fp16 weighs as bf16
     sizes = {d: teacher_sizes(teacher, d) for d in dtypes}
     acts = {d: activation_bytes(sizes[d], shape) for d in dtypes}
@@ -209,15 +207,10 @@ _NAMED = ("teacher", "revision", "placement")  # in the printed command's first 
 
 def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: tuple[str, ...] = (),
                     config_file: str | None = None) -> Plan:
-    """`wandistiller plan`: the plan for this machine, or for the one `settings` describes (nodes, GPUs per node and
-    their memory, RAM, disk; what is not given is measured here, this machine's GPUs only if none are given), with
-    the processes of stage one and their command, the bytes of the cache it would write (`cache_projection`) and,
-    for `settings.prompts`, its GPU-hours and wall time.
-
-    `cfg`: the teacher-cache config of the run planned (from `config_file` and the flags, PLACEHOLDERS for its prompts
-    and --out), checked as teacher-cache checks it; `given`: its settings given as flags. The printed command passes
-    `config_file` on, and every flag given (without a config file, those off their default), so that it writes the
-    cache planned: the file's other settings (guidance, the negative prompt) change the cache too."""
+    """`wandistiller plan`: the plan for this machine or the one `settings` describes, with stage one's processes
+    and command, the cache's bytes and, for `settings.prompts`, its GPU-hours and wall time. `cfg`: the run planned
+    (PLACEHOLDERS for its prompts and --out); `given`: its settings given as flags, which the printed command passes
+    on with `config_file` (without one, those off their default), so that it writes the cache planned."""
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, cfg.offload_dir)
@@ -260,8 +253,8 @@ def _assumed_gpus(s: PlanSettings) -> bool:
 
 
 def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
-    """A node of the machine `plan` is told about: --assume-gpus, or --gpus-per-node x --gpu-memory (either one
-    alone completed from this machine), and what is not given measured here."""
+    """A node of the machine `plan` is told about (--assume-gpus, or --gpus-per-node x --gpu-memory, either one
+    completed from this machine); what is not given is measured here."""
     gpus = s.assume_gpus
     if s.gpus_per_node is not None or s.gpu_memory is not None:
         count = s.gpus_per_node if s.gpus_per_node is not None else (torch.cuda.device_count() or 1)

@@ -1,7 +1,5 @@
 """The Wan teacher: find and check it (local diffusers folder or hub id), read its configs without weights, and
-load the parts stage one runs (scheduler, text encoder, experts). Where the experts' weights go is the
-placement's business (placements/); loading them in expert order, one at a time if asked, is the teacher's.
-"""
+load the parts stage one runs (scheduler, text encoder, experts; where the experts' weights go: placements/)."""
 
 from __future__ import annotations
 
@@ -9,13 +7,16 @@ import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.teacher_files import hash_json, sample_file
+
+if TYPE_CHECKING:
+    from .placements import Placement
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
 CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
@@ -148,18 +149,15 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     if not experts:
         missing.append("transformer")
     configs = {}
-    for comp in (*REQUIRED, *experts):
+    for comp in [c for c in (*REQUIRED, *experts) if c not in missing]:
+        cf = p / comp / CONFIG_FILES.get(comp, "")
         if comp == "tokenizer":
-            if comp not in missing and not (p / comp).is_dir():
+            if not cf.is_dir():
                 missing.append(f"{comp}/")
-            continue
-        cf = p / comp / CONFIG_FILES[comp]
-        if comp in missing:
-            continue
-        if not cf.is_file():
+        elif cf.is_file():
+            configs[comp] = json.loads(cf.read_text())
+        else:
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
-            continue
-        configs[comp] = json.loads(cf.read_text())
     for comp in ("text_encoder", *experts):
         if comp in configs and not any((p / comp).glob("*.safetensors")):
             missing.append(f"{comp}/*.safetensors")
@@ -187,11 +185,8 @@ def load_scheduler(spec: TeacherSpec):
 
 
 def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.device, model_offload: bool = False):
-    """Tokenizer and UMT5 encoder on `device`. T5 overflows in float16, so float16 runs it in bfloat16.
-
-    With `model_offload` (placements that stream the transformer to a GPU) the encoder stays in CPU RAM and
-    accelerate moves it to the GPU as a whole for each forward: the GPU is left to the transformer.
-    """
+    """Tokenizer and UMT5 encoder on `device` (T5 overflows in float16: bfloat16 then). With `model_offload` it
+    stays in CPU RAM and accelerate moves it to the GPU as a whole for each forward."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     enc_dtype = torch.bfloat16 if dtype == torch.float16 else dtype
@@ -206,22 +201,9 @@ def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.devic
     return tokenizer, encoder.to(device)
 
 
-class ExpertPlacement(Protocol):
-    """What loading the experts needs of a placement (placements.Placement provides it)."""
-
-    device: torch.device
-    expert_major: bool
-    on_gpu: bool
-
-    def load_expert(self, spec: TeacherSpec, comp: str, log) -> torch.nn.Module: ...
-
-
-def load_experts(spec: TeacherSpec, placement: ExpertPlacement, log=print) -> ExpertSet:
-    """The transformer(s) in expert order (1 = high-noise `transformer`, 2 = low-noise `transformer_2`).
-
-    Step-major placements load every expert now; expert-major ones load each when `activate` asks for it.
-    The returned set indexes like a list of models (`experts[0]` is expert 1).
-    """
+def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
+    """The transformer(s) in expert order (1 = high-noise `transformer`, 2 = low-noise `transformer_2`): all now in
+    step-major order, each when `activate` asks for it in expert-major order."""
     experts = ExpertSet(spec, placement, log)
     if not placement.expert_major:
         experts.activate(None)
@@ -229,13 +211,10 @@ def load_experts(spec: TeacherSpec, placement: ExpertPlacement, log=print) -> Ex
 
 
 class ExpertSet:
-    """The experts under one placement. `models[i]` is expert i+1 once loaded, else None.
+    """The experts under one placement, indexed like a list (`experts[0]` is expert 1). `activate((2,))` frees
+    expert 1 before it loads expert 2, so expert-major peak memory is one expert."""
 
-    In expert-major order only the experts asked for are resident: `activate((2,))` frees expert 1 before it
-    loads expert 2, so peak memory is one expert.
-    """
-
-    def __init__(self, spec: TeacherSpec, placement: ExpertPlacement, log=print):
+    def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
         self.spec, self.placement, self.log = spec, placement, log
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
 

@@ -1,10 +1,6 @@
-"""Where stage one is: prompts/s, samples/s, bytes written, the projected cache size and the ETA, on the
-progress bar, in one log line per shard, and (`--report-to tensorboard`) as TensorBoard scalars under
-CACHE_DIR/parts/part-P/tensorboard.
-
-The projection is the bytes per sample of the shards written so far (this run's and a resumed run's
-earlier ones) times the samples the whole cache will hold; a run whose prompts differ in nothing but text
-writes shards of near-constant size per sample, so it converges after the first shard.
+"""Where stage one is: prompts/s, samples/s, bytes written, the projected cache size (bytes per sample of the
+shards so far times the cache's samples) and the ETA, on the progress bar, in one log line per shard, and
+(`--report-to tensorboard`) as TensorBoard scalars under CACHE_DIR/parts/part-P/tensorboard.
 """
 
 from __future__ import annotations
@@ -62,8 +58,8 @@ class StageOneProgress:
         self._postfix(self.figures())
 
     def _postfix(self, f: dict[str, float]) -> None:
-        """The bar's figures. Set again at every shard: the bytes count shards in place, and a part whose one shard
-        closes after its last block would otherwise end its bar (the last line of a log) on `written=0 B`."""
+        """The bar's figures, set again at every shard (else a part whose one shard closes after its last block ends
+        its bar on `written=0 B`)."""
         post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": _size(f["bytes_written"])}
         if "projected_cache_bytes" in f:
             post["cache"] = "~" + _size(f["projected_cache_bytes"])

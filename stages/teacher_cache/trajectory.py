@@ -1,10 +1,6 @@
-"""The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__`, recording every step.
-
-For a block of trajectories it yields, per denoising step, the model input x_t and the guided prediction
-the sampler used (the distillation target), and returns the final latents. Numerics follow the pipeline
-exactly (same scheduler calls, same dtype casts, same expert switch, same CFG formula) except that the
-conditional and unconditional passes run as one batched forward, which halves weight traffic when the
-weights are streamed (offload, disk).
+"""The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__` (same scheduler calls, casts,
+expert switch and CFG formula), the conditional and unconditional passes in one batched forward (halves the weight
+traffic of streamed placements); each step's x_t and guided prediction (the target) are handed on.
 """
 
 from __future__ import annotations
@@ -75,37 +71,28 @@ class StepRecord:
     features: torch.Tensor | None = None  # [B, blocks, tokens or 1, D] (teacher-cache --record-features)
 
 
+@dataclass
 class TrajectoryRunner:
     """Runs blocks of trajectories with the teacher's experts and scheduler."""
 
-    def __init__(self, experts: list[torch.nn.Module], scheduler, schedule: Schedule, steps: int,
-                 dtype: torch.dtype, device: torch.device, expand_timesteps: bool, keep_cond_uncond: bool = False,
-                 patch: tuple[int, int, int] = (1, 2, 2), features: FeatureRecorder | None = None,
-                 record: frozenset[int] | None = None):
-        self.experts = experts
-        self.scheduler = scheduler
-        self.schedule = schedule
-        self.steps = steps
-        self.dtype = dtype
-        self.device = device
-        self.expand_timesteps = expand_timesteps
-        self.keep_cond_uncond = keep_cond_uncond
-        self.patch = patch
-        self.features = features
-        self.record = record  # steps handed to on_step (None: every step); every step runs either way
-
-    def _model(self, expert: int) -> torch.nn.Module:
-        return self.experts[expert - 1]
+    experts: list[torch.nn.Module]
+    scheduler: object
+    schedule: Schedule
+    steps: int
+    dtype: torch.dtype
+    device: torch.device
+    expand_timesteps: bool
+    keep_cond_uncond: bool = False
+    patch: tuple[int, int, int] = (1, 2, 2)
+    features: FeatureRecorder | None = None
+    record: frozenset[int] | None = None  # steps handed to on_step (None: every step); every step runs either way
 
     @torch.inference_mode()
     def run(self, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | None, on_step=None,
             experts: tuple[int, ...] | None = None, state=None):
-        """Denoise `noise` [B, C, F, H, W] (float32) with prompt embeddings `cond` [B, L, D].
-
-        `on_step(StepRecord)` receives every recorded step. With `experts`, only steps of those experts run, and the
-        returned state (latents + scheduler) continues in a later call: that is the expert-major order.
-        Returns (final latents float32 on CPU, state).
-        """
+        """Denoise `noise` [B, C, F, H, W] (float32) with prompt embeddings `cond` [B, L, D]; `on_step(StepRecord)`
+        receives every recorded step. With `experts` only their steps run, and the returned state continues in a
+        later call (expert-major order). Returns (final latents float32 on CPU, state)."""
         if state is None:
             sched = copy.deepcopy(self.scheduler)
             sched.set_timesteps(self.steps, device=self.device)
@@ -124,7 +111,7 @@ class TrajectoryRunner:
             expert = self.schedule.experts[i]
             if experts is not None and expert not in experts:
                 continue
-            model = self._model(expert)
+            model = self.experts[expert - 1]
             scale = self.schedule.guidance[i]
             latent_in = latents.to(self.dtype)
             timestep = model_timestep(t.expand(b), latents.shape[2:], self.expand_timesteps, self.patch)

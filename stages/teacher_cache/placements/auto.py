@@ -1,5 +1,4 @@
-"""`--placement auto` (the default): the planner's pick for this machine (placement_choice.decide, explained by
-`wandistiller plan`). It looks at the GPUs only when CUDA reports some."""
+"""`--placement auto` (the default): the planner's pick for this machine (placement_choice.decide)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What every placement provides (`PlacementKind`), what it resolves to for a run (`Placement`), and the registry.
-
-A placement decides where the teacher's weights live while stage one runs and loads one expert there; it
-never changes the numbers (the same modules run in the same dtype), so the cache fingerprint leaves it out.
-The teacher's parts are loaded by teacher.py, which asks the resolved `Placement` for each expert.
-"""
+"""What every placement provides (`PlacementKind`), what it resolves to for a run (`Placement`), and the registry
+lookup. A placement never changes the numbers, so the cache fingerprint leaves it out (docs/placements.md)."""
 
 from __future__ import annotations
 
@@ -56,9 +52,8 @@ def ranks_per_node() -> int:
 
 
 def check_ranks_fit_gpus(what: str) -> None:
-    """Refuse, before any rank touches a device, more torchrun ranks on this node than visible GPUs.
-
-    Counting GPUs does not initialise CUDA (`device_count` asks NVML, or the driver without a context)."""
+    """Refuse, before any rank touches a device, more torchrun ranks on this node than visible GPUs (counting them
+    does not initialise CUDA)."""
     ranks, gpus = ranks_per_node(), torch.cuda.device_count()
     if ranks > gpus:
         err = UserError(f"{ranks} torchrun ranks on this node but {gpus} GPU(s) visible: {what} runs each rank on "
@@ -143,14 +138,9 @@ class Layout:
 
 
 class PlacementKind:
-    """One `--placement`: subclass it in a module of this package and declare it, with its capabilities and the
-    class's import path, in pipeline/registries.py.
-
-    The entry's capabilities (`caps`) say what the placement needs; the methods that differ are overridden. In the
-    order stage one calls them: `validate` (before torchrun's process group and before any weight), `resolve` (the
-    `Placement` of this run), `load_expert` (once per expert, or per expert-major window), and, for
-    `wandistiller plan`, `expert_order` and `layout`.
-    """
+    """One `--placement`, declared with its capabilities (`caps`) in pipeline/registries.py; subclasses override what
+    differs (docs/placements.md, "How to add a placement"). Stage one calls `validate` (before torchrun's process
+    group), `check`, `resolve` and `load_expert`; `plan` calls `expert_order` and `layout`."""
 
     def __init__(self, entry: Entry):
         self.name, self.caps = entry.name, entry.caps
@@ -162,8 +152,7 @@ class PlacementKind:
         return self.caps.gpu == "required" or self.caps.gpu == "if available" and torch.cuda.is_available()
 
     def validate(self, cfg) -> None:
-        """Refuse what cannot run on this machine's GPUs, from the visible device count alone: no weights are read
-        and CUDA is not initialised, so it runs before torchrun's process group is set up."""
+        """Refuse what cannot run on this machine's GPUs, from the visible device count alone (CUDA not initialised)."""
         if self.caps.gpu == "required" and not torch.cuda.is_available():
             raise UserError(f"placement {self.name!r} needs a CUDA GPU and none is visible; use --placement "
                             f"{self.caps.without_gpu} (or check CUDA_VISIBLE_DEVICES and the driver)")
@@ -175,8 +164,7 @@ class PlacementKind:
             check_ranks_fit_gpus(f"placement {self.name}")
 
     def check(self, cfg, spec: TeacherSpec) -> None:
-        """Refuse settings the placement cannot take, from the config and the teacher's configs alone (no GPU
-        looked at: `--dry-run` makes these checks only)."""
+        """Refuse settings the placement cannot take, from the configs alone (`--dry-run` makes these checks)."""
         if cfg.max_memory is not None and not self.caps.takes_max_memory:
             raise UserError("--max-memory applies to --placement balanced or sequential only")
 
@@ -185,8 +173,7 @@ class PlacementKind:
         return f"{cfg.placement} (checked against the GPUs where it runs)"
 
     def execution_device(self, cfg) -> torch.device:
-        """Where the transformer computes: the rank's GPU (`--device`, or LOCAL_RANK under torchrun) when the
-        placement uses one, else the CPU."""
+        """Where the transformer computes: the rank's GPU (`--device`, or LOCAL_RANK under torchrun), or the CPU."""
         if not self.uses_rank_gpu():
             return torch.device("cpu")
         env = dist_env()
@@ -196,8 +183,7 @@ class PlacementKind:
         return torch.device("cuda", index)
 
     def resolve(self, cfg, spec: TeacherSpec) -> Placement:
-        """The `Placement` of this run: device, dtype and expert order, measured against this machine (its GPUs
-        only when the placement computes on one)."""
+        """The `Placement` of this run: device, dtype and expert order, measured against this machine."""
         extra = self.fields(cfg, spec)
         device = extra.pop("device", None) or self.execution_device(cfg)
         dtype = cfg.dtype or default_dtype(device)
@@ -213,9 +199,8 @@ class PlacementKind:
         """The record, with the user's `--expert-order` over the placement's own choice."""
         if cfg.expert_order != "auto":
             order = cfg.expert_order
-        offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
         return Placement(self.name, device, dtype, expert_major=len(spec.experts) > 1 and order == "expert",
-                         offload_dir=offload_dir, activation_bytes=activations, **extra)
+                         offload_dir=offload_dir(cfg), activation_bytes=activations, **extra)
 
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         """`step`, or `expert` when the placement's memory tier cannot hold both experts at once."""
@@ -224,8 +209,7 @@ class PlacementKind:
     # --- running ---------------------------------------------------------------------------------------------
 
     def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
-        """Expert `comp`, its weights where the placement keeps them; by default the whole expert on the
-        execution device (cpu, cuda)."""
+        """Expert `comp`, its weights where the placement keeps them; by default all on the execution device."""
         from diffusers import WanTransformer3DModel
 
         m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype)
@@ -237,10 +221,13 @@ class PlacementKind:
         raise NotImplementedError
 
 
+def offload_dir(cfg) -> Path:
+    return Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
+
+
 def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inventory]:
     """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked:
     querying their free memory initialises CUDA)."""
     sizes = placement_choice.teacher_sizes(spec.path, dtype)
     act = placement_choice.activation_bytes(sizes, cfg)
-    offload_dir = Path(cfg.offload_dir) if cfg.offload_dir else Path(cfg.out) / "offload"
-    return Needs.of(sizes, act), Inventory.measure(offload_dir, ranks_per_node(), gpus=gpus)
+    return Needs.of(sizes, act), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)

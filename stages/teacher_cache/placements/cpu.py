@@ -1,5 +1,4 @@
-"""`--placement cpu`: a whole replica in RAM, computed on the CPU, float32 by default. For tests and the tiny
-teacher; it never touches CUDA."""
+"""`--placement cpu`: a whole replica in RAM, computed on the CPU (float32 by default); it never touches CUDA."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`--placement cuda` (`--device N`): a whole replica on one GPU. Under torchrun each rank uses its LOCAL_RANK
-GPU and the parts split the prompts; in expert-major order the inactive expert is freed and reloaded."""
+"""`--placement cuda` (`--device N`, LOCAL_RANK under torchrun): a whole replica on one GPU."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""accelerate device maps: `--placement balanced`, `sequential` and a JSON map (`--placement my-map.json`).
-
-Each transformer is dispatched at model level (`WanTransformer3DModel.from_pretrained(device_map=...)`),
-`WanTransformerBlock` never split. `balanced` evens the load over the visible GPUs (accelerate's
-`get_balanced_memory`), `sequential` fills GPU 0 first, both within `--max-memory` (default: each GPU's free
-memory less the margin and the activation estimate). A JSON map sends module prefixes to "cuda:N", "cpu" or
-"disk", checked against the model's module names before anything runs. Weights a map leaves on cpu or disk
-are moved to the GPU by accelerate at every forward.
+"""accelerate device maps: `--placement balanced`, `sequential` and a JSON map (`--placement my-map.json`), each
+transformer dispatched at model level, `WanTransformerBlock` never split (docs/placements.md).
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ def parse_max_memory(text: str | None) -> dict | None:
 
 
 def read_device_map(path: str, check_devices: bool = True) -> tuple[dict, str]:
-    """Load a JSON device map: {module prefix: "cuda:N" | "cpu" | "disk"} -> (accelerate map, its main device).
-
+    """Load a JSON device map: {module prefix: "cuda:N" | "cpu" | "disk"} -> (accelerate map, its main device);
     `check_devices=False` (planning for another machine) skips the check that the GPUs exist here."""
     p = Path(path)
     if not p.is_file():
@@ -196,13 +189,15 @@ class _GpuSpread(_DeviceMapPlacement):
         caps = [inv.usable_gpu(i) - needs.activations for i in range(len(inv.gpus))]
         return "step" if fits_across(expert_pieces(needs, 2), caps) else "expert"
 
+    @staticmethod
+    def max_memory(given: dict | None, inv: Inventory, activations: int) -> dict:
+        """--max-memory, by default each GPU's usable memory less the activation headroom, and the usable RAM."""
+        mm = dict(given or {i: max(inv.usable_gpu(i) - activations, 0) for i in range(len(inv.gpus))})
+        mm.setdefault("cpu", inv.usable_ram)
+        return mm
+
     def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:
-        """Within --max-memory, by default the measured free memory of each GPU less the activation headroom."""
-        max_memory = p.max_memory
-        if max_memory is None:
-            inv = Inventory.measure(p.offload_dir)
-            max_memory = {i: max(inv.usable_gpu(i) - p.activation_bytes, 0) for i in range(len(inv.gpus))}
-            max_memory["cpu"] = inv.usable_ram
+        max_memory = p.max_memory or self.max_memory(None, Inventory.measure(p.offload_dir), p.activation_bytes)
         dmap = device_map_for(meta, self.evens, max_memory, p.torch_dtype)
         spill = sorted({str(v) for v in dmap.values() if v in ("cpu", "disk")})
         if spill:
@@ -213,10 +208,7 @@ class _GpuSpread(_DeviceMapPlacement):
         return dmap
 
     def plan_map(self, model, x, dtype):
-        mm = dict(x.max_memory or {i: max(x.inv.usable_gpu(i) - x.needs.activations, 0)
-                                   for i in range(len(x.inv.gpus))})
-        mm.setdefault("cpu", x.inv.usable_ram)
-        return device_map_for(model, self.evens, mm, dtype)
+        return device_map_for(model, self.evens, self.max_memory(x.max_memory, x.inv, x.needs.activations), dtype)
 
 
 class Balanced(_GpuSpread):

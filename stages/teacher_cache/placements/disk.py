@@ -1,7 +1,5 @@
-"""`--placement disk` (`--offload-dir`, default CACHE_DIR/offload): each expert streamed block by block from
-its own folder of safetensors files (diffusers block-level group offloading with `offload_to_disk_path`;
-../group_offload.py builds and checks the folders). RAM holds a block at a time; on a GPU the next block is
-prefetched on a CUDA stream. The text encoder is offloaded at model level."""
+"""`--placement disk` (`--offload-dir`, default CACHE_DIR/offload): each expert streamed block by block from its
+own folder of safetensors files (../group_offload.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`--placement offload`: each expert in CPU RAM, streamed layer by layer to the GPU while it computes
-(diffusers leaf-level group offloading, the next layer prefetched on a CUDA stream from pinned memory;
-../offload.py). The text encoder is offloaded at model level (it moves to the GPU as a whole to encode).
-Without a GPU it computes on the CPU where the weights already are (as `cpu`: nothing to stream)."""
+"""`--placement offload`: each expert in CPU RAM, streamed layer by layer to the GPU (../group_offload.py); without
+a GPU it computes where the weights are, as `cpu`."""
 
 from __future__ import annotations
 
