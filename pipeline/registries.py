@@ -106,10 +106,10 @@ PLACEMENTS = Registry("placement")
 _P = "stages.teacher_cache.placements."
 _ONE_GPU = (1.0, "one GPU computes at a time, as one replica would (not measured)")
 PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)",
-                   caps=PlacementCaps(gpu="if available", picks=True, auto=False), impl=_P + "auto:Auto")
-PLACEMENTS.declare("cpu", "RAM, computed on the CPU", caps=PlacementCaps(), impl=_P + "cpu:Cpu")
+                   caps=PlacementCaps(gpu="if available", picks=True, auto=False), impl=_P + "kinds:Auto")
+PLACEMENTS.declare("cpu", "RAM, computed on the CPU", caps=PlacementCaps(), impl=_P + "kinds:Cpu")
 PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)",
-                   caps=PlacementCaps(gpu="required", replica_per_gpu=True, speed=(1.0, "")), impl=_P + "cuda:Cuda")
+                   caps=PlacementCaps(gpu="required", replica_per_gpu=True, speed=(1.0, "")), impl=_P + "kinds:Cuda")
 _SPREAD = dict(gpu="required", without_gpu="offload or disk (or cpu)", spreads=True, takes_max_memory=True,
                speed=_ONE_GPU)
 PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate", caps=PlacementCaps(**_SPREAD),
@@ -119,10 +119,10 @@ PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)",
 PLACEMENTS.declare("offload", "RAM, streamed to the GPU layer by layer",
                    caps=PlacementCaps(gpu="if available", streams="ram", offloads_text_encoder=True, speed=(
                        0.71, "offload runs at 0.71x of cuda (an A14B expert on an H100, docs/placements.md)")),
-                   impl=_P + "offload:Offload")
+                   impl=_P + "kinds:Offload")
 PLACEMENTS.declare("disk", "an offload folder, streamed block by block",
                    caps=PlacementCaps(gpu="if available", streams="disk", offloads_text_encoder=True),
-                   impl=_P + "disk:Disk")
+                   impl=_P + "kinds:Disk")
 PLACEMENTS.declare("map", "a device-map .json file", listed=False,
                    caps=PlacementCaps(gpu="if available", json_map=True, auto=False), impl=_P + "device_map:DeviceMap")
 

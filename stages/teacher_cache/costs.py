@@ -68,15 +68,12 @@ def project(prompts: int, seeds: int, steps: int, step: StepTime, parts: int, gp
 
 def render(c: dict, prompts: int, seeds: int, steps: int) -> list[str]:
     gpus = f"{c['gpus']} GPU{'s' if c['gpus'] != 1 else ''}" if c["gpus"] else "the CPU"
+    step_s = f"{c['step_s']:.2f}" if c["step_s"] >= 0.1 else f"{c['step_s']:.3g}"
     return [f"time        {prompts:,} prompts x {seeds} seed(s) x {steps} steps = {c['teacher_steps']:,} teacher steps x "
-            f"{_seconds(c['step_s'])} s = {c['gpu_hours']:,.1f} GPU-hours; {_duration(c['wall_h'])} wall on {gpus}",
+            f"{step_s} s = {c['gpu_hours']:,.1f} GPU-hours; {_duration(c['wall_h'])} wall on {gpus}",
             f"            step time: {c['step_source']}",
             "            (the teacher's compute alone: loading the weights and encoding the prompts add minutes per "
             "process)"]
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.2f}" if s >= 0.1 else f"{s:.3g}"
 
 
 def _duration(hours: float) -> str:

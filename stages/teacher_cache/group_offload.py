@@ -27,8 +27,6 @@ LAYOUT_VERSION = 1
 _GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}  # disk: one file per block
 
 
-# --- the meta model -------------------------------------------------------------------------------------------
-
 def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it (`_keep_in_fp32_modules`
     stay float32)."""
@@ -92,25 +90,12 @@ def hollow_transformer(path: Path, comp: str, dtype: torch.dtype) -> torch.nn.Mo
     return model
 
 
-# --- group offloading ------------------------------------------------------------------------------------------
-
-def stream_from_ram(model: torch.nn.Module, device: torch.device) -> None:
-    """diffusers leaf-level group offloading onto `device` from CPU RAM (`offload`; the options' reasons:
-    docs/placements.md). On a CPU nothing moves, so no hooks are installed."""
-    if device.type != "cuda":
-        return
-    model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="leaf_level",
-                               use_stream=True, record_stream=True, low_cpu_mem_usage=False)
-
-
 def stream_from_disk(model: torch.nn.Module, device: torch.device, folder: Path) -> None:
     """diffusers block-level group offloading onto `device`, each group read from its file in `folder` (`disk`)."""
     cuda = device.type == "cuda"
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), use_stream=cuda,
                                record_stream=cuda, offload_to_disk_path=str(folder), **_GROUPING)
 
-
-# --- the checkpoint --------------------------------------------------------------------------------------------
 
 def checkpoint_files(path: Path, comp: str) -> dict[str, Path]:
     """tensor name -> safetensors file of component `comp` (sharded via its index, or a single file)."""
@@ -136,10 +121,6 @@ def expert_fingerprint(spec: TeacherSpec, comp: str, dtype: torch.dtype) -> str:
     return hash_json({"component": comp, "config": hash_json(spec.configs[comp]), "weights": weights,
                        "dtype": str(dtype), "layout": LAYOUT_VERSION, "grouping": _GROUPING,
                        "diffusers": diffusers.__version__})
-
-
-def expert_folder(root: Path, comp: str, fp: str) -> Path:
-    return Path(root) / f"{comp}-{fp[:16]}"
 
 
 def _folder_ok(folder: Path, fp: str) -> bool:
@@ -240,7 +221,7 @@ def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device
     expert's folders for other weights, dtypes or layouts are deleted."""
     root = Path(root)
     fp = expert_fingerprint(spec, comp, dtype)
-    folder = expert_folder(root, comp, fp)
+    folder = root / f"{comp}-{fp[:16]}"
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{folder.name}.lock"):
         if _folder_ok(folder, fp):
@@ -295,10 +276,14 @@ def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: t
 
 
 def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Expert `comp` with its weights in CPU RAM, streamed layer by layer to `device` (placement `offload`)."""
+    """Expert `comp` with its weights in CPU RAM, streamed layer by layer to `device` by diffusers leaf-level group
+    offloading (`offload`; the options' reasons: docs/placements.md). On a CPU nothing moves: no hooks."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)
     model.eval().requires_grad_(False)
-    stream_from_ram(model, device)
+    if device.type == "cuda":
+        model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="leaf_level", use_stream=True, record_stream=True,
+                                   low_cpu_mem_usage=False)
     return model

@@ -81,7 +81,7 @@ def _commands(launch: Launch, words: list[str]) -> list[dict]:
 
 
 def _line(words: list[str]) -> str:
-    """Shell words joined ($VARS unquoted), wrapped with backslashes before WIDTH, never between a flag and its value."""
+    """Shell words joined ($VARS unquoted), wrapped with backslashes before WIDTH, never inside a flag and value."""
     tokens: list[str] = []
     for w in (w if w.startswith("$") else shlex.quote(w) for w in words):
         if tokens and not w.startswith("-") and tokens[-1].startswith("-") and " " not in tokens[-1]:

@@ -263,13 +263,23 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     """Run the blocks `todo` to their last step while the writer thread packs shards; returns the loop's seconds."""
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
     neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
-    runner = _trajectory_runner(job, experts)
+    cfg = job.cfg
+    runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
+                              job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
+                              patch=job.spec.patch_size, features=_feature_recorder(job),
+                              record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
     bar, progress = _progress_bar(job, prog, todo)
-    sink = BlockSink(job.out, prog, store, job.cfg.samples_per_shard, job.num_parts, progress)
+    sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
     t_loop = time.perf_counter()
     inputs = _block_inputs(job)
-    windows, phases = _work_order(job, experts, todo)
+    # One block at a time, or (expert-major) a window of blocks with expert 1, then with expert 2, their records
+    # waiting in RAM meanwhile.
+    major = job.placement.expert_major
+    window = expert_window(cfg.batch_size, len(job.recorded), math.prod(job.latent_shape), job.dtype.itemsize,
+                           cfg.save_cond_uncond) if major else 1
+    phases = [(e,) for e in range(1, len(experts) + 1)] if major else [None]
+    windows = [todo[w:w + window] for w in range(0, len(todo), window)]
     try:
         stopped = _pack_blocks(denoise(runner, experts, phases, windows, inputs, neg), job.blocks, sink, pool)
     except BaseException:
@@ -286,15 +296,6 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
         raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(job.blocks)} blocks of "
                                  f"part {job.part} cached; rerun the same command to resume")
     return time.perf_counter() - t_loop
-
-
-def _trajectory_runner(job: _Part, experts: ExpertSet) -> TrajectoryRunner:
-    """The teacher's sampler over `experts`, keeping the steps, targets and features the cache records."""
-    cfg = job.cfg
-    return TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
-                            job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                            patch=job.spec.patch_size, features=_feature_recorder(job),
-                            record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
 
 
 def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm, StageOneProgress]:
@@ -326,17 +327,6 @@ def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tenso
         return noise, cond
 
     return inputs
-
-
-def _work_order(job: _Part, experts: ExpertSet, todo: list[int]) -> tuple[list[list[int]], list]:
-    """(windows of blocks, expert phases): one block at a time, or (expert-major) a window of blocks with expert 1,
-    then with expert 2, their records waiting in RAM meanwhile."""
-    cfg = job.cfg
-    expert_major = job.placement.expert_major
-    window = expert_window(cfg.batch_size, len(job.recorded), math.prod(job.latent_shape), job.dtype.itemsize,
-                           cfg.save_cond_uncond) if expert_major else 1
-    phases = [(e,) for e in range(1, len(experts) + 1)] if expert_major else [None]
-    return [todo[w:w + window] for w in range(0, len(todo), window)], phases
 
 
 def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink, pool: cf.ThreadPoolExecutor) -> bool:

@@ -46,8 +46,6 @@ parse_size = _user_errors(parse_bytes)  # '24GiB', '80GB' (GB = 10^9, GiB = 2^30
 _parse_gpus = _user_errors(parse_gpus)  # '4x24GiB', '80GiB,40GiB' or 'none' -> free bytes per GPU
 
 
-# --- the machine ---------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Inventory:
     """Free memory of each visible GPU, available host RAM and free disk where the offload folder goes."""
@@ -118,8 +116,6 @@ def _free_disk(path: str | os.PathLike | None) -> int:
     return shutil.disk_usage(p).free
 
 
-# --- the teacher ---------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Component:
     """One component of the teacher, measured on the meta device."""
@@ -180,6 +176,12 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
     root, mi, experts = spec.path, spec.model_index, spec.experts
     tdtype = getattr(torch, dtype)
     comps: dict[str, Component] = {}
+
+    def other(name: str, model: torch.nn.Module, width: int) -> Component:  # the text encoder or the VAE
+        n = sum(p.numel() for p in model.parameters())
+        ck, ckd = _checkpoint(root / name)
+        return Component(name, type(model).__name__, n, n * width, checkpoint_bytes=ck, checkpoint_dtype=ckd)
+
     for comp in experts:
         model = meta_transformer(root, comp, real_buffers=False)
         blocks = list(getattr(model, "blocks", []))
@@ -196,21 +198,14 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
             enc = cls(config)
         enc.tie_weights()  # init_empty_weights unties shared embeddings; the loaded model shares them
-        n = sum(p.numel() for p in enc.parameters())
-        enc_bytes = DTYPE_BYTES["bfloat16" if dtype == "float16" else dtype]  # T5 runs bf16 for fp16
-        ck, ckd = _checkpoint(root / "text_encoder")
-        comps["text_encoder"] = Component("text_encoder", cls.__name__, n, n * enc_bytes, checkpoint_bytes=ck,
-                                          checkpoint_dtype=ckd)
+        width = DTYPE_BYTES["bfloat16" if dtype == "float16" else dtype]  # T5 runs bf16 for fp16
+        comps["text_encoder"] = other("text_encoder", enc, width)
     if isinstance(mi.get("vae"), list) and mi["vae"][0] and (root / "vae" / "config.json").is_file():
         import diffusers
 
-        cls = getattr(diffusers, mi["vae"][1])
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
-            vae = cls.from_config(spec.configs["vae"])
-        n = sum(p.numel() for p in vae.parameters())
-        ck, ckd = _checkpoint(root / "vae")
-        comps["vae"] = Component("vae", cls.__name__, n, n * DTYPE_BYTES[dtype], checkpoint_bytes=ck,
-                                 checkpoint_dtype=ckd)
+            vae = getattr(diffusers, mi["vae"][1]).from_config(spec.configs["vae"])
+        comps["vae"] = other("vae", vae, DTYPE_BYTES[dtype])
     return TeacherSizes(str(root), dtype, comps, experts, spec.transformer_config, spec.vae_spatial, spec.vae_temporal)
 
 
@@ -232,8 +227,6 @@ def activation_bytes(sizes: TeacherSizes, shape: RunShape) -> int:
     per_token = (8 * dim + 2 * c["ffn_dim"]) * b
     return int(ACTIVATION_SAFETY * (seqs * s * per_token + seqs * shape.max_sequence_length * 3 * dim * b))
 
-
-# --- the decision --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Needs:

@@ -214,7 +214,9 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, cfg.offload_dir)
-    dmap = read_device_map(placement, check_devices=not _assumed_gpus(settings))[0] \
+    assumed_gpus = settings.assume_gpus is not None or settings.gpus_per_node is not None \
+        or settings.gpu_memory is not None
+    dmap = read_device_map(placement, check_devices=not assumed_gpus)[0] \
         if placements.get(placement).caps.json_map else None
     plan = make_plan(str(root), placement, cfg, inventory=inv, max_memory=parse_max_memory(cfg.max_memory),
                      device_map=dmap, expert_order=cfg.expert_order)
@@ -246,10 +248,6 @@ def _flag(f, value) -> dict:
         on, _, off = (f.metadata.get("flag") or name_of(f)).partition("/")
         return {f"--{on}" if value else f"--{off or 'no-' + on}": None}
     return {f"--{name_of(f)}": ",".join(map(str, value)) if isinstance(value, tuple) else value}
-
-
-def _assumed_gpus(s: PlanSettings) -> bool:
-    return s.assume_gpus is not None or s.gpus_per_node is not None or s.gpu_memory is not None
 
 
 def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:

@@ -171,8 +171,6 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     return TeacherSpec(name=name, path=p, revision=revision, model_index=mi, configs=configs, experts=experts)
 
 
-# --- loading the parts stage one runs (the placement says where the weights go) --------------------------------
-
 def load_scheduler(spec: TeacherSpec):
     """The teacher's own scheduler class and config (UniPC flow for the released Wan 2.x pipelines)."""
     import diffusers

@@ -8,15 +8,8 @@ from __future__ import annotations
 import time
 
 from cache.records import ShardRecord
+from cache.size import human
 from pipeline.runtime import print0
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class StageOneProgress:
@@ -60,9 +53,9 @@ class StageOneProgress:
     def _postfix(self, f: dict[str, float]) -> None:
         """The bar's figures, set again at every shard (else a part whose one shard closes after its last block ends
         its bar on `written=0 B`)."""
-        post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": _size(f["bytes_written"])}
+        post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": human(f["bytes_written"])}
         if "projected_cache_bytes" in f:
-            post["cache"] = "~" + _size(f["projected_cache_bytes"])
+            post["cache"] = "~" + human(f["projected_cache_bytes"])
         self.bar.set_postfix(post, refresh=False)
 
     def shard(self, record: ShardRecord) -> None:
@@ -73,7 +66,7 @@ class StageOneProgress:
         self._postfix(f)
         eta = f.get("eta_s")
         print0(f"part {self.part}: {record.path} written ({record.samples} samples, "
-               f"{_size(record.bytes)}); {_size(self.bytes)} so far, cache ~{_size(self.projected)}, "
+               f"{human(record.bytes)}); {human(self.bytes)} so far, cache ~{human(self.projected)}, "
                f"{f['prompts_per_s']:.2f} prompts/s, {f['samples_per_s']:.1f} samples/s"
                + (f", ETA {eta / 60:.1f} min" if eta is not None and eta == eta else ""))
         if self.writer is not None:

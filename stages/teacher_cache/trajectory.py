@@ -17,16 +17,11 @@ from pipeline.wan_inputs import model_timestep
 from .feature_hooks import FeatureRecorder
 
 
-def noise_seed(base_seed: int, prompt_idx: int, seed_idx: int) -> int:
-    """Seed of one trajectory's noise: a function of (base seed, prompt, seed index) only, so the cache
-    does not depend on batch composition, part count, world size or interruptions."""
-    digest = hashlib.sha256(f"wandistiller/{base_seed}/{prompt_idx}/{seed_idx}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:
-    """float32 noise [C, F, H, W], drawn on the CPU so every device and placement gets the same bits."""
-    g = torch.Generator("cpu").manual_seed(noise_seed(base_seed, prompt_idx, seed_idx))
+    """float32 noise [C, F, H, W], drawn on the CPU so every device and placement gets the same bits, seeded by
+    (base seed, prompt, seed index) alone: the cache does not depend on batches, parts, ranks or interruptions."""
+    digest = hashlib.sha256(f"wandistiller/{base_seed}/{prompt_idx}/{seed_idx}".encode()).digest()
+    g = torch.Generator("cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
 
 

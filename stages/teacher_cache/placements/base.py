@@ -145,8 +145,6 @@ class PlacementKind:
     def __init__(self, entry: Entry):
         self.name, self.caps = entry.name, entry.caps
 
-    # --- before anything loads -------------------------------------------------------------------------------
-
     def uses_rank_gpu(self) -> bool:
         """Whether each process computes on its own GPU (`cuda:LOCAL_RANK` under torchrun)."""
         return self.caps.gpu == "required" or self.caps.gpu == "if available" and torch.cuda.is_available()
@@ -206,16 +204,12 @@ class PlacementKind:
         """`step`, or `expert` when the placement's memory tier cannot hold both experts at once."""
         return "step"
 
-    # --- running ---------------------------------------------------------------------------------------------
-
     def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
         """Expert `comp`, its weights where the placement keeps them; by default all on the execution device."""
         from diffusers import WanTransformer3DModel
 
         m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype)
         return m.to(p.device).eval().requires_grad_(False)
-
-    # --- `wandistiller plan` ---------------------------------------------------------------------------------
 
     def layout(self, x: PlanInput) -> Layout:
         raise NotImplementedError

@@ -91,15 +91,10 @@ def check_device_map(model: torch.nn.Module, device_map: dict, source: str) -> N
             if a != b and (a == "" or b.startswith(a + ".")):
                 raise UserError(f"device map {source}: {a!r} and {b!r} overlap; give each module one device")
     covered = lambda n: any(k == "" or n == k or n.startswith(k + ".") for k in device_map)  # noqa: E731
-    missing = sorted({_prefix(n) for n in params if not covered(n)})
+    missing = sorted({".".join(n.split(".")[:2 if n.startswith("blocks.") else 1]) for n in params if not covered(n)})
     if missing:
         raise UserError(f"device map {source}: no device for module(s) {', '.join(missing[:8])}"
                         f"{' ...' if len(missing) > 8 else ''}; every module needs an entry ({hint})")
-
-
-def _prefix(param: str) -> str:
-    parts = param.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
 
 
 def device_map_for(model: torch.nn.Module, evens: bool, max_memory: dict, dtype: torch.dtype) -> dict:
