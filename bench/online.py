@@ -59,7 +59,7 @@ class Online:
 
     def __init__(self, teacher: str, prompts: str, student: str, device: torch.device, steps: int, size: int,
                  max_len: int, batch_size: int, seed: int = 0):
-        from stages.teacher_cache.encode import encode_prompts
+        from stages.teacher_cache.teacher import encode_prompts
         from stages.teacher_cache.placements import Placement, default_dtype
         from stages.teacher_cache.teacher import load_experts, load_scheduler, load_text_encoder, resolve_teacher
         from stages.teacher_cache.trajectory import Schedule

@@ -188,7 +188,7 @@ def test_part_out_of_range_names_where_it_came_from(tiny_teacher, prompts_file, 
 def test_a_one_shard_part_ends_its_bar_on_the_bytes_written():
     from cache.records import ShardRecord
     from pipeline.progress_bar import progress_bar
-    from stages.teacher_cache.throughput import StageOneProgress
+    from stages.teacher_cache.blocks import StageOneProgress
 
     log = io.StringIO()  # a log file: one whole line per state
     bar = progress_bar(total=24, desc="teacher-cache part 0", unit="sample", file=log)

@@ -38,15 +38,12 @@ from pipeline.progress_bar import progress_bar
 from pipeline.prompts import prompt_set_sha256
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
 
-from . import disk_space, outdir, placements
-from .blocks import BlockSink, denoise, expert_window
-from .encode import encode_prompts, iter_encoded
-from .feature_hooks import FeatureRecorder
+from . import outdir, placements
+from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
-from .throughput import StageOneProgress
-from .teacher import ExpertSet, load_experts, load_scheduler, load_text_encoder
-from .trajectory import Schedule, TrajectoryRunner, initial_noise
+from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
+from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -178,8 +175,8 @@ def _open_part(job: _Part) -> PartProgress:
     prog = PartProgress.load(out, part)
     if prog is not None:
         check_resume(prog, cfg, out)
-    disk_space.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
-                    job.torchrun)
+    outdir.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
+                      job.torchrun)
     save_resolved(cfg, job.part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
     if prog is None:
         prog = PartProgress(part=part, num_parts=job.num_parts, fingerprint=job.fingerprint, prompts=len(job.rows),

@@ -1,4 +1,5 @@
-"""Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left.
+"""Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left, and
+refuse a run that would not fit its free disk (`check_free`: docs/architecture.md, "The cache").
 
 --out may be someone else's folder: nothing in it is trusted before `refuse_foreign` checks it, and only names the
 cache owns are ever deleted, never through a link (docs/reliability.md, "Folders someone else handed over")."""
@@ -17,6 +18,8 @@ from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
 from cache.part_progress import PartProgress
 from cache.safe_open import file_kind
+from cache.schema import recorded_steps
+from cache.size import embed_tokens_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
 from pipeline.errors import UserError
 from pipeline.lock import UnsafeFile, open_regular, read_head
 from pipeline.runtime import print0
@@ -286,3 +289,41 @@ def forget_lost_shards(out: Path, prog: PartProgress) -> None:
 def next_shard_index(prog: PartProgress) -> int:
     """One past the highest shard number of the part (not the count: a recomputed shard gets a new name)."""
     return 1 + max((int(Path(s.path).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)
+
+
+def remaining_bytes(header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
+                    samples_per_shard: int) -> tuple[int, int, int]:
+    """(shard bytes, prompt-store bytes, samples) the part still writes (`prog` None: nothing done yet); the store's
+    embeddings at the bound their text allows before encoding, else the final latents still to come."""
+    done = set(prog.done_blocks) if prog is not None else set()
+    todo = [len(b) for i, b in enumerate(blocks) if i not in done]
+    recorded = len(recorded_steps(header))
+    shards = shard_bytes([n * recorded for n in todo], samples_per_shard, sample_disk_bytes(header))
+    if prog is None or not prog.encoded:
+        tokens = sum(embed_tokens_bound(t, header) for t in texts) / max(len(texts), 1)
+        store = round(len(texts) * prompt_bytes(header, tokens))
+    else:
+        store = sum(todo) * latent_bytes(header)  # the final latents still to come
+    return shards, store, sum(todo) * recorded
+
+
+def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
+               samples_per_shard: int, torchrun: bool) -> None:
+    """Print what the part will still write, and refuse (UserError, one line) when it exceeds the free disk."""
+    shards, store, samples = remaining_bytes(header, texts, blocks, prog, samples_per_shard)
+    need = shards + store
+    if need == 0:
+        return
+    sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if torchrun else 1
+    free = shutil.disk_usage(out).free
+    ranks = f" x {sharing} ranks of this node" if sharing > 1 else ""
+    print0(f"projected: {human(need)} more to write{ranks} ({samples} samples, {human(shards)} of shards + "
+           f"{human(store)} of prompt store); {human(free)} free at {out}")
+    if need * sharing <= free:
+        return
+    recorded, steps = len(recorded_steps(header)), int(header.steps)
+    per_step = shards / recorded
+    raise UserError(f"--out {out} has {human(free)} free, and this run would write {human(need * sharing)} more "
+                    f"({samples} samples{ranks}: {human(shards)} of shards, {human(store)} of prompt store); free "
+                    f"space, record fewer steps per trajectory with --record-steps N (now {recorded} of {steps}; each "
+                    f"step costs ~{human(per_step * sharing)} here), or pass another --out")

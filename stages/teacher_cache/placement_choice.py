@@ -130,11 +130,6 @@ class Component:
     checkpoint_bytes: int | None = None  # tensor bytes in the safetensors files, None without weights
     checkpoint_dtype: str | None = None
 
-    @property
-    def other_bytes(self) -> int:
-        """Weights outside the blocks (embeddings, time projection, output head)."""
-        return self.bytes - self.blocks * self.block_bytes
-
 
 @dataclass(frozen=True)
 class TeacherSizes:
@@ -235,7 +230,7 @@ class Needs:
     experts: tuple[int, ...]  # each expert's weights at the run dtype
     blocks: int  # transformer blocks per expert
     block: int  # the largest block
-    other: int  # an expert's weights outside its blocks
+    other: int  # an expert's weights outside its blocks (embeddings, time projection, output head)
     layer: int  # the largest layer leaf-level offloading moves at once
     activations: int  # one forward of the batch
     text_encoder: int = 0
@@ -245,7 +240,7 @@ class Needs:
         ex = [sizes.components[e] for e in sizes.experts]
         enc = sizes.components.get("text_encoder")
         return cls(tuple(e.bytes for e in ex), max(e.blocks for e in ex), max(e.block_bytes for e in ex),
-                   max(e.other_bytes for e in ex), max(e.layer_bytes for e in ex), activations,
+                   max(e.bytes - e.blocks * e.block_bytes for e in ex), max(e.layer_bytes for e in ex), activations,
                    enc.bytes if enc else 0)
 
     @property

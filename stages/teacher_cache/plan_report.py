@@ -82,7 +82,7 @@ class Plan:
         if self.notes:
             lines += ["notes:"] + [f"  - {n}" for n in self.notes]
         if self.launch:
-            lines += ["", *launch.render(self.launch_record)]
+            lines += ["", *launch.render(launch.Launch(**{k: v for k, v in self.launch.items() if k != "parts"}))]
         if self.cache:
             lines += ["", _render_cache(self.cache)]
         if self.time:
@@ -95,11 +95,6 @@ class Plan:
     def _nodes(self) -> str:
         n = self.launch["nodes"] if self.launch else 1
         return f"{n} nodes, each: " if n > 1 else ""
-
-    @property
-    def launch_record(self) -> launch.Launch:
-        d = {k: v for k, v in self.launch.items() if k != "parts"}
-        return launch.Launch(**d)
 
 
 def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(), inventory: Inventory | None = None,
@@ -273,9 +268,7 @@ def _step_time(s: PlanSettings, plan: Plan, root: Path, cfg: TeacherCacheConfig)
     if s.step_time is not None:
         return costs.StepTime(s.step_time, "--step-time")
     if s.measure:
-        from .measure import measure_step
-
-        return measure_step(cfg, plan.placement)
+        return costs.measure_step(cfg, plan.placement)
     first = next(c["name"] for c in plan.components if c["class"] == "WanTransformer3DModel")
     config = json.loads((root / first / "config.json").read_text())
     return costs.table_step_time(config, plan.tokens_per_sample, plan.placement)

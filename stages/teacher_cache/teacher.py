@@ -1,5 +1,6 @@
 """The Wan teacher: find and check it (local diffusers folder or hub id), read its configs without weights, and
-load the parts stage one runs (scheduler, text encoder, experts; where the experts' weights go: placements/)."""
+load the parts stage one runs (scheduler, text encoder, experts; where the experts' weights go: placements/), and
+encode prompts with the teacher's own `WanPipeline.encode_prompt`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id, teacher_folder
+from pipeline.progress_bar import progress_bar
 from pipeline.teacher_files import hash_json, sample_file
 
 if TYPE_CHECKING:
@@ -199,6 +201,38 @@ def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.devic
     return tokenizer, encoder.to(device)
 
 
+def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
+                 device: torch.device, batch_size: int = 16, progress: bool = True):
+    """(index of the batch's first prompt, embeddings [b, L, D] in `dtype` zero past each prompt's real length,
+    the lengths [b]) per batch, on the CPU, so memory does not grow with the prompt count. The pipeline's own
+    encode_prompt and tokenizer call: tokenisation, cleaning and padding are exactly the teacher's."""
+    from diffusers import WanPipeline
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None, scheduler=None)
+    bar = progress_bar(total=len(prompts), desc="encode prompts", unit="prompt", disable=not progress)
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            with torch.inference_mode():
+                e, _ = pipe.encode_prompt(chunk, do_classifier_free_guidance=False, max_sequence_length=max_len,
+                                          device=device, dtype=dtype)
+            mask = tokenizer([prompt_clean(u) for u in chunk], padding="max_length", max_length=max_len,
+                             truncation=True, add_special_tokens=True, return_attention_mask=True,
+                             return_tensors="pt").attention_mask
+            yield i, e.to(dtype).cpu(), mask.gt(0).sum(dim=1).to(torch.int32)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+
+
+def encode_prompts(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
+                   device: torch.device, batch_size: int = 16, progress: bool = True):
+    """Embeddings [n, L, D] and lengths [n] of a few prompts at once (`iter_encoded`, gathered)."""
+    parts = list(iter_encoded(tokenizer, text_encoder, prompts, max_len, dtype, device, batch_size, progress))
+    return torch.cat([e for _, e, _ in parts]), torch.cat([n for _, _, n in parts])
+
+
 def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
     """The transformer(s) in expert order (1 = high-noise `transformer`, 2 = low-noise `transformer_2`): all now in
     step-major order, each when `activate` asks for it in expert-major order."""
@@ -240,7 +274,7 @@ class ExpertSet:
             return
         self.models[expert - 1] = None
         gc.collect()
-        if self.placement.on_gpu:
+        if self.placement.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__` (same scheduler calls, casts,
 expert switch and CFG formula), the conditional and unconditional passes in one batched forward (halves the weight
-traffic of streamed placements); each step's x_t and guided prediction (the target) are handed on.
+traffic of streamed placements); each step's x_t and guided prediction (the target) are handed on, and the chosen
+blocks' features (`--record-features`: docs/architecture.md, "Feature distillation").
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.feature_projection import project
+from pipeline.errors import UserError
 from pipeline.wan_inputs import model_timestep
-
-from .feature_hooks import FeatureRecorder
 
 
 def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:
@@ -64,6 +65,48 @@ class StepRecord:
     target_cond: torch.Tensor | None = None
     target_uncond: torch.Tensor | None = None
     features: torch.Tensor | None = None  # [B, blocks, tokens or 1, D] (teacher-cache --record-features)
+
+
+class FeatureRecorder:
+    """Captures [B, len(blocks), tokens or 1, D] per forward of an expert, by forward hooks that only look (they
+    return nothing: the targets stay bit-identical), from the conditional half of the batch."""
+
+    def __init__(self, blocks: tuple[int, ...], matrix: torch.Tensor, pool: str, dtype: torch.dtype):
+        self.blocks, self.matrix, self.pool, self.dtype = tuple(blocks), matrix, pool, dtype
+        self._out: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def check_blocks(blocks: tuple[int, ...], num_layers: int, expert: str) -> None:
+        bad = [b for b in blocks if not 0 <= b < num_layers]
+        if bad:
+            raise UserError(f"--record-features {','.join(map(str, blocks))}: {expert} has blocks 0..{num_layers - 1}, "
+                            f"not {bad}; choose blocks inside every expert")
+
+    @contextlib.contextmanager
+    def capture(self, model: torch.nn.Module, batch: int):
+        """Record the chosen blocks' outputs of `model` during the forward inside the `with` (the first
+        `batch` rows: the conditional branch)."""
+        self._out = {}
+        handles = [model.blocks[b].register_forward_hook(self._hook(b, batch)) for b in self.blocks]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, block: int, batch: int):
+        def hook(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            with torch.no_grad():
+                self._out[block] = project(hidden[:batch], self.matrix, self.pool).to("cpu", self.dtype)
+        return hook
+
+    def result(self) -> torch.Tensor:
+        """The last captured forward: [B, len(blocks), tokens or 1, D] on the CPU."""
+        missing = [b for b in self.blocks if b not in self._out]
+        if missing:
+            raise RuntimeError(f"teacher blocks {missing} did not run in the last forward")
+        return torch.stack([self._out[b] for b in self.blocks], dim=1)
 
 
 @dataclass
@@ -126,7 +169,7 @@ class TrajectoryRunner:
 
     def predict(self, model, latent_in, timestep, context, scale):
         """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them (also what
-        `plan --measure` times: measure.py)."""
+        `plan --measure` times: costs.measure_step)."""
         if self.schedule.cfg:
             out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
                         encoder_hidden_states=context, return_dict=False)[0]
