@@ -96,8 +96,7 @@ def _duration(hours: float) -> str:
 
 
 def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime:
-    """Seconds of one teacher step of one trajectory (a batch of `run.batch_size` timed, divided by it), run with the
-    concrete `placement` and the run's shape."""
+    """Seconds of one teacher step of one trajectory with the concrete `placement` and the run's shape."""
     spec = resolve_teacher(run.teacher, run.revision)
     spec.check_sizes(run.height, run.width, run.frames)
     with tempfile.TemporaryDirectory(prefix="wandistiller-measure-") as tmp:

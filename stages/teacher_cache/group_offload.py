@@ -28,8 +28,7 @@ _GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}  # disk: 
 
 
 def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it (`_keep_in_fp32_modules`
-    stay float32)."""
+    """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     out = {}
     for name, p in model.named_parameters():
@@ -78,8 +77,7 @@ def meta_transformer(path: Path, comp: str, real_buffers: bool = True) -> torch.
 
 
 def hollow_transformer(path: Path, comp: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The meta model with every parameter an empty CPU tensor of its load dtype (group offloading fills it when
-    its group runs and empties it afterwards)."""
+    """The meta model, every parameter an empty CPU tensor of its load dtype (group offloading fills it)."""
     model = meta_transformer(path, comp)
     dtypes = param_dtypes(model, dtype)
     for mname, module in model.named_modules():
@@ -131,11 +129,7 @@ def _folder_ok(folder: Path, fp: str) -> bool:
         return False
     if marker.get("fingerprint") != fp or not isinstance(marker.get("files"), dict):
         return False
-    for name, size in marker["files"].items():
-        f = folder / name
-        if not f.is_file() or f.stat().st_size != size:
-            return False
-    return True
+    return all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in marker["files"].items())
 
 
 def _pid_alive(pid: int) -> bool:
@@ -149,8 +143,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale(root: Path, comp: str, keep: Path) -> None:
-    """Delete this component's folders for other weights, and build folders of dead processes on this host (only
-    names WanDistiller creates)."""
+    """Delete this component's folders for other weights, and build folders of dead processes on this host."""
     host = socket.gethostname()
     for p in root.iterdir() if root.is_dir() else ():
         if not p.is_dir() or p == keep:
@@ -217,8 +210,7 @@ def _locked(path: Path):
 
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
                         log=print) -> Path:
-    """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built; this
-    expert's folders for other weights, dtypes or layouts are deleted."""
+    """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built."""
     root = Path(root)
     fp = expert_fingerprint(spec, comp, dtype)
     folder = root / f"{comp}-{fp[:16]}"

@@ -34,8 +34,7 @@ class Launch:
 
 def plan_launch(placement: str, nodes: int, gpus_per_node: int, ranks_given: int | None,
                 teacher_cache: list[str]) -> Launch:
-    """The processes of stage one for the concrete `placement` on `nodes` nodes of `gpus_per_node` GPUs, and their
-    commands (`teacher_cache`: the `wandistiller teacher-cache ...` words)."""
+    """The processes of stage one for the concrete `placement` on `nodes` nodes, and their commands."""
     caps = placements.get(placement).caps
     if caps.spreads:
         ranks, gpus = 1, gpus_per_node
@@ -110,8 +109,7 @@ def render(launch: Launch) -> list[str]:
 
 
 def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict) -> list[str]:
-    """`wandistiller teacher-cache` with the teacher, placeholders for the prompts and the cache, the placement and
-    the settings `plan` was given (`given`: flag -> value)."""
+    """`wandistiller teacher-cache` with placeholders, the placement and the settings `plan` was given."""
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]

@@ -54,8 +54,7 @@ NOISE_ROWS = F.ROWS_PER_FILE
 
 @signals.handle_sigterm()
 def run(cfg: TeacherCacheConfig) -> dict:
-    """Build (or resume) the cache described by `cfg`; returns the closing summary. SIGTERM: exit 143 once the
-    finished blocks are recorded; the same command resumes."""
+    """Build (or resume) the cache described by `cfg`; returns the closing summary."""
     t0 = time.time()
     part, num_parts, torchrun = resolve_parts(cfg)
     if torchrun:
@@ -158,8 +157,7 @@ def _setup(plan: PartPlan) -> _Part:
 
 
 def _open_part(job: _Part) -> PartProgress:
-    """This part's progress record in --out: a new one, or the one to resume (other settings refused unless
-    --overwrite, which clears them first); what a crash left half done is tidied."""
+    """This part's progress record in --out: a new one, or the one to resume (what a crash left is tidied)."""
     cfg, out, part = job.cfg, job.out, job.part
     outdir.check_out_dir(out)
     # One writer per part (two runs on one --out would interleave shards); parts on other nodes lock their own.
@@ -346,8 +344,7 @@ def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink,
 
 
 def _feature_recorder(job: _Part) -> FeatureRecorder | None:
-    """--record-features: the recorder, after writing the projection beside the manifest (every part writes the
-    same bytes)."""
+    """--record-features: the recorder, after writing the projection beside the manifest."""
     cfg = job.cfg
     if cfg.record_features is None:
         return None
@@ -372,8 +369,7 @@ def _wait_for_parts(job: _Part) -> None:
 
 
 def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
-    """Write the manifest once every part is complete (the last of --part processes, or rank 0 after the barrier),
-    and return (and print) the part's summary."""
+    """Write the manifest once every part is complete, and return (and print) the part's summary."""
     out, part, num_parts, device = job.out, job.part, job.num_parts, job.device
     if job.torchrun:
         _wait_for_parts(job)

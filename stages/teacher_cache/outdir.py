@@ -109,8 +109,7 @@ def _part_dirs(out: Path) -> list[Path]:
 
 
 def _holds_a_cache(out: Path) -> bool:
-    """Whether `out` (not empty, only cache names in it) is demonstrably a cache stage one wrote, or the skeleton a
-    refused or killed first run leaves (else a rerun after a refusal would be refused)."""
+    """Whether `out` is demonstrably a cache stage one wrote, or the skeleton a refused or killed first run leaves."""
     if _ours(_read_json(manifest_path(out)), _MANIFEST_KEYS):
         return True
     for d in _part_dirs(out):

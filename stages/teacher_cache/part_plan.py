@@ -55,18 +55,15 @@ def resolve_parts(cfg: TeacherCacheConfig, dry: bool = False) -> tuple[int, int,
 
 
 def plan_part(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, dry: bool = False) -> PartPlan:
-    """The part's prompts and teacher, checked, and the placement's checks that need no GPU; raises the UserError the
-    run would raise. `dry`: a Hub id's configs alone (no weights)."""
+    """The part's prompts and teacher, checked, and the placement's checks that need no GPU."""
     prompts, dropped = dedupe(read_prompt_file(cfg.prompts))
     rows = list(range(part, len(prompts), num_parts))
     if not rows:
         raise UserError(f"part {part} of {num_parts} gets no prompt: the file has only {len(prompts)}; "
                         "use fewer parts")
     hub = dry and not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher)
-    if hub:
-        spec = configs_spec(teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE), cfg.teacher)
-    else:
-        spec = resolve_teacher(cfg.teacher, cfg.revision)
+    spec = configs_spec(teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE), cfg.teacher) \
+        if hub else resolve_teacher(cfg.teacher, cfg.revision)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")

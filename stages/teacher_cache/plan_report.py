@@ -141,8 +141,7 @@ def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(
 
 
 class NoPlacement(UserError):
-    """`plan` where the teacher fits nowhere: the error line, then the figures (`_nowhere`) as indented lines, or
-    all of it as one JSON object (`plan --json`)."""
+    """`plan` where the teacher fits nowhere: the error line and the figures (`_nowhere`), or them as JSON."""
 
     def __init__(self, line: str, report: dict):
         self.line, self.report = line, report
@@ -246,8 +245,7 @@ def _flag(f, value) -> dict:
 
 
 def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
-    """A node of the machine `plan` is told about (--assume-gpus, or --gpus-per-node x --gpu-memory, either one
-    completed from this machine); what is not given is measured here."""
+    """A node of the machine `plan` is told about; what is not given is measured here."""
     gpus = s.assume_gpus
     if s.gpus_per_node is not None or s.gpu_memory is not None:
         count = s.gpus_per_node if s.gpus_per_node is not None else (torch.cuda.device_count() or 1)

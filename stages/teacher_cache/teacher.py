@@ -92,11 +92,8 @@ class TeacherSpec:
         """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""
         h = {"model_index": hash_json(self.model_index)}
         h.update({k: hash_json(v) for k, v in sorted(self.configs.items())})
-        weights = {}
-        for comp in ("text_encoder", *self.experts):
-            for f in sorted((self.path / comp).glob("*.safetensors")):
-                weights[f"{comp}/{f.name}"] = sample_file(f)
-        h["weights"] = weights
+        h["weights"] = {f"{comp}/{f.name}": sample_file(f) for comp in ("text_encoder", *self.experts)
+                        for f in sorted((self.path / comp).glob("*.safetensors"))}
         return h
 
 
@@ -196,8 +193,7 @@ def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.devic
     if model_offload and device.type == "cuda":
         from accelerate import cpu_offload_with_hook
 
-        encoder, _ = cpu_offload_with_hook(encoder, device)
-        return tokenizer, encoder
+        return tokenizer, cpu_offload_with_hook(encoder, device)[0]
     return tokenizer, encoder.to(device)
 
 
@@ -234,8 +230,7 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], max_len: int, dt
 
 
 def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
-    """The transformer(s) in expert order (1 = high-noise `transformer`, 2 = low-noise `transformer_2`): all now in
-    step-major order, each when `activate` asks for it in expert-major order."""
+    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
     experts = ExpertSet(spec, placement, log)
     if not placement.expert_major:
         experts.activate(None)

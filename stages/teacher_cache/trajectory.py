@@ -84,8 +84,7 @@ class FeatureRecorder:
 
     @contextlib.contextmanager
     def capture(self, model: torch.nn.Module, batch: int):
-        """Record the chosen blocks' outputs of `model` during the forward inside the `with` (the first
-        `batch` rows: the conditional branch)."""
+        """Record the chosen blocks' outputs of `model` (its first `batch` rows) in the forward inside the `with`."""
         self._out = {}
         handles = [model.blocks[b].register_forward_hook(self._hook(b, batch)) for b in self.blocks]
         try:
@@ -168,8 +167,7 @@ class TrajectoryRunner:
         return latents.float().cpu(), (latents, sched)
 
     def predict(self, model, latent_in, timestep, context, scale):
-        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them (also what
-        `plan --measure` times: costs.measure_step)."""
+        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them."""
         if self.schedule.cfg:
             out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
                         encoder_hidden_states=context, return_dict=False)[0]

@@ -52,8 +52,7 @@ def ranks_per_node() -> int:
 
 
 def check_ranks_fit_gpus(what: str) -> None:
-    """Refuse, before any rank touches a device, more torchrun ranks on this node than visible GPUs (counting them
-    does not initialise CUDA)."""
+    """Refuse, before any rank touches a device, more torchrun ranks on this node than visible GPUs."""
     ranks, gpus = ranks_per_node(), torch.cuda.device_count()
     if ranks > gpus:
         err = UserError(f"{ranks} torchrun ranks on this node but {gpus} GPU(s) visible: {what} runs each rank on "
@@ -216,8 +215,7 @@ def offload_dir(cfg) -> Path:
 
 
 def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inventory]:
-    """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked:
-    querying their free memory initialises CUDA)."""
+    """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked)."""
     sizes = placement_choice.teacher_sizes(spec.path, dtype)
     act = placement_choice.activation_bytes(sizes, cfg)
     return Needs.of(sizes, act), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)

@@ -98,8 +98,7 @@ def check_device_map(model: torch.nn.Module, device_map: dict, source: str) -> N
 
 
 def device_map_for(model: torch.nn.Module, evens: bool, max_memory: dict, dtype: torch.dtype) -> dict:
-    """accelerate's device map of one transformer over `max_memory` (device -> bytes or '70GiB'), its blocks
-    never split: the load evened over the GPUs (`balanced`), or GPU 0 filled first (`sequential`)."""
+    """accelerate's map of one transformer over `max_memory`, blocks never split, evened over the GPUs or not."""
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
