@@ -201,10 +201,8 @@ class BlockSink:
 
 def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]], inputs, neg: torch.Tensor):
     """Run each window of blocks to their last step; yields (block, records, final latents) in block order as each
-    window finishes. phases [None] is step-major; [(1,), (2,)] is expert-major: every block's high-noise steps with
-    expert 1, then their low-noise steps with expert 2, each block's scheduler state carried across (the same
-    records either way). A SIGTERM stops it after the step in progress (under --record-steps, the next step it
-    records) or between windows (`signals.Terminated`): the window's blocks are dropped."""
+    window finishes. phases [None] is step-major; [(1,), (2,)] runs every block's steps of expert 1, then of expert
+    2 (the same records). A SIGTERM stops it after the step in progress or between windows, dropping the window."""
     records: dict[int, list[StepRecord]] = {}
 
     def keep(b: int):

@@ -373,9 +373,8 @@ def _finalize(job: _Part, prog: PartProgress, loop_s: float, t0: float) -> dict:
     out, part, num_parts, device = job.out, job.part, job.num_parts, job.device
     if job.torchrun:
         _wait_for_parts(job)
-    manifest = None
-    if not job.torchrun or part == 0:
-        manifest = try_write_manifest(out, num_parts, before_replace=lambda: fault_point("in_manifest"))
+    manifest = try_write_manifest(out, num_parts, before_replace=lambda: fault_point("in_manifest")) \
+        if not job.torchrun or part == 0 else None
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     summary = {
         "cache": str(out), "part": part, "num_parts": num_parts,

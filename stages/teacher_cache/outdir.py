@@ -214,11 +214,8 @@ def _remove_part(d: Path) -> None:
     if not d.is_dir() or d.is_symlink():
         _remove(d)
         return
-    last = (F.RESOLVED_CONFIG, F.PROGRESS)
-    for name in sorted(os.listdir(d)):
-        if name not in last:
-            _remove(d / name)
-    for name in last:
+    last = [F.RESOLVED_CONFIG, F.PROGRESS]
+    for name in [n for n in sorted(os.listdir(d)) if n not in last] + last:
         _remove(d / name)
     _remove(d)
 

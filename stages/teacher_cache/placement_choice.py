@@ -72,10 +72,7 @@ class Inventory:
                measured: Inventory | None = None) -> Inventory:
         """A made-up machine for `plan`: gpus '4x24GiB' or '80GiB,40GiB' or 'none'; unset parts are measured."""
         base = measured or cls.measure(gpus=gpus is None)
-        g, t = base.gpus, base.gpu_total
-        if gpus is not None:
-            g = _parse_gpus(gpus)
-            t = g
+        g, t = (_parse_gpus(gpus),) * 2 if gpus is not None else (base.gpus, base.gpu_total)
         return cls(g, t, parse_size(ram) if ram else base.ram, parse_size(disk) if disk else base.disk,
                    ranks_per_node, "assumed" if (gpus or ram or disk) else base.source)
 

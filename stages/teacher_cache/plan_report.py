@@ -59,10 +59,11 @@ class Plan:
         return json.dumps(asdict(self), indent=2)
 
     def render(self) -> str:
+        nodes = self.launch["nodes"] if self.launch else 1
         lines = [f"teacher     {self.teacher}" + (f" ({self.source})" if self.source else ""),
                  f"run         dtype {self.dtype}, batch {self.batch_size} x {self.height}x{self.width}x{self.frames} "
                  f"({self.tokens_per_sample} tokens per sample, CFG doubles the forward batch)",
-                 f"machine     {self._nodes()}{self.inventory['describe']}",
+                 f"machine     {f'{nodes} nodes, each: ' if nodes > 1 else ''}{self.inventory['describe']}",
                  f"placement   {self.placement} ({self.expert_order}-major order)"
                  + (", picked by auto" if self.requested == "auto" else ""),
                  "",
@@ -92,10 +93,6 @@ class Plan:
             lines.append(f"time        {NO_STEP_TIME}")
         return "\n".join(lines)
 
-    def _nodes(self) -> str:
-        n = self.launch["nodes"] if self.launch else 1
-        return f"{n} nodes, each: " if n > 1 else ""
-
 
 def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(), inventory: Inventory | None = None,
               max_memory: dict | None = None, device_map: dict | None = None, expert_order: str = "auto") -> Plan:
@@ -120,20 +117,15 @@ def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(
         why = [f"placement {placement} requested"]
         if entry.caps.gpu == "required" and not inv.gpus:
             notes.append(f"{entry.name} needs a CUDA GPU and this inventory has none: it would stop with an error")
-    if expert_order in ("step", "expert") and len(sizes.experts) > 1:
-        order = expert_order
-    if len(sizes.experts) < 2:
-        order = "step"
+    if len(sizes.experts) < 2 or expert_order in ("step", "expert"):
+        order = expert_order if len(sizes.experts) > 1 else "step"
     layout = entry.layout(placements.PlanInput(sizes, needs, inv, order, max_memory, device_map))
     where = layout.where | {"vae": VAE_WHERE}
     notes += layout.notes + _encoder_notes(needs, inv, where["text_encoder"])
-    comps = []
-    for name in ("text_encoder", *sizes.experts, "vae"):
-        c = sizes.components.get(name)
-        if c is not None:
-            comps.append({"name": name, "class": c.cls, "params": c.params, "bytes": c.bytes, "where": where[name],
-                          "blocks": c.blocks, "block_bytes": c.block_bytes, "checkpoint_bytes": c.checkpoint_bytes,
-                          "checkpoint_dtype": c.checkpoint_dtype})
+    comps = [{"name": name, "class": c.cls, "params": c.params, "bytes": c.bytes, "where": where[name],
+              "blocks": c.blocks, "block_bytes": c.block_bytes, "checkpoint_bytes": c.checkpoint_bytes,
+              "checkpoint_dtype": c.checkpoint_dtype}
+             for name in ("text_encoder", *sizes.experts, "vae") if (c := sizes.components.get(name)) is not None]
     return Plan(teacher, shape.dtype, shape.batch_size, shape.height, shape.width, shape.frames,
                 tokens_per_sample(sizes, shape.height, shape.width, shape.frames),
                 asdict(inv) | {"describe": inv.describe()}, placement, placement if entry.caps.json_map else entry.name,
@@ -202,9 +194,7 @@ _NAMED = ("teacher", "revision", "placement")  # in the printed command's first 
 def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: tuple[str, ...] = (),
                     config_file: str | None = None) -> Plan:
     """`wandistiller plan`: the plan for this machine or the one `settings` describes, with stage one's processes
-    and command, the cache's bytes and, for `settings.prompts`, its GPU-hours and wall time. `cfg`: the run planned
-    (PLACEHOLDERS for its prompts and --out); `given`: its settings given as flags, which the printed command passes
-    on with `config_file` (without one, those off their default), so that it writes the cache planned."""
+    and command (passing on `config_file` and the flags `given`), the cache's bytes and its GPU-hours and wall time."""
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, cfg.offload_dir)

@@ -273,5 +273,4 @@ class ExpertSet:
             torch.cuda.empty_cache()
 
     def close(self) -> None:
-        for e in range(1, len(self.models) + 1):
-            self.release(e)
+        self.activate(())

@@ -138,11 +138,8 @@ class TrajectoryRunner:
         else:
             latents, sched = state
         cond = cond.to(self.device, self.dtype)
-        if self.schedule.cfg:
-            uncond = uncond.to(self.device, self.dtype).expand(cond.shape[0], -1, -1)
-            context = torch.cat([cond, uncond])
-        else:
-            context = cond
+        context = torch.cat([cond, uncond.to(self.device, self.dtype).expand(cond.shape[0], -1, -1)]) \
+            if self.schedule.cfg else cond
         b = latents.shape[0]
         for i, t in enumerate(sched.timesteps):
             expert = self.schedule.experts[i]

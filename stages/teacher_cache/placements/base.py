@@ -46,9 +46,7 @@ def default_dtype(device: torch.device) -> str:
 def ranks_per_node() -> int:
     """torchrun processes on this node (they share its GPUs, RAM and disk); 1 without torchrun."""
     env = dist_env()
-    if env.world_size == 1:
-        return 1
-    return int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    return 1 if env.world_size == 1 else int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
 
 
 def check_ranks_fit_gpus(what: str) -> None:

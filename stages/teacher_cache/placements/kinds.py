@@ -85,16 +85,14 @@ class Auto(PlacementKind):
 
     def resolve(self, cfg, spec):
         device = self.execution_device(cfg)
-        dtype = cfg.dtype or default_dtype(device)
-        needs, inv = measure(cfg, spec, dtype, gpus=device.type == "cuda")
+        needs, inv = measure(cfg, spec, cfg.dtype or default_dtype(device), gpus=device.type == "cuda")
         d = placement_choice.decide(needs, inv)
         entry = get(d.placement)
         if dist_env().world_size > 1 and entry.caps.spreads:  # one rank per node: still one teacher per rank
             entry = get(placement_choice.pick(streams="ram"))
         device = entry.execution_device(cfg)
-        dtype = cfg.dtype or default_dtype(device)
-        return entry.placement(cfg, spec, device, dtype, d.expert_order, needs.activations,
-                               reason="; ".join(d.reasons))
+        return entry.placement(cfg, spec, device, cfg.dtype or default_dtype(device), d.expert_order,
+                               needs.activations, reason="; ".join(d.reasons))
 
     def layout(self, x: PlanInput) -> Layout:
         raise RuntimeError("auto has no layout of its own: plan the placement placement_choice.decide picks")
