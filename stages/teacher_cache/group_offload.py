@@ -5,7 +5,6 @@ docs/placements.md ("offload", "disk") gives the measurements behind each level 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -199,15 +198,6 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
     return files
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock file (filelock): the ranks of one node build a folder once, the others wait and reuse it.
-    Checked first as every lock is (`pipeline.lock.open_regular`: never a link, a FIFO or a file with a second name)."""
-    os.close(lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file"))
-    with filelock.FileLock(path):
-        yield
-
-
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
                         log=print) -> Path:
     """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built."""
@@ -215,7 +205,11 @@ def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device
     fp = expert_fingerprint(spec, comp, dtype)
     folder = root / f"{comp}-{fp[:16]}"
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{folder.name}.lock"):
+    # The ranks of one node build a folder once, the others wait and reuse it. The lock file is checked first as
+    # every lock is (`pipeline.lock.open_regular`: never a link, a FIFO or a file with a second name).
+    lock_file = root / f".{folder.name}.lock"
+    os.close(lock.open_regular(lock_file, os.O_RDWR | os.O_CREAT, what="offload lock file"))
+    with filelock.FileLock(lock_file):
         if _folder_ok(folder, fp):
             _remove_stale(root, comp, folder)
             return folder

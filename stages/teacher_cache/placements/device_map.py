@@ -124,10 +124,8 @@ def map_bytes(model: torch.nn.Module, device_map: dict, dtype: torch.dtype) -> d
 
 
 class _DeviceMapPlacement(PlacementKind):
-    """Loading and planning shared by the three: the map of each expert, dispatched by diffusers."""
-
-    def device_map(self, p: Placement, meta: torch.nn.Module) -> dict:
-        raise NotImplementedError
+    """Loading and planning shared by the three: the map of each expert (`device_map`, and `plan_map` for `plan`),
+    dispatched by diffusers."""
 
     def load_expert(self, p, spec, comp, log=print):
         from diffusers import WanTransformer3DModel
@@ -160,9 +158,6 @@ class _DeviceMapPlacement(PlacementKind):
         where = {"text_encoder": f"{main}, {ENCODER_FREED}"} | {e: summary + x.one_at_a_time for e in x.sizes.experts}
         notes = [f"{gib(spill)} of each expert sits on cpu/disk and is moved to the GPU at every forward"] if spill else []
         return Layout(where, resident, spill, notes)
-
-    def plan_map(self, model: torch.nn.Module, x: PlanInput, dtype: torch.dtype) -> dict:
-        raise NotImplementedError
 
 
 class _GpuSpread(_DeviceMapPlacement):
