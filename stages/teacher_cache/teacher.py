@@ -243,6 +243,7 @@ class ExpertSet:
 
     def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
         self.spec, self.placement, self.log = spec, placement, log
+        self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
 
     def __len__(self) -> int:
@@ -269,7 +270,7 @@ class ExpertSet:
             return
         self.models[expert - 1] = None
         gc.collect()
-        if self.placement.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def close(self) -> None:
