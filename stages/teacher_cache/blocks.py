@@ -1,7 +1,5 @@
-"""The trajectory loop's two halves: running a window of blocks through the experts, and packing finished
-blocks into shards (in the writer thread) before recording them as done; and where stage one is (`StageOneProgress`:
-prompts/s, samples/s, bytes written, the projected cache size and the ETA, on the bar, in one log line per shard and,
-with `--report-to tensorboard`, as TensorBoard scalars under CACHE_DIR/parts/part-P/tensorboard)."""
+"""The trajectory loop's two halves: running windows of blocks through the experts, and packing finished blocks into
+shards in the writer thread; and stage one's progress figures (bar, log line per shard, TensorBoard scalars)."""
 
 from __future__ import annotations
 
@@ -37,8 +35,8 @@ def expert_window(batch_size: int, steps: int, latent_numel: int, dtype_bytes: i
 
 
 class StageOneProgress:
-    """Fed by the writer thread (`block`, `shard`); owns the bar's postfix and the optional event writer. The projection
-    is the bytes per sample of the shards so far times the samples of the whole cache."""
+    """Fed by the writer thread (`block`, `shard`). The projected cache size is the bytes per sample of the shards
+    so far times the samples of the whole cache; `--report-to tensorboard` writes under CACHE_DIR/parts/part-P."""
 
     def __init__(self, bar, *, part: int, steps: int, seeds: int, cache_samples: int, shards: list[ShardRecord],
                  tensorboard_dir=None):
@@ -76,8 +74,7 @@ class StageOneProgress:
         self._postfix(self.figures())
 
     def _postfix(self, f: dict[str, float]) -> None:
-        """The bar's figures, set again at every shard (else a part whose one shard closes after its last block ends
-        its bar on `written=0 B`)."""
+        """The bar's figures, set at every shard too (else a one-shard part's bar ends on `written=0 B`)."""
         post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": human(f["bytes_written"])}
         if "projected_cache_bytes" in f:
             post["cache"] = "~" + human(f["projected_cache_bytes"])

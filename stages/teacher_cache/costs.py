@@ -1,8 +1,6 @@
-"""What stage one costs before it runs: prompts x seeds x steps teacher steps, times one step's seconds (from
-`plan --measure`, `--step-time` or `STEP_TABLE`, which docs/costs.md shows too: tests/test_costs.py keeps them equal).
-`plan --measure` times one real step (`TrajectoryRunner.predict`) with the chosen placement on this machine, on noise
-and zero text embeddings, the first expert standing for both.
-"""
+"""What stage one costs before it runs: prompts x seeds x steps teacher steps, times one step's seconds: from
+`plan --measure` (one real step here, the first expert standing for both), `--step-time` or `STEP_TABLE`, which
+docs/costs.md shows too (tests/test_costs.py keeps them equal)."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ class StepTime:
 
 
 def table_step_time(transformer_config: dict, tokens: int, placement: str) -> StepTime | None:
-    """The table's figure for this teacher and placement, scaled by tokens per sample when the size differs (rough:
-    attention grows faster); None without a figure for the teacher's shape or the placement's speed."""
+    """The table's figure for this teacher and placement, scaled by tokens per sample (rough), or None."""
     c = transformer_config
     shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
     fig = next((f for f in STEP_TABLE if f.shape == shape), None)

@@ -1,7 +1,5 @@
-"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`, leaf level) or from a
-folder of one file per block (`disk`), built once per expert from the checkpoint on a meta model.
-docs/placements.md ("offload", "disk") gives the measurements behind each level and the folder's rules.
-"""
+"""Streaming a transformer's weights to where it computes: from CPU RAM (`offload`, leaf level) or from a folder of
+one file per block (`disk`), built once per expert from the checkpoint on a meta model (docs/placements.md)."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def largest_layer_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the largest group leaf-level offloading moves at once: a Linear/Conv/Embedding layer, or the
-    parameters of one module that sit outside such layers (a block's modulation table, norm weights)."""
+    """Bytes of the largest group leaf-level offloading moves at once (a layer, or a module's loose parameters)."""
     dtypes = param_dtypes(model, dtype)
     groups: dict[str, int] = {}
     leaves = {n for n, m in model.named_modules() if isinstance(m, diffusers_private.leaf_layers())}
@@ -262,8 +259,7 @@ def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: t
 
 
 def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Expert `comp` with its weights in CPU RAM, streamed layer by layer to `device` by diffusers leaf-level group
-    offloading (`offload`; the options' reasons: docs/placements.md). On a CPU nothing moves: no hooks."""
+    """Expert `comp` in CPU RAM, streamed layer by layer to a GPU `device` (`offload`: docs/placements.md)."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)

@@ -1,6 +1,5 @@
 """Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left, and
 refuse a run that would not fit its free disk (`check_free`: docs/architecture.md, "The cache").
-
 --out may be someone else's folder: nothing in it is trusted before `refuse_foreign` checks it, and only names the
 cache owns are ever deleted, never through a link (docs/reliability.md, "Folders someone else handed over")."""
 
@@ -221,8 +220,7 @@ def _remove_part(d: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Delete `path` (a folder with everything in it; shutil.rmtree unlinks links, never follows them). What
-    vanished meanwhile is fine; any other failure is a UserError naming what could not be removed."""
+    """Delete `path` (rmtree unlinks links, never follows them); what vanished meanwhile is fine, else a UserError."""
 
     def failed(e: BaseException, where) -> UserError:
         why = getattr(e, "strerror", None) or e
@@ -266,8 +264,7 @@ def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
 
 
 def forget_lost_shards(out: Path, prog: PartProgress) -> None:
-    """Forget the shards this part lists that are gone or have another size (deleted to be rebuilt, as `cache
-    verify` advises) and their blocks, so this run computes them again (a stat per shard, no checksum)."""
+    """Forget the shards this part lists that are gone or resized (deleted to be rebuilt) and their blocks."""
     lost = [s for s in prog.shards
             if not (out / s.path).is_file() or (out / s.path).stat().st_size != s.bytes]
     if not lost:

@@ -1,6 +1,5 @@
-"""The Wan teacher: find and check it (local diffusers folder or hub id), read its configs without weights, and
-load the parts stage one runs (scheduler, text encoder, experts; where the experts' weights go: placements/), and
-encode prompts with the teacher's own `WanPipeline.encode_prompt`."""
+"""The Wan teacher: find and check it (local folder or hub id), read its configs without weights, load the parts
+stage one runs (where the experts' weights go: placements/) and encode prompts with its own `encode_prompt`."""
 
 from __future__ import annotations
 
@@ -199,9 +198,8 @@ def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.devic
 
 def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
                  device: torch.device, batch_size: int = 16, progress: bool = True):
-    """(index of the batch's first prompt, embeddings [b, L, D] in `dtype` zero past each prompt's real length,
-    the lengths [b]) per batch, on the CPU, so memory does not grow with the prompt count. The pipeline's own
-    encode_prompt and tokenizer call: tokenisation, cleaning and padding are exactly the teacher's."""
+    """(index of the batch's first prompt, embeddings [b, L, D] zero past each prompt's length, the lengths [b])
+    per batch, on the CPU; the pipeline's own encode_prompt and tokenizer call, so exactly the teacher's."""
     from diffusers import WanPipeline
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 

@@ -1,8 +1,6 @@
-"""The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__` (same scheduler calls, casts,
-expert switch and CFG formula), the conditional and unconditional passes in one batched forward (halves the weight
-traffic of streamed placements); each step's x_t and guided prediction (the target) are handed on, and the chosen
-blocks' features (`--record-features`: docs/architecture.md, "Feature distillation").
-"""
+"""The teacher's sampling loop, step for step as diffusers' `WanPipeline.__call__`, the conditional and unconditional
+passes in one batched forward (halves a streamed placement's weight traffic); each step's x_t, guided prediction
+(the target) and chosen blocks' features (docs/architecture.md, "Feature distillation") are handed on."""
 
 from __future__ import annotations
 
@@ -127,9 +125,8 @@ class TrajectoryRunner:
     @torch.inference_mode()
     def run(self, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | None, on_step=None,
             experts: tuple[int, ...] | None = None, state=None):
-        """Denoise `noise` [B, C, F, H, W] (float32) with prompt embeddings `cond` [B, L, D]; `on_step(StepRecord)`
-        receives every recorded step. With `experts` only their steps run, and the returned state continues in a
-        later call (expert-major order). Returns (final latents float32 on CPU, state)."""
+        """Denoise `noise` [B, C, F, H, W] (float32) with embeddings `cond` [B, L, D], each recorded step to `on_step`;
+        with `experts`, only their steps, the returned state continuing later. Returns (final latents on CPU, state)."""
         if state is None:
             sched = copy.deepcopy(self.scheduler)
             sched.set_timesteps(self.steps, device=self.device)

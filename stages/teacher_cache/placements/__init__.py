@@ -1,7 +1,5 @@
-"""Where the teacher's weights live while stage one runs: one class per `--placement` (kinds.py: cpu, cuda, offload,
-disk, auto; device_map.py: balanced, sequential and a JSON map), declared in pipeline/registries.py
-(docs/placements.md, "How to add a placement").
-"""
+"""Where the teacher's weights live while stage one runs: one class per `--placement` (kinds.py, device_map.py),
+declared in pipeline/registries.py (docs/placements.md, "How to add a placement")."""
 
 from __future__ import annotations
 

@@ -124,8 +124,7 @@ def map_bytes(model: torch.nn.Module, device_map: dict, dtype: torch.dtype) -> d
 
 
 class _DeviceMapPlacement(PlacementKind):
-    """Loading and planning shared by the three: the map of each expert (`device_map`, and `plan_map` for `plan`),
-    dispatched by diffusers."""
+    """Shared by the three: each expert's map (`device_map`; `plan_map` for `plan`), dispatched by diffusers."""
 
     def load_expert(self, p, spec, comp, log=print):
         from diffusers import WanTransformer3DModel

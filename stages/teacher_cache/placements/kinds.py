@@ -1,6 +1,5 @@
 """The placements that keep each expert whole, on one device or streamed to it (cpu, cuda, offload, disk), and
-`auto` (the default), the planner's pick for this machine (placement_choice.decide). docs/placements.md says where
-each keeps the weights."""
+`auto` (the default), the planner's pick for this machine (placement_choice.decide)."""
 
 from __future__ import annotations
 
