@@ -1,5 +1,4 @@
-"""Stage one: run the teacher once over prompts × seeds × steps and write the cache; `dry_run` (`--dry-run`) and
-`plan_from_flags` (`wandistiller plan`) for the CLI."""
+"""Stage one: run the teacher once over prompts × seeds × steps and write the cache (`run`, `dry_run`, `plan`)."""
 
 from .make_cache import run
 from .part_plan import dry_run

@@ -103,10 +103,9 @@ class StageOneProgress:
 
 
 class BlockSink:
-    """Runs in the writer thread: packs finished blocks into shards, then records them as done. Per shard: rename
-    the tar into place (fsynced), write and fsync its final latents, rewrite progress.json; a crash before the last
-    leaves the blocks not done. The last two (the commit) run in a thread of their own, one at a time, in shard
-    order, an error surfacing at the next `add` or `flush` (docs/architecture.md, "Write path")."""
+    """Runs in the writer thread: per shard, rename the tar into place (fsynced), write and fsync its final latents,
+    rewrite progress.json (a crash before the last: the blocks rerun). The last two (the commit) run in a thread of
+    their own, one at a time, in shard order (docs/architecture.md, "Write path")."""
 
     def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
                  progress: StageOneProgress):
@@ -197,9 +196,8 @@ class BlockSink:
 
 
 def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]], inputs, neg: torch.Tensor):
-    """Run each window of blocks to their last step; yields (block, records, final latents) in block order as each
-    window finishes. phases [None] is step-major; [(1,), (2,)] runs every block's steps of expert 1, then of expert
-    2 (the same records). A SIGTERM stops it after the step in progress or between windows, dropping the window."""
+    """Yields (block, records, final latents) as each window of blocks finishes; phases [None]: step-major, [(1,),
+    (2,)]: expert-major (same records). SIGTERM stops it after the step in progress or between windows."""
     records: dict[int, list[StepRecord]] = {}
 
     def keep(b: int):

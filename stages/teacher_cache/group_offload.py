@@ -60,9 +60,8 @@ def largest_layer_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def meta_transformer(path: Path, comp: str, real_buffers: bool = True) -> torch.nn.Module:
-    """`WanTransformer3DModel` of `path/comp` with its parameters on the meta device. `real_buffers` (the rotary
-    tables, which streaming needs) makes accelerate build each weight on the CPU first: callers that only measure
-    pass False, so the process heap is left as it was."""
+    """`WanTransformer3DModel` of `path/comp` on the meta device; `real_buffers` (the rotary tables, which streaming
+    needs) makes accelerate build each weight on the CPU first, so callers that only measure pass False."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 

@@ -1,6 +1,4 @@
-"""How stage one uses every GPU of the machine `plan` is told about (a process per part, as many per node as the
-placement's capabilities say), and the command that does it (docs/architecture.md, "What `plan` says about a run").
-"""
+"""How stage one uses the machine `plan` is told about, and its command (docs/architecture.md, on `plan`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Stage one's output directory: refuse what is not a cache, clear on --overwrite, tidy what a crash left, and
-refuse a run that would not fit its free disk (`check_free`: docs/architecture.md, "The cache").
---out may be someone else's folder: nothing in it is trusted before `refuse_foreign` checks it, and only names the
-cache owns are ever deleted, never through a link (docs/reliability.md, "Folders someone else handed over")."""
+"""Stage one's output directory: refuse what is not a cache (nothing in --out is trusted before `refuse_foreign`;
+only the cache's own names are deleted, never through a link: docs/reliability.md, "Folders someone else handed
+over"), clear on --overwrite, tidy what a crash left, and refuse a run its free disk cannot hold (`check_free`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Stage one's plan for one part, built the same way for the run and for `teacher-cache --dry-run`: every check a
-run makes before its first weight loads that needs no GPU (docs/architecture.md, "Settings and registries").
-"""
+"""Stage one's plan for one part, for the run and `--dry-run`: every check before the first weight that needs no GPU."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class PartPlan:
 
 
 def resolve_parts(cfg: TeacherCacheConfig, dry: bool = False) -> tuple[int, int, bool]:
-    """(part, num_parts, under torchrun): the flags, else torchrun's rank and world size. The run (not a dry run) also
-    refuses here, before torchrun's process group is set up, a placement this machine's GPUs cannot run."""
+    """(part, num_parts, under torchrun); a run (not a dry run) first refuses a placement its GPUs cannot run."""
     env = dist_env()
     if cfg.num_parts is not None and env.world_size > 1:
         raise UserError("--part/--num-parts cannot be combined with torchrun (each rank is a part already)")

@@ -1,5 +1,4 @@
-"""What `wandistiller plan` prints: where the teacher's weights would live, what each device holds, and (auto)
-why, from configs alone (docs/architecture.md, "What `plan` says about a run")."""
+"""What `wandistiller plan` prints, from configs alone (docs/architecture.md, "What `plan` says about a run")."""
 
 from __future__ import annotations
 
@@ -193,8 +192,7 @@ _NAMED = ("teacher", "revision", "placement")  # in the printed command's first 
 
 def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: tuple[str, ...] = (),
                     config_file: str | None = None) -> Plan:
-    """`wandistiller plan`: the plan for this machine or the one `settings` describes, with stage one's processes
-    and command (passing on `config_file` and the flags `given`), the cache's bytes and its GPU-hours and wall time."""
+    """`wandistiller plan`: the plan, stage one's processes and command, the cache's bytes, GPU-hours and wall time."""
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, cfg.offload_dir)

@@ -112,8 +112,7 @@ def _experts(mi: dict) -> tuple[str, ...]:
 
 
 def configs_spec(root: Path, name: str) -> TeacherSpec:
-    """The teacher's shapes from its configs alone (model_index.json, the experts' and the VAE's configs; no weights,
-    no tokenizer): what `plan`, its sizes and a dry run of a Hub id check the run with (`TeacherSpec.check_sizes`)."""
+    """The teacher's shapes from its configs alone (no weights, no tokenizer), for `plan` and a Hub id's dry run."""
     mi = read_json(root / "model_index.json")
     if mi.get("_class_name") != "WanPipeline":
         raise UserError(f"{root} is a {mi.get('_class_name')!r}, not a WanPipeline")
@@ -181,8 +180,7 @@ def load_scheduler(spec: TeacherSpec):
 
 
 def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.device, model_offload: bool = False):
-    """Tokenizer and UMT5 encoder on `device` (T5 overflows in float16: bfloat16 then). With `model_offload` it
-    stays in CPU RAM and accelerate moves it to the GPU as a whole for each forward."""
+    """Tokenizer and UMT5 encoder on `device` (bf16 for fp16: T5 overflows), or in RAM with `model_offload`."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     enc_dtype = torch.bfloat16 if dtype == torch.float16 else dtype
@@ -236,8 +234,7 @@ def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSe
 
 
 class ExpertSet:
-    """The experts under one placement, indexed like a list (`experts[0]` is expert 1). `activate((2,))` frees
-    expert 1 before it loads expert 2, so expert-major peak memory is one expert."""
+    """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
 
     def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
         self.spec, self.placement, self.log = spec, placement, log

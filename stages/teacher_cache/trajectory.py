@@ -66,8 +66,7 @@ class StepRecord:
 
 
 class FeatureRecorder:
-    """Captures [B, len(blocks), tokens or 1, D] per forward of an expert, by forward hooks that only look (they
-    return nothing: the targets stay bit-identical), from the conditional half of the batch."""
+    """Captures [B, len(blocks), tokens or 1, D] per forward by hooks that only look (targets stay bit-identical)."""
 
     def __init__(self, blocks: tuple[int, ...], matrix: torch.Tensor, pool: str, dtype: torch.dtype):
         self.blocks, self.matrix, self.pool, self.dtype = tuple(blocks), matrix, pool, dtype

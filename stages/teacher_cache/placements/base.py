@@ -1,5 +1,4 @@
-"""What every placement provides (`PlacementKind`), what it resolves to for a run (`Placement`), and the registry
-lookup. A placement never changes the numbers, so the cache fingerprint leaves it out (docs/placements.md)."""
+"""What every placement provides (`PlacementKind`) and resolves to (`Placement`): docs/placements.md."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ class Layout:
 
 class PlacementKind:
     """One `--placement`, declared with its capabilities (`caps`) in pipeline/registries.py; subclasses override what
-    differs (docs/placements.md, "How to add a placement"). Stage one calls `validate` (before torchrun's process
-    group), `check`, `resolve` and `load_expert`; `plan` calls `expert_order` and `layout`."""
+    differs (docs/placements.md, "How to add a placement")."""
 
     def __init__(self, entry: Entry):
         self.name, self.caps = entry.name, entry.caps
