@@ -35,8 +35,7 @@ def expert_window(batch_size: int, steps: int, latent_numel: int, dtype_bytes: i
 
 
 class StageOneProgress:
-    """Fed by the writer thread (`block`, `shard`). The projected cache size is the bytes per sample of the shards
-    so far times the samples of the whole cache; `--report-to tensorboard` writes under CACHE_DIR/parts/part-P."""
+    """Fed by the writer thread (`block`, `shard`); projects the cache from the bytes per sample so far."""
 
     def __init__(self, bar, *, part: int, steps: int, seeds: int, cache_samples: int, shards: list[ShardRecord],
                  tensorboard_dir=None):

@@ -3,6 +3,7 @@ one file per block (`disk`), built once per expert from the checkpoint on a meta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -194,6 +195,14 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
     return files
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive filelock (the ranks of one node build a folder once), its file checked as every lock is."""
+    os.close(lock.open_regular(path, os.O_RDWR | os.O_CREAT, what="offload lock file"))
+    with filelock.FileLock(path):
+        yield
+
+
 def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, root: Path,
                         log=print) -> Path:
     """The offload folder of expert `comp`: reused if complete and made for these weights, else (re)built."""
@@ -201,11 +210,7 @@ def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device
     fp = expert_fingerprint(spec, comp, dtype)
     folder = root / f"{comp}-{fp[:16]}"
     root.mkdir(parents=True, exist_ok=True)
-    # The ranks of one node build a folder once, the others wait and reuse it. The lock file is checked first as
-    # every lock is (`pipeline.lock.open_regular`: never a link, a FIFO or a file with a second name).
-    lock_file = root / f".{folder.name}.lock"
-    os.close(lock.open_regular(lock_file, os.O_RDWR | os.O_CREAT, what="offload lock file"))
-    with filelock.FileLock(lock_file):
+    with _locked(root / f".{folder.name}.lock"):
         if _folder_ok(folder, fp):
             _remove_stale(root, comp, folder)
             return folder

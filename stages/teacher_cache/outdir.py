@@ -248,8 +248,7 @@ def _remove(path: Path) -> None:
 
 
 def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
-    """Delete what a crash of this part left half done: its shards progress does not list and its temporary
-    files; the root's only when no other part writes them meanwhile (`owns_root`)."""
+    """Delete what a crash of this part left half done; the root's temporary files only when it `owns_root`."""
     listed = {s.path for s in prog.shards}
     for f in (out / F.SHARDS_DIR).glob(f"part-{prog.part:05d}-*"):
         if f"{F.SHARDS_DIR}/{f.name}" not in listed:
@@ -285,8 +284,7 @@ def next_shard_index(prog: PartProgress) -> int:
 
 def remaining_bytes(header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
                     samples_per_shard: int) -> tuple[int, int, int]:
-    """(shard bytes, prompt-store bytes, samples) the part still writes (`prog` None: nothing done yet); the store's
-    embeddings at the bound their text allows before encoding, else the final latents still to come."""
+    """(shard bytes, prompt-store bytes, samples) the part still writes, embeddings at their text's bound."""
     done = set(prog.done_blocks) if prog is not None else set()
     todo = [len(b) for i, b in enumerate(blocks) if i not in done]
     recorded = len(recorded_steps(header))

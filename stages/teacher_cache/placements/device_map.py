@@ -38,8 +38,7 @@ def parse_max_memory(text: str | None) -> dict | None:
 
 
 def read_device_map(path: str, check_devices: bool = True) -> tuple[dict, str]:
-    """Load a JSON device map: {module prefix: "cuda:N" | "cpu" | "disk"} -> (accelerate map, its main device);
-    `check_devices=False` (planning for another machine) skips the check that the GPUs exist here."""
+    """A JSON device map -> (accelerate map, main device); `check_devices=False`: planned for another machine."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"device map {p} does not exist; pass a JSON file mapping module prefixes to "
