@@ -113,8 +113,8 @@ def _run_stage(cls, config_file, flags, module: str) -> None:
 def main():
     """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
 
-    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains a
-    DDP student from that cache alone.
+    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the
+    student (on one GPU or many: ddp or fsdp) from that cache alone.
     """
 
 
