@@ -1,14 +1,6 @@
 """Training checkpoints: safetensors weights, the optimizer state, JSON trainer state; atomic, recorded and checked.
-
-A checkpoint is written into `step-NNNNNNNN.<pid>.tmp/` and renamed once every file in it is complete and fsynced,
-with `digests.json` (the size and sha256 of each of its other files, hashed as they are written). `pick` chooses
-what `--resume` restores: the newest checkpoint whose files match its record; damaged ones are named in one warning
-line and left in place (a checkpoint without a record is damaged). No byte of a checkpoint is ever unpickled freely:
-`optimizer.pt` is read with `weights_only=True`, and a sharded (`--strategy fsdp`) checkpoint's DCP index through
-`_IndexUnpickler`, which resolves only the classes DCP writes there (INDEX_GLOBALS); a file that references code is
-refused in one line naming it (`untrusted`). docs/reliability.md has the cases and docs/multi-gpu.md the sharded
-layout.
-"""
+No byte of a checkpoint is ever unpickled freely (`optimizer.pt` with `weights_only=True`, a sharded checkpoint's
+DCP index through `_IndexUnpickler`). docs/reliability.md "Checkpoints", docs/multi-gpu.md for the sharded layout."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Collectives of stage two on plain tensors (no pickled objects): sums, maxima, byte gathers.
-
-Every helper is a no-op for one process, so the same code runs with or without torchrun. NCCL only
-reduces CUDA tensors, so values travel on `device` and come back on the CPU. The barrier is
-`pipeline.runtime.barrier`, shared with stage one.
-"""
+"""Collectives of stage two on plain tensors (no pickled objects): sums, maxima, byte gathers. Each is a no-op
+for one process; values travel on `device` (NCCL reduces CUDA tensors only) and come back on the CPU."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Stage two's training items and loader: a cached sample with its prompt's embedding, read by row.
-
-The loader reads the rows its batch sampler (`epoch.RankBatches`) gives, in that order; worker processes only
-fetch, so the order and the exactly-once guarantee do not depend on their number, and the workers are what reads
-in parallel (each a `SampleReader` and an embedding LRU of its own, opened after the fork).
-"""
+"""Stage two's training items and loader: a cached sample with its prompt's embedding, read by row in the order
+the batch sampler (`epoch.RankBatches`) gives; the workers only fetch (each with its own reader and LRU)."""
 
 from __future__ import annotations
 

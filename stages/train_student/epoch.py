@@ -1,11 +1,5 @@
-"""Stage two's epoch: the exact order of an epoch's samples over the ranks, and its batches.
-
-Every sample once per epoch, equal micro-steps on every rank, a function of (seed, epoch) and the data alone (never
-of the world size or the batch), so a run resumes at any optimizer step exactly. Rank r of W takes positions r, r+W,
-r+2W, ... of the epoch's permutation, so a micro-step's union over the ranks is exactly the window a one-process run
-with the same global batch would take. A grouped order (`--order`) takes the samples of consecutive prompts of a
-store together, so the embedding LRU reads each prompt once per epoch.
-"""
+"""Stage two's epoch: the exact order of an epoch's samples over the ranks, and its batches
+(docs/architecture.md "The epoch order")."""
 
 from __future__ import annotations
 

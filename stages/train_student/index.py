@@ -1,9 +1,5 @@
-"""Stage two's data set: the caches checked and indexed once before training, and the train / held-out split.
-
-The work is split over the ranks (each scans every W-th shard, crc32c and member offsets in one sequential read, and
-checks a share of the prompt rows) and the results summed across ranks, so a corrupt cache is refused by every rank
-with the same message before any step runs.
-"""
+"""Stage two's data set: the caches checked and indexed once before training (the work split over the ranks,
+the results summed, so every rank refuses a corrupt cache alike), and the train / held-out split."""
 
 from __future__ import annotations
 

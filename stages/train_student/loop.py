@@ -1,13 +1,6 @@
-"""The training loop: the objective's loss on cached samples (objective_base.py), AdamW with warmup + cosine,
-clipping, accumulation, autocast, EMA (diffusers' EMAModel), held-out evaluation, validation by sampling
-(validation.py), metrics (metrics.jsonl and the tracker of tracking.py) and checkpoints.
-
-Loss scaling: every optimizer step's loss is the mean over *all* its samples on all ranks. Each rank
-backpropagates sum(per-sample loss) x world / samples_in_step; DDP averages gradients over the world (FSDP's
-reduce-scatter averages them too), which gives exactly sum over all samples / samples_in_step: the gradient a
-single process computes with the same global batch, even when an epoch's last batch is short or empty on some
-ranks. How the student is laid over the ranks (wrapping, gradient sync, checkpoints) is strategy.py's.
-"""
+"""The training loop (`Trainer`): the objective's loss, AdamW with warmup + cosine, clipping, accumulation,
+autocast, EMA, held-out evaluation, validation, metrics and checkpoints. The loss scaling over ranks:
+docs/architecture.md "Stage two: train-student"."""
 
 from __future__ import annotations
 

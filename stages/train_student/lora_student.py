@@ -1,14 +1,5 @@
-"""The LoRA student kind (`train-student --lora-of TEACHER`, docs/lora.md): the teacher's own transformer(s), frozen,
-each with a peft LoRA adapter, trained from the cache alone with the usual objectives; `LoraStudent` is student.py's
-`StudentKind` for it. One model is in memory (the frozen base plus small adapters) and no teacher forward runs.
-
-Two experts (Wan 2.2 A14B): each sample goes to the expert WanPipeline runs at its timestep (pipeline/lora_experts.py),
-and before the first step `check` refuses a cache whose recorded expert of some step is not the one this rule picks,
-so each adapter learns only from the samples its own expert produced. `--lora-experts 1|2` trains one expert alone.
-Checkpoints hold the adapters alone; the base is read again from the teacher at every start, and its identity (the
-hashes stage one fingerprints the teacher with) is part of the run identity, so a resume on other base weights is
-refused.
-"""
+"""The LoRA student kind (`train-student --lora-of TEACHER`): the teacher's own transformer(s), frozen, each with
+a peft LoRA adapter; docs/lora.md and docs/architecture.md "The student kind"."""
 
 from __future__ import annotations
 

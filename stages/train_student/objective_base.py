@@ -1,11 +1,5 @@
-"""What every distillation objective is (`Objective`) and what stage two checks before the first step.
-
-An objective declares the cache fields it reads (names from `cache/schema.py`) and the model outputs it needs, may
-add trainable modules (projection heads) that are checkpointed and resumed with the student but never exported, and
-turns one forward of the student into per-sample loss terms. Each is declared in pipeline/registries.py (OBJECTIVES:
-name, help, settings, import path, capabilities); the implementations are in objective_velocity.py and
-objective_feature.py.
-"""
+"""What every distillation objective is (`Objective`) and what stage two checks before the first step
+(docs/architecture.md "Objectives")."""
 
 from __future__ import annotations
 

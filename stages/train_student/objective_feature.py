@@ -1,13 +1,5 @@
-"""`velocity+feature`: the teacher's prediction plus its hidden states (feature distillation, offline).
-
-Stage one stored, for every sample, the outputs of chosen teacher blocks on the conditional branch, times a
-fixed projection to `feature_dim` (cache/feature_projection.py), optionally pooled over tokens. Each pair S:T of
-`--feature-pairs` maps student block S onto recorded teacher block T through a learned linear head from the
-student's width to `feature_dim` (pooled like the cache), and adds `--feature-weight` x the mean over pairs
-of the MSE between the two to the velocity loss. The heads are checkpointed and resumed with the student
-and never exported. The sample's features come from the expert that ran its step, so both experts of
-Wan 2.2 teach through the same pairs.
-"""
+"""`velocity+feature`: the teacher's prediction plus its hidden states (docs/architecture.md "Feature
+distillation")."""
 
 from __future__ import annotations
 

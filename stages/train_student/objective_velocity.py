@@ -1,9 +1,5 @@
-"""Distillation objectives: what stage two teaches the student, chosen by `train-student --objective NAME`.
-
-Each is a subclass of `Objective` (objective_base.py) whose `Config` is its settings dataclass, declared in
-pipeline/registries.py (OBJECTIVES) with this module's path. Stage two checks its declarations against the cache
-before the first step, records it and its settings in distill.json, and is otherwise the same for every objective.
-"""
+"""Distillation objectives: what stage two teaches the student (`train-student --objective NAME`), each an
+`Objective` subclass declared in pipeline/registries.py (docs/architecture.md "Objectives")."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""What a resume may change: the run identity, one typed record, and the one place that decides (`resume_problem`).
-
-A resume continues the run its checkpoint holds, and ends bit-equal to that run uninterrupted. So it keeps every
-setting that changes what is computed: `RunIdentity`, saved as every checkpoint's trainer state's `extra` (its keys
-are the JSON keys; a field left None is left out), each field naming what it is and the flags that set it. A setting
-outside it may change: how long the run is (--max-steps, --epochs: said in one line, `length_note`, since the
-learning-rate schedule follows the new length; never below the checkpoint's step), and what does not touch the
-weights (--checkpoint-every, --keep-checkpoints, --eval-every, --log-every, --val-*, --report-to, --num-workers,
---verify, --device, --gradient-checkpointing, --collective-timeout-s, the number of ranks at the same global batch).
---strategy is the checkpoint's format: a resume keeps it too.
-"""
+"""What a resume may change: the run identity, one typed record, and the one place that decides (`resume_problem`);
+docs/architecture.md "What a resume keeps"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """How stage two lays the student over the ranks (`train-student --strategy`): the one module a new strategy
-starts in (docs/multi-gpu.md has the arithmetic and usage).
-
-`ddp` (the default) keeps a whole student on every rank and DDP averages the gradients. `fsdp` shards weights,
-gradients, AdamW moments and EMA over the ranks with PyTorch FSDP2 (`fully_shard`: one unit per transformer block
-and one, the root, for the rest; a unit's full weights exist only while it runs). The same under every strategy:
-the epoch plan, the loss scaling, AdamW, the EMA rule and the run artifact. What differs is one method each below.
-The objective's heads stay whole on every rank under both. What differs by student kind (compact or LoRA: fsdp's
-units and bf16 policy, what a checkpoint keeps, what rank 0 gathers to save) is the kind's (student.py), given to wrap.
-
-How to add a strategy: subclass `Strategy`, implement the methods, declare it in `pipeline/registries.py`
-(STRATEGIES: name, help, this module's path, its `StrategyCaps`), and test it as tests/test_fsdp.py does (two gloo
-processes equal one process; kill and resume bit-equal).
-"""
+starts in. docs/architecture.md "Strategies" and "Extension points", docs/multi-gpu.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The student kind (`StudentKind`, docs/architecture.md "The student kind"): all stage two knows of what it trains,
-chosen once from the config by `student_kind`; nothing else asks which kind it is. Two variants: `CompactStudent`
-here (`--student-config`: a small `WanTransformer3DModel` built from a JSON config, checked against the cache,
-optionally initialised from a subset of the teacher's blocks read lazily from safetensors), and `LoraStudent`
-(lora_student.py, `--lora-of TEACHER`: the teacher's frozen transformer(s) with peft adapters). What trains is
-`trained_parameters` for both (the parameters with gradients)."""
+"""The student kind (`StudentKind`, docs/architecture.md "The student kind"): `CompactStudent` here
+(`--student-config`), `LoraStudent` in lora_student.py; `trained_parameters` is what trains for both."""
 
 from __future__ import annotations
 

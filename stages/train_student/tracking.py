@@ -1,11 +1,5 @@
-"""Experiment trackers: the run's curves in TensorBoard or Weights & Biases, beside metrics.jsonl.
-
-A tracker receives each metrics.jsonl record as it is written (`Trainer.log`), on rank 0 only (the others get
-`NullTracker`); one rule maps a record to scalars (`scalars`): every number of a record of type T is the scalar
-`T/<key>` at the record's step (a dict of numbers becomes `T/<key>/<name>`). Both backends use their library's own
-writer, configured by its own environment (WANDB_MODE=offline, ...). A resumed run continues one curve: TensorBoard
-purges what a killed run logged after the checkpoint (`purge_step`), W&B continues the id in OUT/wandb-run.json.
-"""
+"""Experiment trackers: the run's curves in TensorBoard or Weights & Biases, beside metrics.jsonl, on rank 0
+(docs/usage.md "Watch a run" has the scalar names and how a resumed run continues its curve)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Stage two: setup → fit → validate → save. A student trained from the cache alone.
-
-No teacher and no text encoder are ever loaded here: the targets and the prompt embeddings are read
-from the cache (`--init-from-teacher` reads a few tensors of the teacher's weight files, nothing more).
-Under torchrun every rank runs this; rank 0 alone writes shared files.
-"""
+"""Stage two: setup → fit → validate → save, a student trained from the cache alone (no teacher or text encoder
+is loaded). Under torchrun every rank runs this; rank 0 alone writes shared files."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""`train-student --dry-run`: what a run costs, from steps measured on this machine, before it runs.
-
-train.py makes the run's plan (train_plan.py: the caches checked by size, the epoch plan) and builds the student,
-wrapped by the strategy, with its optimizer, as for a real run, and hands both here instead of training. Two
-optimizer steps run on real batches from the cache through the Trainer's own `step`: the first warms up (kernels,
-the allocator, the loader's workers), the second is timed. Then the report: parameters, training-state bytes by the arithmetic of docs/multi-gpu.md,
-the measured peak memory per GPU, samples/s, and the run's projected time. Nothing is written to --out: the
-Trainer's metrics file goes to a temporary folder, and no checkpoint, student or lock is made.
-"""
+"""`train-student --dry-run`: what a run costs, from two optimizer steps measured on this machine through the
+Trainer's own `step` (the first warms up, the second is timed); nothing is written to --out. docs/usage.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Stage two's plan: everything `train-student` decides before it builds anything, made once by `make_plan`.
-
-The run executes the plan and `--dry-run` measures it (train_dry_run.py): the caches checked against the student
-config and the objective, and indexed; the exact epoch plan and the run's length; the run identity a resume must
-match (run_identity.py); the strategy that lays the student over the ranks. Every check here is the run's and the
-dry run's alike.
-"""
+"""Stage two's plan: everything `train-student` decides before it builds anything, made once by `make_plan`;
+the run executes it and `--dry-run` measures it, so every check here is both's."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Validation by sampling, teacher-free: every --val-every steps rank 0 (every rank under fsdp, whose forward is a
-collective; rank 0 alone logs) samples the student on the first --val-max-prompts held-out prompts from the cache's
-initial noise and prompt embeddings, with the steps and scheduler distill.json records, through `pipeline.sampling`
-(the sampler `eval` uses), and compares the final latents with the teacher's cached ones: `final_latent_mse`.
-
-With --val-decode the teacher's VAE, and nothing else of the teacher, is loaded once on rank 0, in float32, and
-kept in CPU memory between validations; it visits the training device only while it decodes, one latent at a
-time. Its cost: the weights (Wan 2.1's VAE, which the A14B and 1.3B/14B teachers use: 126.9M parameters,
-484 MiB; Wan 2.2 TI2V-5B's: 704.7M, 2.6 GiB) plus one frame's decoder activations (measured on the CPU at
-480x832: about 3.3 GiB) on the device during validation. Which VAE: `vae_folder` (nothing is downloaded because a
-cache's manifest, whose teacher fields its fingerprint does not cover, names a teacher).
-"""
+"""Validation by sampling, teacher-free (`final_latent_mse`, and with --val-decode the teacher's VAE alone);
+docs/usage.md "Watch a run" and docs/architecture.md "The run artifact" have what it runs and costs."""
 
 from __future__ import annotations
 
