@@ -114,8 +114,7 @@ def as_os_error(e: Exception, path: Path) -> OSError | None:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file; a failed write (full disk, quota) raises the OSError it is, which the CLI
-    turns into one line, instead of a SafetensorError and a traceback."""
+    """safetensors' save_file; a failed write (full disk, quota) raises the OSError it is (one line from the CLI)."""
     try:
         save_file(tensors, path)
         honour_umask(path)  # (safetensors writes 0600: colleagues could not read the checkpoint)
@@ -170,10 +169,6 @@ def _torch_save(obj, path: Path) -> dict:
         raise OSError(e.errno, e.strerror, str(path)) from e  # the final flush, on close
 
 
-def _state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-
-
 def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
          ema: dict[str, torch.Tensor] | None, optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
          heads: torch.nn.Module | None = None) -> Path:
@@ -188,15 +183,12 @@ def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor]
     # fsync release the GIL): the digests cost little more than the slowest of the two.
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = {}
-        save_tensors(model_state, tmp / MODEL)
-        pending[MODEL] = pool.submit(_fsync_and_digest, tmp / MODEL)
-        fault_point("in_checkpoint")
-        if ema is not None:
-            save_tensors({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA)
-            pending[EMA] = pool.submit(_fsync_and_digest, tmp / EMA)
-        if heads is not None:
-            save_tensors(_state_dict(heads), tmp / HEADS)
-            pending[HEADS] = pool.submit(_fsync_and_digest, tmp / HEADS)
+        for name, tensors in ((MODEL, model_state), (EMA, ema), (HEADS, heads and heads.state_dict())):
+            if tensors is not None:
+                save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / name)
+                pending[name] = pool.submit(_fsync_and_digest, tmp / name)
+            if name == MODEL:
+                fault_point("in_checkpoint")
         optimizer_digest = _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         files = {name: f.result() for name, f in pending.items()}
     files[OPTIMIZER] = optimizer_digest
@@ -227,10 +219,8 @@ def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], 
 
 def save_sharded(out: str | os.PathLike, step: int, state_dict: dict, trainer_state: dict, keep: int, env: DistEnv,
                  device: torch.device) -> None:
-    """Write checkpoint `step` of a sharded run; every rank calls this. Each rank writes its part of `state_dict`
-    (DTensors as their local shards, plain tensors once) into SHARDED/ through torch.distributed.checkpoint and
-    hashes the files it wrote (in parallel over the ranks); rank 0 records them all and renames the folder into
-    place as `save` does. Ends with a barrier: the checkpoint is in place (or the job failed) on every rank."""
+    """Write checkpoint `step` of a sharded run; every rank calls this, writes and hashes its shards of `state_dict`
+    into SHARDED/, and rank 0 records them all and renames the folder into place as `save` does. Ends with a barrier."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(out) / CHECKPOINTS
@@ -275,16 +265,12 @@ INDEX_GLOBALS = frozenset({
 })
 
 
-def _is_dtype(module: str, name: str) -> bool:
-    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-
-
 class _IndexUnpickler(pickle.Unpickler):
     """pickle's Unpickler resolving INDEX_GLOBALS and torch dtypes only: anything else a pickle names (a function to
     call, a class to build) raises `Untrusted` before it is imported, so nothing of it runs."""
 
     def find_class(self, module: str, name: str):
-        if (module, name) in INDEX_GLOBALS or _is_dtype(module, name):
+        if (module, name) in INDEX_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return super().find_class(module, name)
         raise Untrusted(f"{module}.{name}")
 
@@ -309,10 +295,9 @@ _VALUES_HOLDS = "only tensors, numbers and containers"
 
 
 def read_index(path: Path):
-    """The DCP index (`Metadata`) of sharded checkpoint `path`, unpickled by `_IndexUnpickler` and checked: every
-    stored item is a file directly in SHARDED/ with a plain offset and length, and no stream transform (DCP's
-    extensions, which train-student never uses). UserError (`untrusted`) for a reference to anything else; ValueError
-    with the reason for an index that does not read as one (damage)."""
+    """The DCP index of sharded checkpoint `path`, unpickled by `_IndexUnpickler` and checked: every item a file
+    directly in SHARDED/ with a plain offset and length, no stream transform (DCP's extensions, never used here).
+    UserError (`untrusted`) for a reference to anything else; ValueError for an index that does not read (damage)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     name = f"{SHARDED}/{SHARDED_INDEX}"
@@ -341,6 +326,7 @@ def sharded_keys(path: Path, index=None) -> set[str]:
     """The top-level keys (DCP_MODEL, DCP_OPTIMIZER, DCP_EMA) held by sharded checkpoint `path` (its `read_index`)."""
     index = read_index(path) if index is None else index
     return {k.split(".", 1)[0] for k in index.state_dict_metadata}
+
 
 
 def _dcp_reader(path: Path, index):
@@ -373,10 +359,8 @@ def _safe_planner():
 
 
 def load_sharded(path: Path, state_dict: dict, index=None) -> None:
-    """Fill `state_dict` in place from sharded checkpoint `path`; every rank calls this with its own tensors
-    (DTensors laid out as they are trained: DCP reads each rank's slice, whatever world size wrote it). The index is
-    `read_index`'s (given, or read here) and every value is read without running pickled code; a shard file that
-    holds any is refused (`untrusted`) on every rank."""
+    """Fill `state_dict` (this rank's tensors, laid out as trained) in place from sharded checkpoint `path`, with
+    `read_index`'s index and no pickled code run: a shard file that holds any is refused (`untrusted`) on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -415,9 +399,7 @@ def complete(out: str | os.PathLike) -> list[Path]:
 
 def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
     """Keep the newest `keep` complete checkpoints at or before `step`; remove leftovers of interrupted writes.
-
-    Checkpoints past `step` can only be damaged ones that a resume skipped (`pick`): they are left alone
-    (the run writes those steps again) and do not count, so they never push a sound checkpoint out."""
+    Those past `step` (damaged ones a resume skipped, written again) are left alone and not counted."""
     found = [d for d in complete(out) if step is None or int(_NAME.match(d.name).group(1)) <= step]
     for d in found[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
@@ -490,15 +472,6 @@ def _check_recorded(path: Path, files: dict[str, dict]) -> str | None:
     return None
 
 
-def _load_optimizer(path: Path, device) -> dict:
-    """`optimizer.pt` of checkpoint `path`, read with weights_only=True; one that references anything but tensors,
-    numbers and containers is refused (`untrusted`), without torch's advice to load it with weights_only=False."""
-    try:
-        return torch.load(path / OPTIMIZER, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise untrusted(path, OPTIMIZER, _pickled_global(e), _VALUES_HOLDS) from None
-
-
 def check(path: Path) -> str | None:
     """Why checkpoint folder `path` may not be resumed from (one file and what is wrong with it); None when it may."""
     if not (path / DIGESTS).exists():
@@ -522,9 +495,9 @@ def check(path: Path) -> str | None:
 
 
 def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
-    """What `--resume` restores: (the newest sound checkpoint, lines to print about the choice), (None, []) when
-    there is no checkpoint at all. Every folder with a final name is a candidate, newest first, so a checkpoint
-    whose trainer_state.json was deleted is reported, not silently passed over. UserError when none is sound."""
+    """What `--resume` restores: (the newest sound checkpoint, lines to print about the choice), (None, []) without
+    any. Every folder with a final name is a candidate (one without trainer_state.json is reported as damaged)."""
+
     root = Path(out) / CHECKPOINTS
     found = sorted((int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()) \
         if root.is_dir() else []
@@ -553,6 +526,10 @@ def load(path: Path, load_model: Callable[[dict[str, torch.Tensor]], None], opti
     load_model(load_file(path / MODEL))
     if heads is not None:
         heads.load_state_dict(load_file(path / HEADS), strict=True)
-    optimizer.load_state_dict(_load_optimizer(path, device))
+    try:  # weights_only: anything but tensors, numbers and containers is refused, without torch's advice
+        optim_state = torch.load(path / OPTIMIZER, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise untrusted(path, OPTIMIZER, _pickled_global(e), _VALUES_HOLDS) from None
+    optimizer.load_state_dict(optim_state)
     ema = load_file(path / EMA) if (path / EMA).is_file() else None
     return read_state(path), ema

@@ -59,10 +59,8 @@ def maybe_fail(rank: int, step: int) -> None:
 
 def make_ema(model: torch.nn.Module, decay: float, shadow: dict[str, torch.Tensor] | None = None,
              updates: int = 0) -> EMAModel:
-    """diffusers' EMAModel over the student's parameters, with its warmup of the decay (the first update copies
-    the weights, then min(decay, (1+n)/(10+n))) so short runs are not dominated by the random initialisation.
-    `shadow` (by parameter name) and `updates` restore a checkpoint's EMA. Only the trained parameters are averaged
-    (a LoRA student's frozen base would be a second copy of the teacher)."""
+    """diffusers' EMAModel over the trained parameters (a LoRA student's frozen base would be a second copy of the
+    teacher), with its warmup of the decay; `shadow` (by parameter name) and `updates` restore a checkpoint's EMA."""
     named = trained_parameters(model)
     ema = EMAModel([p for _, p in named], decay=decay, min_decay=0.0, update_after_step=0, use_ema_warmup=False,
                    foreach=True)
@@ -70,11 +68,6 @@ def make_ema(model: torch.nn.Module, decay: float, shadow: dict[str, torch.Tenso
         ema.shadow_params = [shadow[k].to(p.device, p.dtype).clone() for k, p in named]
         ema.optimization_step = updates
     return ema
-
-
-def ema_tensors(ema: EMAModel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The EMA weights by parameter name (what checkpoints store)."""
-    return {k: s for (k, _), s in zip(trained_parameters(model), ema.shadow_params)}
 
 
 @dataclass
@@ -216,9 +209,8 @@ class Trainer:
             self.last_eval = loss
 
     def validate(self) -> None:
-        """Rank 0 samples the held-out prompts (validation.py) and logs the final-latent error; the other ranks
-        go straight on to the next step, whose collectives wait for rank 0 only as long as the sampling takes.
-        With EMA the EMA weights are sampled, as `eval` would. A failure is one warning line, never the run's end."""
+        """Rank 0 samples the held-out prompts (validation.py; the EMA weights with EMA, as `eval` would) while the
+        other ranks go on to the next step. A failure is one warning line, never the run's end."""
         if self.validator is None:
             return
         swap = self.ema is not None
@@ -247,7 +239,7 @@ class Trainer:
                                       "strategy": self.strategy.name, "total": self.total}  # (the run's length)
         state["extra"] = self.identity.to_json()
         # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
-        ema = ema_tensors(self.ema, self.model) if self.ema else None
+        ema = dict(zip((k for k, _ in trained_parameters(self.model)), self.ema.shadow_params)) if self.ema else None
         self.strategy.save_checkpoint(self.out, self.state.step, ema, self.optimizer, state, self.cfg.keep_checkpoints)
         if self.env.is_main:
             plot_losses(self.out)
@@ -335,8 +327,7 @@ class Trainer:
         return loss, float(grad_norm), count, terms
 
     def fit(self) -> TrainState:
-        """Train from the current state to `total` steps, epoch after epoch; a fresh run evaluates and validates
-        first, every run last. Logs are closed on the way out, failed or not."""
+        """Train from the current state to `total` steps; a fresh run evaluates and validates first, every run last."""
         st = self.state
         if st.step == 0:
             self.log_eval()
@@ -377,8 +368,7 @@ class Trainer:
             st.epoch_step = 0
 
     def _take_step(self, loader_iter, pace: _Pace) -> tuple[float, float, float, dict[str, float]]:
-        """The next optimizer step at its scheduled learning rate, counted in the state and the pace; returns
-        (loss, lr, grad norm, terms)."""
+        """The next optimizer step at its scheduled learning rate; returns (loss, lr, grad norm, terms)."""
         st = self.state
         maybe_fail(self.env.rank, st.step + 1)
         fault_point("train_step")
@@ -414,16 +404,16 @@ class Trainer:
     def _at_step_boundary(self) -> None:
         """What is due between two steps: evaluation, validation, a checkpoint, and the stop a SIGTERM asks for.
         None of it after the last step, where fit's own ending takes over."""
-        cfg, st = self.cfg, self.state
-        if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < self.total:
+        cfg, step = self.cfg, self.state.step
+        if step >= self.total:
+            return
+        if cfg.eval_every and step % cfg.eval_every == 0:
             self.log_eval()
-        if cfg.val_every and st.step % cfg.val_every == 0 and st.step < self.total:
+        if cfg.val_every and step % cfg.val_every == 0:
             self.validate()
-        if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < self.total:
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
-        # Stop here if any rank got a SIGTERM (one collective per step under torchrun, so all ranks stop at the
-        # same step). After the last step the run just finishes.
-        if st.step < self.total and signals.agree(self.device):
+        if signals.agree(self.device):  # any rank's SIGTERM (one collective a step: all ranks stop at this one)
             self.stop()
 
     def write_debug(self, param_sha: str) -> None:

@@ -63,9 +63,8 @@ class Strategy:
 
     def wrap(self, model: torch.nn.Module, heads: torch.nn.Module | None,
              student: StudentKind) -> torch.nn.Module | None:
-        """Move the student (built on the CPU) and the heads to the device, laid out as this strategy trains them.
-        Called before the optimizer is built, which must see the final parameters. Returns the module the loop
-        runs forward and backward through, None when that is the student itself."""
+        """Lay the student (built on the CPU) and the heads on the device as this strategy trains them, before the
+        optimizer is built; returns the module the loop runs forward and backward through (None: the student)."""
         raise NotImplementedError
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
@@ -103,17 +102,15 @@ class Strategy:
         raise NotImplementedError
 
     def weights_sha(self) -> str:
-        """sha256 of the student's full weights, the same on every rank (checking they agree where they are
-        replicated)."""
+        """sha256 of the student's full weights, the same on every rank (checked to agree where replicated)."""
+
         raise NotImplementedError
 
 
 class DDP(Strategy):
     """A full replica per rank; DistributedDataParallel averages the gradients (no wrapping for one process)."""
 
-    def __init__(self, env: DistEnv, device: torch.device, mixed: torch.dtype | None):
-        super().__init__(env, device, mixed)
-        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None
 
     def wrap(self, model, heads, student):
         self.model, self.heads, self.student = model.to(self.device), heads, student
@@ -156,13 +153,8 @@ class DDP(Strategy):
 
     @contextlib.contextmanager
     def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:
-        if not self.env.is_main:
-            yield None
-        elif ema is None:
-            yield self.model
-        else:
-            with self.ema_weights(ema):
-                yield self.model
+        with self.ema_weights(ema) if ema is not None and self.env.is_main else contextlib.nullcontext():
+            yield self.model if self.env.is_main else None
 
     def weights_sha(self) -> str:
         sha = state_sha(self.model.state_dict())
@@ -217,9 +209,7 @@ class FSDP(Strategy):
     def inference(self):
         # Under the bf16 policy the gathered weights are bf16 whatever runs them: float inputs need autocast
         # (the training step has it); under ddp the sampler runs in the weights' float32 (a LoRA student: as ddp).
-        if self.policy:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.policy else contextlib.nullcontext()
 
     def _shards(self) -> list[torch.nn.Parameter]:
         """The student's parameters as the shards they are trained as. The root unit keeps its full weights after

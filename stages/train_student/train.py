@@ -67,9 +67,8 @@ def _cannot_write(e: BaseException, out: Path) -> UserError | None:
 
 
 def _device(cfg: TrainStudentConfig, env: DistEnv) -> torch.device:
-    """This rank's training device. The CPU (`--device cpu`, or auto without CUDA) never initialises CUDA.
-    On CUDA each rank takes its LOCAL_RANK GPU; more ranks on this node than GPUs are refused before any rank
-    touches one (counting GPUs does not initialise CUDA)."""
+    """This rank's training device: the CPU never initialises CUDA; on CUDA its LOCAL_RANK GPU, more ranks on this
+    node than GPUs refused before any rank touches one (counting GPUs does not initialise CUDA)."""
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -132,9 +131,7 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
 
 
 def _build(p: TrainPlan, fresh: bool) -> Parts:
-    """The student (same seed on every rank; DDP also broadcasts rank 0's weights when it wraps) placed by the
-    strategy, the objective's heads, the optimizer and the fp16 scaler, and the module the loop runs (the DDP
-    wrapper, or None: the student itself)."""
+    """The student (same seed on every rank) placed by the strategy, the objective's heads, optimizer and scaler."""
     cfg, env = p.cfg, p.env
     model = p.student.build(cfg.seed, p.mixed or torch.float32)
     if cfg.init_from_teacher and fresh and (env.is_main or not p.strategy.syncs_init):
@@ -158,9 +155,8 @@ def _build(p: TrainPlan, fresh: bool) -> Parts:
 
 
 def _pick_checkpoint(p: TrainPlan) -> Path | None:
-    """The checkpoint `--resume` restores: the newest sound one (checkpoint.pick). Rank 0 alone reads and hashes
-    the checkpoints and every rank takes its choice, so all ranks resume from the same one; when none is sound,
-    every rank raises the same one-line UserError."""
+    """The checkpoint `--resume` restores (checkpoint.pick): rank 0 alone reads and hashes the checkpoints and every
+    rank takes its choice, or raises its one-line UserError."""
     choice: dict = {}
     if p.env.is_main:
         try:
@@ -190,8 +186,8 @@ def _finished(saved: dict, p: TrainPlan) -> bool:
 
 
 def _resume(ckpt: Path, p: TrainPlan, parts: Parts) -> tuple[TrainState, dict | None]:
-    """Restore checkpoint `ckpt` (checked by `check_resumable`); returns (state, EMA tensors)."""
-    saved, ema_state = p.strategy.load_checkpoint(ckpt, parts.optimizer)
+    saved, ema_state = p.strategy.load_checkpoint(ckpt, parts.optimizer)  # (checked by `check_resumable`)
+
     state = TrainState(**{k: saved[k] for k in ("step", "epoch", "epoch_step", "samples", "wall_s")})
     if saved["world_size"] == p.env.world_size:
         checkpoint.set_rng_state(saved["rng"][p.env.rank])
@@ -205,10 +201,8 @@ def _resume(ckpt: Path, p: TrainPlan, parts: Parts) -> tuple[TrainState, dict | 
 
 
 def _save(p: TrainPlan, ema, state: TrainState) -> None:
-    """The EMA student, the distillation record, the loss curve, then the student in diffusers format.
-    student/ is renamed into place last, so it exists only when the run finished: a kill before that leaves
-    an OUT that `--resume` completes and `sample` refuses, never a raw student without its EMA or record.
-    The strategy hands rank 0 the full weights (ddp: the student itself, the EMA swapped in for its save)."""
+    """The EMA student, the distillation record, the loss curve, then student/, renamed into place last: a kill
+    before it leaves an OUT that `--resume` completes and `sample` refuses, never a student without its record."""
     main = p.env.is_main
     if ema is not None:
         with p.strategy.full_model(ema) as full:
