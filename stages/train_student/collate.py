@@ -10,11 +10,8 @@ from pipeline.torch_private import shared_bytes
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's memory as a flat numpy uint8 array (any dtype, bfloat16 included), for copies.
-
-    collate copies with numpy, never torch: torch spreads a copy over its intra-op threads, which on a busy
-    machine (loader in the training process, other jobs on the cores) wait on each other ~100x longer than the
-    copy takes (bench/real_size.py, `--num-workers 0` on 2 loaded cores: 10.7 ms vs 0.07 ms a batch field)."""
+    """A contiguous tensor's memory as a flat numpy uint8 array (any dtype), for copies. collate copies with numpy,
+    never torch: torch's intra-op threads wait on each other on a busy machine (docs/architecture.md "Batches")."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
@@ -31,16 +28,10 @@ def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def collate(items: list[dict]) -> dict:
-    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors,
-    and the per-sample metadata as tensors.
+    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors
+    (stacked and padded once, on the device, by `to_device` / `padded_context`; a loader worker's in one buffer of
+    shared memory), and the per-sample metadata as tensors."""
 
-    Nothing is stacked here: in the training process the lists hold the tensors the reads made (views of the
-    read buffers), and `to_device` / `padded_context` lay them out once, where the batch is used (on the device,
-    where the embeddings are also padded with zeros to `max_len`, as WanPipeline pads them). An A14B batch of 8
-    is ~3 MB of latents and ~4 MB of real tokens, which stacking (and padding to the batch's longest prompt: ~9 MB)
-    would copy once more on the loader's core. A loader worker copies
-    them into one buffer in shared memory, which the training process then maps without a copy.
-    """
     names = list(items[0]["fields"])
     tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
     if get_worker_info() is not None:

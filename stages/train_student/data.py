@@ -106,11 +106,9 @@ def segment_velocity(x_k: torch.Tensor, x_end: torch.Tensor, sigma_k: float, sig
 
 class SegmentDataset(SampleDataset):
     """A SampleDataset whose items are pairs of states of one trajectory: the sample's x_t at step k and the state at
-    `end_step[k]` (a later cached step, or the final latent when that is the cache's step count), with their average
-    velocity under SEGMENT_VELOCITY. The epoch plan still runs over the samples (one item per cached state); the
-    partner of every row is looked up once, here, so reading a pair is the sample's own read plus one `pread` of its
-    partner's tensors (usually in the same shard: stage one writes whole trajectories into one shard) or one
-    prompt-store read of the final latent (an LRU per process)."""
+    `end_step[k]` (a later cached step, or the final latent), with their average velocity under SEGMENT_VELOCITY.
+    Every row's partner is looked up once, here: a pair costs one more `pread` (usually in the same shard)."""
+
 
     def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...], end_step):
         super().__init__(index, embedding_cache_size, fields)

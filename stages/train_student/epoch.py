@@ -18,20 +18,9 @@ from .index import DataSplit
 LANES = 64
 
 
-def epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([int(seed), int(epoch), 0x57414E])  # "WAN": keeps it apart from other uses
-
-
 @dataclass(frozen=True)
 class EpochPlan:
-    """The exact partition of an epoch of `n` samples over `world` ranks.
-
-    Micro-step i covers positions [i*G, (i+1)*G) of the epoch's permutation, G = batch x world; rank r
-    takes the positions congruent to r modulo world. An optimizer step is `accum` micro-steps (the last
-    one of an epoch may have fewer). Every rank runs the same number of micro-steps: in the last window
-    a rank may get fewer samples, or none (the caller then runs a zero-weight dummy so the collective
-    still happens).
-    """
+    """The exact partition of an epoch of `n` samples over `world` ranks (docs/architecture.md "The epoch order")."""
 
     n: int
     world: int
@@ -62,27 +51,14 @@ class EpochPlan:
         return math.ceil(self.micro_steps / self.accum)
 
     def order(self, seed: int, epoch: int) -> np.ndarray:
-        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only (and of the groups, if grouped).
-
-        Shuffled (`window` 0): a uniform permutation. Grouped: `windows` (the permutation, and where each window
-        starts)."""
+        """The epoch's permutation of 0..n-1: a function of (seed, epoch) only (and of the groups, if grouped)."""
         return self.windows(seed, epoch)[0]
 
     def windows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the epoch's permutation, the first position of each window; [0] for a shuffled epoch).
-
-        Grouped: the groups in a seeded random order, cut into windows of `window` groups; the epoch takes the
-        windows one after the other. A group's positions (samples adjacent on disk) then come within one window,
-        so a reader that keeps a window's prompt embeddings reads each of them once per epoch.
-
-        Inside a window, position p is served by lane p mod LANES: the window's samples, group after group (each
-        group's in index order, which is their order on disk), are cut into LANES consecutive pieces given to the
-        lanes in a seeded random order, and each lane serves its piece in a seeded random order. Rank r of W takes
-        the positions congruent to r modulo W, so where W divides LANES it reads only the lanes congruent to r:
-        a few long runs of adjacent samples, whatever the world size, while a batch's consecutive positions come
-        from different lanes, i.e. from pieces scattered over the window. Nothing here depends on W or the batch:
-        the order is the same for every world size (two ranks' union is what one process takes)."""
-        rng = np.random.Generator(np.random.PCG64(epoch_seed(seed, epoch)))
+        """(the epoch's permutation, the first position of each window; [0] for a shuffled epoch). Grouped: the
+        groups in a seeded random order, cut into windows of `window` groups, each served by LANES lanes."""
+        seq = np.random.SeedSequence([int(seed), int(epoch), 0x57414E])  # "WAN": keeps it apart from other uses
+        rng = np.random.Generator(np.random.PCG64(seq))
         if not self.window:
             return rng.permutation(self.n), np.zeros(1, dtype=np.int64)
         _, group = np.unique(self.groups, return_inverse=True)
@@ -149,15 +125,9 @@ def read_groups(index: CacheIndex, rows: np.ndarray, prompts: int = GROUP_PROMPT
 
 def order_window(order: str, index: CacheIndex, rows: np.ndarray,
                  embedding_cache_size: int) -> tuple[int, np.ndarray | None]:
-    """(The EpochPlan window of `order` over `rows`, the `read_groups` of `rows` it was counted from): (0, None) for a
-    shuffled epoch, else the read groups (of `group_prompts`) per window and the groups. A window holds at most half the
-    embedding LRU's prompts (every prompt of a window stays in memory from its first sample to its last, with room
-    for the next window's) and READ_WINDOW_BYTES of samples, but at least one group.
-
-    auto groups when the prompts outnumber the LRU: a shuffled epoch then reads a prompt's embedding again for
-    nearly every sample (10,000 prompts x 3 steps, LRU of 1,024: 2.8 reads a prompt, 1.0 grouped; the real-size
-    bench's epoch read 24.7 GiB from disk shuffled, 16.2 grouped by prompt), and reads one sample at a time, while
-    an LRU that holds every prompt reads each once in any order, and the order stays the uniform shuffle."""
+    """(The EpochPlan window of `order` over `rows`, the `read_groups` it was counted from): (0, None) for a shuffled
+    epoch, else the read groups per window (at most half the embedding LRU's prompts, so every prompt of a window
+    stays in memory with room for the next window's, and READ_WINDOW_BYTES of samples; at least one group)."""
     t = index.table[rows]
     n_prompts = len(np.unique(t[:, [C_CACHE, C_PROMPT]], axis=0)) if len(rows) else 0
     if order == "shuffle" or (order == "auto" and n_prompts <= embedding_cache_size):
@@ -186,11 +156,9 @@ def order_identity(plan: EpochPlan, embedding_cache_size: int) -> dict | None:
 
 
 class RankBatches(Sampler):
-    """Batch sampler: this rank's micro-batches of one epoch, from optimizer step `start_step` on.
+    """Batch sampler: this rank's micro-batches of one epoch, from optimizer step `start_step` on; an empty share of
+    a micro-step (only in an epoch's last window) is one zero-weight sample, so the rank still joins the collectives."""
 
-    A rank whose share of a micro-step is empty (only in an epoch's last window) gets one zero-weight
-    sample, so it still runs forward/backward and joins the gradient all-reduce.
-    """
 
     def __init__(self, plan: EpochPlan, rows: np.ndarray, seed: int, epoch: int, rank: int, start_step: int = 0):
         self.plan, self.rows, self.seed, self.epoch, self.rank = plan, rows, seed, epoch, rank

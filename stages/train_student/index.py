@@ -86,10 +86,8 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
 def row_check_flags(cache_dir: str | os.PathLike, num_parts: int, prompts: int, rank: int = 0, world: int = 1,
                     checksums: bool = True) -> np.ndarray:
     """int64 [prompts]: for each prompt this rank checks (0 for the others), the ROW_* bit of the first problem of
-    what stage two reads of its row (`PartRows.check`: its real tokens and final latents read and checked; without
-    `checksums`, only that the file of its tokens is there). A rank checks whole files of the stores (file f of part
-    P, ROWS_PER_FILE rows, goes to rank (f * num_parts + P) % world), each read once in one call; summed over the
-    ranks, every prompt is checked once. Rows never written are left to `check_prompt_rows`."""
+    what stage two reads of its row (`PartRows.check`). A rank checks whole files of the stores (file f of part P
+    goes to rank (f * num_parts + P) % world), so summed over the ranks every prompt is checked once."""
     flags = np.zeros(prompts, dtype=np.int64)
     parts: dict[int, PartRows] = {}
     for p in range(prompts):
@@ -176,8 +174,9 @@ def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompt
 
 def prepare(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str,
             train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
-    """Check and index the caches (opened with `cache.reader.open_caches`), then split them into
-    training and held-out rows."""
+    """Check and index the caches (opened by `cache.reader.open_caches`), then split them into training and
+    held-out rows."""
+
     index = build_index(caches, env, device, check)
     if index.duplicates:
         log.info(f"{index.duplicates} sample(s) appear in more than one cache; each is trained on once")

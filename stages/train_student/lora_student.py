@@ -121,7 +121,6 @@ class LoraStudent(StudentKind):
                 "boundary_ratio": self.boundary_ratio, "boundary_timestep": self.boundary_timestep,
                 "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
 
-
     def build(self, seed, dtype) -> LoraExperts:
         """The trained experts of the teacher in `dtype`, frozen, each with a fresh adapter drawn from `seed` (the
         same on every rank); lora_B starts at zero, so the untrained student is the teacher."""
@@ -155,8 +154,23 @@ class LoraStudent(StudentKind):
             for k, p in params.items():
                 p.copy_(tensors[k])
 
-    def shard(self, model, **kw):
-        shard(model, **kw)
+    def shard(self, model: LoraExperts, **kw) -> None:
+        """FSDP2 units, per expert: one per transformer block and one for the rest of the expert, the frozen base and
+        the adapters sharded alike (only the adapters have gradients to reduce-scatter). Where the base is not float32
+        each block's adapters are a unit of their own, gathered just before the block's: older FSDP2 releases want
+        one dtype across a unit's parameters. No MixedPrecisionPolicy: autocast casts as under ddp."""
+        from torch.distributed.fsdp import fully_shard
+
+        for expert in model.experts.values():
+            split = any(p.dtype != torch.float32 for p in expert.parameters() if not p.requires_grad)
+            for block in expert.blocks:
+                if split:
+                    _shard_adapters(block, "", kw)
+                fully_shard(block, **kw)
+            if split:  # adapters outside the blocks (a --lora-targets that matches e.g. proj_out)
+                _shard_adapters(expert, "blocks.", kw)
+            fully_shard(expert, **kw)
+        model.every_expert = True
 
     def gathered(self, model, is_main):
         """The adapters alone, gathered (the base is the teacher's): what a DDP run saves."""
@@ -169,27 +183,6 @@ def _read(path: Path, teacher: str) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--lora-of {teacher}: cannot read {path} ({e})") from e
-
-
-def shard(model: LoraExperts, **kw) -> None:
-    """FSDP2 units of a LoRA student (`--strategy fsdp`; `kw`: fully_shard's mesh). Per expert: one unit per transformer
-    block and one for the rest of the expert (embedders, output norm and projection), the frozen base and the adapters
-    sharded alike (FSDP2 shards each parameter on its own; only the adapters have gradients to reduce-scatter); the
-    caller's root unit holds nothing of its own. Where the base is not float32 (bf16 under --mixed-precision bf16) each
-    block's adapters are a unit of their own, gathered just before the block's: older FSDP2 releases want one dtype
-    across a unit's parameters. No MixedPrecisionPolicy: autocast casts as under ddp, so the arithmetic is ddp's."""
-    from torch.distributed.fsdp import fully_shard
-
-    for expert in model.experts.values():
-        split = any(p.dtype != torch.float32 for p in expert.parameters() if not p.requires_grad)
-        for block in expert.blocks:
-            if split:
-                _shard_adapters(block, "", kw)
-            fully_shard(block, **kw)
-        if split:  # adapters outside the blocks (a --lora-targets that matches e.g. proj_out)
-            _shard_adapters(expert, "blocks.", kw)
-        fully_shard(expert, **kw)
-    model.every_expert = True
 
 
 def _shard_adapters(module: torch.nn.Module, skip: str, kw: dict) -> None:

@@ -118,10 +118,9 @@ class Objective:
              heads: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(per-sample loss [B], its terms)."""
         terms = self.terms(student_forward(model, batch, autocast, self.blocks()), batch, heads)
-        total = None
-        for t in terms.values():
-            total = t if total is None else total + t
-        return total, terms
+        first, *rest = terms.values()
+        return sum(rest, first), terms
+
 
     def student_steps(self, manifest: dict) -> int | None:
         """Sampling steps the trained student is meant to use; None: the teacher's."""
@@ -166,8 +165,8 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
     missing = missing_fields(manifest, objective.fields)
     if missing:
         how = "; ".join(f"{n}: {SAMPLE_FIELDS[n].recorded_by}" for n in missing if SAMPLE_FIELDS[n].recorded_by)
-        raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache {cache} "
-                        f"does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
+        raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache "
+                        f"{cache} does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
                         + (f"rebuild it with {how}" if how else "rebuild it with a stage one that records them")
                         + " or choose another --objective")
     objective.check(manifest, cache)

@@ -32,15 +32,10 @@ class Velocity(Objective):
 
 
 class Segment(Objective):
-    """Few-step distillation from the cached trajectories alone: the teacher's schedule is cut into K segments
-    whose boundaries are cached steps (the last ends at the final latent), and at every cached state x_k the
-    student learns the average velocity to its segment's end x_j, (x_j - x_k) / (sigma_j - sigma_k). One Euler
-    step of that velocity from a boundary lands on the next boundary, so the student samples in K steps with one
-    forward each (the targets come from the guided trajectory: no CFG). The boundaries are the points of the
-    K-step Euler schedule on the teacher's sigma grid (pipeline/sampling.py), exact when K divides the cache's
-    steps. `velocity_weight` > 0 adds that weight times the per-step velocity loss at the same states;
-    `start_weight` weighs the segment loss at the segments' first states (the only states the K-step sampler
-    queries) against 1 at the states inside a segment."""
+    """Few-step distillation from the cached trajectories alone: at every cached state x_k the student learns the
+    average velocity to its segment's end, so one Euler step from a boundary lands on the next and the student
+    samples in K steps without CFG (docs/architecture.md "Objectives", docs/results.md)."""
+
 
     Config = SegmentSettings
     fields = (F.T_X_T,)

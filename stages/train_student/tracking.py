@@ -51,12 +51,8 @@ def _number(v) -> bool:
 
 def hparams(config: dict) -> dict[str, int | float | str | bool]:
     """Flat hyperparameters both backends accept: lists and dicts as JSON text, None left out."""
-    out = {}
-    for k, v in config.items():
-        if v is None:
-            continue
-        out[k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str)
-    return out
+    return {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str)
+            for k, v in config.items() if v is not None}
 
 
 class Tracker:
@@ -81,12 +77,9 @@ NullTracker = Tracker
 
 
 def _wait_past_event_files(log_dir: Path, most_s: float = 2.0) -> None:
-    """Return once this second is past the newest event file's in `log_dir`. TensorBoard reads a run's event files
-    in name order, and a name starts with the whole second its writer opened it
-    (`events.out.tfevents.<seconds>.<host>.<pid>.<n>`): a file opened in the same second as an earlier one may sort
-    before it (by host, then pid), and the earlier file's events are then read after the purge meant to hide
-    them (a resume within a second of the killed run's start lost its own steps instead). At most `most_s`
-    (a clock set back: the wait would never end)."""
+    """Return once this second is past the newest event file's in `log_dir` (at most `most_s`: a clock set back).
+    TensorBoard reads event files in name order, which starts with the second a writer opened it: a file of the same
+    second may sort first, and the earlier file's events are then read after the purge meant to hide them."""
     stamps = [int(p.name.split(".")[3]) for p in log_dir.glob("events.out.tfevents.*")
               if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
     deadline = time.monotonic() + most_s
@@ -134,10 +127,8 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """A W&B run (online, offline or disabled as WANDB_MODE says); its id is kept in OUT/wandb-run.json so a
-    resumed training run continues the same W&B run. W&B refuses steps below the last one it holds, so after a
-    kill the steps between the checkpoint and the kill keep the values first logged (an exact resume logs the
-    same losses again; only timings would differ)."""
+    """A W&B run (WANDB_MODE says online, offline or disabled); a resume continues the id in OUT/wandb-run.json
+    (W&B keeps the values first logged of steps a killed run logged past its checkpoint: only timings differ)."""
 
     name = "wandb"
 
@@ -177,8 +168,9 @@ def _read_run_id(path: Path) -> str | None:
 
 def open_tracker(report_to: str, layout: RunLayout, *, config: dict, resume_step: int | None,
                  is_main: bool) -> Tracker:
-    """The tracker of this rank: `report_to`'s on rank 0, a NullTracker elsewhere. `resume_step` is the step of
-    the checkpoint resumed from, None for a run that starts at step 0."""
+    """The tracker of this rank: `report_to`'s on rank 0, a NullTracker elsewhere (`resume_step`: the checkpoint's
+    step, None from step 0)."""
+
     if not is_main or report_to == "none":
         return NullTracker()
     require_backend(report_to)

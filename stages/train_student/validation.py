@@ -22,10 +22,6 @@ _GAP = 2  # pixels between grid cells
 VAE_FILES = ("vae/*.json", "vae/*.safetensors")  # what --val-decode reads of a teacher (huggingface_hub patterns)
 
 
-def trajectory_name(prompt_idx: int, seed_idx: int) -> str:
-    return f"p{prompt_idx}_s{seed_idx}"
-
-
 class Validator:
     """Samples the student on fixed held-out trajectories; `run` returns (metrics record, image grid or None)."""
 
@@ -82,7 +78,7 @@ class Validator:
             errors += (out - final.float()).pow(2).flatten(1).mean(1).tolist()
             latents.append(out)
         record = {"final_latent_mse": float(np.mean(errors)),
-                  "final_latent_mse_per_prompt": {trajectory_name(*t): e for t, e in zip(self.trajectories, errors)},
+                  "final_latent_mse_per_prompt": {f"p{p}_s{s}": e for (p, s), e in zip(self.trajectories, errors)},
                   "trajectories": len(errors), "sampling_steps": self.steps}
         grid = self._grid(torch.cat(latents)) if self.decode else None
         if self._vae is not None:
@@ -183,10 +179,9 @@ def image_grid(teacher: np.ndarray, student: np.ndarray) -> np.ndarray:
 
 def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torch.device,
                    every_rank: bool = False, teacher: tuple[str, str | None] = ("", None)) -> Validator | None:
-    """Rank 0's validator when --val-every is on (None elsewhere: the other ranks only train). `every_rank`: a
-    sharded student's forward needs every rank (--strategy fsdp), so every rank samples the same trajectories;
-    rank 0 alone decodes and logs. `teacher`: (flag, name) of the teacher the run names (`StudentKind.teacher_flag`),
-    whose VAE decodes."""
+    """Rank 0's validator when --val-every is on, None elsewhere; `every_rank` (a sharded student's forward needs
+    every rank): every rank samples, rank 0 alone decodes and logs. `teacher`: `StudentKind.teacher_flag`'s."""
+
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
     decode, vae = cfg.val_decode and is_main, None
