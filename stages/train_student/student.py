@@ -23,11 +23,6 @@ def _model_class():
     return WanTransformer3DModel
 
 
-def config_keys() -> set[str]:
-    """The architecture arguments `WanTransformer3DModel` takes."""
-    return {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
-
-
 def load_student_config(path: str | os.PathLike) -> dict:
     """Read and check a student JSON config; keys starting with '_' (diffusers metadata) are ignored."""
     p = Path(path)
@@ -40,7 +35,7 @@ def load_student_config(path: str | os.PathLike) -> dict:
     if not isinstance(raw, dict):
         raise UserError(f"student config {p} must be a JSON object of WanTransformer3DModel arguments")
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
-    valid = config_keys()
+    valid = {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
     unknown = sorted(set(cfg) - valid)
     if unknown:
         raise UserError(f"student config {p}: unknown key(s) {', '.join(unknown)}; WanTransformer3DModel takes "
@@ -201,13 +196,6 @@ def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path]
     return files, json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
 
-def default_blocks(student_layers: int, teacher_layers: int) -> list[int]:
-    """Teacher blocks spread evenly over its depth, first and last included."""
-    if student_layers == 1:
-        return [0]
-    return [round(i * (teacher_layers - 1) / (student_layers - 1)) for i in range(student_layers)]
-
-
 def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...] | None,
                       revision: str | None = None) -> dict:
     """Copy into `model` the teacher tensors whose names and shapes match; student block i takes teacher
@@ -221,7 +209,8 @@ def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...]
     if blocks is None:
         if n_teacher is None:
             raise UserError(f"--init-from-teacher {path} has no config.json giving num_layers; pass --teacher-blocks")
-        blocks = tuple(default_blocks(n_student, n_teacher))
+        # spread evenly over the teacher's depth, first and last included
+        blocks = tuple(round(i * (n_teacher - 1) / max(n_student - 1, 1)) for i in range(n_student))
     if len(blocks) != n_student:
         raise UserError(f"--teacher-blocks lists {len(blocks)} blocks but the student has {n_student} "
                         f"(num_layers); give one teacher block per student block")

@@ -72,6 +72,8 @@ def _report(p: TrainPlan, params: tuple[int, int, int], count: int, took: float,
 
 def _lines(r: dict) -> list[str]:
     ema = " + an EMA copy" if r["ema"] else ""
+    h = r["projected_h"]
+    hours = f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min"
     per = f" ({r['samples_per_s_per_rank']:.1f} per rank of {r['world_size']})" if r["world_size"] > 1 else ""
     frozen = (f" ({r['trained_params']:,} trained; the frozen base {human(r['frozen_bytes'])})"
               if r["frozen_bytes"] else "")
@@ -85,9 +87,5 @@ def _lines(r: dict) -> list[str]:
         + f" on {r['device']}: {r['samples_per_s']:.1f} samples/s{per}; peak memory {r['peak_memory_gib']:.2f} GiB "
         f"({r['peak_memory_kind']}); {100 * r['data_wait_frac']:.0f}% of the step waiting for data",
         f"run         {r['train_samples']:,} training samples, {r['steps_per_epoch']:,} steps an epoch, "
-        f"{r['total_steps']:,} steps: {_hours(r['projected_h'])} at this rate",
+        f"{r['total_steps']:,} steps: {hours} at this rate",
     ]
-
-
-def _hours(h: float) -> str:
-    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min"
