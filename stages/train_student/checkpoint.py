@@ -183,7 +183,8 @@ def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor]
     # fsync release the GIL): the digests cost little more than the slowest of the two.
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = {}
-        for name, tensors in ((MODEL, model_state), (EMA, ema), (HEADS, heads and heads.state_dict())):
+        heads_state = None if heads is None else heads.state_dict()
+        for name, tensors in ((MODEL, model_state), (EMA, ema), (HEADS, heads_state)):
             if tensors is not None:
                 save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / name)
                 pending[name] = pool.submit(_fsync_and_digest, tmp / name)
