@@ -128,7 +128,8 @@ class Record:
             if not check[0](obj[name]):
                 return f"{where}its field {name!r} is {_short(obj[name])}, expected {check[1]}"
         for name, (kind, label) in cls.NESTED.items():
-            for rec in obj[name] if isinstance(obj[name], list) else [obj[name]]:
+            found = obj.get(name)  # (an optional one may be null or absent)
+            for rec in found if isinstance(found, list) else [] if found is None else [found]:
                 if (problem := kind.problem(rec, label)) is not None:
                     return problem
         return None
@@ -144,7 +145,7 @@ class Record:
     @classmethod
     def _build(cls, obj: dict):
         return cls(**obj | {name: [kind(**r) for r in obj[name]] if isinstance(obj[name], list) else kind(**obj[name])
-                            for name, (kind, _) in cls.NESTED.items()})
+                            for name, (kind, _) in cls.NESTED.items() if obj.get(name) is not None})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -160,6 +160,23 @@ def _not_ours(entry: Path) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraRecord(Record):
+    """A LoRA run's lora.json (and distill.json's `lora`): the teacher it adapts and its adapters, what `sample`,
+    `eval` and `export` rebuild the student from (stages/train_student/lora_student.py writes it)."""
+
+    teacher: str  # as given to --lora-of (an export's copy: its public name)
+    revision: str | None
+    experts: list[str]  # the teacher's transformers
+    trained: list[str]  # those with adapters
+    files: dict  # trained expert -> its LoRA file (`lora_file`)
+    boundary_ratio: float | None
+    boundary_timestep: float | None
+    rank: int
+    alpha: float
+    targets: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistillRecord(Record):
     """distill.json: what the student learned (the cache's settings, copied from its manifest) and how it is meant
     to be sampled. Every field is written; `from_json` refuses an unknown, missing or mistyped one."""
@@ -205,7 +222,9 @@ class DistillRecord(Record):
     student_steps: int | None = None
     # A LoRA student (--lora-of): the teacher it adapts and its adapters (what student/lora.json says); None for
     # a compact student.
-    lora: dict | None = None
+    lora: LoraRecord | None = None
+
+    NESTED = {"lora": (LoraRecord, "its lora: ")}
 
     @classmethod
     def of_cache(cls, manifest: CacheHeader, **learned) -> DistillRecord:
@@ -229,7 +248,7 @@ class DistillRecord(Record):
         problem = cls.problem(obj)
         if problem is not None:
             raise ValueError(f"{source}: {problem}; it was not written by this WanDistiller's train-student")
-        return cls(**obj)
+        return cls._build(obj)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> DistillRecord:

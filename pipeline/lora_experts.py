@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import LORA_JSON
+from .artifact import LORA_JSON, LoraRecord
 
 COMPONENTS = ("transformer", "transformer_2")  # expert 1 (high noise), expert 2 (low noise)
 ADAPTER = "default"  # the adapter's name inside each expert (peft's default)
@@ -31,7 +31,7 @@ def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[
 class LoraExperts(torch.nn.Module):
     """Frozen Wan transformers with adapters called like one: each sample goes to the expert of its timestep."""
 
-    def __init__(self, experts: dict[str, torch.nn.Module], boundary_timestep: float | None, record: dict):
+    def __init__(self, experts: dict[str, torch.nn.Module], boundary_timestep: float | None, record: LoraRecord):
         super().__init__()
         self.experts = torch.nn.ModuleDict(experts)
         self.boundary_timestep = boundary_timestep
@@ -139,10 +139,10 @@ class LoraExperts(torch.nn.Module):
             metadata = {k: sorted(v) if isinstance(v, set) else v
                         for k, v in model.peft_config[ADAPTER].to_dict().items()}
             WanPipeline.save_lora_weights(folder, transformer_lora_layers=states[comp],
-                                          weight_name=self.record["files"][comp],
+                                          weight_name=self.record.files[comp],
                                           transformer_lora_adapter_metadata=metadata)
-            _sort_metadata(folder / self.record["files"][comp])
-        (folder / LORA_JSON).write_text(json.dumps(self.record, indent=1) + "\n")
+            _sort_metadata(folder / self.record.files[comp])
+        (folder / LORA_JSON).write_text(json.dumps(self.record.to_json(), indent=1) + "\n")
 
 
 def _sort_metadata(path: Path) -> None:
@@ -158,16 +158,16 @@ def _sort_metadata(path: Path) -> None:
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
 
 
-def load(teacher: Path, folder: Path, record: dict, dtype: torch.dtype, device: torch.device) -> LoraExperts:
+def load(teacher: Path, folder: Path, record: LoraRecord, dtype: torch.dtype, device: torch.device) -> LoraExperts:
     """A trained LoRA student for inference: the teacher's experts, adapters from `folder` by diffusers' loader."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     experts = {}
-    for comp in record["experts"]:
+    for comp in record.experts:
         model = WanTransformer3DModel.from_pretrained(teacher / comp, torch_dtype=dtype)
-        if comp in record["files"]:
-            state, metadata = WanPipeline.lora_state_dict(str(folder), weight_name=record["files"][comp],
+        if comp in record.files:
+            state, metadata = WanPipeline.lora_state_dict(str(folder), weight_name=record.files[comp],
                                                           return_lora_metadata=True)
             WanPipeline.load_lora_into_transformer(state, transformer=model, adapter_name=ADAPTER, metadata=metadata)
         experts[comp] = model.to(device).eval().requires_grad_(False)
-    return LoraExperts(experts, record.get("boundary_timestep"), record).eval()
+    return LoraExperts(experts, record.boundary_timestep, record).eval()

@@ -41,7 +41,7 @@ def with_adapters(spec: lora_student.LoraStudent, folder: Path, seed: int = 0) -
     model = spec.build(seed, torch.float32)
     params = dict(model.named_parameters())
     for comp in spec.trained:
-        for k, v in load_file(folder / spec.record()["files"][comp]).items():
+        for k, v in load_file(folder / spec.record().files[comp]).items():
             name = k.removeprefix("transformer.").replace(".weight", f".{lora_student.ADAPTER}.weight")
             with torch.no_grad():
                 params[f"experts.{comp}.{name}"].copy_(v)

@@ -14,9 +14,12 @@ from cache.manifest import load_manifest
 from cache.part_progress import PartProgress
 from cache.records import CacheHeader, Manifest, PartEntry, ShardRecord
 from conftest import sample_distill, sample_header
-from pipeline.artifact import DistillRecord
+from pipeline.artifact import DistillRecord, LoraRecord
 
 SHARD = ShardRecord(path="shards/part-00000-000000.tar", part=0, samples=4, bytes=100, crc32c=7, blocks=[0, 1])
+LORA = LoraRecord(teacher="wan", revision=None, experts=["transformer", "transformer_2"], trained=["transformer"],
+                  files={"transformer": "high_noise_model.safetensors"}, boundary_ratio=0.875, boundary_timestep=875.0,
+                  rank=4, alpha=4.0, targets=["to_q", "to_k"])
 
 
 def _records():
@@ -25,7 +28,7 @@ def _records():
                         sample_fields=["x_t", "target"], num_parts=1, samples=4, bytes=100,
                         parts=[PartEntry(part=0, prompts=2, blocks=1)], shards=[SHARD], created="2026-01-01T00:00:00Z",
                         negative_sha256="0" * 64)
-    return [SHARD, header, sample_header(), manifest, sample_distill(), sample_distill(lora={"rank": 4})]
+    return [SHARD, header, sample_header(), manifest, sample_distill(), LORA, sample_distill(lora=LORA)]
 
 
 @pytest.mark.parametrize("record", _records(), ids=lambda r: type(r).__name__)
@@ -54,6 +57,7 @@ def test_an_unknown_key_is_refused_in_one_line(record):
     (CacheHeader, "teacher_identity", [], "'teacher_identity' is [], expected an object"),
     (ShardRecord, "crc32c", 2**40, "'crc32c' is 1099511627776, expected a whole number in 0..4294967295"),
     (DistillRecord, "cfg", "yes", "'cfg' is 'yes', expected true or false"),
+    (LoraRecord, "rank", 4.5, "'rank' is 4.5, expected a whole number"),
 ])
 def test_a_wrong_type_is_refused_in_one_line(kind, key, value, needle):
     good = next(r for r in _records() if type(r) is kind).to_json()
@@ -81,3 +85,11 @@ def test_a_manifest_stage_one_wrote_reads_back_and_rewrites_byte_identical(tiny_
     assert prog.header == m.header() and prog.shards == m.shards
     prog.save(tmp_path)
     assert PartProgress.path(tmp_path, 0).read_bytes() == PartProgress.path(tiny_cache, 0).read_bytes()
+
+
+def test_a_distill_record_refuses_a_mistyped_lora_entry_in_one_line():
+    good = sample_distill(lora=LORA).to_json()
+    assert list(good["lora"]) == [f.name for f in dataclasses.fields(LoraRecord)]
+    with pytest.raises(ValueError, match="its lora: its field 'files' is 1, expected an object") as e:
+        DistillRecord.from_json(good | {"lora": good["lora"] | {"files": 1}})
+    assert "\n" not in str(e.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from tqdm.auto import tqdm
 from cache.atomic import honour_umask
 from cache.format import DTYPES
 from pipeline import lora_experts
-from pipeline.artifact import DISTILL, LORA_JSON, RunLayout
+from pipeline.artifact import DISTILL, LORA_JSON, LoraRecord, RunLayout
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
@@ -33,12 +34,16 @@ class LoraRun:
     fuses = True  # `export --fuse` merges the adapters into the teacher
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
-        record = read_json(chosen / LORA_JSON, "LoRA description")
-        missing = [f for f in record.get("files", {}).values() if not (chosen / f).is_file()]
+        try:
+            record = LoraRecord.from_json(read_json(chosen / LORA_JSON, "LoRA description"))
+        except ValueError as e:
+            raise UserError(f"LoRA description {chosen / LORA_JSON}: {e}; it was not written by this WanDistiller's "
+                            "train-student --lora-of: rerun it") from e
+        missing = [f for f in record.files.values() if not (chosen / f).is_file()]
         if missing or not run.distill.is_file():
             raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the "
                             "same train-student command with --resume")
-        teacher = teacher_dir(record["teacher"], record.get("revision"), recorded_in=str(chosen / LORA_JSON))
+        teacher = teacher_dir(record.teacher, record.revision, recorded_in=str(chosen / LORA_JSON))
         return Student(root=p, path=chosen, weights=which, config=teacher_transformer_config(teacher), kind=self,
                        distill=read_distill(run.distill), lora=record, teacher_path=teacher)
 
@@ -49,8 +54,8 @@ class LoraRun:
         return True  # it starts as the teacher: its adapters start at zero
 
     def untrained(self, student: Student, seed: int | None, dtype, device):
-        model = lora_experts.load(student.teacher_path, student.path, student.lora | {"files": {}}, dtype, device)
-        return model, {"source": f"the teacher {student.lora['teacher']} (LoRA adapters start at zero)", "exact": True}
+        model = lora_experts.load(student.teacher_path, student.path, replace(student.lora, files={}), dtype, device)
+        return model, {"source": f"the teacher {student.lora.teacher} (LoRA adapters start at zero)", "exact": True}
 
     def export(self, cfg: ExportConfig, student: Student, hints: dict, out: Path, teacher: tuple) -> dict:
         return run(cfg, student, hints, out)
@@ -63,10 +68,10 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> 
     """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call. `name`: what the
     export is loaded as (its Hub id, or the folder's name), `base`: the teacher's public name; never a local path."""
     steps, msl = hints.get("num_inference_steps"), hints.get("max_sequence_length")
-    lora = student.lora | {"teacher": base}
+    lora = replace(student.lora, teacher=base)
     call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")
                      if k in hints)
-    experts = ", ".join(f"`{f}` ({c})" for c, f in lora["files"].items())
+    experts = ", ".join(f"`{f}` ({c})" for c, f in lora.files.items())
     if fused:
         load = (f'pipe = WanPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")  '
                 "# adapters merged, scheduler included")
@@ -76,11 +81,11 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> 
                 f'pipe.scheduler = UniPCMultistepScheduler.from_pretrained("{name}", subfolder="scheduler")\n'
                 + "\n".join(f'pipe.load_lora_weights("{name}", weight_name="{f}", adapter_name="{comp}"'
                             + (", load_into_transformer_2=True)" if comp == "transformer_2" else ")")
-                            for comp, f in student.lora["files"].items()))
-    return f"""# WanDistiller LoRA: {steps}-step, guidance 1, on {lora['teacher']}
+                            for comp, f in student.lora.files.items()))
+    return f"""# WanDistiller LoRA: {steps}-step, guidance 1, on {lora.teacher}
 
-Base: `{lora['teacher']}`{f" (revision {lora['revision']})" if lora.get('revision') else ''}. Rank {lora['rank']},
-alpha {lora['alpha']:g}, on {', '.join(lora['targets'])} of every block. Adapters: {experts}; trained
+Base: `{lora.teacher}`{f" (revision {lora.revision})" if lora.revision else ''}. Rank {lora.rank},
+alpha {lora.alpha:g}, on {', '.join(lora.targets)} of every block. Adapters: {experts}; trained
 {student.setting('optimizer_steps')} steps from the teacher's cached guided trajectories (objective
 `{student.setting('objective')}`){', merged into the base (`--fuse`)' if fused else ''}.
 
@@ -106,7 +111,7 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(student.teacher_path, torch_dtype=dtype)
-    for comp, name in student.lora["files"].items():  # each expert's adapter, named after it, merged into it
+    for comp, name in student.lora.files.items():  # each expert's adapter, named after it, merged into it
         pipe.load_lora_weights(str(student.path), weight_name=name, adapter_name=comp,
                                load_into_transformer_2=comp == "transformer_2")
         pipe.fuse_lora(components=[comp], adapter_names=[comp])
@@ -119,11 +124,11 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     """Write the adapters (or, with --fuse, the merged pipeline) to `out`; returns the summary."""
-    base_model, base = hub_card.public_teacher(student.lora["teacher"], student.teacher_path, cfg.base_model)
+    base_model, base = hub_card.public_teacher(student.lora.teacher, student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",))
             + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
-    lora = student.lora | {"teacher": base}
+    lora = replace(student.lora, teacher=base).to_json()
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
             "fused": cfg.fuse, "cache_fingerprints": student.fingerprints}
     with building(out) as tmp:
@@ -133,15 +138,16 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
             (tmp / "model_index.json").write_text(json.dumps(index | {MARK: mark}, indent=2) + "\n")
         else:
             tmp.mkdir(parents=True)
-            for name in student.lora["files"].values():  # the bytes, not the run's file modes
+            for name in student.lora.files.values():  # the bytes, not the run's file modes
                 shutil.copyfile(student.path / name, tmp / name)
             (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
-        record = hub_card.public_record(student.distill, base) | {"lora": student.distill.lora | {"teacher": base}}
+        public = replace(student.distill.lora, teacher=base).to_json()
+        record = hub_card.public_record(student.distill, base) | {"lora": public}
         (tmp / DISTILL).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(card)
     what = "merged pipeline" if cfg.fuse else "LoRA adapters"
-    tqdm.write(f"{what} written to {out} (base {student.lora['teacher']}); sample at guidance_scale=1.0, "
+    tqdm.write(f"{what} written to {out} (base {student.lora.teacher}); sample at guidance_scale=1.0, "
                f"num_inference_steps={hints.get('num_inference_steps')}, "
                f"max_sequence_length={hints.get('max_sequence_length')}")
     return {"out": str(out), **mark}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, RunLayout
+from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, LoraRecord, RunLayout
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 
@@ -39,7 +39,7 @@ class Student:
     config: dict  # the transformer's config.json
     kind: CompactRun | LoraRun  # what it is (the module docstring)
     distill: DistillRecord | None = None  # distill.json; None for a bare student folder
-    lora: dict | None = None  # a LoRA run's lora.json (its teacher, experts, files, rank); None for a compact student
+    lora: LoraRecord | None = None  # a LoRA run's lora.json; None for a compact student
     teacher_path: Path | None = None  # a LoRA run's teacher folder (the base its adapters load into)
 
     @property

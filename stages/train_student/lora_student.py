@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from cache.schema import recorded_steps
-from pipeline.artifact import lora_file
+from pipeline.artifact import LoraRecord, lora_file
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 from pipeline.lora_experts import ADAPTER, COMPONENTS, LoraExperts, add_adapter
@@ -114,12 +114,12 @@ class LoraStudent(StudentKind):
     def teacher_flag(self):
         return "--lora-of", self.cfg.lora_of
 
-    def record(self) -> dict:
+    def record(self) -> LoraRecord:
         """distill.json's `lora` and student/lora.json: what `sample`, `eval` and `export` rebuild the student from."""
-        return {"teacher": self.teacher, "revision": self.revision, "experts": list(self.experts),
-                "trained": list(self.trained), "files": {c: lora_file(c, len(self.experts)) for c in self.trained},
-                "boundary_ratio": self.boundary_ratio, "boundary_timestep": self.boundary_timestep,
-                "rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+        return LoraRecord(teacher=self.teacher, revision=self.revision, experts=list(self.experts),
+                          trained=list(self.trained), files={c: lora_file(c, len(self.experts)) for c in self.trained},
+                          boundary_ratio=self.boundary_ratio, boundary_timestep=self.boundary_timestep,
+                          rank=self.rank, alpha=self.alpha, targets=list(self.targets))
 
     def build(self, seed, dtype) -> LoraExperts:
         """The trained experts of the teacher in `dtype`, frozen, each with a fresh adapter drawn from `seed` (the

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.artifact import LoraRecord
 from pipeline.errors import UserError
 from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
@@ -98,7 +99,7 @@ class StudentKind:
         """What the run's first line adds about the student."""
         return ""
 
-    def record(self) -> dict | None:
+    def record(self) -> LoraRecord | None:
         """distill.json's `lora` entry."""
         return None
 
