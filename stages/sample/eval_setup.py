@@ -13,7 +13,7 @@ import torch
 from cache import format as F
 from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
 from cache.reader import open_caches
-from pipeline.artifact import EVAL_REPORT as REPORT_NAME
+from pipeline.artifact import EVAL_REPORT as REPORT_NAME, STUDENT, STUDENT_EMA
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
@@ -184,15 +184,6 @@ def setup(cfg: EvalConfig) -> Setup:
                  device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET, warnings)
 
 
-def _label(path: str, taken: set[str]) -> str:
-    p = Path(path)
-    name = p.name if p.name not in ("student", "student_ema") else p.parent.name
-    label, i = name, 2
-    while label in taken:
-        label, i = f"{name}-{i}", i + 1
-    return label
-
-
 def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
     """What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
     its own steps, all from the same noise."""
@@ -207,7 +198,11 @@ def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
             seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
             if seen:
                 su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
-        label = _label(path, taken)
+        p = Path(path)
+        name = p.parent.name if p.name in (STUDENT, STUDENT_EMA) else p.name
+        label, i = name, 2
+        while label in taken:  # two runs' student/ folders, or a run named like an entry
+            label, i = f"{name}-{i}", i + 1
         taken.add(label)
         out.append(make_entry(label, other, load_transformer(other, su.dtype, su.device), su.manifest))
     return out
