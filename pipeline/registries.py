@@ -248,10 +248,11 @@ STRATEGIES.declare("fsdp", "weights, gradients, AdamW state and EMA sharded over
 # -- trackers (stages/train_student/tracking.py; teacher-cache's progress scalars) -------------------------------
 
 TRACKERS = Registry("tracker")
-TRACKERS.declare("tensorboard", "TensorBoard event files")
+_TRACKING = "stages.train_student.tracking:"
+TRACKERS.declare("tensorboard", "TensorBoard event files", impl=_TRACKING + "TensorBoardTracker")
 TRACKERS.declare("wandb", "Weights & Biases: pip install wandb; WANDB_MODE=offline works offline",
-                 stage_one=False)
-TRACKERS.declare("none", "metrics.jsonl alone")
+                 stage_one=False, impl=_TRACKING + "WandbTracker")
+TRACKERS.declare("none", "metrics.jsonl alone", impl=_TRACKING + "Tracker")
 
 
 # -- feature pools (cache/feature_projection.py POOLS) --------------------------------------------------------------

@@ -109,12 +109,12 @@ def test_a_resumed_event_file_sorts_after_the_killed_runs(tmp_path):
     opened in the same second as the killed run's file must still sort after it (its purge applies to that file)."""
     from stages.train_student.tracking import TensorBoardTracker
 
-    log_dir = tmp_path / "tb"
+    log_dir = RunLayout(tmp_path).tensorboard
     log_dir.mkdir()
     now = int(time.time())
     killed = log_dir / f"events.out.tfevents.{now}.host.zzzz.0"  # sorts after any pid of this second
     killed.write_bytes(b"")
-    tracker = TensorBoardTracker(log_dir, {"lr": 1.0}, resume_step=4)
+    tracker = TensorBoardTracker(RunLayout(tmp_path), {"lr": 1.0}, resume_step=4)
     tracker.close()
     newest = sorted(p.name for p in log_dir.iterdir())[-1]
     assert newest != killed.name and int(newest.split(".")[3]) > now

@@ -35,7 +35,7 @@ from .data import make_loader
 from .epoch import RankBatches, eval_batches
 from .objective_velocity import Batch
 from .student import trained_parameters
-from .tracking import NullTracker, Tracker
+from .tracking import Tracker
 from .train_plan import TrainPlan, lr_at
 
 # Test hooks. FAIL_AT="rank:step[:oom]" makes that rank fail as optimizer step `step` (1-based) begins,
@@ -154,7 +154,7 @@ class Trainer:
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
         self.metrics = open(RunLayout(out).metrics, "a") if self.env.is_main else None
-        self.tracker = tracker or NullTracker()
+        self.tracker = tracker or Tracker()
         self.validator = validator  # validation.Validator on rank 0 when --val-every is on, else None
         self.last_eval: float | None = None
         self.checkpointed: int | None = None  # the step of the last checkpoint this run wrote

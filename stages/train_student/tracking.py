@@ -22,11 +22,10 @@ WANDB_PROJECT = "wandistiller"  # when WANDB_PROJECT is not set
 
 def require_backend(report_to: str) -> None:
     """Refuse, before anything slow, a tracker whose package is not installed (every rank alike)."""
-    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(report_to)
-    if module and importlib.util.find_spec(module) is None:
-        how = WANDB_EXTRA if report_to == "wandb" else "pip install tensorboard"
-        err = UserError(f"--report-to {report_to} needs the {module} package, which is not installed: {how} "
-                        "(or pass --report-to none)")
+    tracker = TRACKERS.get(report_to, "--report-to").load()
+    if tracker.package and importlib.util.find_spec(tracker.package) is None:
+        err = UserError(f"--report-to {report_to} needs the {tracker.package} package, which is not installed: "
+                        f"{tracker.install} (or pass --report-to none)")
         err.all_ranks = True  # every rank raises it: rank 0 alone prints it
         raise err
 
@@ -59,6 +58,10 @@ class Tracker:
     """What the loop calls. The base class records nothing (every rank but 0, and --report-to none)."""
 
     name = "none"
+    package, install = None, ""  # the package it needs, and how to install it
+
+    def __init__(self, layout: RunLayout | None = None, config: dict | None = None, resume_step: int | None = None):
+        """Opened by `open_tracker` with the run's folder, hyperparameters and checkpoint step."""
 
     def log(self, record: dict) -> None:
         """A metrics.jsonl record (with `type` and `step`)."""
@@ -71,9 +74,6 @@ class Tracker:
 
     def close(self, failed: bool = False) -> None:
         """Flush and release the writer."""
-
-
-NullTracker = Tracker
 
 
 def _wait_past_event_files(log_dir: Path, most_s: float = 2.0) -> None:
@@ -91,8 +91,9 @@ class TensorBoardTracker(Tracker):
     """Event files under OUT/tensorboard, written by torch's SummaryWriter."""
 
     name = "tensorboard"
+    package, install = "tensorboard", "pip install tensorboard"
 
-    def __init__(self, log_dir: Path, config: dict, resume_step: int | None):
+    def __init__(self, layout: RunLayout, config: dict, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
@@ -100,8 +101,8 @@ class TensorBoardTracker(Tracker):
         # hides a killed run's events that --resume could not continue; a resumed one (checkpoint + 1) hides
         # what was logged after its checkpoint, exactly as metrics.jsonl is truncated.
         purge = 0 if resume_step is None else resume_step + 1
-        _wait_past_event_files(log_dir)
-        self.writer = SummaryWriter(str(log_dir), purge_step=purge, flush_secs=30)
+        _wait_past_event_files(layout.tensorboard)
+        self.writer = SummaryWriter(str(layout.tensorboard), purge_step=purge, flush_secs=30)
         flat = hparams(config)
         # The hparams plugin's summaries go into this run's own event file (add_hparams would open a second run).
         metrics = {"eval/heldout_loss": 0.0, "val/final_latent_mse": 0.0, "train/loss": 0.0}
@@ -131,6 +132,7 @@ class WandbTracker(Tracker):
     (W&B keeps the values first logged of steps a killed run logged past its checkpoint: only timings differ)."""
 
     name = "wandb"
+    package, install = "wandb", WANDB_EXTRA
 
     def __init__(self, layout: RunLayout, config: dict, resume_step: int | None):
         import wandb
@@ -168,14 +170,9 @@ def _read_run_id(path: Path) -> str | None:
 
 def open_tracker(report_to: str, layout: RunLayout, *, config: dict, resume_step: int | None,
                  is_main: bool) -> Tracker:
-    """The tracker of this rank: `report_to`'s on rank 0, a NullTracker elsewhere (`resume_step`: the checkpoint's
-    step, None from step 0)."""
-
-    if not is_main or report_to == "none":
-        return NullTracker()
+    """The tracker of this rank: `report_to`'s on rank 0, one that records nothing elsewhere (`resume_step`: the
+    checkpoint's step, None from step 0)."""
+    if not is_main:
+        return Tracker()
     require_backend(report_to)
-    if report_to == "tensorboard":
-        return TensorBoardTracker(layout.tensorboard, config, resume_step)
-    if report_to == "wandb":
-        return WandbTracker(layout, config, resume_step)
-    raise ValueError(f"unknown tracker {report_to!r}; one of {', '.join(TRACKERS.names())}")
+    return TRACKERS[report_to].load()(layout, config, resume_step)
