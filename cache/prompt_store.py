@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import zarr
 from safetensors.torch import load as st_load
-from tqdm.auto import tqdm
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
@@ -27,10 +26,9 @@ from .cache_error import CacheError, UnsafeFileError
 from .format import (
     EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
     Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,
-    Z_TOKEN_START, part_dirname, part_prompts, prompt_location, storage_numpy_dtype, storage_to_torch,
+    Z_TOKEN_START, part_dirname, prompt_location, storage_numpy_dtype, storage_to_torch,
     torch_to_storage,
 )
-from .records import Manifest
 from .safe_open import open_fd, read_bytes
 from .zarr_private import FLAT_KEYS, chunk_file, concurrent_map, default_buffer_prototype
 
@@ -423,55 +421,6 @@ class PartRows:
             return [f"{rel}: {e.detail}"]
 
 
-def _store_rows(cache_dir, part: int, prompts: int, num_parts: int, checksums: bool) -> tuple[PartRows, list[str]]:
-    """The part's store opened, and the problems of its small arrays: unreadable, rows never written, rows holding
-    another prompt."""
-    rel = store_relpath(part)
-    try:
-        rows = PartRows(cache_dir, part, num_parts, whole_files=True)  # read in row order, a file at a time
-        seq, idx = rows.seq_lens, rows.g[Z_PROMPT_IDX][:]
-        if checksums:
-            rows.g[Z_TEXT][:], rows.crcs, rows.token_start, rows._latents  # zarr checks each chunk's crc32c
-    except UnsafeFileError:
-        raise  # a link or a FIFO in the store: refused whole
-    except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
-        return None, [f"{rel}: unreadable ({type(e).__name__}: {e})"]
-    want = part_prompts(part, prompts, num_parts)
-    if len(seq) != len(want):
-        return None, [f"{rel}: {len(seq)} rows, expected {len(want)}"]
-    problems = [f"{rel}: row {r} (prompt {want[r]}) was never written" for r in np.flatnonzero(seq < 0)]
-    problems += [f"{rel}: row {r} holds prompt_idx {idx[r]}, expected {want[r]}"
-                 for r in np.flatnonzero(idx != np.asarray(want))]
-    return rows, problems
-
-
-def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: int, checksums: bool = False,
-                        progress: bool = False) -> list[str]:
-    """Every row a reader relies on that is missing or wrong in the parts' stores (empty = sound): rows never written
-    and rows holding another prompt; with `checksums` every byte of every row read and checked (`cache verify`)."""
-    problems = []
-    for part in range(num_parts):
-        rows, found = _store_rows(cache_dir, part, prompts, num_parts, checksums)
-        problems += found
-        if rows is None or not checksums:
-            continue
-        rel, want = store_relpath(part), part_prompts(part, prompts, num_parts)
-        for r in tqdm(range(len(want)), desc=f"verify {rel}", unit="row", disable=not progress):
-            if rows.seq_lens[r] >= 0:
-                problems += rows.problems(r, rel, want[r])
-    return problems
-
-
-def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int) -> None:
-    """CacheError naming the first problem of `prompt_row_problems`: training must not discover a missing row
-    thousands of steps in."""
-    problems = prompt_row_problems(cache_dir, num_parts, prompts)
-    if problems:
-        more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise CacheError(f"prompt store of {cache_dir}: {problems[0]}{more}, yet the part is marked complete (the "
-                         f"store was damaged); {REBUILD}")
-
-
 def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]:
     """prompt_idx -> text of every prompt the cache's stores hold (rows never written are left out)."""
     out: dict[int, str] = {}
@@ -566,59 +515,3 @@ class EmbeddingCache(RowCache):
         out = trimmed.new_zeros(max_len, trimmed.shape[1])  # zeros past the real length, as WanPipeline pads
         out[:trimmed.shape[0]] = trimmed
         return out
-
-
-def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: int,
-                          latent_shape: tuple[int, ...]) -> str | None:
-    """Why the cache's prompt stores cannot serve final latents (no `final_latents` array of the manifest's shape), or
-    None. Metadata only: a latent never written is caught when it is read and by `cache verify`."""
-    want = (int(seeds), *(int(v) for v in latent_shape))
-    for part in range(num_parts):
-        path = prompt_store_path(cache_dir, part)
-        try:
-            arr = open_prompt_store(path)[Z_FINAL_LATENTS]
-        except UnsafeFileError:
-            raise
-        except Exception as e:  # a missing store or array, whatever zarr raises for it
-            return f"{path} has no {Z_FINAL_LATENTS} array ({type(e).__name__})"
-        if tuple(arr.shape[1:]) != want:
-            return f"{path}/{Z_FINAL_LATENTS} is {list(arr.shape[1:])} per prompt, expected {list(want)}"
-    return None
-
-
-def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | None:
-    """Why a part's prompt store is not what the manifest says it holds (an array of another shape, dtype or chunk,
-    or one that does not open), or None. Metadata only: every reader checks it before reading a row, so that no
-    edited shape makes one allocate terabytes (a chunk no larger than its array or file), nor a dtype misread."""
-    m, dtype = manifest, manifest.dtype
-    for part in range(m.num_parts):
-        rows = len(part_prompts(part, m.prompts, m.num_parts))
-        want = {Z_PROMPT_IDX: ((rows,), "int64"), Z_SEQ_LENS: ((rows,), "int32"), Z_TOKEN_START: ((rows,), "int64"),
-                EMBEDS_CRC32C: ((rows,), "int64"), Z_TEXT: ((rows,), None),
-                Z_EMBEDS: ((max(1, rows * m.max_sequence_length), m.text_dim), storage_numpy_dtype(dtype)),
-                Z_INIT_NOISE: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32"),
-                Z_FINAL_LATENTS: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32")}
-        rel = store_relpath(part)
-        try:
-            g = open_prompt_store(prompt_store_path(cache_dir, part))
-            for name, (shape, np_dtype) in want.items():
-                try:
-                    arr = g[name]
-                except KeyError:
-                    return (f"prompt store {Path(cache_dir) / rel} lacks its {name.replace('_', ' ')} array ({name}); "
-                            f"{REBUILD}")
-                blocks = [tuple(arr.chunks), *([tuple(arr.shards)] if arr.shards else [])]
-                if (len(arr.shape) != len(shape) or any(w is not None and w != h for w, h in zip(shape, arr.shape))
-                        or (np_dtype and str(arr.dtype) != np_dtype)
-                        or any(c > max(h, TOKENS_PER_FILE) for b in blocks for c, h in zip(b, arr.shape))):
-                    return (f"prompt store {Path(cache_dir) / rel}: {name} is {arr.dtype} {list(arr.shape)} in chunks "
-                            f"of {list(arr.chunks)}, its manifest makes it {np_dtype or ''} "
-                            f"{['?' if w is None else w for w in shape]}; {REBUILD}")
-            if g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE) != dtype:
-                return (f"prompt store {Path(cache_dir) / rel}: {Z_EMBEDS} holds "
-                        f"{g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE)!r} values, its manifest says {dtype}; {REBUILD}")
-        except UnsafeFileError:
-            raise
-        except Exception as e:  # a missing store or array, whatever zarr raises for it
-            return f"prompt store {Path(cache_dir) / rel} does not open ({type(e).__name__}: {e}); {REBUILD}"
-    return None

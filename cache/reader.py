@@ -24,9 +24,9 @@ from . import format as F
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
 from .manifest import check_settings, load_manifest
-from .prompt_store import store_problem
 from .safe_open import open_fd
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
+from .store_checks import store_problem
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -81,7 +81,7 @@ class CacheInfo:
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
     does not load, settings that no longer hash to their fingerprint, or a prompt store not of the manifest's shapes
-    (`prompt_store.store_problem`)."""
+    (`store_checks.store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}

@@ -15,10 +15,10 @@ from . import format as F
 from .cache_error import CacheError, FormatVersionError, UnsafeFileError
 from .feature_projection import read_projection
 from .manifest import load_manifest, negative_problem, settings_problem
-from .prompt_store import prompt_row_problems, store_problem
 from .reader import ShardStream, decode_sample
 from .safe_open import open_fd, read_bytes
 from .schema import recorded_steps, sample_problems
+from .store_checks import prompt_row_problems, store_problem
 
 
 def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[str]:

@@ -17,11 +17,12 @@ from cache import format as F
 from cache.cache_error import CacheError
 from cache.format import prompt_location
 from cache.manifest import negative_problem
-from cache.prompt_store import REBUILD, ROW_UNREADABLE, PartRows, check_prompt_rows, store_relpath
+from cache.prompt_store import REBUILD, ROW_UNREADABLE, PartRows, store_relpath
 from cache.reader import (
     C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, ShardError, check_complete, empty_table, fill_table,
     sample_code, scan_shard, shard_list, shard_problem,
 )
+from cache.store_checks import check_prompt_rows
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv
 

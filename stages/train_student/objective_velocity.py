@@ -71,7 +71,7 @@ class Segment(Objective):
         if not is_flow_matching(sched):
             raise UserError(f"--objective segment needs a flow-matching teacher schedule; the cache {cache} was "
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")
-        from cache.prompt_store import final_latents_problem
+        from cache.store_checks import final_latents_problem
 
         problem = final_latents_problem(cache, int(manifest.num_parts), int(manifest.seeds_per_prompt),
                                         tuple(manifest.latent_shape))
