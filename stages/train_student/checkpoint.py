@@ -329,7 +329,6 @@ def sharded_keys(path: Path, index=None) -> set[str]:
     return {k.split(".", 1)[0] for k in index.state_dict_metadata}
 
 
-
 def _dcp_reader(path: Path, index):
     """A FileSystemReader of SHARDED/ that hands DCP `index` (read_index's, checked) instead of unpickling the file."""
     import torch.distributed.checkpoint as dcp
@@ -389,13 +388,17 @@ def _pickled_global(e: Exception) -> str:
     return m.group(1).rstrip(".,;") if m else "a pickled object"
 
 
+def _named(out: str | os.PathLike) -> list[Path]:
+    """The folders with a checkpoint's final name, oldest first."""
+    root = Path(out) / CHECKPOINTS
+    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()] \
+        if root.is_dir() else []
+    return [d for _, d in sorted(found)]
+
+
 def complete(out: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders, oldest first."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and (d / STATE).is_file()]
-    return [d for _, d in sorted(found)]
+    return [d for d in _named(out) if (d / STATE).is_file()]
 
 
 def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
@@ -404,8 +407,7 @@ def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
     found = [d for d in complete(out) if step is None or int(_NAME.match(d.name).group(1)) <= step]
     for d in found[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
-    root = Path(out) / CHECKPOINTS
-    for d in root.glob(f"*{TMP}"):
+    for d in (Path(out) / CHECKPOINTS).glob(f"*{TMP}"):
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -498,12 +500,8 @@ def check(path: Path) -> str | None:
 def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
     """What `--resume` restores: (the newest sound checkpoint, lines to print about the choice), (None, []) without
     any. Every folder with a final name is a candidate (one without trainer_state.json is reported as damaged)."""
-
-    root = Path(out) / CHECKPOINTS
-    found = sorted((int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()) \
-        if root.is_dir() else []
     damaged: list[tuple[str, str]] = []
-    for _, d in reversed(found):
+    for d in reversed(_named(out)):
         problem = check(d)
         if problem is not None:
             damaged.append((d.name, problem))
@@ -516,7 +514,7 @@ def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
     if not damaged:
         return None, []
     listed = ", ".join(f"{n} ({p})" for n, p in damaged)
-    raise UserError(f"--resume: no sound checkpoint in {root}: {listed}; delete the damaged checkpoint folders "
+    raise UserError(f"--resume: no sound checkpoint in {Path(out) / CHECKPOINTS}: {listed}; delete the damaged checkpoint folders "
                     "and rerun with --resume to train again from step 0, or start without --resume in a new --out")
 
 
