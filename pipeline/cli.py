@@ -18,8 +18,8 @@ import click
 
 from .config import (
     EvalConfig, ExportConfig, PlanSettings, SampleConfig, TeacherCacheConfig, TeacherRun, TrainStudentConfig,
-    load_config,
 )
+from .config_types import load_config
 from .errors import UserError, user_errors
 from .options import config_options
 

@@ -1,6 +1,6 @@
 """Configs of every command, side by side: one frozen dataclass each, loaded from TOML with CLI flags on top
-(`load_config`; docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI builds its options
-from it at load.
+(config_types.load_config; docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI builds
+its options from it at load.
 """
 
 from __future__ import annotations
@@ -9,20 +9,16 @@ import dataclasses
 import json
 import os
 import re
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .config_types import type_problem
-from .errors import UserError
 from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
 )
 from .settings import (
-    at_least, byte_size, check_settings, declared, gpu_sizes, in_range, int_in, int_list, merged, name_of, non_empty,
-    one_of, positive, refuse_foreign, required, setting, settings_of, str_tuple,
+    at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, non_empty, one_of, positive,
+    refuse_foreign, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -38,84 +34,6 @@ MAX_SEQUENCE_LENGTH = 4096
 _SEQUENCE_LENGTH = int_in(1, MAX_SEQUENCE_LENGTH, f" (Wan's text encoder reads {DEFAULT_MAX_SEQUENCE_LENGTH} tokens)")
 DEFAULT_STEPS = 40
 DEFAULT_GUIDANCE = 4.0
-
-
-def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
-    """Build `cls` from a TOML file (optional; keys with dashes or underscores, at the top level or under the
-    stage's table) with `overrides` (the CLI flags given) on top; a bad key or value is a UserError naming it."""
-    values: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(cls)}
-    if toml_path is not None:
-        p = Path(toml_path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist; pass an existing TOML file to --config")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config file {p} is not valid TOML: {e}") from e
-        section = getattr(cls, "TOML_SECTION", None)
-        if section and isinstance(data.get(section), dict):
-            data = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data[section]}
-        for k, v in data.items():
-            key = k.replace("-", "_")
-            if key not in names:
-                raise UserError(f"config file {p}: unknown key {k!r}; valid keys: {', '.join(sorted(names))}")
-            values[key] = v
-    in_file = set(values)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    values.update(given)
-    _refuse_missing(cls, values, toml_path)
-    where = f" (config file {toml_path})" if toml_path else ""
-    problem = type_problem(cls, values)
-    if problem is not None:
-        problem = problem[1] + ("" if problem[0] in given else where)
-    try:
-        cfg = cls(**values)
-    except ValueError as e:  # a range check names the range too: its message wins
-        raise UserError(f"{e}{_source(cls, str(e), given, in_file, toml_path)}") from e
-    except TypeError as e:  # missing required field, or a value of the wrong type
-        raise UserError(problem or f"incomplete configuration: {e}") from e
-    except Exception as e:  # a wrong type that __post_init__ tripped over
-        if problem is None:
-            raise
-        raise UserError(problem) from e
-    if problem is not None:
-        raise UserError(problem)
-    return cfg
-
-
-def _source(cls, message: str, given: dict[str, Any], in_file: set[str], toml_path) -> str:
-    """Where the settings a refusal names came from, as the end of its line: the config file, the command line, or
-    each its own (without a config file: nothing to add)."""
-    if not toml_path:
-        return ""
-    words = {w.rstrip("-") for w in re.findall(r"[A-Za-z][\w-]*", message)}
-    named = [f for f in declared(cls) if name_of(f) in words]
-    flags = [name_of(f) for f in named if f.name in given]
-    from_file = [name_of(f) for f in named if f.name in in_file and f.name not in given]
-    if not flags:  # every setting it names is the file's (or a default), or it names none: the file, as ever
-        return f" (config file {toml_path})"
-    if not from_file:
-        return " (given on the command line)"
-    return f" ({', '.join(from_file)} from config file {toml_path}, {', '.join(flags)} from the command line)"
-
-
-def _refuse_missing(cls, values: dict[str, Any], toml_path) -> None:
-    """A required setting given neither as a flag nor in the config file: one line naming each flag."""
-    missing = [f for f in declared(cls) if required(f) and values.get(f.name) is None]
-    if not missing:
-        return
-    flags = [f"--{name_of(f)}" for f in missing]
-    if len(missing) == 1:
-        gist = missing[0].metadata["help"].split(";")[0]
-        if gist.count("(") > gist.count(")"):  # the ';' was inside a parenthesis: the words before it
-            gist = gist[:gist.rfind("(")]
-        what = f"{flags[0]} is required ({gist.strip().rstrip('.')})"
-    else:
-        what = f"{', '.join(flags[:-1])} and {flags[-1]} are required"
-    keys = ", ".join(f.name for f in missing)
-    where = f"the config file {toml_path}" if toml_path else "a --config TOML file"
-    raise UserError(f"{what}; give {'it' if len(missing) == 1 else 'them'} on the command line or as {keys} in {where}")
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from conftest import TINY_CACHE_ARGS
-from pipeline.config import TeacherCacheConfig, TrainStudentConfig, load_config
+from pipeline.config import TeacherCacheConfig, TrainStudentConfig
+from pipeline.config_types import load_config
 from pipeline.errors import UserError
 from test_teacher_cache_cli import invoke
 

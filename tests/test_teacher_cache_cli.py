@@ -141,7 +141,8 @@ def test_unknown_toml_key_and_bad_toml(tiny_teacher, prompts_file, tmp_path):
 
 
 def test_cli_flags_override_toml(tmp_path):
-    from pipeline.config import TeacherCacheConfig, load_config
+    from pipeline.config import TeacherCacheConfig
+    from pipeline.config_types import load_config
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('steps = 9\n[teacher_cache]\nheight = 32\nnegative-prompt = "x"\n')

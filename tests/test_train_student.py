@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from cache import format as F
 from pipeline.cli import main
-from pipeline.config import TeacherCacheConfig, TrainStudentConfig, load_config
+from pipeline.config import TeacherCacheConfig, TrainStudentConfig
+from pipeline.config_types import load_config
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv
 from stages import train_student
