@@ -262,9 +262,8 @@ class RowError(CacheError):
 
 def _damage(e: Exception) -> str:
     """How a zarr read that raised `e` failed, in words."""
-    if "checksum" in str(e):
-        return "fail their crc32c (changed after stage one wrote them)"
-    return f"do not read ({type(e).__name__}: {e})"
+    return ("fail their crc32c (changed after stage one wrote them)" if "checksum" in str(e)
+            else f"do not read ({type(e).__name__}: {e})")
 
 
 class PartRows:

@@ -18,41 +18,34 @@ from .prompt_store import EMBEDS_CRC32C, REBUILD, PartRows, open_prompt_store, p
 from .records import Manifest
 
 
-def _store_rows(cache_dir, part: int, prompts: int, num_parts: int, checksums: bool) -> tuple[PartRows, list[str]]:
-    """The part's store opened, and the problems of its small arrays: unreadable, rows never written, rows holding
-    another prompt."""
-    rel = store_relpath(part)
-    try:
-        rows = PartRows(cache_dir, part, num_parts, whole_files=True)  # read in row order, a file at a time
-        seq, idx = rows.seq_lens, rows.g[Z_PROMPT_IDX][:]
-        if checksums:
-            rows.g[Z_TEXT][:], rows.crcs, rows.token_start, rows._latents  # zarr checks each chunk's crc32c
-    except UnsafeFileError:
-        raise  # a link or a FIFO in the store: refused whole
-    except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
-        return None, [f"{rel}: unreadable ({type(e).__name__}: {e})"]
-    want = part_prompts(part, prompts, num_parts)
-    if len(seq) != len(want):
-        return None, [f"{rel}: {len(seq)} rows, expected {len(want)}"]
-    problems = [f"{rel}: row {r} (prompt {want[r]}) was never written" for r in np.flatnonzero(seq < 0)]
-    problems += [f"{rel}: row {r} holds prompt_idx {idx[r]}, expected {want[r]}"
-                 for r in np.flatnonzero(idx != np.asarray(want))]
-    return rows, problems
-
-
 def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: int, checksums: bool = False,
                         progress: bool = False) -> list[str]:
-    """Every row a reader relies on that is missing or wrong in the parts' stores (empty = sound): rows never written
-    and rows holding another prompt; with `checksums` every byte of every row read and checked (`cache verify`)."""
+    """Every row a reader relies on that is missing or wrong in the parts' stores (empty = sound): a store unreadable,
+    rows never written and rows holding another prompt; with `checksums` every byte of every row read and checked
+    (`cache verify`)."""
     problems = []
     for part in range(num_parts):
-        rows, found = _store_rows(cache_dir, part, prompts, num_parts, checksums)
-        problems += found
-        if rows is None or not checksums:
-            continue
         rel, want = store_relpath(part), part_prompts(part, prompts, num_parts)
+        try:
+            rows = PartRows(cache_dir, part, num_parts, whole_files=True)  # read in row order, a file at a time
+            seq, idx = rows.seq_lens, rows.g[Z_PROMPT_IDX][:]
+            if checksums:
+                rows.g[Z_TEXT][:], rows.crcs, rows.token_start, rows._latents  # zarr checks each chunk's crc32c
+        except UnsafeFileError:
+            raise  # a link or a FIFO in the store: refused whole
+        except Exception as e:  # a missing or unreadable store, whatever zarr raises for it
+            problems.append(f"{rel}: unreadable ({type(e).__name__}: {e})")
+            continue
+        if len(seq) != len(want):
+            problems.append(f"{rel}: {len(seq)} rows, expected {len(want)}")
+            continue
+        problems += [f"{rel}: row {r} (prompt {want[r]}) was never written" for r in np.flatnonzero(seq < 0)]
+        problems += [f"{rel}: row {r} holds prompt_idx {idx[r]}, expected {want[r]}"
+                     for r in np.flatnonzero(idx != np.asarray(want))]
+        if not checksums:
+            continue
         for r in tqdm(range(len(want)), desc=f"verify {rel}", unit="row", disable=not progress):
-            if rows.seq_lens[r] >= 0:
+            if seq[r] >= 0:
                 problems += rows.problems(r, rel, want[r])
     return problems
 
