@@ -181,9 +181,7 @@ class Trainer:
         rows = self.data.heldout_rows
         if len(rows) == 0:
             return None
-        self.model.eval()
-        if self.heads is not None:
-            self.heads.eval()
+        self._train_mode(False)
         total = torch.zeros(2, dtype=torch.float64)
         batches = eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size)
         if self.strategy.lockstep:  # every forward is a collective: as many as rank 0's (the most), extras discarded
@@ -195,11 +193,14 @@ class Trainer:
             per, _ = self.objective.loss(self.model, b, self.autocast, self.heads)
             if items is not None:
                 total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
-        self.model.train()
-        if self.heads is not None:
-            self.heads.train()
+        self._train_mode(True)
         total = all_reduce(total, self.device)
         return float(total[0] / total[1])
+
+    def _train_mode(self, on: bool) -> None:
+        for module in (self.model, self.heads):
+            if module is not None:
+                module.train(on)
 
     def log_eval(self) -> None:
         loss = self.evaluate()
@@ -283,7 +284,6 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         count = plan.step_samples(epoch_step)
         micros = plan.micro_range(epoch_step)
-        world = self.env.world_size
         loss_sum = torch.zeros((), dtype=torch.float64)
         term_sums: dict[str, torch.Tensor] = {}
         keys = []
@@ -298,7 +298,7 @@ class Trainer:
             with self.strategy.accumulate(last):
                 per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()
-                self.scaler.scale(weighted * (world / count)).backward()
+                self.scaler.scale(weighted * (self.env.world_size / count)).backward()
             loss_sum += weighted.detach().double().cpu()
             if not looked and not math.isfinite(loss_sum):
                 bad, looked = nonfinite_input(b, batch["keys"]), True
@@ -309,8 +309,7 @@ class Trainer:
             self.trained_keys.extend(keys)
         self.strategy.reduce_gradients()
         self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = self.strategy.clip_grad_norm(self.params, max_norm)
+        grad_norm = self.strategy.clip_grad_norm(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

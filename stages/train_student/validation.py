@@ -181,10 +181,9 @@ def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torc
                    every_rank: bool = False, teacher: tuple[str, str | None] = ("", None)) -> Validator | None:
     """Rank 0's validator when --val-every is on, None elsewhere; `every_rank` (a sharded student's forward needs
     every rank): every rank samples, rank 0 alone decodes and logs. `teacher`: `StudentKind.teacher_flag`'s."""
-
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
-    decode, vae = cfg.val_decode and is_main, None
-    if decode:  # settled before step 1: a refusal costs no training
-        vae = vae_folder(*teacher, cfg.revision, data.index.manifest)
+    decode = cfg.val_decode and is_main
+    # settled before step 1: a refusal costs no training
+    vae = vae_folder(*teacher, cfg.revision, data.index.manifest) if decode else None
     return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, decode, vae)
