@@ -146,8 +146,7 @@ def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | No
     if not (cfg.teacher_timing or cfg.attributes):
         return None
     try:
-        return named_teacher(cfg.teacher, cfg.revision, manifest.teacher, manifest.revision,
-                             f"{cache_dir}/{F.MANIFEST}")
+        return named_teacher(cfg, manifest.teacher, manifest.revision, f"{cache_dir}/{F.MANIFEST}")
     except UserError as e:
         raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
                         f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e

@@ -244,13 +244,12 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
         raise UserError(f"student {student.path} does not fit {against}: {'; '.join(problems)}")
 
 
-def named_teacher(teacher: str | None, revision: str | None, recorded: str | None,
-                  recorded_revision: str | None, record: str) -> Path:
+def named_teacher(cfg, recorded: str | None, recorded_revision: str | None, record: str) -> Path:
     """The folder of the teacher a command runs: --teacher (with --revision), else the one the run recorded in
     `record` (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
-    if teacher:
-        return teacher_dir(teacher, revision)
-    return teacher_dir(recorded, revision or recorded_revision, record)
+    if cfg.teacher:
+        return teacher_dir(cfg.teacher, cfg.revision)
+    return teacher_dir(recorded, cfg.revision or recorded_revision, record)
 
 
 def student_teacher(cfg, student: Student) -> tuple[str, Path]:
@@ -258,8 +257,7 @@ def student_teacher(cfg, student: Student) -> tuple[str, Path]:
     name = cfg.teacher or student.setting("teacher")
     if name is None:
         raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    return name, named_teacher(cfg.teacher, cfg.revision, name, student.setting("revision"),
-                               f"{cfg.student}'s distill.json")
+    return name, named_teacher(cfg, name, student.setting("revision"), f"{cfg.student}'s distill.json")
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:
