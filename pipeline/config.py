@@ -373,11 +373,8 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
 # A setting left None is resolved at run time: distill.json, the manifest or the teacher, then the DEFAULT_* above.
 
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
 def _device(name, v) -> None:
-    if not _DEVICE_RE.match(str(v)):
+    if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(v)):
         raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N, got {v!r}")
 
 

@@ -27,7 +27,6 @@ PROBE_RETRIES = 4  # 50 ms apart: how long a writer waits out a liveness probe (
 _PART_LOCK = re.compile(r"part-(\d{1,9})\.lock")  # the names `part_lock_path` gives; anything else in locks/ is no lock
 
 
-
 class UnsafeFile(UserError):
     """A path where we expect a plain file of ours holds something else (a link, a FIFO, a folder, a hard link)."""
 
