@@ -75,8 +75,7 @@ def _short(v) -> str:
 
 def check_settings(cache_dir: str | os.PathLike, m: Manifest) -> None:
     """CacheError with `settings_problem`, if any."""
-    problem = settings_problem(cache_dir, m)
-    if problem:
+    if problem := settings_problem(cache_dir, m):
         raise CacheError(problem)
 
 
@@ -140,8 +139,7 @@ def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
         raise CacheError(f"{Path(cache_dir) / NEGATIVE} is missing; rerun the same `wandistiller teacher-cache` "
                          "command") from None
     if manifest_path(cache_dir).exists():
-        problem = negative_problem(cache_dir, load_manifest(cache_dir))
-        if problem:
+        if problem := negative_problem(cache_dir, load_manifest(cache_dir)):
             raise CacheError(problem)
     return st_load(data)[NEG_EMBEDS]
 

@@ -102,8 +102,7 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
                          f"{listed}; train on caches that share one fingerprint")
     for c in caches:
         check_settings(c.path, c.manifest)
-        problem = store_problem(c.path, c.manifest)
-        if problem is not None:
+        if (problem := store_problem(c.path, c.manifest)) is not None:
             raise CacheError(problem)
     return caches
 
@@ -418,8 +417,7 @@ class SampleReader:
             tensors, meta = _tensors_in(tens_b), json.loads(meta_b)
         except Exception as e:  # any parse failure is corruption of that member
             raise self._undecodable(row, e) from e
-        problems = sample_problems(key, tensors, meta, manifest)
-        if problems:
+        if problems := sample_problems(key, tensors, meta, manifest):
             raise CacheError(f"{problems[0]} (in {self.index.shard_path(row)}); run `wandistiller cache verify`")
         if head is not None and all(t.numel() for t in tensors.values()) and len(self._layouts) < 64:
             base = tens_b.ctypes.data

@@ -116,8 +116,7 @@ class Record:
         if not isinstance(obj, dict):
             return f"{where or 'it'} is not a JSON object"
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(obj) - set(known))
-        if unknown:
+        if unknown := sorted(set(obj) - set(known)):
             return f"{where}it has an unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown[:5]))}"
         for name, f in known.items():
             if name not in obj:
@@ -137,8 +136,7 @@ class Record:
     @classmethod
     def from_json(cls, obj, where: str = ""):
         """The record `obj` holds; ValueError with `problem` in one line otherwise."""
-        problem = cls.problem(obj, where)
-        if problem is not None:
+        if (problem := cls.problem(obj, where)) is not None:
             raise ValueError(problem)
         return cls._build(obj)
 

@@ -110,8 +110,7 @@ def missing_fields(manifest: CacheHeader, needed) -> list[str]:
 
 def check_undeclared(names) -> None:
     """ValueError for a tensor no schema entry declares: stage one must not write what no reader knows."""
-    unknown = sorted(set(names) - set(SAMPLE_FIELDS))
-    if unknown:
+    if unknown := sorted(set(names) - set(SAMPLE_FIELDS)):
         raise ValueError(f"sample tensor(s) {unknown} are not declared in cache/schema.py SAMPLE_FIELDS")
 
 

@@ -171,8 +171,7 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Manifest) -> dict:
         tokens += int(lens.sum())
         rows += len(lens)
     prog = PartProgress.load(cache_dir, 0)
-    shards = manifest.shards
-    per_shard = prog.samples_per_shard if prog else max(s.samples for s in shards)
+    per_shard = prog.samples_per_shard if prog else max(s.samples for s in manifest.shards)
     return {"embed_tokens": tokens / max(rows, 1), "fixed_bytes": fixed_bytes(cache_dir),
             "batch_size": prog.batch_size if prog else 1, "samples_per_shard": int(per_shard)}
 
@@ -200,4 +199,3 @@ def human(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"

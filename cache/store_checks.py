@@ -53,8 +53,7 @@ def prompt_row_problems(cache_dir: str | os.PathLike, num_parts: int, prompts: i
 def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int) -> None:
     """CacheError naming the first problem of `prompt_row_problems`: training must not discover a missing row
     thousands of steps in."""
-    problems = prompt_row_problems(cache_dir, num_parts, prompts)
-    if problems:
+    if problems := prompt_row_problems(cache_dir, num_parts, prompts):
         more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise CacheError(f"prompt store of {cache_dir}: {problems[0]}{more}, yet the part is marked complete (the "
                          f"store was damaged); {REBUILD}")

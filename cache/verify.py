@@ -99,8 +99,7 @@ def _check_negative(cache_dir: Path, m: dict) -> list[str]:
         data = read_bytes(cache_dir, F.NEGATIVE)
     except FileNotFoundError:
         return [f"{F.NEGATIVE}: missing"]
-    problem = negative_problem(cache_dir, m, relative=True)
-    if problem is not None:
+    if (problem := negative_problem(cache_dir, m, relative=True)) is not None:
         return [problem]
     try:
         if F.NEG_EMBEDS not in st_load(data):
