@@ -22,6 +22,7 @@ from .comm import all_gather_bytes
 from .objective_velocity import WithHeads
 from .student import StudentKind, trained_parameters
 
+
 def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dtype | None) -> Strategy:
     """The strategy declared as `name` (its module imported now), for this rank."""
     entry = STRATEGIES[name]
@@ -103,7 +104,6 @@ class Strategy:
 
     def weights_sha(self) -> str:
         """sha256 of the student's full weights, the same on every rank (checked to agree where replicated)."""
-
         raise NotImplementedError
 
 
@@ -304,14 +304,6 @@ class FSDP(Strategy):
                 for p, k in zip(params, kept):
                     p.copy_(k)
 
-    def _state(self, full: bool) -> dict[str, torch.Tensor]:
-        """The student's state dict: full, on rank 0's host memory ({} elsewhere; every rank takes part in the
-        gathers), or as it is held (shards as DTensors, whole buffers)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        self._shards()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
-
     @contextlib.contextmanager
     def full_model(self, ema=None) -> Iterator[torch.nn.Module | None]:
         # The EMA weights stay swapped in until the caller is done: with one rank the gathered tensors are the
@@ -323,9 +315,11 @@ class FSDP(Strategy):
     def weights_sha(self) -> str:
         """`state_sha` of the full weights, one tensor gathered at a time (a LoRA student's base is the teacher's
         whole transformer: never all of it at once in rank 0's memory)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         from torch.distributed.tensor import DTensor
 
-        held = sorted(self._state(full=False).items())
+        self._shards()
+        held = sorted(get_model_state_dict(self.model).items())  # as held: shards as DTensors, whole buffers
         gathered = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in held)
         sha = items_sha(gathered)  # every rank takes part in each gather, in the same order
         return all_gather_bytes(sha.encode(), self.device)[0].decode()

@@ -37,8 +37,7 @@ def load_student_config(path: str | os.PathLike) -> dict:
         raise UserError(f"student config {p} must be a JSON object of WanTransformer3DModel arguments")
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
     valid = {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
-    unknown = sorted(set(cfg) - valid)
-    if unknown:
+    if unknown := sorted(set(cfg) - valid):
         raise UserError(f"student config {p}: unknown key(s) {', '.join(unknown)}; WanTransformer3DModel takes "
                         f"{', '.join(sorted(valid))}")
     if "patch_size" in cfg:
@@ -64,8 +63,8 @@ def check_compatible(cfg: dict, manifest: dict, path: str) -> None:
         problems.append(f"patch_size {[pt, ph, pw]} does not divide the latent grid {[f, h, w]}")
     else:  # Wan's rotary table (WanRotaryPosEmbed) holds rope_max_seq_len positions per axis, in patches
         rope = int(get("rope_max_seq_len"))
-        over = [f"{name} {n}" for name, n in (("frames", f // pt), ("height", h // ph), ("width", w // pw)) if n > rope]
-        if over:
+        axes = (("frames", f // pt), ("height", h // ph), ("width", w // pw))
+        if over := [f"{name} {n}" for name, n in axes if n > rope]:
             problems.append(f"rope_max_seq_len {rope} is fewer positions than the cache's latents have patches "
                             f"along an axis ({', '.join(over)}); set rope_max_seq_len to at least "
                             f"{max(f // pt, h // ph, w // pw)}")
