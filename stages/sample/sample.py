@@ -96,15 +96,12 @@ def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSe
         guidance_2 = None
     student_guidance = cfg.student_guidance if cfg.student_guidance is not None else 1.0 if student.guided else guidance
     steps = int(cfg.steps or student.setting("steps", DEFAULT_STEPS))
+    negative = cfg.negative_prompt if cfg.negative_prompt is not None else str(student.setting("negative_prompt", ""))
+    text_len = cfg.max_sequence_length or student.setting("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
     return SamplingSettings(
-        steps=steps, guidance=guidance,
-        guidance_2=None if guidance_2 is None else float(guidance_2), student_guidance=float(student_guidance),
-        negative_prompt=cfg.negative_prompt if cfg.negative_prompt is not None
-        else str(student.setting("negative_prompt", "")),
-        height=int(height), width=int(width),
-        max_sequence_length=int(cfg.max_sequence_length or student.setting("max_sequence_length",
-                                                                            DEFAULT_MAX_SEQUENCE_LENGTH)),
-        seed=cfg.seed,
+        steps=steps, guidance=guidance, guidance_2=None if guidance_2 is None else float(guidance_2),
+        student_guidance=float(student_guidance), negative_prompt=negative, height=int(height), width=int(width),
+        max_sequence_length=int(text_len), seed=cfg.seed,
         student_steps=int(cfg.student_steps or student.setting("sampling_steps") or steps))
 
 
