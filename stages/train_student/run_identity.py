@@ -145,8 +145,7 @@ def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> 
     """Why checkpoint `ckpt` (its trainer state `saved`, its identity `then`) cannot be continued by this run, in one
     line naming the flag, the checkpoint's value and this run's, and the fix; None when it can. What the run is
     first (caches, data, student, objective, ...), then the kept settings, a flag each."""
-    written_by = saved["strategy"]
-    if written_by != p.strategy.name:
+    if (written_by := saved["strategy"]) != p.strategy.name:
         sharded = written_by in STRATEGIES and STRATEGIES[written_by].caps.shards
         return (f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
                 f"{'sharded' if sharded else 'whole'}); resume with --strategy {written_by}, or use a new --out")
@@ -187,8 +186,7 @@ def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
     """Checkpoint `ckpt`'s trainer state `saved` may be continued by this run (every rank checks alike): written by
     this version, the same identity (`resume_problem`) and a run that does not end before the checkpoint's step."""
     try:
-        missing = next((k for k in _STATE_KEYS if k not in saved), None)
-        if missing:
+        if missing := next((k for k in _STATE_KEYS if k not in saved), None):
             raise ValueError(missing)
         problem = resume_problem(ckpt, saved, RunIdentity.from_json(saved["extra"]), p)
     except ValueError as e:
