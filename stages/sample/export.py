@@ -122,11 +122,9 @@ def copy_contents(src: Path, dst: Path) -> None:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
+    if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder for the pipeline")
-    if not any(out.iterdir()):
+    if not out.exists() or not any(out.iterdir()):
         return
     ours = False
     for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
