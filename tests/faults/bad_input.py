@@ -93,8 +93,8 @@ def cases(x: Inputs) -> list[tuple[str, list, list[str]]]:
         ("part out of range", t1(part=2, num_parts=2), ["part must be in [0, num-parts)"]),
         ("part without num-parts", t1(part=1), ["give --part and --num-parts together"]),
         ("steps not a number", t1(steps="four"), ["'four' is not a valid integer"]),
-        ("deprecated flag contradicts new one", t1(dtype="float32") + ["--teacher_dtype", "float16"],
-         ["contradicts --dtype float32", "drop the deprecated flag"]),
+        ("the seed script's retired flag", t1(dtype="float32") + ["--teacher_dtype", "float16"],
+         ["No such option '--teacher_dtype'"]),
         # teacher-cache: placements, device maps, memory specs
         ("unknown placement", t1(placement="gpu-farm"), ["placement must be one of", "device-map .json"]),
         ("device map missing", t1(placement=x.files / "nope.json"), ["device map", "does not exist", "pass a JSON"]),

@@ -163,16 +163,28 @@ def _all_damaged(ws: Workspace, row: Row, killed: Path) -> None:
 
 
 def _previous_version_run(ws: Workspace, row: Row, killed: Path) -> None:
+    """Checkpoints written before digests were recorded are not trusted: the resume is refused in one line that
+    names each one's missing record, and nothing is changed (0.1 keeps no branch for them)."""
     what = "checkpoints of the previous version (no digest record)"
     out = _copy(ws, killed)
     for step in STEPS:
         _previous_version(out / "checkpoints" / _name(step))
-    r, debug = _resume(ws, out)
-    lost, dup, problems = _check_resumed(ws, out, r, debug, NEWEST)
-    if _warnings(r) or f"checkpoint {_name(NEWEST)} is unverified" not in r.out + r.err:
-        problems.append(f"expected one note that {_name(NEWEST)} is unverified and no warning: {r.describe()}")
-    row.notes.append(f"{what}: resumed from step {_resumed_from(r)}")
-    row.record(what, problems, lost, dup)
+
+    def state() -> list[str]:
+        return [tree_digest(out / "checkpoints")] + [(out / n).read_text() for n in ("metrics.jsonl", "config.json")]
+
+    before = state()
+    r, _ = _resume(ws, out)
+    line = r.error_lines[0] if r.error_lines else ""
+    problems = [] if r.code == 2 else [f"exit {r.code}, expected 2: {r.describe()}"]
+    if len(r.error_lines) != 1 or "Traceback" in r.err:
+        problems.append(f"expected one error line, got {r.err[-600:]!r}")
+    if f"{_name(NEWEST)} (digests.json: missing" not in line:
+        problems.append(f"the error line does not name {_name(NEWEST)}'s missing digest record: {line!r}")
+    if state() != before or (out / "student").exists():
+        problems.append("the refused resume changed the run folder")
+    row.notes.append(f"{what}: {line or r.describe()}")
+    row.record(what, problems)
 
 
 def checkpoint_corruption(ws: Workspace) -> Row:
