@@ -1,0 +1,82 @@
+"""A rule-based reader of moving-shape clips (captions of pipeline/clips.py's grammar): per frame, the background and
+the shape's colour by nearest palette colour (as stages/sample/attributes.py reads images) and the centroid of the
+shape's pixels; over the clip, a least-squares line through the centroids gives the direction and the speed in pixels
+per frame. What it reads and why: docs/tiny-video-teacher.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.clips import DIRECTIONS, SPEEDS, parse_caption
+
+from .attributes import MIN_PIXELS, NAMES, labels
+
+MIN_SPEED = 0.5  # pixels per frame along the track's main axis; slower reads as standing still (no direction)
+
+
+def read(clip) -> dict:
+    """What a clip [F, 64, 64, 3] (uint8, or float in [0, 1]) shows: per frame the background and the shape colour
+    (None: no colour but the background's covers MIN_PIXELS), the centroid of the clip's shape colour in each
+    frame, and the track's velocity, direction and speed (None when fewer than half the frames show the shape)."""
+    labs = [labels(f) for f in clip]
+    counts = np.stack([np.bincount(lab.ravel(), minlength=len(NAMES)) for lab in labs])  # [F, colours]
+    bgs = counts.argmax(1)
+    fg = counts.copy()
+    fg[np.arange(len(fg)), bgs] = 0
+    shapes = [int(c) if n >= MIN_PIXELS else None for c, n in zip(fg.argmax(1), fg.max(1))]
+    colour = max(set(shapes) - {None}, key=shapes.count, default=None)  # the clip's shape: its most common colour
+    centres = []
+    for lab in labs:
+        ys, xs = np.nonzero(lab == colour) if colour is not None else ((), ())
+        centres.append([xs.mean() + 0.5, ys.mean() + 0.5] if len(xs) >= MIN_PIXELS else None)
+    t = [i for i, c in enumerate(centres) if c is not None]
+    velocity = direction = speed = None
+    if 2 * len(t) >= len(clip) and len(t) >= 2:
+        velocity = np.polyfit(np.array(t, float), np.array([centres[i] for i in t]), 1)[0]  # (vx, vy) per frame
+        axis = int(abs(velocity[1]) > abs(velocity[0]))
+        speed = float(abs(velocity[axis]))
+        step = (int(np.sign(velocity[0])), 0) if axis == 0 else (0, int(np.sign(velocity[1])))
+        direction = next((d for d, v in DIRECTIONS.items() if v == step), None) if speed >= MIN_SPEED else None
+    return {"backgrounds": [NAMES[b] for b in bgs], "shapes": [None if s is None else NAMES[s] for s in shapes],
+            "centres": centres, "velocity": None if velocity is None else [float(v) for v in velocity],
+            "direction": direction, "speed": speed}
+
+
+def speed_word(speed: float) -> str:
+    """The speed word ("" for none) whose drawn speed is nearest to `speed` pixels per frame."""
+    return min(SPEEDS, key=lambda w: abs(SPEEDS[w] - speed))
+
+
+def check(clip, caption: str) -> dict:
+    """One clip against its caption: the reads, attributes right per frame, direction and speed word right,
+    motion right (both), all right (attributes in every frame and motion)."""
+    want, got = parse_caption(caption), read(clip)
+    frames = [b == want.background and s == want.colour for b, s in zip(got["backgrounds"], got["shapes"])]
+    direction_right = got["direction"] == want.direction
+    speed_right = got["speed"] is not None and speed_word(got["speed"]) == want.speed
+    motion = direction_right and (speed_right or not want.speed)  # a caption without a speed word allows any
+    return {**got, "caption": caption, "frames_right": sum(frames) / len(frames), "direction_right": direction_right,
+            "speed_right": speed_right, "motion_right": motion, "all_right": motion and all(frames)}
+
+
+def score(clips, captions) -> dict:
+    """Scores in [0, 1] of `clips` against their `captions` (same order): `background`, `shape_colour` and
+    `attributes` (both) per frame; per clip `direction`, `speed` (of the captions with a speed word), `motion_right`,
+    `all`; `speed_px`: mean speed read per speed word over the clips read in the right direction; `clip_reads`."""
+    clips, captions = list(clips), list(captions)
+    if len(clips) != len(captions):
+        raise ValueError(f"{len(clips)} clips but {len(captions)} captions")
+    reads = [check(c, cap) for c, cap in zip(clips, captions)]
+    wants = [parse_caption(cap) for cap in captions]
+    frames = [(b == w.background, s == w.colour) for r, w in zip(reads, wants) for b, s in zip(r["backgrounds"],
+                                                                                                   r["shapes"])]
+    worded = [r for r, w in zip(reads, wants) if w.speed]
+    n, nf = max(len(reads), 1), max(len(frames), 1)
+    speeds = {w: [r["speed"] for r, c in zip(reads, wants) if c.speed == w and r["direction_right"]] for w in SPEEDS}
+    return {"clips": len(reads), "background": sum(b for b, _ in frames) / nf,
+            "shape_colour": sum(s for _, s in frames) / nf, "attributes": sum(b and s for b, s in frames) / nf,
+            "direction": sum(r["direction_right"] for r in reads) / n,
+            "speed": sum(r["speed_right"] for r in worded) / max(len(worded), 1),
+            "motion_right": sum(r["motion_right"] for r in reads) / n, "all": sum(r["all_right"] for r in reads) / n,
+            "speed_px": {w: float(np.mean(v)) if v else None for w, v in speeds.items()}, "clip_reads": reads}

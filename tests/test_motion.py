@@ -1,0 +1,99 @@
+"""Moving-shape clips (pipeline/clips.py) and the motion checker (stages/sample/motion.py), validated on the drawn
+clips themselves: numpy only, no model."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pipeline import clips, shapes
+from pipeline.prompts import read_prompt_file
+from pipeline.tiny_teacher import _WORDS, build_tokenizer
+from stages.sample import motion
+
+EXTRA = ("moving", "quickly", "slowly")  # scripts/train_tiny_video_teacher.EXTRA_WORDS
+
+
+def _clip(caption: str, seed: int = 0) -> np.ndarray:
+    return clips.render(clips.parse_caption(caption), random.Random(seed))
+
+
+def test_clips_are_reproducible_seeded_and_split():
+    a, caps_a, _ = clips.batch(0, 5, 6)
+    b, caps_b, _ = clips.batch(0, 5, 6)
+    assert a.shape == (6, clips.FRAMES, 64, 64, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b) and caps_a == caps_b and caps_a != clips.batch(1, 5, 6)[1]
+    train = {clips.clip_for(0, i).caption for i in range(300)}
+    held = {clips.clip_for(0, i, "heldout").caption for i in range(60)}
+    assert not train & held and all(shapes.is_heldout(c) for c in held)
+    for cap in list(train)[:40] + list(held)[:40]:
+        assert clips.parse_caption(cap).caption == cap
+    committed = read_prompt_file("data/clips-heldout.txt")
+    assert len(set(committed)) == len(committed) == 128 and all(clips.is_heldout(c) for c in committed)
+
+
+@pytest.mark.parametrize("bad", ["a small red circle in the top left on a blue background",
+                                 "a red circle moving from left to left on a blue background",
+                                 "a red circle moving fast from left to right on a blue background"])
+def test_other_captions_are_refused(bad):
+    with pytest.raises(ValueError, match="not a clips caption"):
+        clips.parse_caption(bad)
+
+
+def test_caption_words_are_whole_pieces_and_other_ids_stay():
+    words = {w for i in range(300) for w in clips.clip_for(0, i).caption.split()}
+    assert words - set(_WORDS) == set(EXTRA)
+    plain, tok = build_tokenizer(), build_tokenizer(EXTRA)
+    assert len(tok) == len(plain) + len(EXTRA) and tok.get_vocab().items() >= plain.get_vocab().items()
+    cap = "a red circle moving quickly from left to right on a blue background"
+    assert len(tok(cap).input_ids) == len(cap.split()) + 1  # one piece a word, then </s>
+
+
+def test_paths_stay_inside_the_frame_at_the_drawn_speed():
+    for i in range(40):
+        clip = clips.clip_for(0, i)
+        c = clips.track(clip, random.Random(i))
+        assert c.min() >= clips.RADIUS + clips.MARGIN and c.max() <= 64 - clips.RADIUS - clips.MARGIN
+        step = np.diff(c, axis=0)
+        assert np.allclose(step, np.array(clips.DIRECTIONS[clip.direction]) * clips.SPEEDS[clip.speed])
+
+
+def test_checker_reads_the_drawn_clips_right():
+    """Ground truth: every direction at every speed, shapes of every kind, scored 100% with the drawn speeds."""
+    u8, caps, _ = clips.batch(0, 0, 24)
+    s = motion.score(list(u8), caps)
+    assert {s[k] for k in ("background", "shape_colour", "attributes", "direction", "speed", "motion_right", "all")} \
+        == {1.0}
+    for word, px in s["speed_px"].items():
+        assert px is None or abs(px - clips.SPEEDS[word]) < 0.05, (word, px)
+    read = s["clip_reads"][0]
+    assert len(read["backgrounds"]) == len(read["centres"]) == clips.FRAMES and read["all_right"]
+
+
+def test_checker_survives_noise_and_float_frames():
+    u8, caps, _ = clips.batch(0, 30, 6)
+    noisy = np.clip(u8 + np.random.default_rng(0).normal(0, 12, u8.shape), 0, 255) / 255.0  # float in [0, 1]
+    s = motion.score(list(noisy), caps)
+    assert s["direction"] == s["attributes"] == 1.0
+
+
+def test_checker_catches_wrong_motion():
+    cap = "a red circle moving quickly from left to right on a blue background"
+    clip = _clip(cap)
+    backwards = motion.check(clip[::-1], cap)
+    assert backwards["direction"] == "from right to left" and not backwards["motion_right"]
+    assert backwards["frames_right"] == 1.0  # the colours are right in every frame, only the motion is wrong
+    slow = motion.check(clip, cap.replace("quickly", "slowly"))
+    assert slow["direction_right"] and not slow["speed_right"] and not slow["all_right"]
+    assert motion.check(clip, cap.replace(" quickly", ""))["motion_right"]  # no speed word: any speed
+    still = motion.check(np.repeat(clip[:1], clips.FRAMES, axis=0), cap)
+    assert still["direction"] is None and still["speed"] < motion.MIN_SPEED and not still["motion_right"]
+    empty = motion.check(np.repeat(clip[:, :1, :1], 64, axis=1).repeat(64, axis=2), cap)  # background only
+    assert empty["direction"] is None and set(empty["shapes"]) == {None} and empty["frames_right"] == 0.0
+
+
+def test_score_refuses_mismatched_lengths():
+    with pytest.raises(ValueError, match="2 clips but 1 captions"):
+        motion.score([np.zeros((9, 64, 64, 3), np.uint8)] * 2, ["x"])
