@@ -65,8 +65,9 @@ SPECS = {
 TEXT_DIM = 32
 
 
-def build_tokenizer():
-    """A T5 (Unigram) tokenizer over whole words plus single-character fallbacks."""
+def build_tokenizer(extra_words=()):
+    """A T5 (Unigram) tokenizer over whole words plus single-character fallbacks; `extra_words` get whole-word
+    pieces after all of these, so every other piece keeps its id."""
     from transformers import T5TokenizerFast
 
     chars = [c for c in string.printable if c not in string.whitespace]
@@ -77,6 +78,8 @@ def build_tokenizer():
     for c in chars:
         pieces.setdefault("\u2581" + c, -9.0)
         pieces.setdefault(c, -10.0)
+    for w in extra_words:
+        pieces.setdefault("\u2581" + w, -5.0)
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + list(pieces.items())
     return T5TokenizerFast(vocab=vocab, extra_ids=0)
 
