@@ -185,6 +185,7 @@ def main(argv=None) -> None:
     ap.add_argument("--text-bias-scale", type=float, default=tt.TEXT_BIAS_SCALE)
     ap.add_argument("--p-uncond", type=float, default=0.1)
     ap.add_argument("--heldout", default=str(ROOT / "data" / "clips-heldout.txt"))
+    ap.add_argument("--vae-score-clips", type=int, default=128, help="Held-out clips the VAE reconstructs to score.")
     ap.add_argument("--eval-every", type=int, default=500, help="Steps between held-out scores (VAE: half).")
     ap.add_argument("--score-only", action="store_true", help="Score the pipeline saved in --out; train nothing.")
     args = ap.parse_args(argv)
@@ -208,7 +209,7 @@ def main(argv=None) -> None:
         vae, vae_s = train_vae(new_vae(args.seed, args.vae_init), args.seed, args.vae_steps, args.vae_batch,
                                args.vae_lr, args.kl_weight, args.fg_weight,
                                lambda v: reconstruction_score(v, args.seed, 32), args.eval_every // 2)
-    vae_score = reconstruction_score(vae, args.seed)
+    vae_score = reconstruction_score(vae, args.seed, args.vae_score_clips)
     tt.log(f"VAE reconstruction of held-out clips, motion score {vae_score}")
 
     t = time.time()

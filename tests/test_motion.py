@@ -97,3 +97,32 @@ def test_checker_catches_wrong_motion():
 def test_score_refuses_mismatched_lengths():
     with pytest.raises(ValueError, match="2 clips but 1 captions"):
         motion.score([np.zeros((9, 64, 64, 3), np.uint8)] * 2, ["x"])
+
+
+@pytest.mark.slow
+def test_video_training_recipe_runs_end_to_end(tmp_path):
+    """scripts/train_tiny_video_teacher.py with a handful of steps: a Wan 2.2 pipeline that draws 9-frame clips
+    (VAE with temporal layers, 3 latent frames), the clips' words as whole pieces, and its TRAINING.json."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from diffusers import WanPipeline
+
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(read_prompt_file("data/clips-heldout.txt")[:2]) + "\n")
+    out = tmp_path / "teacher"
+    subprocess.run([sys.executable, "scripts/train_tiny_video_teacher.py", "--out", str(out), "--vae-steps", "2",
+                    "--vae-batch", "1", "--pool", "4", "--shared-steps", "2", "--expert-steps", "2",
+                    "--expert-batch", "4", "--eval-every", "0", "--vae-score-clips", "2", "--heldout", str(held),
+                    "--threads", "1"], check=True, capture_output=True, text=True)
+    report = json.loads((out / "TRAINING.json").read_text())
+    assert report["heldout_captions"] == 2 and 0.0 <= report["heldout_score"]["motion_right"] <= 1.0
+    pipe = WanPipeline.from_pretrained(out, torch_dtype=torch.float32)
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875
+    assert list(pipe.vae.config.temperal_downsample) == [False, True, True] and pipe.vae_scale_factor_spatial == 16
+    assert report["extra_words"] == list(EXTRA) and len(pipe.tokenizer) == len(build_tokenizer()) + len(EXTRA)
+    frames = pipe(prompt=["a red circle moving from left to right on a blue background"], num_frames=clips.FRAMES,
+                  height=64, width=64, num_inference_steps=2, output_type="np").frames
+    assert frames.shape == (1, clips.FRAMES, 64, 64, 3)
