@@ -13,7 +13,7 @@ Recipe (deterministic for a given --seed and thread count):
   3. Saved (experts and VAE in float16) and scored: WanPipeline samples held-out captions (EVAL), the motion checker
      (stages/sample/motion.py) reads them; the report is OUT/TRAINING.json.
 
-Time on 2 cores (extrapolated from timed steps, docs/tiny-video-teacher.md): VAE ~12 min, pool ~4 min, experts
+Time on 2 cores (extrapolated from timed steps, docs/tiny-video-teacher.md): VAE ~12 min, pool ~8 min, experts
 ~38 min, scoring ~2 min.
 
 Example: .venv/bin/python scripts/train_tiny_video_teacher.py --out runs/tiny-video-teacher
@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vae-init", default=str(ROOT / "data" / "tiny-teacher-pretrained" / "vae"),
                     help="Image VAE whose weights start the clips' VAE ('' : random start).")
     ap.add_argument("--vae-from", help="Skip stage 1: load this trained clips VAE folder.")
-    ap.add_argument("--pool", type=int, default=8000, help="Training clips encoded once for the experts.")
+    ap.add_argument("--pool", type=int, default=16000, help="Training clips encoded once for the experts.")
     ap.add_argument("--shared-steps", type=int, default=3000, help="One transformer on all noise levels first.")
     ap.add_argument("--expert-steps", type=int, default=1000, help="Then each expert on its own noise levels.")
     ap.add_argument("--expert-lr-scale", type=float, default=0.5, help="Peak LR of phase B / --expert-lr.")
