@@ -1,24 +1,6 @@
-"""The run artifact: what `train-student` leaves in its OUT folder, and `distill.json`'s record.
-
-`train-student` writes this layout and `sample`, `eval` and `export` read it; nobody else spells these
-names. The record is a dataclass: a key is written and read under one name only.
-
-    OUT/
-      student/            the trained student (diffusers WanTransformer3DModel); renamed in LAST, so it
-                          exists only when the run finished. A LoRA run (--lora-of) holds its adapters there
-                          instead, in diffusers' LoRA format (LORA_FILES), and LORA_JSON
-      student_ema/        the EMA weights, when --ema-decay > 0
-      student_init/       the untrained student, when it was initialised from teacher blocks
-      distill.json        DistillRecord: what the student learned and how it is meant to be sampled
-      config.json         the resolved train-student config
-      checkpoints/        step-NNNNNNNN/ folders (stages/train_student/checkpoint.py)
-      metrics.jsonl       one JSON record per logged step / evaluation / validation
-      loss.png            the loss curves
-      tensorboard/        TensorBoard event files (--report-to tensorboard, the default)
-      wandb/              W&B's own run folders (--report-to wandb, unless WANDB_DIR says elsewhere)
-      wandb-run.json      the W&B run id a --resume continues
-      writer.lock         the flock of the run's one writer (pipeline/lock.py)
-      eval.json           `eval`'s report, by default
+"""The run artifact: what `train-student` leaves in its OUT folder (the layout: docs/architecture.md, "The run
+artifact"), and `distill.json`'s record. `train-student` writes it, `sample`, `eval` and `export` read it; nobody
+else spells these names. The record is a dataclass: a key is written and read under one name only.
 
 `RunLayout.foreign` tells a folder of ours from anyone else's: `train-student` writes into an --out that is empty
 or holds only these names, each of its kind (a folder or a file; a JSON file that reads as ours), and their

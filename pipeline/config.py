@@ -17,8 +17,8 @@ from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
 )
 from .settings import (
-    at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, non_empty, one_of, positive,
-    refuse_foreign, setting, settings_of, str_tuple,
+    at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
+    positive, refuse_foreign, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -372,10 +372,7 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
 
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
 # A setting left None is resolved at run time: distill.json, the manifest or the teacher, then the DEFAULT_* above.
-
-def _device(name, v) -> None:
-    if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(v)):
-        raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N, got {v!r}")
+_DEVICE = must(lambda v: re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(v)), "be auto, cpu, cuda or cuda:N")
 
 
 def _student(help: str = "train-student --out folder (student/, distill.json) or a student model folder."):
@@ -388,19 +385,15 @@ def _weights():
 
 
 def _compare(help: str):
-    return setting((), help=help, parse=str_tuple, check=_paths, path=True, multiple=True)
-
-
-def _paths(name, v) -> None:
-    if not all(isinstance(c, str) and c for c in v):
-        raise ValueError(f"{name} must list train-student OUT folders, got {v!r}")
+    return setting((), help=help, parse=str_tuple, path=True, multiple=True,
+                   check=must(lambda v: all(isinstance(c, str) and c for c in v), "list train-student OUT folders"))
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Inference(_DeviceChoice):
     student: str = _student()
     weights: str = _weights()
-    device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_device)
+    device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_DEVICE)
     dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
 
 
@@ -511,7 +504,7 @@ class EvalConfig(_Inference):
     attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
                                   check=at_least(0))
     student_steps: tuple[int, ...] | None = setting(
-        None, parse=int_list, check=lambda name, v: None if min(v) >= 1 else _bad_steps(name, v),
+        None, parse=int_list, check=must(lambda v: min(v) >= 1, "list integers >= 1"),
         help="Sample the student with each of these step counts, e.g. 1,2,4.",
         default_text="its own: distill.json's student_steps, else the teacher's steps")
     compare: tuple[str, ...] = _compare("Another train-student OUT sampled at its own steps from the same noise "
@@ -519,10 +512,6 @@ class EvalConfig(_Inference):
 
     def __post_init__(self):
         check_settings(self)
-
-
-def _bad_steps(name, v):
-    raise ValueError(f"{name} must list integers >= 1, got {v!r}")
 
 
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------

@@ -68,44 +68,34 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def at_least(low: int) -> Check:
-    """An integer >= low."""
+def must(ok: Callable[[Any], Any], what: str) -> Check:
+    """A check refusing a value `ok` rejects: "NAME must WHAT, got VALUE"."""
 
     def check(name, v):
-        if not _is_int(v) or v < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if not ok(v):
+            raise ValueError(f"{name} must {what}, got {v!r}")
 
     return check
+
+
+def at_least(low: int) -> Check:
+    return must(lambda v: _is_int(v) and v >= low, f"be an integer >= {low}")
 
 
 def positive(allow_zero: bool = False) -> Check:
-    """A number > 0 (or >= 0)."""
-
-    def check(name, v):
-        if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
-            raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {v!r}")
-
-    return check
+    return must(lambda v: _is_number(v) and not (v < 0 or (v == 0 and not allow_zero)),  # (NaN: config_types')
+                f"be a {'non-negative' if allow_zero else 'positive'} number")
 
 
 def in_range(low: float, high: float, high_open: bool = False, note: str = "") -> Check:
     """A number in [low, high] (or [low, high))."""
-
-    def check(name, v):
-        if not _is_number(v) or not (low <= v < high if high_open else low <= v <= high):
-            raise ValueError(f"{name} must be in [{low:g}, {high:g}{')' if high_open else ']'}{note}, got {v!r}")
-
-    return check
+    return must(lambda v: _is_number(v) and (low <= v < high if high_open else low <= v <= high),
+                f"be in [{low:g}, {high:g}{')' if high_open else ']'}{note}")
 
 
 def int_in(low: int, high: int, why: str = "") -> Check:
     """An integer in [low, high]; `why` says where the upper bound comes from."""
-
-    def check(name, v):
-        if not _is_int(v) or not low <= v <= high:
-            raise ValueError(f"{name} must be an integer from {low} to {high:,}{why}, got {v!r}")
-
-    return check
+    return must(lambda v: _is_int(v) and low <= v <= high, f"be an integer from {low} to {high:,}{why}")
 
 
 def non_empty(name, v) -> None:
