@@ -41,11 +41,9 @@ def save_resolved(cfg, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, (json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n").encode())
 
 
-class _DeviceChoice:
-    @property
-    def cpu_only(self) -> bool:
-        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
-        return self.device == "cpu"
+def _asks_cpu(cfg) -> bool:
+    """`cpu_only` of a config with --device: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+    return cfg.device == "cpu"
 
 
 def _revision(of: str = "--teacher", default_text: str | None = None):
@@ -137,7 +135,7 @@ class TeacherCacheConfig(TeacherRun):
                                         "would do and exit: no weight loaded, nothing written.")
 
     @property
-    def cpu_only(self) -> bool:  # (as _DeviceChoice's)
+    def cpu_only(self) -> bool:  # (as _asks_cpu)
         return placement_entry(self.placement).caps.gpu == "no"
 
     def __post_init__(self):
@@ -207,7 +205,7 @@ _ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
+class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
     """Stage two: train a student (compact, or LoRA adapters on the teacher) from one or more finished caches."""
 
     TOML_SECTION = "train_student"
@@ -288,6 +286,8 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
                                         "student's parameters, memory per GPU, samples/s and the run's projected time, "
                                         "then exit: nothing is written to --out, shards are checked by size only.")
 
+    cpu_only = property(_asks_cpu)
+
     @property
     def objective_settings(self):
         """The chosen objective's settings dataclass (None for a plug-in declared without one)."""
@@ -365,11 +365,16 @@ def _compare(help: str):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Inference(_DeviceChoice):
+class _Inference:
     student: str = _student()
     weights: str = _weights()
     device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_DEVICE)
     dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
+
+    cpu_only = property(_asks_cpu)
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,9 +411,6 @@ class SampleConfig(_Inference):
                                         default_text="distill.json's: a few-step student's K, else --steps")
     compare: tuple[str, ...] = _compare("Another train-student OUT drawn beside the student at its own steps "
                                         "(repeatable).")
-
-    def __post_init__(self):
-        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,9 +486,6 @@ class EvalConfig(_Inference):
         default_text="its own: distill.json's student_steps, else the teacher's steps")
     compare: tuple[str, ...] = _compare("Another train-student OUT sampled at its own steps from the same noise "
                                         "(repeatable); the report's table lines them up with the teacher.")
-
-    def __post_init__(self):
-        check_settings(self)
 
 
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
