@@ -24,26 +24,6 @@ from .errors import UserError, user_errors
 from .options import config_options
 
 
-def _quiet_libraries() -> None:
-    # diffusers/transformers progress bars and advisory warnings would drown our own bar and summary.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*upcast_vae.*")
-    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from diffusers.utils import logging as dlog
-
-        dlog.disable_progress_bar()
-        dlog.set_verbosity_error()
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
-        tlog.set_verbosity_error()
-    except ImportError:
-        pass
-
-
 def _start(cpu_only: bool) -> None:
     """Once a command knows where it runs, before it imports a stage (whose imports ask CUDA): a CPU run hides the
     GPUs from the process (runtime.hide_gpus); then the libraries are quietened."""
@@ -51,7 +31,16 @@ def _start(cpu_only: bool) -> None:
         from .runtime import hide_gpus
 
         hide_gpus()
-    _quiet_libraries()
+    # diffusers/transformers progress bars and advisory warnings would drown our own bar and summary.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*upcast_vae.*")
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+        if name in ("diffusers", "transformers"):
+            library = importlib.import_module(f"{name}.utils.logging")
+            library.disable_progress_bar()
+            library.set_verbosity_error()
 
 
 def common_options(fn):

@@ -177,19 +177,12 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
                          f"than --record-steps {n}; record at least {len(keep)}")
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on (its affinity: taskset, cgroups, SLURM's --cpus-per-task)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
-
-
 def _workers(name, v) -> None:
-    """At most one DataLoader worker per core: a worker's work is CPU work (read, crc32c, decode, collate), and more
-    workers than cores only wait for each other (500 of them on 2 cores fork 500 processes)."""
+    """At most one DataLoader worker per core this process may run on (its affinity: taskset, cgroups, SLURM's
+    --cpus-per-task): a worker's work is CPU work (read, crc32c, decode, collate), and more workers than cores only
+    wait for each other (500 of them on 2 cores fork 500 processes)."""
     at_least(0)(name, v)
-    cores = _cores()
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     if v > cores:
         raise ValueError(f"{name} {v} is more than the {cores} CPU core(s) this machine gives the process; use at most "
                          f"{cores} (or leave it out: cores per rank - 2, at most 4)")

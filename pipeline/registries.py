@@ -136,9 +136,6 @@ def placement_entry(value: str) -> Entry:
                          ".json file")
     return PLACEMENTS[value]
 
-EXPERT_ORDERS = ("auto", "step", "expert")
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlacementSettings:
     """What a placement is told besides its name; every placement reads the ones that concern it (base.py)."""
@@ -150,7 +147,7 @@ class PlacementSettings:
     offload_dir: str | None = setting(None, path=True, default_text="CACHE_DIR/offload",
                                       help="--placement disk: folder the weights stream from.")
     # "step": every step of a block before the next; "expert": a window of blocks with expert 1, then expert 2.
-    expert_order: str = setting("auto", check=one_of(EXPERT_ORDERS),
+    expert_order: str = setting("auto", check=one_of(("auto", "step", "expert")),
                                 help="Two experts: expert = one expert resident at a time, step = both (same "
                                      "cache); auto picks expert when both do not fit.")
 
