@@ -72,11 +72,7 @@ class RunLayout:
         a run never makes one, and writing through it would write elsewhere."""
         if not self.root.is_dir():
             return []
-        found = []
-        for entry in sorted(self.root.iterdir()):
-            why = _not_ours(entry)
-            if why is not None:
-                found.append(f"{entry.name}{why}")
+        found = [f"{e.name}{why}" for e in sorted(self.root.iterdir()) if (why := _not_ours(e)) is not None]
         return found[:limit] + ([f"{len(found) - limit} more"] if len(found) > limit else [])
 
 
@@ -94,10 +90,8 @@ def _base_name(name: str) -> str | None:
     `loss.png.tmp.png`, `student.123.old.tmp`); None for a name a run never writes."""
     if name in _RUN_ENTRIES:
         return name
-    for base in _RUN_ENTRIES:
-        if name.startswith(base + ".") and (name.endswith(".tmp") or name == f"{LOSS_PNG}.tmp.png"):
-            return base
-    return None
+    temporary = name.endswith(".tmp") or name == f"{LOSS_PNG}.tmp.png"
+    return next((base for base in _RUN_ENTRIES if temporary and name.startswith(base + ".")), None)
 
 
 # What `_not_ours` reads of a file at most: a run's records are kilobytes (an eval.json of 128 captions ~50 KB, of

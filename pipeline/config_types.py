@@ -96,12 +96,10 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
         cfg = cls(**values)
     except ValueError as e:  # a range check names the range too: its message wins
         raise UserError(f"{e}{_source(cls, str(e), given, in_file, toml_path)}") from e
-    except TypeError as e:  # missing required field, or a value of the wrong type
-        raise UserError(problem or f"incomplete configuration: {e}") from e
-    except Exception as e:  # a wrong type that __post_init__ tripped over
-        if problem is None:
+    except Exception as e:  # a TypeError (a missing field, a wrong type), or a wrong type __post_init__ tripped over
+        if problem is None and not isinstance(e, TypeError):
             raise
-        raise UserError(problem) from e
+        raise UserError(problem or f"incomplete configuration: {e}") from e
     if problem is not None:
         raise UserError(problem)
     return cfg

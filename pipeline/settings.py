@@ -149,15 +149,9 @@ SOURCE = "source"  # ... and its field's name in the entry's own settings datacl
 def merged(cls_name: str, registry) -> type:
     """A dataclass of every setting of every entry of `registry`, each field named as its flag (so that the stage
     config deriving from it keeps `--segment-velocity-weight`)."""
-    specs = []
-    for entry in registry.entries():
-        if entry.settings is None:
-            continue
-        types = hints(entry.settings)
-        for f in dataclasses.fields(entry.settings):
-            meta = {**f.metadata, "flag": None, OWNER: entry.name, SOURCE: f.name}
-            specs.append((name_of(f).replace("-", "_"), types[f.name], dataclasses.field(default=f.default,
-                                                                                         metadata=meta)))
+    specs = [(name_of(f).replace("-", "_"), hints(e.settings)[f.name], dataclasses.field(
+        default=f.default, metadata={**f.metadata, "flag": None, OWNER: e.name, SOURCE: f.name}))
+        for e in registry.entries() if e.settings is not None for f in dataclasses.fields(e.settings)]
     return dataclasses.make_dataclass(cls_name, specs, frozen=True, kw_only=True)
 
 
