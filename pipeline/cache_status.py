@@ -1,7 +1,6 @@
 """Where a cache stage one has not finished stands, and what finishes it: `cache info`'s lines and every reader's
 refusal (`unfinished_problem`), from each part's progress record and its stage-one lock. The words live here, not in
-`cache/`, which keeps to the format and its reading.
-"""
+`cache/`, which keeps to the format and its reading."""
 
 from __future__ import annotations
 
@@ -59,16 +58,9 @@ def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartSt
 def _prompts_done(prog: PartProgress, seeds: int) -> int:
     """Prompts whose every trajectory (row r's: r * seeds ..) is in a done block (block b's: b * batch_size ..),
     from the done blocks alone, whatever counts the record claims."""
-    done, spans = 0, []
-    for b in sorted(set(prog.done_blocks)):  # runs of consecutive done blocks: [first trajectory, end)
-        lo, hi = b * prog.batch_size, (b + 1) * prog.batch_size
-        if spans and spans[-1][1] == lo:
-            spans[-1][1] = hi
-        else:
-            spans.append([lo, hi])
-    for lo, hi in spans:
-        done += max(0, min(hi, prog.prompts * seeds) // seeds - -(-lo // seeds))
-    return done
+    done, size = set(prog.done_blocks), prog.batch_size
+    return sum(all(b in done for b in range(r * seeds // size, ((r + 1) * seeds - 1) // size + 1))
+               for r in range(prog.prompts))
 
 
 def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:

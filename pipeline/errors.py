@@ -1,8 +1,7 @@
 """User-facing errors: one clear line, a remedy and a non-zero exit, from the CLI and from every torchrun rank.
 
 The exit codes are one table (`classify`; docs/reliability.md, "Exit codes"), used by `user_errors` (the CLI
-decorator) and `exit_rank` (the end of a failing torchrun rank).
-"""
+decorator) and `exit_rank` (the end of a failing torchrun rank)."""
 
 from __future__ import annotations
 

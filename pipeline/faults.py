@@ -1,8 +1,7 @@
 """Fault injection for the fault-tolerance suite (tests/faults): die or fail at a named point of a stage.
 
 WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" (docs/reliability.md, "What the suite does", lists the points and hows).
-The variable is read on the first call, not at import, so processes forked from a preloaded server see their own.
-"""
+The variable is read on the first call, not at import, so processes forked from a preloaded server see their own."""
 
 from __future__ import annotations
 

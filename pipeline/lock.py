@@ -1,8 +1,7 @@
 """One writer per output: an exclusive `flock` on a lock file, held for the life of the writing process.
 
 docs/reliability.md ("One writer per output folder", "Folders someone else handed over") gives the design, the
-cases and the refusals; stage one locks each part (`locks/part-NNNNN.lock`), stage two its run folder (rank 0).
-"""
+cases and the refusals; stage one locks each part (`locks/part-NNNNN.lock`), stage two its run folder (rank 0)."""
 
 from __future__ import annotations
 

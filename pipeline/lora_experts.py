@@ -1,6 +1,5 @@
 """The LoRA student as one model (`LoraExperts`, docs/lora.md): the teacher's transformer(s), frozen, with peft
-adapters, called like one transformer; `load` rebuilds it through diffusers' own LoRA loader.
-"""
+adapters, called like one transformer; `load` rebuilds it through diffusers' own LoRA loader."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Progress bars: tqdm's redrawn bar on a terminal, and in a log file (stderr not a TTY) one plain line every
-LOG_INTERVAL_S instead of carriage-return frames, which a log keeps all of.
-"""
+LOG_INTERVAL_S instead of carriage-return frames, which a log keeps all of."""
 
 from __future__ import annotations
 

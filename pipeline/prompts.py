@@ -1,6 +1,5 @@
 """Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`
-(docs/usage.md). A control character or an over-long prompt is refused with its line, before anything tokenizes it.
-"""
+(docs/usage.md). A control character or an over-long prompt is refused with its line, before anything tokenizes it."""
 
 from __future__ import annotations
 

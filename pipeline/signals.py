@@ -1,8 +1,7 @@
 """Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits").
 
 Outside a `deferred()` block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at
-its next boundary. Under torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step.
-"""
+its next boundary. Under torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step."""
 
 from __future__ import annotations
 

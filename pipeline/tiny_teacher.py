@@ -1,6 +1,5 @@
 """The embedded default teacher: a tiny, deterministic Wan pipeline in diffusers format, with every component of
-the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is downloaded.
-"""
+the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -122,19 +121,15 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
     if variant not in SPECS:
         raise ValueError(f"unknown tiny-teacher variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     spec = SPECS[variant]
-    # Each component draws from its own seeded stream so adding one never changes the others.
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed + 1)
-    text_encoder = _text_encoder(len(tokenizer)).eval()
-    torch.manual_seed(seed + 2)
-    vae = _vae(spec).eval()
-    torch.manual_seed(seed + 3)
-    transformer = _transformer(spec).eval()
-    transformer_2 = None
-    if spec.two_experts:
-        torch.manual_seed(seed + 4)
-        transformer_2 = _transformer(spec).eval()
+    def seeded(k: int, make):  # each component draws from its own seeded stream: adding one changes no other
+        torch.manual_seed(seed + k)
+        return make()
+
+    tokenizer = seeded(0, build_tokenizer)
+    text_encoder = seeded(1, lambda: _text_encoder(len(tokenizer))).eval()
+    vae = seeded(2, lambda: _vae(spec)).eval()
+    transformer = seeded(3, lambda: _transformer(spec)).eval()
+    transformer_2 = seeded(4, lambda: _transformer(spec)).eval() if spec.two_experts else None
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=spec.flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,

@@ -1,7 +1,6 @@
 """A rule-based reader of shapes images (captions of `pipeline.shapes`' grammar): does a generated image show the
 background colour, shape colours and rough positions its caption says? What it reads and why: docs/tiny-teacher.md,
-"A teacher that draws".
-"""
+"A teacher that draws"."""
 
 from __future__ import annotations
 

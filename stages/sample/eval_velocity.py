@@ -12,8 +12,7 @@ from cache.reader import SampleReader, open_index, prompt_rows
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.progress_bar import progress_bar
-from pipeline.sampling import mse
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import mse, model_timestep
 
 from .eval_setup import Entry, Setup
 

@@ -1,6 +1,5 @@
 """`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument (a LoRA run's:
-export_lora.py). The folder's layout, its copies and how it is published: docs/architecture.md, "The export".
-"""
+export_lora.py). The folder's layout, its copies and how it is published: docs/architecture.md, "The export"."""
 
 from __future__ import annotations
 

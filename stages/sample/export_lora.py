@@ -1,7 +1,6 @@
 """A LoRA run (`train-student --lora-of`) as the inference commands take it: `LoraRun`, the student kind of models.py
 (found by its lora.json, loaded as the teacher with its adapters, untrained as the teacher itself), and its
-`wandistiller export`: the adapters and their card, or with `--fuse` the merged pipeline (docs/lora.md, "Using it").
-"""
+`wandistiller export`: the adapters and their card, or with `--fuse` the merged pipeline (docs/lora.md, "Using it")."""
 
 from __future__ import annotations
 

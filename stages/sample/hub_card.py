@@ -1,7 +1,6 @@
 """What makes an export ready for the Hugging Face Hub: the model card's metadata, names without local paths (the
 one place both exports strip them: an absolute path leaks a user name and means nothing to anyone else) and the
-upload (`export --push-to-hub`), all through huggingface_hub: docs/architecture.md, "The export".
-"""
+upload (`export --push-to-hub`), all through huggingface_hub: docs/architecture.md, "The export"."""
 
 from __future__ import annotations
 

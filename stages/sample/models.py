@@ -1,7 +1,6 @@
 """Find and load what the inference commands run: the trained student (the run artifact, or a bare transformer
 folder), its untrained twin and the teacher pipeline. The student's `kind` (`CompactRun` here, export_lora.py's
-`LoraRun`) finds, loads, rebuilds untrained and exports it: docs/architecture.md, "The run artifact".
-"""
+`LoraRun`) finds, loads, rebuilds untrained and exports it: docs/architecture.md, "The run artifact"."""
 
 from __future__ import annotations
 

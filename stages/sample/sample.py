@@ -2,8 +2,7 @@
 
 The teacher runs as diffusers' WanPipeline; each student through the one sampler (pipeline/sampling.py) with its own
 schedule and steps, decoded by the teacher's VAE. Each prompt is encoded once and every column gets the same
-embeddings and initial latents, so the columns differ only by the denoiser and its schedule.
-"""
+embeddings and initial latents, so the columns differ only by the denoiser and its schedule."""
 
 from __future__ import annotations
 

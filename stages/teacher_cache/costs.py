@@ -13,7 +13,7 @@ import torch
 from pipeline.config import DEFAULT_GUIDANCE, TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.registries import placement_entry
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 from . import placements
 from .teacher import ExpertSet, load_scheduler, resolve_teacher

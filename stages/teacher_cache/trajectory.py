@@ -13,7 +13,7 @@ import torch
 
 from cache.feature_projection import project
 from pipeline.errors import UserError
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 
 def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:

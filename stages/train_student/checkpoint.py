@@ -26,7 +26,7 @@ from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier
-from pipeline.torch_private import planner_loading_with, storage_info_type
+from pipeline.torch_private import internal, planner_loading_with
 
 from .comm import all_gather_bytes
 
@@ -315,7 +315,7 @@ def read_index(path: Path):
     files = {p.name for p in (path / SHARDED).iterdir()}
     for info in index.storage_data.values():
         where = getattr(info, "relative_path", None)
-        if not (isinstance(info, storage_info_type()) and _is_shard_name(f"{SHARDED}/{where}") and where in files
+        if not (isinstance(info, internal("storage_info")) and _is_shard_name(f"{SHARDED}/{where}") and where in files
                 and type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
                 and not info.transform_descriptors):
             raise untrusted(path, name, f"{str(where)[:80]!r} as a place of its data",

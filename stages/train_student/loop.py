@@ -26,7 +26,7 @@ from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
 from pipeline.runtime import barrier
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 from . import checkpoint
 from .collate import collate, padded_context, to_device
