@@ -61,33 +61,30 @@ def common_options(fn):
     return wrapper
 
 
-def _lowercase_error(e: click.ClickException) -> click.ClickException:
-    """Have click's own refusals end in `error: ...` like every other message of ours, not click's `Error: ...`."""
-    show = e.show
+def _lowercased(call, *args):
+    """call(*args), click's own refusals ending in `error: ...` like every other message of ours, not `Error: ...`."""
+    try:
+        return call(*args)
+    except click.ClickException as e:
+        show = e.show
 
-    def shown(file=None):
-        buf = io.StringIO()
-        show(file=buf)
-        click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
+        def shown(file=None):
+            buf = io.StringIO()
+            show(file=buf)
+            click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
 
-    e.show = shown
-    return e
+        e.show = shown
+        raise
 
 
 class _Group(click.Group):
     """The `wandistiller` group: every click error raised while it parses or runs a subcommand says `error:`."""
 
     def make_context(self, *args, **kwargs):
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.ClickException as e:
-            raise _lowercase_error(e) from None
+        return _lowercased(functools.partial(super().make_context, **kwargs), *args)
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.ClickException as e:
-            raise _lowercase_error(e) from None
+        return _lowercased(super().invoke, ctx)
 
 
 def _run_stage(cls, config_file, flags, module: str) -> None:

@@ -134,9 +134,7 @@ class TeacherCacheConfig(TeacherRun):
     dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
                                         "would do and exit: no weight loaded, nothing written.")
 
-    @property
-    def cpu_only(self) -> bool:  # (as _asks_cpu)
-        return placement_entry(self.placement).caps.gpu == "no"
+    cpu_only = property(lambda self: placement_entry(self.placement).caps.gpu == "no")  # (as _asks_cpu)
 
     def __post_init__(self):
         check_settings(self)

@@ -54,12 +54,14 @@ def _fits(value, tp, seq_as_str: bool) -> bool:
     return True  # a type this check does not know: the dataclass's own validation decides
 
 
-def type_problem(cls, values: dict[str, Any]) -> tuple[str, str] | None:
-    """(field, message) of the first value in `values` that does not fit its field's type; None when all fit."""
+def _type_problem(cls, values: dict[str, Any], given: dict[str, Any], toml_path) -> str | None:
+    """Why the first value that does not fit its field's type is refused, and the file it came from (unless a flag
+    gave it); None when all fit."""
     types = hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in values and not _fits(values[f.name], types[f.name], seq_as_str=True):
-            return f.name, f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}"
+            where = f" (config file {toml_path})" if toml_path and f.name not in given else ""
+            return f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}{where}"
     return None
 
 
@@ -88,10 +90,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
     _refuse_missing(cls, values, toml_path)
-    where = f" (config file {toml_path})" if toml_path else ""
-    problem = type_problem(cls, values)
-    if problem is not None:
-        problem = problem[1] + ("" if problem[0] in given else where)
+    problem = _type_problem(cls, values, given, toml_path)
     try:
         cfg = cls(**values)
     except ValueError as e:  # a range check names the range too: its message wins
