@@ -9,7 +9,9 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
@@ -296,7 +298,7 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
             raise ValueError(f"mixed-precision fp16 does not go with strategy {self.strategy} (its loss scaler would "
                              "see only this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
-        if self.revision is not None and self.init_from_teacher is None and self.lora_of is None:
+        if self.revision is not None and all(getattr(self, k.teacher) is None for k in _STUDENT_KINDS):
             raise ValueError("revision is the Hub revision of --init-from-teacher or --lora-of: give one of them too")
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
@@ -308,32 +310,55 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
             raise ValueError("val-decode logs an image grid to the tracker: use --report-to tensorboard or wandb")
 
 
-# The two kinds of student (their code: stages/train_student/student.py's StudentKind), each chosen by its own flag;
-# a setting of one kind is refused rather than ignored with the other.
-_KINDS = "--student-config (a compact student) or --lora-of TEACHER (LoRA adapters on the teacher's own transformers)"
-_NOT_LORA = (("init_from_teacher", "the LoRA student is the teacher itself"),
-             ("teacher_blocks", "the LoRA student keeps every teacher block"))
+@dataclass(frozen=True)
+class _StudentKind:
+    """A kind of student as its settings know it (its code: stages/train_student/student.py's StudentKind)."""
+
+    chosen_by: str  # the setting that chooses it
+    flag: str  # how a refusal names it
+    what: str
+    teacher: str  # the setting that names a teacher (whose Hub revision is --revision)
+    own: tuple[str, ...] = ()  # its own settings, refused with the other kind
+    refused: tuple[tuple[str, str], ...] = ()  # settings that do not go with it, and why
+    trains: Callable[[Any], bool] = lambda caps: True  # whether an objective (its declared caps) can train it
+    partial: str | None = None  # a setting that, away from its default, loads part of it (--val-every needs it whole)
+    default: Any = None  # that setting's default
+
+
+# The two kinds, each chosen by its own flag; their settings are refused rather than ignored with the other.
+_STUDENT_KINDS = (
+    _StudentKind("student_config", "--student-config", "a compact student", "init_from_teacher"),
+    _StudentKind("lora_of", "--lora-of TEACHER", "LoRA adapters on the teacher's own transformers", "lora_of",
+                 own=tuple(f.name for f in dataclasses.fields(LoraSettings)),
+                 refused=(("init_from_teacher", "the LoRA student is the teacher itself"),
+                          ("teacher_blocks", "the LoRA student keeps every teacher block")),
+                 trains=lambda caps: caps.lora, partial="lora_experts", default="all"),
+)
 
 
 def _check_student_kind(cfg: TrainStudentConfig) -> None:
-    """Exactly one student kind, with its own settings and none of the other's."""
-    if (cfg.student_config is None) == (cfg.lora_of is None):
-        raise ValueError(f"give {_KINDS}, {'one of them' if cfg.lora_of is None else 'not both'}")
-    if cfg.lora_of is None:
-        changed = [f.name for f in dataclasses.fields(LoraSettings) if getattr(cfg, f.name) != f.default]
+    """Exactly one student kind, with its own settings and none of another's."""
+    chosen = [k for k in _STUDENT_KINDS if getattr(cfg, k.chosen_by) is not None]
+    if len(chosen) != 1:
+        raise ValueError("give " + " or ".join(f"{k.flag} ({k.what})" for k in _STUDENT_KINDS) + ", "
+                         + ("not both" if chosen else "one of them"))
+    kind = chosen[0]
+    for other in (k for k in _STUDENT_KINDS if k is not kind):
+        changed = [f.name for f in dataclasses.fields(cfg)
+                   if f.name in other.own and getattr(cfg, f.name) != f.default]
         if changed:
-            raise ValueError(f"{changed[0].replace('_', '-')} applies to --lora-of runs only: give --lora-of TEACHER "
-                             "or drop it")
-        return
-    for name, why in _NOT_LORA:
+            raise ValueError(f"{changed[0].replace('_', '-')} applies to {other.flag.split()[0]} runs only: give "
+                             f"{other.flag} or drop it")
+    for name, why in kind.refused:
         if getattr(cfg, name) is not None:
-            raise ValueError(f"{name.replace('_', '-')} does not go with --lora-of: {why}")
-    if cfg.objective in OBJECTIVES and not OBJECTIVES[cfg.objective].caps.lora:
-        fit = [e.name for e in OBJECTIVES.where(lora=True)]
-        raise ValueError(f"--objective {cfg.objective} does not go with --lora-of; use {' or '.join(fit)}")
-    if cfg.lora_experts != "all" and cfg.val_every:  # (--val-every samples with both experts)
-        raise ValueError(f"val-every samples whole trajectories, which need both experts, and --lora-experts "
-                         f"{cfg.lora_experts} loads one; drop --val-every (and sample or eval the run afterwards)")
+            raise ValueError(f"{name.replace('_', '-')} does not go with {kind.flag.split()[0]}: {why}")
+    if cfg.objective in OBJECTIVES and not kind.trains(OBJECTIVES[cfg.objective].caps):
+        fit = [e.name for e in OBJECTIVES.entries() if kind.trains(e.caps)]
+        raise ValueError(f"--objective {cfg.objective} does not go with {kind.flag.split()[0]}; use {' or '.join(fit)}")
+    if kind.partial and getattr(cfg, kind.partial) != kind.default and cfg.val_every:
+        raise ValueError(f"val-every samples whole trajectories, which need both experts, and "
+                         f"--{kind.partial.replace('_', '-')} {getattr(cfg, kind.partial)} loads one; drop --val-every "
+                         "(and sample or eval the run afterwards)")
 
 
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
