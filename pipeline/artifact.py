@@ -4,8 +4,7 @@ else spells these names. The record is a dataclass: a key is written and read un
 
 `RunLayout.foreign` tells a folder of ours from anyone else's: `train-student` writes into an --out that is empty
 or holds only these names, each of its kind (a folder or a file; a JSON file that reads as ours), and their
-temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happens to hold a `config.json`.
-"""
+temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happens to hold a `config.json`."""
 
 from __future__ import annotations
 

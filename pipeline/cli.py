@@ -99,9 +99,8 @@ def _run_stage(cls, config_file, flags, module: str) -> None:
 def main():
     """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
 
-    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the
-    student (on one GPU or many: ddp or fsdp) from that cache alone.
-    """
+    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the student (on
+    one GPU or many: ddp or fsdp) from that cache alone."""
 
 
 @main.command("tiny-teacher")
@@ -117,8 +116,7 @@ def tiny_teacher_cmd(out, variant, seed):
     """Write the embedded tiny Wan teacher (diffusers format, no download): random weights, or the trained
     shapes teacher.
 
-    Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2
-    """
+    Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2"""
     _start(cpu_only=True)  # builds the weights on the CPU
     from .tiny_teacher import write_tiny_teacher
 
@@ -138,9 +136,8 @@ def teacher_cache_cmd(config_file, **flags):
 
     Rerunning the same command resumes; under torchrun each rank is one part.
 
-    Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt
-    --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
-    """
+    Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt --out runs/cache
+    --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64"""
     cfg = load_config(TeacherCacheConfig, config_file, flags)
     _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import teacher_cache
@@ -158,8 +155,7 @@ def sample_cmd(config_file, **flags):
     \b
     Example:
       wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
-        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
-    """
+        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4"""
     _run_stage(SampleConfig, config_file, flags, "stages.sample.sample")
 
 
@@ -176,8 +172,7 @@ def export_cmd(config_file, **flags):
     \b
     Example:
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
-      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student
-    """
+      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student"""
     _run_stage(ExportConfig, config_file, flags, "stages.sample.export")
 
 
@@ -186,18 +181,16 @@ def export_cmd(config_file, **flags):
 @common_options
 @user_errors("sample")
 def eval_cmd(config_file, **flags):
-    """Compare the student with the teacher's cached trajectories: velocity error per step, error of the
-    sampled final latent (trained and untrained), and sampling time of student vs teacher; with
-    --attributes, also what share of the teacher's attribute accuracy (shape and background colours,
-    position) the student keeps on shapes captions.
+    """Compare the student with the teacher's cached trajectories: velocity error per step, error of the sampled final
+    latent (trained and untrained), and sampling time of student vs teacher; with --attributes, also what share of the
+    teacher's attribute accuracy (shape and background colours, position) the student keeps on shapes captions.
 
     \b
     Example:
       wandistiller eval --student runs/student --cache runs/heldout-cache --max-prompts 16
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --attributes data/shapes-heldout.txt
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --student-steps 1,2,4 \\
-        --compare runs/demo/student-4step --attributes data/shapes-heldout.txt
-    """
+        --compare runs/demo/student-4step --attributes data/shapes-heldout.txt"""
     _run_stage(EvalConfig, config_file, flags, "stages.sample.evaluate")
 
 
@@ -206,12 +199,11 @@ def eval_cmd(config_file, **flags):
 @common_options
 @user_errors("train-student")
 def train_student_cmd(config_file, **flags):
-    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy)
-    under torchrun.
+    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy) under
+    torchrun.
 
-    Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
-    --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
-    """
+    Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json --out runs/student
+    --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16"""
     _run_stage(TrainStudentConfig, config_file, flags, "stages.train_student")
 
 
@@ -233,8 +225,7 @@ def plan_cmd(as_json, config_file, **flags):
       wandistiller plan --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers --gpus-per-node 8 --nodes 4 --gpu-memory 80GiB \\
         --prompts 200000
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
-      wandistiller plan --config configs/wan2.2-t2v-a14b.toml --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers
-    """
+      wandistiller plan --config configs/wan2.2-t2v-a14b.toml --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers"""
     own = {f.name for f in dataclasses.fields(PlanSettings)}
     settings = load_config(PlanSettings, None, {k: v for k, v in flags.items() if k in own})
     given = {k: v for k, v in flags.items() if k not in own and v is not None}
@@ -269,8 +260,7 @@ def cache_info_cmd(cache_dir, prompts, as_json):
     bytes on disk per sample, per prompt and projected for --prompts N. Of a cache stage one has not finished: each
     part's prompts done, shards and samples, who writes it and its ETA, and how to finish it.
 
-    Example: wandistiller cache info runs/cache --prompts 100000
-    """
+    Example: wandistiller cache info runs/cache --prompts 100000"""
     _start(cpu_only=True)
     from cache.manifest import summarize
 
@@ -299,8 +289,7 @@ def cache_verify_cmd(cache_dir):
     """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
     cache, or one whose stage one has not finished: the line names its unfinished parts).
 
-    Example: wandistiller cache verify runs/cache
-    """
+    Example: wandistiller cache verify runs/cache"""
     _start(cpu_only=True)
     from cache import format as F
     from cache.cache_error import CacheError

@@ -1,7 +1,6 @@
 """Configs of every command, side by side: one frozen dataclass each, loaded from TOML with CLI flags on top
 (config_types.load_config; docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI builds
-its options from it at load.
-"""
+its options from it at load."""
 
 from __future__ import annotations
 

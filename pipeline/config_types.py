@@ -1,7 +1,6 @@
 """Loading a config (`load_config`: TOML with the CLI flags on top), every value checked against its field's
 declared type before a stage sees it, and refused (never coerced) when it does not fit: `overwrite = "false"` is a
-true string to Python (docs/reliability.md, "Exit codes").
-"""
+true string to Python (docs/reliability.md, "Exit codes")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Where a teacher the user names lives on this machine: the one place that turns `--teacher` (and
 `--init-from-teacher`) into a local folder (docs/architecture.md, "Teachers by name: local folders and Hub ids").
-huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module.
-"""
+huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The click options of a command, generated from its config's settings (docs/architecture.md, "Settings and
-registries"). Every option defaults to None (not given), so that a TOML value stands unless a flag overrides it.
-"""
+registries"). Every option defaults to None (not given), so that a TOML value stands unless a flag overrides it."""
 
 from __future__ import annotations
 

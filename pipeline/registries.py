@@ -1,7 +1,6 @@
 """The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools
 (docs/architecture.md, "Settings and registries"). Declared here, not beside the implementations, because the CLI
-reads them without importing torch or a stage; an entry names its implementation by import path (`Entry.load`).
-"""
+reads them without importing torch or a stage; an entry names its implementation by import path (`Entry.load`)."""
 
 from __future__ import annotations
 

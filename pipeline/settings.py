@@ -1,6 +1,5 @@
 """A setting is declared once: one dataclass field whose metadata holds its help, its check and how the CLI spells it
-(docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI reads it at load.
-"""
+(docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI reads it at load."""
 
 from __future__ import annotations
 
