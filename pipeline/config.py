@@ -270,8 +270,7 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
     val_every: int = setting(0, check=at_least(0),
                              help="Optimizer steps between validations by sampling the held-out prompts (final-latent "
                                   "MSE against the teacher's cached latents; needs --holdout-prompts); 0 = off.")
-    val_max_prompts: int = setting(4, help="Held-out prompts (all their seeds) validation samples.",
-                                   check=at_least(1))
+    val_max_prompts: int = setting(4, help="Held-out prompts (all their seeds) validation samples.", check=at_least(1))
     val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
                                            "log a teacher|student image grid.")
     dry_run: bool = setting(False, help="Time one training step (after a warm-up step) on this machine and report the "

@@ -12,12 +12,9 @@ from .settings import OWNER, declared, hints, name_of, one_of, required
 
 
 def _default_text(f: dataclasses.Field) -> str | None:
-    text = f.metadata.get("default_text")
-    if text is not None:
+    d, text = f.default, f.metadata.get("default_text")
+    if text is not None or d is dataclasses.MISSING or d is None or d == ():
         return text
-    d = f.default
-    if d is dataclasses.MISSING or d is None or d == ():
-        return None
     if isinstance(d, bool):  # the spelling of the switch that is on by default
         on, _, off = (f.metadata.get("flag") or f.name.replace("_", "-")).partition("/")
         return on if d else (off or f"no-{on}")

@@ -103,14 +103,13 @@ class PlacementCaps:
 
 PLACEMENTS = Registry("placement")
 _P = "stages.teacher_cache.placements."
-_ONE_GPU = (1.0, "one GPU computes at a time, as one replica would (not measured)")
 PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)",
                    caps=PlacementCaps(gpu="if available", picks=True, auto=False), impl=_P + "kinds:Auto")
 PLACEMENTS.declare("cpu", "RAM, computed on the CPU", caps=PlacementCaps(), impl=_P + "kinds:Cpu")
 PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)",
                    caps=PlacementCaps(gpu="required", replica_per_gpu=True, speed=(1.0, "")), impl=_P + "kinds:Cuda")
 _SPREAD = dict(gpu="required", without_gpu="offload or disk (or cpu)", spreads=True, takes_max_memory=True,
-               speed=_ONE_GPU)
+               speed=(1.0, "one GPU computes at a time, as one replica would (not measured)"))
 PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate", caps=PlacementCaps(**_SPREAD),
                    impl=_P + "device_map:Balanced")
 PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)",
