@@ -103,6 +103,11 @@ def main():
     one GPU or many: ddp or fsdp) from that cache alone."""
 
 
+def _stage_command(name: str, cls, errors: str):
+    """Decorator of a stage command: the options of its config `cls`, --config and --log-level, errors in one line."""
+    return lambda fn: main.command(name)(config_options(cls)(common_options(user_errors(errors)(fn))))
+
+
 @main.command("tiny-teacher")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to write the pipeline to.")
 @click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained"]), default="wan2.2",
@@ -127,10 +132,7 @@ def tiny_teacher_cmd(out, variant, seed):
     click.echo(f"tiny {variant} teacher written to {path}")
 
 
-@main.command("teacher-cache")
-@config_options(TeacherCacheConfig)
-@common_options
-@user_errors("teacher-cache")
+@_stage_command("teacher-cache", TeacherCacheConfig, "teacher-cache")
 def teacher_cache_cmd(config_file, **flags):
     """Stage one: run the teacher over prompts x seeds x steps and write a resumable cache.
 
@@ -145,10 +147,7 @@ def teacher_cache_cmd(config_file, **flags):
     (teacher_cache.dry_run if cfg.dry_run else teacher_cache.run)(cfg)
 
 
-@main.command("sample")
-@config_options(SampleConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("sample", SampleConfig, "sample")
 def sample_cmd(config_file, **flags):
     """Teacher and student images from the same noise, side by side: one PNG row per prompt.
 
@@ -159,10 +158,7 @@ def sample_cmd(config_file, **flags):
     _run_stage(SampleConfig, config_file, flags, "stages.sample.sample")
 
 
-@main.command("export")
-@config_options(ExportConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("export", ExportConfig, "sample")
 def export_cmd(config_file, **flags):
     """Write a diffusers pipeline folder with the student as its one transformer, ready for the Hub.
 
@@ -176,10 +172,7 @@ def export_cmd(config_file, **flags):
     _run_stage(ExportConfig, config_file, flags, "stages.sample.export")
 
 
-@main.command("eval")
-@config_options(EvalConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("eval", EvalConfig, "sample")
 def eval_cmd(config_file, **flags):
     """Compare the student with the teacher's cached trajectories: velocity error per step, error of the sampled final
     latent (trained and untrained), and sampling time of student vs teacher; with --attributes, also what share of the
@@ -194,10 +187,7 @@ def eval_cmd(config_file, **flags):
     _run_stage(EvalConfig, config_file, flags, "stages.sample.evaluate")
 
 
-@main.command("train-student")
-@config_options(TrainStudentConfig)
-@common_options
-@user_errors("train-student")
+@_stage_command("train-student", TrainStudentConfig, "train-student")
 def train_student_cmd(config_file, **flags):
     """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy) under
     torchrun.
