@@ -208,14 +208,8 @@ class DistillRecord(Record):
         shared = {f.name for f in fields(CacheHeader)} & {f.name for f in fields(cls)}
         return cls(**{k: getattr(manifest, k) for k in shared}, **learned)
 
-    @property
-    def guided(self) -> bool:
-        """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
-        return self.cfg
-
-    @property
-    def sampling_steps(self) -> int:
-        return self.student_steps if self.student_steps is not None else self.steps
+    guided = property(lambda self: self.cfg)  # the student learned CFG-guided targets: it samples at guidance 1
+    sampling_steps = property(lambda self: self.steps if self.student_steps is None else self.student_steps)
 
     @classmethod
     def from_json(cls, obj, source: str | os.PathLike = DISTILL) -> DistillRecord:
