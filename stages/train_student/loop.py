@@ -144,7 +144,7 @@ class Trainer:
         self.optimizer, self.scaler = parts.optimizer, parts.scaler
         self.objective, self.data, self.plan, self.total = plan.objective, plan.data, plan.epochs, plan.total
         self.state, self.out, self.identity = state, out, plan.identity
-        self.expand_timesteps, self.patch = plan.expand_timesteps, plan.patch
+        self.expand_timesteps, self.patch = plan.manifest.expand_timesteps, tuple(plan.manifest.patch_size)
         self.dataset = plan.objective.dataset(plan.data.index, self.cfg.embedding_cache_size)
         mixed = plan.mixed
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=mixed)) if mixed else contextlib.nullcontext
