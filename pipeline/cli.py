@@ -257,12 +257,9 @@ def cache_info_cmd(cache_dir, prompts, as_json):
     from .cache_status import lines, summarize_unfinished
 
     unfinished = summarize_unfinished(cache_dir)
-    if unfinished is not None:
-        click.echo(json.dumps(unfinished, indent=2) if as_json else "\n".join(lines(unfinished)))
-        return
-    info = summarize(cache_dir, prompts)
-    if as_json:
-        click.echo(json.dumps(info, indent=2))
+    info = summarize(cache_dir, prompts) if unfinished is None else unfinished
+    if as_json or unfinished is not None:
+        click.echo(json.dumps(info, indent=2) if as_json else "\n".join(lines(unfinished)))
         return
     from cache.size import human
 

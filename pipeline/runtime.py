@@ -17,9 +17,7 @@ class DistEnv:
     world_size: int
     local_rank: int
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main = property(lambda self: self.rank == 0)
 
 
 def dist_env() -> DistEnv:
