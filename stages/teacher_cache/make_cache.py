@@ -218,7 +218,7 @@ def _refuse_other_settings(job: _Part) -> None:
 def _encode(job: _Part, prog: PartProgress) -> None:
     """Encode the part's prompts and the negative prompt, write the rows and the initial noise, free the encoder."""
     cfg, dtype, device = job.cfg, job.dtype, job.device
-    tokenizer, encoder = load_text_encoder(job.spec, dtype, device, model_offload=job.placement.offloads_text_encoder)
+    tokenizer, encoder = load_text_encoder(job.spec, dtype, device, job.placement.entry.caps.offloads_text_encoder)
     store = create_prompt_store(prompt_store_path(job.out, job.part), len(job.rows), cfg.max_sequence_length,
                                 job.spec.transformer_config["text_dim"], job.placement.dtype, cfg.seeds_per_prompt,
                                 job.latent_shape)
@@ -280,13 +280,12 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         sink.abort()
+        raise
+    finally:
         bar.close()  # end the bar's line so the error message starts on its own
         progress.close()
-        raise
     pool.shutdown(wait=True)
     sink.close()
-    bar.close()
-    progress.close()
     if stopped:
         raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(job.blocks)} blocks of "
                                  f"part {job.part} cached; rerun the same command to resume")

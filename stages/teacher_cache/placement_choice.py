@@ -178,10 +178,9 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         model = meta_transformer(root, comp, real_buffers=False)
         blocks = list(getattr(model, "blocks", []))
         block_bytes = max((weight_bytes(b, tdtype) for b in blocks), default=0)
-        ck, ckd = _checkpoint(root / comp)
         comps[comp] = Component(comp, type(model).__name__, sum(p.numel() for p in model.parameters()),
                                 weight_bytes(model, tdtype), len(blocks), block_bytes,
-                                largest_layer_bytes(model, tdtype), ck, ckd)
+                                largest_layer_bytes(model, tdtype), *_checkpoint(root / comp))
     if isinstance(mi.get("text_encoder"), list) and mi["text_encoder"][0]:
         import transformers
 

@@ -89,11 +89,10 @@ class TeacherSpec:
 
     def identity(self) -> dict:
         """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""
-        h = {"model_index": hash_json(self.model_index)}
-        h.update({k: hash_json(v) for k, v in sorted(self.configs.items())})
-        h["weights"] = {f"{comp}/{f.name}": sample_file(f) for comp in ("text_encoder", *self.experts)
-                        for f in sorted((self.path / comp).glob("*.safetensors"))}
-        return h
+        configs = {c: hash_json(v) for c, v in sorted(self.configs.items())}
+        return {"model_index": hash_json(self.model_index), **configs,
+                "weights": {f"{comp}/{f.name}": sample_file(f) for comp in ("text_encoder", *self.experts)
+                            for f in sorted((self.path / comp).glob("*.safetensors"))}}
 
 
 def read_json(p: Path) -> dict:
@@ -253,20 +252,16 @@ class ExpertSet:
     def activate(self, experts: tuple[int, ...] | None) -> None:
         """Make exactly `experts` (1-based; None = all) resident, releasing the others first."""
         want = set(range(1, len(self.models) + 1)) if experts is None else set(experts)
-        for e in range(1, len(self.models) + 1):
-            if e not in want:
-                self.release(e)
+        released = [e for e in range(len(self.models)) if e + 1 not in want and self.models[e] is not None]
+        for e in released:
+            self.models[e] = None
+        if released:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
                 self.models[e - 1] = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
-
-    def release(self, expert: int) -> None:
-        if self.models[expert - 1] is None:
-            return
-        self.models[expert - 1] = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.activate(())

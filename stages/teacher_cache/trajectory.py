@@ -42,13 +42,9 @@ class Schedule:
         boundary = None if boundary_ratio is None else boundary_ratio * s.config.num_train_timesteps
         g2 = guidance if guidance_2 is None else guidance_2
         cfg = guidance > 1.0  # WanPipeline.do_classifier_free_guidance looks at the first scale only
-        experts, scales = [], []
-        for t in s.timesteps:
-            high = boundary is None or t >= boundary
-            experts.append(1 if high else 2)
-            scales.append((guidance if high else g2) if cfg else 1.0)
+        high = [boundary is None or t >= boundary for t in s.timesteps]  # the high-noise expert's steps
         return cls([float(t) for t in s.timesteps], [float(x) for x in s.sigmas[: len(s.timesteps)]],
-                   experts, scales, cfg)
+                   [1 if h else 2 for h in high], [(guidance if h else g2) if cfg else 1.0 for h in high], cfg)
 
 
 @dataclass

@@ -92,6 +92,3 @@ class Auto(PlacementKind):
         device = entry.execution_device(cfg)
         return entry.placement(cfg, spec, device, cfg.dtype or default_dtype(device), d.expert_order,
                                needs.activations, reason="; ".join(d.reasons))
-
-    def layout(self, x: PlanInput) -> Layout:
-        raise RuntimeError("auto has no layout of its own: plan the placement placement_choice.decide picks")
