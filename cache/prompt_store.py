@@ -20,7 +20,7 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
-from .atomic import WriteBehind, drop_behind
+from .atomic import WriteBehind
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
 from .format import (
@@ -215,19 +215,14 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
 
 
 def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]:
-    """The store's `files` ("<array>/<file>"), just written, dropped from the page cache (`atomic.drop_behind`) or
-    handed to `behind`; their paths."""
+    """Hand the store's just-written `files` ("<array>/<file>") to `behind` (else drop them here); their paths."""
     root = Path(str(g.store.root)) / g.path
     paths = [root / f for f in files]
+    own = behind or WriteBehind()
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        if behind is not None:
-            behind.add(fd, owned=True)
-            continue
-        try:
-            drop_behind(fd)
-        finally:
-            os.close(fd)
+        own.add(os.open(p, os.O_RDONLY), owned=True)
+    if behind is None:
+        own.close()
     return paths
 
 
@@ -266,6 +261,11 @@ def _damage(e: Exception) -> str:
             else f"do not read ({type(e).__name__}: {e})")
 
 
+def _values(name: str) -> cached_property:
+    """A `PartRows` property: every value of the store's array `name`, read on first use."""
+    return cached_property(lambda self: self.g[name][:])
+
+
 class PartRows:
     """One part's prompt store, its rows read checked (docs/architecture.md, "The cache"); each array opens on first
     use. With `whole_files` (the in-order checks) a row is served from its whole file, read in one zarr call and kept
@@ -283,33 +283,11 @@ class PartRows:
     def error(self, bit: int, detail: str) -> RowError:
         return RowError(self.cache_dir, self.part, bit, detail)
 
-    @cached_property
-    def seq_lens(self) -> np.ndarray:
-        return self.g[Z_SEQ_LENS][:]
-
-    @cached_property
-    def token_start(self) -> np.ndarray:
-        return self.g[Z_TOKEN_START][:]
-
-    @cached_property
-    def crcs(self) -> np.ndarray:
-        return self.g[EMBEDS_CRC32C][:]
-
-    @cached_property
-    def embeds(self) -> zarr.Array:
-        return self.g[Z_EMBEDS]
-
-    @cached_property
-    def dtype_name(self) -> str:
-        return self.embeds.attrs[Z_ATTR_TORCH_DTYPE]
-
-    @cached_property
-    def max_len(self) -> int:
-        return int(self.embeds.shape[0]) // max(1, len(self.seq_lens))
-
-    @cached_property
-    def _latents(self) -> dict[str, zarr.Array]:
-        return {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)}
+    seq_lens, token_start, crcs = _values(Z_SEQ_LENS), _values(Z_TOKEN_START), _values(EMBEDS_CRC32C)
+    embeds: zarr.Array = cached_property(lambda self: self.g[Z_EMBEDS])
+    dtype_name: str = cached_property(lambda self: self.embeds.attrs[Z_ATTR_TORCH_DTYPE])
+    max_len: int = cached_property(lambda self: int(self.embeds.shape[0]) // max(1, len(self.seq_lens)))
+    _latents: dict = cached_property(lambda self: {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)})
 
     def _read(self, arr: zarr.Array, lo: int, hi: int) -> np.ndarray:
         """arr[lo:hi] (entries along the first axis), from the whole file(s) holding them where `whole_files`."""
@@ -348,8 +326,7 @@ class PartRows:
         return data
 
     def missing_file(self, row: int) -> str | None:
-        """"file embeds/<file> is missing (...)" where a file holding row `row`'s tokens does not exist (a stat,
-        nothing read), or None."""
+        """"file embeds/<file> is missing (...)" where a file of row `row`'s tokens does not exist (a stat), or None."""
         start, n = int(self.token_start[row]), int(self.seq_lens[row])
         per_file = int(self.embeds.shards[0])
         for first in range(start // per_file * per_file, start + n, per_file):
@@ -438,8 +415,7 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
 
 def read_latents(cache_dir: str | os.PathLike, num_parts: int,
                  trajectories: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial noise and the teacher's final latents of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked;
-    RowError for one never written or damaged."""
+    """(initial noise, final latents) of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked (RowError)."""
     init, final = [], []
     stores: dict[int, PartRows] = {}
     for prompt_idx, seed_idx in trajectories:

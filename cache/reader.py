@@ -1,8 +1,7 @@
 """Random-access reader of finished caches: the shard index and reads of a sample by row.
 
 Unlike webdataset's streaming reader, every sample gets a fixed row number from the manifest before any byte is
-read (so every sample once per epoch, equal steps per rank, a resumable position); a sample is read with one `pread`.
-"""
+read (so every sample once per epoch, equal steps per rank, a resumable position); a sample is read with one `pread`."""
 
 from __future__ import annotations
 
@@ -174,8 +173,7 @@ class ShardStream:
     the iteration ends, `matches` says whether it is the file `rec` records. OSError / TarError when unreadable."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
-        self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec.path
-        self.rec = rec
+        self.cache_dir, self.path, self.rec = cache_dir, Path(cache_dir) / rec.path, rec
         self._read: _HashingReader | None = None
 
     def __iter__(self):
@@ -213,10 +211,8 @@ def empty_table(caches: list[CacheInfo]) -> np.ndarray:
 def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, scanned: np.ndarray) -> None:
     """Place one shard's scan in the table (rows first_row .. first_row + len)."""
     rows = slice(first_row, first_row + len(scanned))
-    table[rows, C_CACHE] = cache_id
-    table[rows, C_SHARD] = shard_id
-    for j, c in enumerate(SCAN_COLS):
-        table[rows, c] = scanned[:, j]
+    table[rows, C_CACHE], table[rows, C_SHARD] = cache_id, shard_id
+    table[rows, list(SCAN_COLS)] = scanned
 
 
 class CacheIndex:
@@ -230,10 +226,7 @@ class CacheIndex:
         _, first = np.unique(key, return_index=True)
         self.duplicates = len(table) - len(first)
         self.table = table[np.sort(first)] if self.duplicates else table
-        m = caches[0].manifest
-        self.latent_shape = tuple(m.latent_shape)
-        self.dtype = m.dtype
-        self.steps = int(m.steps)
+        self.steps = int(caches[0].manifest.steps)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -260,38 +253,33 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
     rows = table[table[:, C_CACHE] == cache_id]
     fix = (f"rerun the same `wandistiller teacher-cache` command on it: it rewrites {F.MANIFEST} from the parts' "
            "progress records (`wandistiller cache verify` lists every problem)")
-    _, first, counts = np.unique(sample_code(rows), return_index=True, return_counts=True)
-    subset = len(recorded) < dims[2]
-    for cols, limit in zip((C_PROMPT, C_SEED, C_STEP), dims):
-        out = (rows[:, cols] < 0) | (rows[:, cols] >= limit)
-        if cols == C_STEP and subset:
-            out |= ~np.isin(rows[:, cols], recorded)
-        foreign = np.flatnonzero(out)
-        if len(foreign):
-            r = rows[foreign[0]]
-            steps = f"recorded steps {','.join(map(str, recorded))}" if subset else f"{dims[2]} steps"
-            raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2].path} holds sample "
-                             f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
-                             f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
+    foreign = np.flatnonzero((rows[:, C_PROMPT] < 0) | (rows[:, C_PROMPT] >= dims[0]) | (rows[:, C_SEED] < 0)
+                             | (rows[:, C_SEED] >= dims[1]) | ~np.isin(rows[:, C_STEP], recorded))
+    if len(foreign):
+        r = rows[foreign[0]]
+        steps = f"recorded steps {','.join(map(str, recorded))}" if len(recorded) < dims[2] else f"{dims[2]} steps"
+        raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2].path} holds sample "
+                         f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
+                         f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
+    codes, counts = np.unique(sample_code(rows), return_counts=True)
     if (counts > 1).any():
-        code = np.unique(sample_code(rows))[np.argmax(counts > 1)]
+        code = codes[np.argmax(counts > 1)]
         where = sorted({shards[int(r[C_SHARD])][2].path for r in rows[sample_code(rows) == code]})
         raise CacheError(f"cache {cache.path}: {int((counts > 1).sum())} sample(s) are listed more than once "
                          f"(e.g. in {' and '.join(where) if len(where) > 1 else where[0] + ', listed twice'} of "
                          f"{F.MANIFEST}); {fix}")
     expected = dims[0] * dims[1] * len(recorded)
-    if len(first) != expected:
+    if len(codes) != expected:
         listed = {rec.path for ci, _, rec, _ in shards if ci == cache_id}
         unlisted = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache.path / F.SHARDS_DIR).glob("*.tar")
                           if f"{F.SHARDS_DIR}/{p.name}" not in listed)
         why = f"; {', '.join(unlisted[:3])} exist(s) but {F.MANIFEST} does not list it" if unlisted else ""
-        raise CacheError(f"cache {cache.path} lists {len(first)} samples, its settings make {expected} "
-                         f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(first)}{why}; {fix}")
+        raise CacheError(f"cache {cache.path} lists {len(codes)} samples, its settings make {expected} "
+                         f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(codes)}{why}; {fix}")
 
 
 def open_index(dirs: list[str | os.PathLike], checksum: bool = False) -> CacheIndex:
-    """Index of finished caches in one process (no ranks; stage two splits this work over its ranks):
-    every shard scanned (tar headers only unless `checksum`), CacheError for any that is not as recorded."""
+    """Index of finished caches in one process (stage two splits this over its ranks); CacheError for a bad shard."""
     caches = open_caches(dirs)
     table, shards = empty_table(caches), shard_list(caches)
     for sid, (ci, cache_dir, rec, first) in enumerate(shards):

@@ -1,6 +1,5 @@
 """Shard writer: one webdataset tar per shard, written under a temporary name and renamed when complete, so a shard
-under its final name is whole; its crc32c is taken over the bytes as written (docs/architecture.md, Write path).
-"""
+under its final name is whole; its crc32c is taken over the bytes as written (docs/architecture.md, Write path)."""
 
 from __future__ import annotations
 
