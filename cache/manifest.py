@@ -72,12 +72,6 @@ def _short(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_settings(cache_dir: str | os.PathLike, m: Manifest) -> None:
-    """CacheError with `settings_problem`, if any."""
-    if problem := settings_problem(cache_dir, m):
-        raise CacheError(problem)
-
-
 def _negative_sha256(cache_dir: Path, written: str) -> str | None:
     """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
     (written together): a missing root copy, or one that no longer matches what the previous manifest recorded

@@ -96,16 +96,15 @@ class _ReadStore(LocalStore):
         except (FileNotFoundError, NotADirectoryError):
             return None  # (zarr: a chunk never written reads as the fill value)
         with os.fdopen(fd, "rb") as f:
+            start, n = 0, -1  # (no byte_range: the whole file)
             if isinstance(byte_range, RangeByteRequest):
-                f.seek(byte_range.start)
-                data = f.read(byte_range.end - byte_range.start)
-            else:
-                if isinstance(byte_range, OffsetByteRequest):
-                    f.seek(byte_range.offset)
-                elif isinstance(byte_range, SuffixByteRequest):
-                    f.seek(max(0, os.fstat(fd).st_size - byte_range.suffix))
-                data = f.read()
-        return prototype.buffer.from_bytes(data)
+                start, n = byte_range.start, byte_range.end - byte_range.start
+            elif isinstance(byte_range, OffsetByteRequest):
+                start = byte_range.offset
+            elif isinstance(byte_range, SuffixByteRequest):
+                start = max(0, os.fstat(fd).st_size - byte_range.suffix)
+            f.seek(start)
+            return prototype.buffer.from_bytes(f.read(n))
 
     def get_sync(self, key, *, prototype=None, byte_range=None):
         return self._read(key, prototype or default_buffer_prototype(), byte_range)
@@ -272,9 +271,8 @@ class PartRows:
     until another file is asked for; a file that does not read is read again row by row, naming the rows."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, whole_files: bool = False):
-        self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
+        self.cache_dir, self.part, self.num_parts, self.whole_files = Path(cache_dir), part, num_parts, whole_files
         self.g = open_prompt_store(prompt_store_path(cache_dir, part))
-        self.whole_files = whole_files
         self._file: dict[str, tuple[int, int, np.ndarray]] = {}  # array -> (first entry, end, its entries)
 
     def where(self, row: int) -> str:

@@ -22,7 +22,7 @@ import webdataset as wds
 from . import format as F
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
-from .manifest import check_settings, load_manifest
+from .manifest import load_manifest, settings_problem
 from .safe_open import open_fd
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 from .store_checks import store_problem
@@ -79,8 +79,7 @@ class CacheInfo:
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
-    does not load, settings that no longer hash to their fingerprint, or a prompt store not of the manifest's shapes
-    (`store_checks.store_problem`)."""
+    does not load, edited settings (`settings_problem`) or a prompt store not of the manifest's (`store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -100,8 +99,7 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
         raise CacheError(f"the caches were made with different settings and their targets cannot be mixed: "
                          f"{listed}; train on caches that share one fingerprint")
     for c in caches:
-        check_settings(c.path, c.manifest)
-        if (problem := store_problem(c.path, c.manifest)) is not None:
+        if problem := settings_problem(c.path, c.manifest) or store_problem(c.path, c.manifest):
             raise CacheError(problem)
     return caches
 
@@ -335,8 +333,7 @@ class SampleReader:
     a bounded LRU of open shards. One reader per process and thread: a DataLoader's workers each make their own."""
 
     def __init__(self, index: CacheIndex, max_open: int = 64):
-        self.index = index
-        self.max_open = max_open
+        self.index, self.max_open = index, max_open
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         # (cache, a tensor member's safetensors header) -> its tensors (name, dtype, count, offset, shape), for

@@ -119,8 +119,7 @@ def tensor_problems(key: str, tensors: Mapping[str, torch.Tensor], manifest: Cac
     function of their layout alone, which a reader may check once per layout (`reader.SampleReader`)."""
     problems = []
     for name in sample_fields(manifest):
-        field = SAMPLE_FIELDS.get(name)
-        t = tensors.get(name)
+        field, t = SAMPLE_FIELDS.get(name), tensors.get(name)
         if t is None:
             problems.append(f"sample {key} lacks tensor {name}")
             continue

@@ -59,24 +59,6 @@ def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int
                          f"store was damaged); {REBUILD}")
 
 
-def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: int,
-                          latent_shape: tuple[int, ...]) -> str | None:
-    """Why the cache's prompt stores cannot serve final latents (no `final_latents` array of the manifest's shape), or
-    None. Metadata only: a latent never written is caught when it is read and by `cache verify`."""
-    want = (int(seeds), *(int(v) for v in latent_shape))
-    for part in range(num_parts):
-        path = prompt_store_path(cache_dir, part)
-        try:
-            arr = open_prompt_store(path)[Z_FINAL_LATENTS]
-        except UnsafeFileError:
-            raise
-        except Exception as e:  # a missing store or array, whatever zarr raises for it
-            return f"{path} has no {Z_FINAL_LATENTS} array ({type(e).__name__})"
-        if tuple(arr.shape[1:]) != want:
-            return f"{path}/{Z_FINAL_LATENTS} is {list(arr.shape[1:])} per prompt, expected {list(want)}"
-    return None
-
-
 def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | None:
     """Why a part's prompt store is not what the manifest says it holds (an array of another shape, dtype or chunk,
     or one that does not open), or None. Metadata only: every reader checks it before reading a row, so that no

@@ -26,11 +26,10 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
         fd = open_fd(cache_dir, rel)
     except FileNotFoundError:
         return [f"{rel}: missing"]
-    problems = []
     size = os.fstat(fd).st_size
     os.close(fd)
-    if size != rec.bytes:
-        problems.append(f"{rel}: {size} bytes on disk, manifest says {rec.bytes} (truncated or replaced)")
+    problems = [] if size == rec.bytes else [f"{rel}: {size} bytes on disk, manifest says {rec.bytes} (truncated or "
+                                             "replaced)"]
     stream, count = ShardStream(cache_dir, rec), 0
     try:
         for members in stream:

@@ -54,8 +54,7 @@ class ShardWriter:
     """Write one shard of `part` with number `index`; `close()` makes it visible and returns its record."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, index: int):
-        self.part = part
-        self.relpath = shard_relpath(part, index)
+        self.part, self.relpath = part, shard_relpath(part, index)
         self.final = Path(cache_dir) / self.relpath
         self.tmp = self.final.with_name(self.final.name + TMP_SUFFIX)
         self.final.parent.mkdir(parents=True, exist_ok=True)

@@ -71,13 +71,7 @@ class Segment(Objective):
         if not is_flow_matching(sched):
             raise UserError(f"--objective segment needs a flow-matching teacher schedule; the cache {cache} was "
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")
-        from cache.store_checks import final_latents_problem
-
-        problem = final_latents_problem(cache, int(manifest.num_parts), int(manifest.seeds_per_prompt),
-                                        tuple(manifest.latent_shape))
-        if problem:
-            raise UserError(f"--objective segment needs each trajectory's final latent, and the cache {cache} lacks "
-                            f"them ({problem}); rebuild it with `wandistiller teacher-cache`")
+        # (each trajectory's final latent: `open_caches` has checked every store's final_latents array)
         bounds, exact = segment_boundaries(sched, steps, self.k, [float(v) for v in sigmas])
         if len(bounds) != self.k:
             raise UserError(f"--student-steps {self.k}: only {len(bounds)} distinct cached steps lie near the {self.k}-"
