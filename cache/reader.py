@@ -72,10 +72,6 @@ class CacheInfo:
     def fingerprint(self) -> str:
         return self.manifest.fingerprint
 
-    @property
-    def shards(self) -> list[dict]:
-        return self.manifest.shards
-
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
@@ -195,7 +191,7 @@ def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
     """Every shard of `caches` in order: (cache id, cache dir, record, first row). Rows follow the manifests."""
     out, row = [], 0
     for ci, c in enumerate(caches):
-        for rec in c.shards:
+        for rec in c.manifest.shards:
             out.append((ci, c.path, rec, row))
             row += int(rec.samples)
     return out
@@ -203,7 +199,7 @@ def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
 
 def empty_table(caches: list[CacheInfo]) -> np.ndarray:
     """A zeroed table with one row per sample listed in the manifests (filled by `fill_table`)."""
-    return np.zeros((sum(int(r.samples) for c in caches for r in c.shards), N_COLS), dtype=np.int64)
+    return np.zeros((sum(int(r.samples) for c in caches for r in c.manifest.shards), N_COLS), dtype=np.int64)
 
 
 def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, scanned: np.ndarray) -> None:
