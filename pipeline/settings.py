@@ -117,9 +117,8 @@ class one_of:  # noqa: N801 (used like the other check factories)
     def __call__(self, name, v) -> None:
         if not isinstance(v, str):  # a wrong type: config_types' message says what the key takes
             raise TypeError(f"{name} must be a string, got {v!r}")
-        if v in self.names() or (self.otherwise is not None and isinstance(v, str) and self.otherwise(v)):
-            return
-        raise ValueError(f"{name} must be one of {', '.join(self.names())}{self.otherwise_text}, got {v!r}")
+        if v not in self.names() and not (self.otherwise is not None and self.otherwise(v)):
+            raise ValueError(f"{name} must be one of {', '.join(self.names())}{self.otherwise_text}, got {v!r}")
 
 
 def int_list(name: str, value) -> tuple[int, ...]:
