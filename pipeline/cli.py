@@ -291,8 +291,7 @@ def cache_verify_cmd(cache_dir):
         load_manifest(cache_dir)  # (raises the CacheError that says which, and what to do)
     problems = verify_cache(cache_dir, progress=sys.stderr.isatty())
     if problems:
-        for p in problems:
-            click.echo(f"BAD {p}")
+        click.echo("\n".join(f"BAD {p}" for p in problems))
         click.echo(f"{len(problems)} problem(s) in {cache_dir}; rebuild the named shards by deleting them "
                    "and rerunning teacher-cache, or rebuild the cache with --overwrite", err=True)
         sys.exit(1)

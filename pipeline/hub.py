@@ -13,8 +13,6 @@ CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json
 PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
 FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
 
-EXAMPLE_ID = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
-
 
 def is_hub_id(name: str) -> bool:
     """`Org/Name`: one slash, not a relative or absolute path."""
@@ -34,8 +32,8 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
                             "--revision")
         return p
     if not is_hub_id(name):
-        raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like {EXAMPLE_ID} "
-                        "(build a tiny one with `wandistiller tiny-teacher`)")
+        raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like "
+                        "Wan-AI/Wan2.2-T2V-A14B-Diffusers (build a tiny one with `wandistiller tiny-teacher`)")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
