@@ -473,15 +473,12 @@ def _trimmed(rows: PartRows, row: int) -> tuple[torch.Tensor, int]:
 
 class EmbeddingCache(RowCache):
     """prompt_idx -> its embedding, the one LRU of embeddings that readers keep (`capacity` prompts), each read
-    checked (`PartRows.trimmed`). `get` pads it with zeros as the teacher's pipeline did; `get_trimmed` gives the real
-    tokens and the padded length, for a reader that pads later (A14B: 4 MiB padded, ~0.5 MiB trimmed)."""
+    checked (`PartRows.trimmed`). `get` pads it with zeros as the teacher's pipeline did; `cache[prompt_idx]` gives
+    the real tokens [seq_len, D] and the padded length, for a reader that pads later (A14B: 4 MiB padded, ~0.5 MiB
+    trimmed)."""
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int):
         super().__init__(cache_dir, num_parts, capacity, _trimmed)
-
-    def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:
-        """(the prompt's real token embeddings [seq_len, D], the length `get` pads them to)."""
-        return self[prompt_idx]
 
     def get(self, prompt_idx: int) -> torch.Tensor:
         trimmed, max_len = self[prompt_idx]

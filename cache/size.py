@@ -37,10 +37,8 @@ def _tar_member(size: int) -> int:
 
 def sample_disk_bytes(settings: CacheHeader) -> int:
     """Bytes one sample takes in a shard of the cache `settings` (a manifest, or stage one's header) describe."""
-    tensors = {}
-    for name in sample_fields(settings):
-        field = SAMPLE_FIELDS[name]
-        tensors[name] = torch.empty(field.shape(settings), dtype=F.DTYPES[field.dtype_name(settings)])
+    tensors = {f.name: torch.empty(f.shape(settings), dtype=F.DTYPES[f.dtype_name(settings)])
+               for f in (SAMPLE_FIELDS[name] for name in sample_fields(settings))}
     meta = json.dumps(_META_WORST, sort_keys=True).encode()
     # safetensors' header depends on names, dtypes and shapes only: one save of uninitialised tensors gives it
     return _tar_member(len(meta)) + _tar_member(len(st_save(tensors)))

@@ -53,7 +53,7 @@ class SampleDataset(Dataset):
         # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): `collate.padded_context` pads
         # them to max_sequence_length on the device
         try:
-            context, padded = self._embeds[int(r[C_CACHE])].get_trimmed(int(r[C_PROMPT]))
+            context, padded = self._embeds[int(r[C_CACHE])][int(r[C_PROMPT])]
         except (ValueError, FileNotFoundError, KeyError) as e:
             if isinstance(e, CacheError):
                 raise
