@@ -40,10 +40,6 @@ def _type(f: dataclasses.Field, tp):
     return base if base in (int, float) else str  # (lists too: "0,4,8", which the config parses)
 
 
-def _none_if_empty(ctx, param, value):
-    return value or None  # a repeatable flag not given: the config file's value, if any
-
-
 def _option(f: dataclasses.Field, tp):
     name = name_of(f)
     kw: dict = {"default": None, "help": help_of(f)}
@@ -52,7 +48,8 @@ def _option(f: dataclasses.Field, tp):
         return click.option(f"--{on}/--{off or 'no-' + on}", f.name, **kw)
     kw["type"] = _type(f, tp)
     if f.metadata.get("multiple"):
-        kw.update(multiple=True, default=(), callback=_none_if_empty)
+        # A repeatable flag not given is None: the config file's value, if any, stands.
+        kw.update(multiple=True, default=(), callback=lambda ctx, param, value: value or None)
     return click.option(f"--{name}", f.name, **kw)
 
 
