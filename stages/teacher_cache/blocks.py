@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -187,25 +188,19 @@ class BlockSink:
 def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]], inputs, neg: torch.Tensor):
     """Yields (block, records, final latents) as each window of blocks finishes; phases [None]: step-major, [(1,),
     (2,)]: expert-major (same records). SIGTERM stops it after the step in progress or between windows."""
-    records: dict[int, list[StepRecord]] = {}
-
-    def keep(b: int):
-        def on_step(record: StepRecord) -> None:
-            records[b].append(record)
-            fault_point("denoise_step")
-            signals.check()
-
-        return on_step
+    def keep(record: StepRecord, into: list[StepRecord]) -> None:
+        into.append(record)
+        fault_point("denoise_step")
+        signals.check()
 
     for window in windows:
-        records = {b: [] for b in window}
-        states: dict = {}
-        finals: dict[int, torch.Tensor] = {}
+        records: dict[int, list[StepRecord]] = {b: [] for b in window}
+        states, finals = {}, {}
         for phase in phases:
             experts.activate(phase)
             for b in window:
                 noise, cond = inputs(b)
-                finals[b], states[b] = runner.run(noise, cond, neg, on_step=keep(b), experts=phase,
-                                                  state=states.get(b))
+                finals[b], states[b] = runner.run(noise, cond, neg, on_step=partial(keep, into=records[b]),
+                                                  experts=phase, state=states.get(b))
         yield from [(b, records[b], finals[b]) for b in window]
         signals.check()
