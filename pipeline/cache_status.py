@@ -1,6 +1,5 @@
-"""Where a cache stage one has not finished stands, and what finishes it: `cache info`'s lines and every reader's
-refusal (`unfinished_problem`), from each part's progress record and its stage-one lock. The words live here, not in
-`cache/`, which keeps to the format and its reading."""
+"""Where a cache stage one has not finished stands, and what finishes it (`cache info`'s lines, every reader's
+refusal), from each part's progress record and stage-one lock: the words live here, `cache/` keeps to the format."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartSt
 
 
 def _prompts_done(prog: PartProgress, seeds: int) -> int:
-    """Prompts whose every trajectory (row r's: r * seeds ..) is in a done block (block b's: b * batch_size ..),
-    from the done blocks alone, whatever counts the record claims."""
+    """Prompts whose every trajectory lies in a done block, from the done blocks alone (whatever counts it claims)."""
     done, size = set(prog.done_blocks), prog.batch_size
     return sum(all(b in done for b in range(r * seeds // size, ((r + 1) * seeds - 1) // size + 1))
                for r in range(prog.prompts))
@@ -65,9 +63,7 @@ def _prompts_done(prog: PartProgress, seeds: int) -> int:
 
 def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:
     """One part in words: `part 1: stopped, 3 of 7 prompts, 2 shards` (`sizes`: its samples and bytes too)."""
-    if s.state == NOT_STARTED:
-        return f"part {s.part}: not started"
-    text = f"part {s.part}: {s.state}"
+    text = f"part {s.part}: {s.state}"  # (a part not started has no record, no holder and no ETA)
     if s.prompts is not None:
         text += f", {s.prompts_done} of {s.prompts} prompts, {s.shards} shard{'s' * (s.shards != 1)}"
         if sizes:
@@ -141,11 +137,9 @@ def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
     written.sort()
     if not written:
         return None
-    span = written[-1][0] - written[0][0]
-    if len(written) > 1 and span > 0:
-        rate = sum(n for _, n in written[1:]) / span
-    else:
-        rate = sum(n for _, n in written) / max(written[-1][0] - started, 1e-3)
+    span = written[-1][0] - written[0][0]  # (> 0: at least two shards)
+    rate = (sum(n for _, n in written[1:]) / span if span > 0 else
+            sum(n for _, n in written) / max(written[-1][0] - started, 1e-3))
     return (status.samples_total - status.samples) / rate if rate > 0 else None
 
 
@@ -154,9 +148,8 @@ def lines(info: dict) -> list[str]:
     out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info['num_parts']} part(s) finished, "
            f"{info['samples']} samples ({human(info['bytes'])}) so far"]
     for part in info["parts"]:
-        part = dict(part)
-        eta = part.pop("eta_s")
-        out.append(f"  {describe(PartStatus(**part), sizes=True, eta=eta)}")
+        status = PartStatus(**{k: v for k, v in part.items() if k != "eta_s"})
+        out.append(f"  {describe(status, sizes=True, eta=part['eta_s'])}")
     out.append(f"to finish: {info['to_finish']}")
     return out
 

@@ -49,14 +49,13 @@ class LoraExperts(torch.nn.Module):
 
     def _groups(self, timestep: torch.Tensor) -> list[tuple[str, torch.Tensor | None]]:
         """(expert, the batch rows it runs, None for all of them) for each expert with rows."""
-        first = COMPONENTS[0]
         if self.boundary_timestep is None:
             return [(next(iter(self.experts)), None)]
         t = timestep if timestep.ndim == 1 else timestep[:, 0]  # (per-token timesteps: the first token's)
         high = t >= self.boundary_timestep
         if bool(high.all()) or not bool(high.any()):
-            return [(first if bool(high.all()) else COMPONENTS[1], None)]
-        return [(first, high.nonzero().flatten()), (COMPONENTS[1], (~high).nonzero().flatten())]
+            return [(COMPONENTS[0] if bool(high.all()) else COMPONENTS[1], None)]
+        return [(COMPONENTS[0], high.nonzero().flatten()), (COMPONENTS[1], (~high).nonzero().flatten())]
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
         groups = self._groups(timestep)

@@ -1,8 +1,6 @@
-"""The one teacher-free sampler of a trained student, the schedule it samples with, and the timestep input of a Wan
-transformer that every stage (teacher, student, inference) must build identically.
-
-`sample`, `eval`, `export` and stage two's validation all sample a student with it; its stable API, the usage and
-the few-step schedule: docs/architecture.md, "Sampling a student"."""
+"""The one teacher-free sampler of a trained student (`sample`, `eval`, `export` and stage two's validation all use
+it), the schedule it samples with, and the timestep input of a Wan transformer that every stage must build alike:
+docs/architecture.md, "Sampling a student"."""
 
 from __future__ import annotations
 
@@ -104,8 +102,7 @@ def student_steps(source) -> int:
 
 def model_timestep(t: torch.Tensor, latent_fhw: tuple[int, int, int], expand: bool,
                    patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
-    """The transformer's timestep input for per-sample timesteps `t` [B]: `t` itself, or with `expand` (Wan 2.2
-    TI2V) one per token, [B, F * ceil(H/ph) * ceil(W/pw)], as WanPipeline's mask sampled at the patch stride."""
+    """Timestep input for per-sample timesteps `t` [B]: `t`, or with `expand` (TI2V) one per token, as WanPipeline."""
     if not expand:
         return t
     f, h, w = (int(v) for v in latent_fhw)

@@ -1,7 +1,6 @@
-"""Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits").
-
-Outside a `deferred()` block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at
-its next boundary. Under torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step."""
+"""Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits"): outside a `deferred()`
+block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at its next boundary. Under
+torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def _handler(signum, frame) -> None:
 
 @contextlib.contextmanager
 def handle_sigterm():
-    """Turn SIGTERM into `Terminated` while this block runs; a no-op off the main thread (Python delivers signals
-    there only) and when a handler is installed already."""
+    """SIGTERM raises `Terminated` while this block runs (a no-op off the main thread, or with a handler installed)."""
     global _installed, _requested, _deferring
     if _installed or threading.current_thread() is not threading.main_thread():
         yield

@@ -20,26 +20,22 @@ PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny-teacher-pr
 
 # Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
 _WORDS = """
-a an the of in on at with and or to from by under over above below behind near beside between
-inside outside through across along around into onto during while its their his her
-red orange yellow green blue purple pink brown black white grey gray gold silver teal cyan
-magenta violet crimson amber beige turquoise navy pastel neon dark light bright pale golden
-small large big tiny huge tall short long round square triangle circle star heart hexagon
-top bottom left right center middle corner upper lower background foreground scene view
-cat dog bird fish horse fox owl bear wolf deer rabbit lion tiger elephant whale dolphin
-frog turtle butterfly bee dragon robot astronaut knight wizard child woman man girl boy
-people crowd chef painter dancer musician sailor farmer city street road bridge river lake
-sea ocean beach island mountain mountains hill valley forest tree trees flower flowers garden
-field desert snow rain fog storm cloud clouds sky sun moon stars night morning evening dawn
-dusk sunset sunrise winter spring summer autumn fall house castle tower temple church market
-cafe kitchen room library window door table chair lamp book cup bowl plate bread cake fruit
-apple orange lemon coffee tea soup pizza car train boat ship bicycle plane airplane balloon
-rocket spaceship planet galaxy nebula lighthouse village harbor harbour station tunnel
-painting photo photograph watercolor watercolour oil sketch pencil drawing illustration render
-pixel art style detailed cinematic lighting portrait landscape macro closeup wide angle shot
-abstract pattern texture geometric minimalist vintage futuristic ancient modern old new
-glowing shining floating flying running sitting standing walking sleeping reading playing
-covered made full empty wet dry warm cold soft hard glass wooden stone metal paper
+a an the of in on at with and or to from by under over above below behind near beside between inside outside through
+across along around into onto during while its their his her red orange yellow green blue purple pink brown black white
+grey gray gold silver teal cyan magenta violet crimson amber beige turquoise navy pastel neon dark light bright pale
+golden small large big tiny huge tall short long round square triangle circle star heart hexagon top bottom left right
+center middle corner upper lower background foreground scene view cat dog bird fish horse fox owl bear wolf deer rabbit
+lion tiger elephant whale dolphin frog turtle butterfly bee dragon robot astronaut knight wizard child woman man girl
+boy people crowd chef painter dancer musician sailor farmer city street road bridge river lake sea ocean beach island
+mountain mountains hill valley forest tree trees flower flowers garden field desert snow rain fog storm cloud clouds sky
+sun moon stars night morning evening dawn dusk sunset sunrise winter spring summer autumn fall house castle tower temple
+church market cafe kitchen room library window door table chair lamp book cup bowl plate bread cake fruit apple orange
+lemon coffee tea soup pizza car train boat ship bicycle plane airplane balloon rocket spaceship planet galaxy nebula
+lighthouse village harbor harbour station tunnel painting photo photograph watercolor watercolour oil sketch pencil
+drawing illustration render pixel art style detailed cinematic lighting portrait landscape macro closeup wide angle shot
+abstract pattern texture geometric minimalist vintage futuristic ancient modern old new glowing shining floating flying
+running sitting standing walking sleeping reading playing covered made full empty wet dry warm cold soft hard glass
+wooden stone metal paper
 """.split()
 
 

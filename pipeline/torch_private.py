@@ -40,8 +40,7 @@ def internal(name: str):
 
 
 def write_error_file(text: str) -> None:
-    """Put `text` into torch elastic's per-worker error file, which torchrun's ChildFailedError summary prints
-    (torch's own `record_exception` writes the traceback alone), in its record format and careful write."""
+    """`text` into torch elastic's per-worker error file, which torchrun's summary prints (torch writes a traceback)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     handler = ErrorHandler()
@@ -60,8 +59,7 @@ def shared_bytes(nbytes: int):
 
 
 def planner_loading_with(load):
-    """DCP's DefaultLoadPlanner with `load(planner, read_item, value)` reading each non-tensor value instead of DCP's
-    `torch.load(weights_only=False)`; the rest of its `load_bytes` is torch's, copied."""
+    """DCP's DefaultLoadPlanner reading each non-tensor value with `load(planner, read_item, value)`, not torch.load."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

@@ -262,10 +262,11 @@ def test_fsdp_lora_artifact_samples_and_exports(fsdp_run, tiny_teacher, tiny_cac
     from click.testing import CliRunner
 
     from pipeline.cli import main
-    from stages.sample.models import find_student, load_transformer
+    from stages.sample.models import find_student
 
     run, debug = fsdp_run
-    model = load_transformer(find_student(str(run), "raw"), torch.float32, torch.device("cpu"))
+    student = find_student(str(run), "raw")
+    model = student.kind.load(student, torch.float32, torch.device("cpu"))
     spec = spec_of(tiny_teacher, tiny_cache)
     mine = with_adapters(spec, run / "student", seed=3).eval()
     b = _batch(sorted(read_all_samples(tiny_cache).values(), key=lambda s: s[1][F.M_STEP])[:3], tiny_cache)
@@ -333,7 +334,7 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
 
     from pipeline.cli import main
     from pipeline.sampling import sample_latents, student_scheduler
-    from stages.sample.models import find_student, load_transformer
+    from stages.sample.models import find_student
 
     for args, out in (((), tmp_path / "lora"), (("--fuse",), tmp_path / "fused")):
         r = CliRunner().invoke(main, ["export", "--student", str(lora_run), "--out", str(out), *args],
@@ -361,7 +362,7 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
                            load_into_transformer_2=True)
     got = pipe(latents=init.clone(), **kw).frames
     student = find_student(str(lora_run))
-    want = sample_latents(load_transformer(student, torch.float32, torch.device("cpu")),
+    want = sample_latents(student.kind.load(student, torch.float32, torch.device("cpu")),
                           student_scheduler(student.distill), init, embeds, 2)
     assert torch.equal(got, want) and not torch.equal(got, base)  # the adapters are loaded, and they matter
     fused = WanPipeline.from_pretrained(tmp_path / "fused")

@@ -28,14 +28,12 @@ MARK = "_wandistiller"
 
 
 def _sampling_hints(student: Student, tpath: Path) -> dict:
-    """What a user of the exported pipeline should pass: the student's own steps (a few-step student's K), guidance
-    1 for a student of guided targets, the training resolution (from the latent shape and the teacher's VAE when
-    distill.json has no size) and text length."""
+    """What a user of the export should pass: the student's steps, its guidance, the training size (from the latent
+    shape and the teacher's VAE when distill.json has none) and text length."""
     vae_cfg = tpath / "vae" / "config.json"
     vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
     teacher_guidance = student.setting("guidance")
-    guidance = 1.0 if student.guided else teacher_guidance
-    hints = {"guidance_scale": guidance, "guided_targets": student.guided,
+    hints = {"guidance_scale": 1.0 if student.guided else teacher_guidance, "guided_targets": student.guided,
              "teacher_guidance_scale": teacher_guidance}
     for hint, key in (("num_inference_steps", "sampling_steps"), ("teacher_steps", "steps"),
                       *((k, k) for k in ("max_sequence_length", "negative_prompt", "height", "width", "latent_shape",
@@ -49,8 +47,7 @@ def _sampling_hints(student: Student, tpath: Path) -> dict:
 
 
 def _readme(name: str, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
-    """The model card's body: how to call the pipeline `name` (its Hub id, or the folder's name: never a local path)
-    with its steps, guidance, resolution and text length, copy-paste ready."""
+    """The model card's body: how to call the pipeline `name` (its Hub id or folder name, never a path)."""
     g = hints["guidance_scale"]
     g_text = (f"guidance_scale={g}" if g is not None else
               "guidance_scale=<the teacher's scale> (distill.json did not record it)")
@@ -127,10 +124,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
         return
     ours = False
     for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
-        try:
+        with contextlib.suppress(OSError, ValueError, TypeError):
             ours = ours or MARK in json.loads((out / name).read_text())
-        except (OSError, ValueError, TypeError):
-            pass
     if not overwrite:
         raise UserError(f"--out {out} is not empty; choose a new folder"
                         + (" or add --overwrite to replace this earlier export" if ours else ""))

@@ -64,8 +64,7 @@ LORA_RUN = LoraRun()
 
 
 def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> str:
-    """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call. `name`: what the
-    export is loaded as (its Hub id, or the folder's name), `base`: the teacher's public name; never a local path."""
+    """The model card: base, steps, guidance 1, text length, a call; `name` (the export's) and `base` are public."""
     steps, msl = hints.get("num_inference_steps"), hints.get("max_sequence_length")
     lora = replace(student.lora, teacher=base)
     call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")

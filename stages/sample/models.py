@@ -159,8 +159,7 @@ class CompactRun:
         return model.to(device).eval().requires_grad_(False)
 
     def init_exact(self, student: Student, seed: int | None) -> bool:
-        """Whether `untrained` reproduces the starting weights: saved ones, or the recorded seed and no teacher
-        blocks copied in."""
+        """Whether `untrained` reproduces the starting weights: saved, or the recorded seed and no teacher blocks."""
         return seed is None and (_has_init_dir(student) or student.setting("init_seed") is not None
                                  and not student.setting("init_from_teacher"))
 
@@ -212,11 +211,6 @@ def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dty
     return dev, DTYPES[name]
 
 
-def load_transformer(student: Student, dtype: torch.dtype, device: torch.device):
-    """The trained student, ready to sample (a LoRA run's: the teacher with its adapters)."""
-    return student.kind.load(student, dtype, device)
-
-
 def _has_init_dir(student: Student) -> bool:
     return _transformer_config(RunLayout(student.root).student_init) is not None
 
@@ -244,8 +238,7 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
 
 
 def named_teacher(cfg, recorded: str | None, recorded_revision: str | None, record: str) -> Path:
-    """The folder of the teacher a command runs: --teacher (with --revision), else the one the run recorded in
-    `record` (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
+    """--teacher (with --revision), else the teacher `record` names, at its recorded revision unless --revision says."""
     if cfg.teacher:
         return teacher_dir(cfg.teacher, cfg.revision)
     return teacher_dir(recorded, cfg.revision or recorded_revision, record)
@@ -260,8 +253,7 @@ def student_teacher(cfg, student: Student) -> tuple[str, Path]:
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:
-    """Local folder of a Wan teacher pipeline (a Hub id is found in the local Hub cache or fetched: pipeline.hub;
-    one that `recorded_in` named, not the user, is never fetched)."""
+    """Local folder of a Wan teacher pipeline (pipeline.hub: one that `recorded_in` named is never fetched)."""
     p = teacher_folder(name, revision, recorded_in=recorded_in)
     mi = p / "model_index.json"
     if not mi.is_file():
