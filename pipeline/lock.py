@@ -202,9 +202,8 @@ def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
 
 
 def live_writer(path: str | os.PathLike) -> dict | None:
-    """The record `acquire` wrote of the live process holding the stage-one lock `path` ({} if not written yet), or
-    None when none does. Probed with a shared flock taken and dropped at once (it sees holders on other NFS clients
-    too), never by a pid, which says nothing across hosts."""
+    """The record `acquire` wrote of the live holder of the stage-one lock `path` ({} if not written yet), else None;
+    probed with a shared flock taken and dropped at once (it sees holders on other NFS clients too), never by a pid."""
     try:
         fd = open_regular(path, os.O_RDONLY, single_link=False)  # the probe writes nothing: a second name is harmless
     except (FileNotFoundError, UnsafeFile):

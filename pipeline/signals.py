@@ -68,9 +68,8 @@ def held():
 
 def worker_ignores_sigterm(worker_id: int = 0) -> None:
     """A DataLoader `worker_init_fn`: ignore SIGTERM from anyone but the parent (the trainer). SLURM signals every
-    process of a job step, and a worker that died of it would fail the trainer's next batch before the step where
-    it checkpoints and stops; the trainer sends SIGTERM only to end its workers, which must then go. Forked inside
-    `held()`, a SIGTERM sent before this runs waits for the thread below instead of killing it."""
+    process of a job step, and a dead worker would fail the trainer's next batch before it checkpoints and stops; the
+    trainer sends SIGTERM only to end its workers. Forked in `held()`, an early SIGTERM waits for the thread below."""
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
 
