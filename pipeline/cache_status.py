@@ -35,8 +35,7 @@ class PartStatus:
 def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartStatus]]:
     """(the part count, None without records; the status of each part, and of any other with a record or writer)."""
     records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
-    counts = {r.num_parts for r in records.values()}
-    num_parts = max(counts) if counts else None
+    num_parts = max((r.num_parts for r in records.values()), default=None)
     live = lock.live_writers(cache_dir)
     numbers = sorted(set(range(num_parts or 0)) | set(records) | set(live))
     return num_parts, [_status(p, records.get(p), live.get(p)) for p in numbers]
@@ -120,8 +119,7 @@ def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
 
 
 def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
-    """Seconds a running part needs for its samples left, at the rate of the shards its process wrote (between its
-    first and its last: loading the teacher does not count); None for a part not running, or before a shard."""
+    """Seconds left for a running part at its shards' rate (first to last: loading the teacher is left out), or None."""
     started = (status.holder or {}).get("started")
     prog = PartProgress.load(cache_dir, status.part) if status.state == RUNNING else None
     if prog is None or not isinstance(started, (int, float)):

@@ -108,8 +108,7 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 
 
 def copy_contents(src: Path, dst: Path) -> None:
-    """Copy the folder `src` to `dst`: the bytes of every file (a symlink's target's, as a Hub cache snapshot's links
-    to its blobs), not their modes, which copytree would copy (docs/architecture.md, "The export")."""
+    """Copy the folder `src` to `dst`: every file's bytes (a symlink's target's), not their modes as copytree would."""
     for root, _dirs, files in os.walk(src, followlinks=True):
         here = dst / Path(root).relative_to(src)
         here.mkdir(parents=True, exist_ok=True)
