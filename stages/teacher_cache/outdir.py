@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from cache import format as F
@@ -46,9 +47,7 @@ def refuse_foreign(out: Path) -> None:
     if foreign:
         raise UserError(f"output {out} is not empty and is not a WanDistiller cache (found {foreign[0]!r}); "
                         "choose a new or empty directory")
-    unsafe = _first_unsafe_entry(out)
-    if unsafe is not None:
-        path, mode = unsafe
+    for path, mode in _unsafe_entries(out):  # the first one
         if stat.S_ISLNK(mode):
             raise UserError(f"{path} is a symbolic link inside the cache {out}; remove the link (stage one never "
                             "writes or deletes through one: nothing was) and rerun")
@@ -60,9 +59,9 @@ def refuse_foreign(out: Path) -> None:
                         f"{F.MANIFEST} or {F.PARTS_DIR}/part-N/{F.PROGRESS} of one); choose a new or empty directory")
 
 
-def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
-    """(path, st_mode) of the first entry below `out` that is neither a folder nor a regular file, or None. Links are
-    never followed; entries that vanish meanwhile (a concurrent part's temporary files) are skipped."""
+def _unsafe_entries(out: Path) -> Iterator[tuple[Path, int]]:
+    """(path, st_mode) of each entry below `out` that is neither a folder nor a regular file. Links are never
+    followed; entries that vanish meanwhile (a concurrent part's temporary files) are skipped."""
     todo = [out]
     while todo:
         folder = todo.pop()
@@ -76,10 +75,9 @@ def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
                     if e.is_dir(follow_symlinks=False):  # d_type: no system call per entry
                         todo.append(Path(e.path))
                     elif not e.is_file(follow_symlinks=False):
-                        return Path(e.path), e.stat(follow_symlinks=False).st_mode
+                        yield Path(e.path), e.stat(follow_symlinks=False).st_mode
                 except FileNotFoundError:
                     continue
-    return None
 
 
 def _ours(path: Path, keys: set[str]) -> bool:
