@@ -64,12 +64,11 @@ def _unb64(s: str) -> torch.Tensor:
 def rng_state() -> dict:
     """This process's RNG states (torch CPU and CUDA, numpy, python) as JSON-able values."""
     np_state = np.random.get_state()
-    py_state = random.getstate()
     return {
         "torch": _b64(torch.get_rng_state()),
         "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "python": random.getstate(),  # (tuples: JSON writes them as the lists set_rng_state reads)
     }
 
 
@@ -306,20 +305,6 @@ def sharded_keys(path: Path, index=None) -> set[str]:
     return {k.split(".", 1)[0] for k in index.state_dict_metadata}
 
 
-def _safe_planner():
-    """DCP's DefaultLoadPlanner with its non-tensor values (the optimizer's param_groups: numbers, tuples) read with
-    `weights_only=True`; DCP's own reads them with `torch.load(weights_only=False)`."""
-
-    def load(planner, read_item, value: io.BytesIO):
-        try:
-            return torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            where = planner.metadata.storage_data[read_item.storage_index].relative_path
-            raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
-
-    return planner_loading_with(load)
-
-
 def load_sharded(path: Path, state_dict: dict, index) -> None:
     """Fill `state_dict` (this rank's tensors, laid out as trained) in place from sharded checkpoint `path`, with
     `read_index`'s index and no pickled code run: a shard file that holds any is refused (`untrusted`) on every rank."""
@@ -333,8 +318,17 @@ def load_sharded(path: Path, state_dict: dict, index) -> None:
             index.storage_meta.load_id = self.load_id
             return index
 
+    # The non-tensor values (the optimizer's param_groups: numbers, tuples) read with weights_only=True; DCP's own
+    # planner reads them with torch.load(weights_only=False).
+    def load(planner, read_item, value: io.BytesIO):
+        try:
+            return torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            where = planner.metadata.storage_data[read_item.storage_index].relative_path
+            raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
+
     try:
-        dcp.load(state_dict, storage_reader=_CheckedReader(path / SHARDED), planner=_safe_planner())
+        dcp.load(state_dict, storage_reader=_CheckedReader(path / SHARDED), planner=planner_loading_with(load))
     except CheckpointException as e:  # DCP gathers every rank's failure into this one
         for failure, _ in e.failures.values():
             if isinstance(failure, Untrusted):

@@ -45,10 +45,8 @@ class KeptSettings:
 
     @classmethod
     def of(cls, cfg: TrainStudentConfig, mixed_precision: str) -> KeptSettings:
-        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}
-        steps = values["train_steps"]
-        return cls(**values | {"mixed_precision": mixed_precision, "train_steps": None if steps is None else
-                               list(steps)})
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)} | {"mixed_precision": mixed_precision}
+        return cls(**values | {"train_steps": None if cfg.train_steps is None else list(cfg.train_steps)})
 
 
 @dataclass(frozen=True)
@@ -172,9 +170,7 @@ def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> 
 
 def length_flag(cfg: TrainStudentConfig, total: int) -> str:
     """The flag that sets the run's length `total`: --max-steps N, or --epochs E when they end it first."""
-    if cfg.max_steps is not None and total == cfg.max_steps:
-        return f"--max-steps {cfg.max_steps}"
-    return f"--epochs {cfg.epochs or 1}"
+    return f"--max-steps {total}" if total == cfg.max_steps else f"--epochs {cfg.epochs or 1}"
 
 
 _STATE_KEYS = ("strategy", "total", "world_size", "rng", "scaler", "extra")  # what a resume reads beside the position

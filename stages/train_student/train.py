@@ -225,10 +225,8 @@ def _start(p: TrainPlan) -> tuple[Parts, TrainState, Path | None] | dict:
         if note := length_note(saved, p):
             print0(note)
     parts = _build(p, fresh=ckpt is None)
-    state, ema_state = TrainState(), None
-    if ckpt is not None:
-        state, ema_state = _resume(ckpt, p, parts)
-    elif cfg.resume:
+    state, ema_state = _resume(ckpt, p, parts) if ckpt is not None else (TrainState(), None)
+    if ckpt is None and cfg.resume:
         print0(f"--resume: no complete checkpoint in {p.layout.checkpoints}; starting from step 0")
     if p.env.is_main:  # only now: a refused --resume leaves the run as it was
         save_resolved(cfg, p.layout.resolved_config)
