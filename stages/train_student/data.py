@@ -98,17 +98,10 @@ def _final_latents(rows: PartRows, row: int) -> tuple[PartRows, int, torch.Tenso
     return rows, row, torch.from_numpy(np.ascontiguousarray(rows.latents(F.Z_FINAL_LATENTS, row), dtype=np.float32))
 
 
-def segment_velocity(x_k: torch.Tensor, x_end: torch.Tensor, sigma_k: float, sigma_end: float) -> torch.Tensor:
-    """(x_end - x_k) / (sigma_end - sigma_k) in float32: the constant velocity that carries x_k at sigma_k to x_end at
-    sigma_end along a straight line, i.e. what one Euler step of that size must predict."""
-    return (x_end.float() - x_k.float()) / (sigma_end - sigma_k)
-
-
 class SegmentDataset(SampleDataset):
     """A SampleDataset whose items are pairs of states of one trajectory: the sample's x_t at step k and the state at
     `end_step[k]` (a later cached step, or the final latent), with their average velocity under SEGMENT_VELOCITY.
     Every row's partner is looked up once, here: a pair costs one more `pread` (usually in the same shard)."""
-
 
     def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...], end_step):
         super().__init__(index, embedding_cache_size, fields)
@@ -142,8 +135,10 @@ class SegmentDataset(SampleDataset):
             x_end = self._reader.read_tensors(end_row)[F.T_X_T]
         else:
             x_end = self._final_latent(int(r[C_CACHE]), int(r[C_PROMPT]), int(r[C_SEED]))
-        out["fields"][SEGMENT_VELOCITY] = segment_velocity(out["fields"][F.T_X_T], x_end, out["sigma"],
-                                                           self.sigmas[end])
+        # in float32, the constant velocity that carries x_t at its sigma to x_end at sigma_end along a straight line,
+        # i.e. what one Euler step of that size must predict
+        x_k = out["fields"][F.T_X_T]
+        out["fields"][SEGMENT_VELOCITY] = (x_end.float() - x_k.float()) / (self.sigmas[end] - out["sigma"])
         return out
 
 

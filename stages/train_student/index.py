@@ -57,8 +57,7 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
         sid = int(bad[0])
         _, cache_dir, rec, _ = shards[sid]
         more = f" ({len(bad) - 1} more shard(s) also fail)" if len(bad) > 1 else ""
-        msg = details.get(sid, shard_problem(cache_dir, rec, int(codes[sid])))
-        err = CacheError(msg + more)
+        err = CacheError(details.get(sid, shard_problem(cache_dir, rec, int(codes[sid]))) + more)
         err.all_ranks = True  # every rank raises it: rank 0 alone prints it
         raise err
     table = all_reduce_numpy(table, device)  # each row was filled by exactly one rank, zeros elsewhere
@@ -177,7 +176,6 @@ def prepare(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: 
             train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
     """Check and index the caches (opened by `cache.reader.open_caches`), then split them into training and
     held-out rows."""
-
     index = build_index(caches, env, device, check)
     if index.duplicates:
         log.info(f"{index.duplicates} sample(s) appear in more than one cache; each is trained on once")

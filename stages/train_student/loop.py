@@ -47,12 +47,10 @@ DEBUG_DIR_ENV = "WANDISTILLER_DEBUG_DIR"
 
 def maybe_fail(rank: int, step: int) -> None:
     spec = os.environ.get(FAIL_AT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if int(parts[0]) == rank and int(parts[1]) == step:
+    parts = spec.split(":") if spec else []
+    if parts and int(parts[0]) == rank and int(parts[1]) == step:
         where = f"(injected by {FAIL_AT_ENV}={spec} at step {step} on rank {rank})"
-        if len(parts) > 2 and parts[2] == "oom":
+        if parts[2:3] == ["oom"]:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB {where}")
         raise RuntimeError(f"injected failure {where}")
 
@@ -148,9 +146,7 @@ class Trainer:
         self.dataset = plan.objective.dataset(plan.data.index, self.cfg.embedding_cache_size)
         mixed = plan.mixed
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=mixed)) if mixed else contextlib.nullcontext
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.heads is not None:
-            self.params += [p for p in self.heads.parameters() if p.requires_grad]
+        self.params = [p for m in (self.model, self.heads) if m is not None for p in m.parameters() if p.requires_grad]
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
         self.metrics = open(RunLayout(out).metrics, "a") if self.env.is_main else None
@@ -176,11 +172,11 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss over the held-out prompts' samples (all ranks), or None without a held-out set."""
+    def log_eval(self) -> None:
+        """Log the mean loss over the held-out prompts' samples (all ranks); nothing without a held-out set."""
         rows = self.data.heldout_rows
         if len(rows) == 0:
-            return None
+            return
         self._train_mode(False)
         total = torch.zeros(2, dtype=torch.float64)
         batches = eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size)
@@ -195,19 +191,14 @@ class Trainer:
                 total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
         self._train_mode(True)
         total = all_reduce(total, self.device)
-        return float(total[0] / total[1])
+        self.last_eval = float(total[0] / total[1])
+        self.log({"type": "eval", "step": self.state.step, "heldout_loss": self.last_eval,
+                  "heldout_samples": int(len(rows))})
 
     def _train_mode(self, on: bool) -> None:
         for module in (self.model, self.heads):
             if module is not None:
                 module.train(on)
-
-    def log_eval(self) -> None:
-        loss = self.evaluate()
-        if loss is not None:
-            self.log({"type": "eval", "step": self.state.step, "heldout_loss": loss,
-                      "heldout_samples": int(len(self.data.heldout_rows))})
-            self.last_eval = loss
 
     def validate(self) -> None:
         """Rank 0 samples the held-out prompts (validation.py; the EMA weights with EMA, as `eval` would) while the
@@ -237,8 +228,8 @@ class Trainer:
             self.tracker.flush()  # before the checkpoint: what it covers is on disk, so a resume leaves no gap
         state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
                                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                                      "strategy": self.strategy.name, "total": self.total}  # (the run's length)
-        state["extra"] = self.identity.to_json()
+                                      "strategy": self.strategy.name, "total": self.total,  # (the run's length)
+                                      "extra": self.identity.to_json()}
         # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
         ema = dict(zip((k for k, _ in trained_parameters(self.model)), self.ema.shadow_params)) if self.ema else None
         self.strategy.save_checkpoint(self.out, self.state.step, ema, self.optimizer, state, self.cfg.keep_checkpoints)
@@ -459,11 +450,9 @@ def plot_losses(out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, held = [], []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if r["type"] in ("train", "eval"):  # validation records ("val") are the tracker's
-            (train if r["type"] == "train" else held).append((r["step"], r.get("loss", r.get("heldout_loss"))))
+    records = [json.loads(line) for line in path.read_text().splitlines()]  # validation records ("val") are skipped
+    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
+    held = [(r["step"], r["heldout_loss"]) for r in records if r["type"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*np.asarray(train).T, label="train loss", lw=1)

@@ -121,7 +121,6 @@ class Objective:
         first, *rest = terms.values()
         return sum(rest, first), terms
 
-
     def student_steps(self, manifest: dict) -> int | None:
         """Sampling steps the trained student is meant to use; None: the teacher's."""
         return None
@@ -143,8 +142,7 @@ class Objective:
 
 
 def _check_fields(cls: type[Objective]) -> type[Objective]:
-    unknown = [f for f in cls.fields if f not in SAMPLE_FIELDS]
-    if unknown:
+    if unknown := [f for f in cls.fields if f not in SAMPLE_FIELDS]:
         raise ValueError(f"objective {cls.name!r} reads undeclared cache field(s) {unknown}: declare them in "
                          "cache/schema.py first")
     return cls
@@ -171,9 +169,7 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
                         + " or choose another --objective")
     objective.check(manifest, cache)
     for o in objective.outputs:
-        if o == PREDICTION:
-            continue
-        if not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers:
+        if o != PREDICTION and (not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers):
             raise UserError(f"--objective {objective.name} needs the model output {o!r}, which a {num_layers}-block "
                             "student does not have; choose blocks below its num_layers")
 

@@ -64,12 +64,10 @@ class VelocityFeature(Objective):
 
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
         cached = batch.fields[F.T_FEATURES]  # [B, recorded blocks, tokens or 1, D]
-        feature = None
+        feature = 0
         for s, t in self.pairs:
             mine = heads[f"{s}:{t}"](out.blocks[s].float())  # [B, tokens, D]
-            if self.pool == "mean":
-                mine = mine.mean(1, keepdim=True)
-            err = mse(mine, cached[:, self.rows[t]])
-            feature = err if feature is None else feature + err
+            feature = feature + mse(mine.mean(1, keepdim=True) if self.pool == "mean" else mine,
+                                    cached[:, self.rows[t]])
         return {"velocity": mse(out.prediction, batch.fields[F.T_TARGET]),
                 "feature": self.weight * feature / len(self.pairs)}

@@ -36,7 +36,6 @@ class Segment(Objective):
     average velocity to its segment's end, so one Euler step from a boundary lands on the next and the student
     samples in K steps without CFG (docs/architecture.md "Objectives", docs/results.md)."""
 
-
     Config = SegmentSettings
     fields = (F.T_X_T,)
 
@@ -130,4 +129,3 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
                     f"{cache}, which records only steps {','.join(map(str, recorded))} ({made}), not "
                     f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "
                     f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
-

@@ -181,18 +181,15 @@ def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path]
     """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder, a single
     .safetensors file, or a Hub id: its first transformer alone is fetched, or found in the local Hub cache)."""
     p = teacher_folder(path, revision, files=FIRST_TRANSFORMER, flag="--init-from-teacher")
-    if p.is_file() and p.suffix == ".safetensors":
-        cfg_path = p.parent / "config.json"
-        return [p], json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     if (p / "model_index.json").is_file():
         p = p / "transformer"
-    if not p.is_dir():
+    single = p.is_file() and p.suffix == ".safetensors"
+    if not single and not p.is_dir():
         raise UserError(f"--init-from-teacher {path} is neither a Wan pipeline folder, a transformer folder nor a "
                         ".safetensors file")
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
+    if not (files := [p] if single else sorted(p.glob("*.safetensors"))):
         raise UserError(f"--init-from-teacher {path}: no .safetensors weights in {p}")
-    cfg_path = p / "config.json"
+    cfg_path = (p.parent if single else p) / "config.json"
     return files, json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
 
@@ -216,16 +213,11 @@ def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...]
                         f"(num_layers); give one teacher block per student block")
     if n_teacher is not None and max(blocks) >= n_teacher:
         raise UserError(f"--teacher-blocks {','.join(map(str, blocks))}: the teacher has blocks 0..{n_teacher - 1}")
-    # student name -> teacher name
-    wanted = {}
-    for name in model.state_dict():
-        if name.startswith(_BLOCK_PREFIX):
-            i, rest = name[len(_BLOCK_PREFIX):].split(".", 1)
-            wanted[name] = f"{_BLOCK_PREFIX}{blocks[int(i)]}.{rest}"
-        else:
-            wanted[name] = name
-    by_teacher = {t: s for s, t in wanted.items()}
     state = model.state_dict()
+    by_teacher = {}  # teacher name -> student name
+    for name in state:
+        i, _, rest = name.removeprefix(_BLOCK_PREFIX).partition(".")
+        by_teacher[f"{_BLOCK_PREFIX}{blocks[int(i)]}.{rest}" if name.startswith(_BLOCK_PREFIX) else name] = name
     copied, shape_mismatch = [], []
     with torch.no_grad():
         for file in files:

@@ -13,7 +13,7 @@ import numpy as np
 
 from cache.atomic import atomic_write_json
 from pipeline.artifact import RunLayout
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.registries import TRACKERS
 
 WANDB_EXTRA = 'pip install wandb (or the wandb extra, from the WanDistiller checkout: pip install -e ".[wandb]")'
@@ -145,8 +145,7 @@ class WandbTracker(Tracker):
                 project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
                 dir=None if os.environ.get("WANDB_DIR") else str(layout.root))
         except Exception as e:  # no login, no network, a bad entity: the user's to fix, in one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--report-to wandb: W&B could not start a run ({first}); run `wandb login`, set "
+            raise UserError(f"--report-to wandb: W&B could not start a run ({first_line(e)}); run `wandb login`, set "
                             "WANDB_MODE=offline to log without a network, or pass --report-to tensorboard") from e
         atomic_write_json(layout.wandb_run, {"id": self.run.id, "project": self.run.project,
                                              "dir": str(Path(self.run.dir).parent)})

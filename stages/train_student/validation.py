@@ -14,7 +14,7 @@ from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
 from pipeline.artifact import DistillRecord
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
 
@@ -107,9 +107,8 @@ class Validator:
                 self._vae = self._load_vae()
             except Exception as e:  # noqa: BLE001 -- no images, but the latent error is still logged
                 self.decode = False
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                tqdm.write(f"warning: --val-decode: cannot load the teacher's VAE ({first}); validation goes on "
-                           "without images")
+                tqdm.write(f"warning: --val-decode: cannot load the teacher's VAE ({first_line(e)}); validation "
+                           "goes on without images")
                 return None
         if self._teacher_frames is None:
             self._teacher_frames = self._frames(torch.cat([f for _, f, _ in self._load_inputs()]))
