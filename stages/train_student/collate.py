@@ -9,12 +9,6 @@ from torch.utils.data import get_worker_info
 from pipeline.torch_private import shared_bytes
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's memory as a flat numpy uint8 array (any dtype), for copies. collate copies with numpy,
-    never torch: torch's intra-op threads wait on each other on a busy machine (docs/architecture.md "Batches")."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
 def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
@@ -22,7 +16,9 @@ def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     buf = shared_bytes(int(starts[-1]))  # (shared: the batch reaches training uncopied)
     out, flat = [], buf.numpy()
     for t, n, at in zip(tensors, sizes, starts.tolist()):
-        np.copyto(flat[at:at + n], _bytes(t))
+        # (with numpy, never torch: torch's intra-op threads wait on each other on a busy machine, docs/architecture.md
+        # "Batches"; as flat uint8 memory, whatever the dtype)
+        np.copyto(flat[at:at + n], t.contiguous().reshape(-1).view(torch.uint8).numpy())
         out.append(buf[at:at + n].view(t.dtype).view(t.shape))
     return out
 
@@ -31,7 +27,6 @@ def collate(items: list[dict]) -> dict:
     """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors
     (stacked and padded once, on the device, by `to_device` / `padded_context`; a loader worker's in one buffer of
     shared memory), and the per-sample metadata as tensors."""
-
     names = list(items[0]["fields"])
     tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
     if get_worker_info() is not None:

@@ -118,23 +118,19 @@ class SegmentDataset(SampleDataset):
         self._finals = [RowCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size, _final_latents)
                         for c in self.index.caches]
 
-    def _final_latent(self, cache: int, prompt: int, seed: int) -> torch.Tensor:
-        """One trajectory's final latent [C, F, H, W] (an LRU of prompts); CacheError where it was never written."""
-        rows, row, latents = self._finals[cache][prompt]
-        if not bool(latents[seed].any()):
-            raise rows.error(ROW_LATENT_UNWRITTEN, f"{F.Z_FINAL_LATENTS} of {rows.where(row)} seed {seed} were never "
-                                                   "written")
-        return latents[seed]
-
     def __getitem__(self, item: tuple[int, float]) -> dict:
         out = super().__getitem__(item)
         row = item[0]
         r = self.index.table[row]
-        end, end_row = int(self.end_step[int(r[C_STEP])]), int(self.end_rows[row])
+        end, end_row, seed = int(self.end_step[int(r[C_STEP])]), int(self.end_rows[row]), int(r[C_SEED])
         if end_row >= 0:
             x_end = self._reader.read_tensors(end_row)[F.T_X_T]
-        else:
-            x_end = self._final_latent(int(r[C_CACHE]), int(r[C_PROMPT]), int(r[C_SEED]))
+        else:  # the trajectory's final latent [C, F, H, W] (an LRU of prompts), unless it was never written
+            rows, prow, latents = self._finals[int(r[C_CACHE])][int(r[C_PROMPT])]
+            if not bool(latents[seed].any()):
+                raise rows.error(ROW_LATENT_UNWRITTEN, f"{F.Z_FINAL_LATENTS} of {rows.where(prow)} seed {seed} were "
+                                                       "never written")
+            x_end = latents[seed]
         # in float32, the constant velocity that carries x_t at its sigma to x_end at sigma_end along a straight line,
         # i.e. what one Euler step of that size must predict
         x_k = out["fields"][F.T_X_T]

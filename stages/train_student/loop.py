@@ -210,13 +210,12 @@ class Trainer:
             with self.strategy.ema_weights(self.ema) if swap else contextlib.nullcontext(), self.strategy.inference():
                 record, grid = self.validator.run(self.model, self.state.step)
         except Exception as e:  # noqa: BLE001 -- validation must never stop training
-            record, grid = None, None
             tqdm.write(f"warning: validation at step {self.state.step} failed, training goes on: "
                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            return
         finally:
             self.model.train()
-        if record is not None:
-            self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
+        self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
         if grid is not None:
             self.tracker.log_image("val/teacher_vs_student", self.state.step, grid,
                                    caption="teacher | student, one row per held-out trajectory")
@@ -277,16 +276,15 @@ class Trainer:
         micros = plan.micro_range(epoch_step)
         loss_sum = torch.zeros((), dtype=torch.float64)
         term_sums: dict[str, torch.Tensor] = {}
-        keys = []
         bad, looked = None, False  # the first non-finite input of this rank's micro-batches, once a loss is not
         for j, _ in enumerate(micros):
             t_wait = time.perf_counter()
             batch = next(loader_iter)
             self.data_wait_s += time.perf_counter() - t_wait  # blocked on the loader, not computing
-            keys.append(batch["keys"])
+            if self.debug_dir:
+                self.trained_keys.append(batch["keys"])
             b = to_batch(batch, self.device, self.expand_timesteps, self.patch)
-            last = j == len(micros) - 1
-            with self.strategy.accumulate(last):
+            with self.strategy.accumulate(j == len(micros) - 1):
                 per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()
                 self.scaler.scale(weighted * (self.env.world_size / count)).backward()
@@ -296,8 +294,6 @@ class Trainer:
             if len(terms) > 1:
                 for name, t in terms.items():
                     term_sums[name] = term_sums.get(name, 0) + (t.detach() * b.weight).sum().double().cpu()
-        if self.debug_dir:
-            self.trained_keys.extend(keys)
         self.strategy.reduce_gradients()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
@@ -349,31 +345,25 @@ class Trainer:
         with signals.held():  # its workers start with SIGTERM held, until they ignore it (data.make_loader)
             it = iter(loader)
         while st.epoch_step < self.plan.steps and st.step < self.total:
-            loss, lr, grad_norm, terms = self._take_step(it, pace)
+            maybe_fail(env.rank, st.step + 1)
+            fault_point("train_step")
+            lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)  # this step's, scheduled
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            t0 = time.time()
+            self.data_wait_s = 0.0
+            loss, grad_norm, count, terms = self.step(it, st.epoch_step)
+            pace.add(count, time.time() - t0, self.data_wait_s)
+            st.step += 1
+            st.epoch_step += 1
+            st.samples += count
+            st.wall_s = time.time() - pace.t_start
             self._log_step(bar, pace, loss, lr, grad_norm, terms)
             self._at_step_boundary()
         del it, loader  # stops the workers of this epoch
         if st.epoch_step >= self.plan.steps:
             st.epoch += 1
             st.epoch_step = 0
-
-    def _take_step(self, loader_iter, pace: _Pace) -> tuple[float, float, float, dict[str, float]]:
-        """The next optimizer step at its scheduled learning rate; returns (loss, lr, grad norm, terms)."""
-        st = self.state
-        maybe_fail(self.env.rank, st.step + 1)
-        fault_point("train_step")
-        lr = lr_at(st.step, self.total, self.cfg.lr, self.cfg.warmup_steps, self.cfg.min_lr_ratio)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        t0 = time.time()
-        self.data_wait_s = 0.0
-        loss, grad_norm, count, terms = self.step(loader_iter, st.epoch_step)
-        pace.add(count, time.time() - t0, self.data_wait_s)
-        st.step += 1
-        st.epoch_step += 1
-        st.samples += count
-        st.wall_s = time.time() - pace.t_start
-        return loss, lr, grad_norm, terms
 
     def _log_step(self, bar, pace: _Pace, loss: float, lr: float, grad_norm: float, terms: dict[str, float]) -> None:
         """The metrics line every `log_every` steps (and at the last), and the progress bar after every step."""
@@ -440,11 +430,11 @@ def truncate_metrics(out: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())  # a kill here must not empty it
 
 
-def plot_losses(out: Path) -> Path | None:
+def plot_losses(out: Path) -> None:
     """OUT/loss.png: training loss per logged step and held-out loss, log scale."""
     path = RunLayout(out).metrics
     if not path.exists():
-        return None
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -458,9 +448,7 @@ def plot_losses(out: Path) -> Path | None:
         ax.plot(*np.asarray(train).T, label="train loss", lw=1)
     if held:
         ax.plot(*np.asarray(held).T, "o-", label="held-out loss", ms=3)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("MSE to cached target")
-    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="MSE to cached target", yscale="log")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -469,4 +457,3 @@ def plot_losses(out: Path) -> Path | None:
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png)
-    return png

@@ -65,10 +65,8 @@ def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, bl
     inner = getattr(model, "module", model)  # DDP
     inner = getattr(inner, "student", inner)  # WithHeads
     captured: dict[int, torch.Tensor] = {}
-    handles = []
-    for i in blocks:
-        handles.append(inner.blocks[i].register_forward_hook(
-            lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)))
+    handles = [inner.blocks[i].register_forward_hook(
+        lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in blocks]
     try:
         with autocast():
             pred = model(hidden_states=batch.x_t, timestep=batch.timestep, encoder_hidden_states=batch.context,
@@ -160,8 +158,7 @@ def get_objective(name: str) -> type[Objective]:
 
 def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: int) -> None:
     """Refuse, in one line, a cache or student that cannot give `objective` what it declared it needs."""
-    missing = missing_fields(manifest, objective.fields)
-    if missing:
+    if missing := missing_fields(manifest, objective.fields):
         how = "; ".join(f"{n}: {SAMPLE_FIELDS[n].recorded_by}" for n in missing if SAMPLE_FIELDS[n].recorded_by)
         raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache "
                         f"{cache} does not carry (its samples hold {', '.join(sample_fields(manifest))}); "

@@ -52,8 +52,7 @@ class VelocityFeature(Objective):
 
     def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module:
         recorded = [int(b) for b in manifest.record_features or []]
-        unknown = sorted({t for _, t in self.pairs} - set(recorded))
-        if unknown:
+        if unknown := sorted({t for _, t in self.pairs} - set(recorded)):
             raise UserError(f"--feature-pairs names teacher block(s) {unknown} that the cache did not record (it holds "
                             f"blocks {recorded}); pair with those or rebuild the cache with --record-features")
         self.rows = {b: i for i, b in enumerate(recorded)}

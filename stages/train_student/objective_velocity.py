@@ -116,8 +116,7 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
     from pipeline.sampling import segment_boundaries
 
     recorded = recorded_steps(manifest)
-    missing = [b for b in bounds if b not in recorded]
-    if not missing:
+    if not (missing := [b for b in bounds if b not in recorded]):
         return
     steps = int(manifest.steps)
     usable = [j for j in range(1, min(steps, 16) + 1)

@@ -100,13 +100,11 @@ class DDP(Strategy):
             # Frozen weights (a LoRA student's base, read from the same teacher files on every rank) are neither
             # broadcast nor reduced: only the trained parameters are DDP's.
             module = model if heads is None else WithHeads(model, heads)
-            frozen = [k for k, p in module.named_parameters() if not p.requires_grad]
-            if frozen:
+            if frozen := [k for k, p in module.named_parameters() if not p.requires_grad]:
                 torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                module,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False,
-                gradient_as_bucket_view=True)
+                module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False, gradient_as_bucket_view=True)
         return self.ddp
 
     def accumulate(self, last):
@@ -157,8 +155,7 @@ class FSDP(Strategy):
         if not dist.is_initialized():  # one process: FSDP still wants a process group (of one)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
-        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
-        kw = {"mesh": mesh}
+        kw = {"mesh": init_device_mesh(self.device.type, (self.env.world_size,))}
         self.student = student
         self.policy = self.mixed == torch.bfloat16 and student.bf16_policy
         if self.policy:
@@ -227,11 +224,10 @@ class FSDP(Strategy):
                     norm = norm.full_tensor()  # the sum over every rank's shard
                 square = square + norm.float().square()
         total = square.sqrt()
-        if math.isfinite(max_norm):
-            coef = min(float(max_norm / (total + 1e-6)), 1.0)  # clip_grad_norm_'s coefficient
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        # clip_grad_norm_'s coefficient
+        if math.isfinite(max_norm) and (coef := min(float(max_norm / (total + 1e-6)), 1.0)) < 1.0:
+            for g in grads:
+                g.mul_(coef)
         return total
 
     def _options(self):
