@@ -214,7 +214,7 @@ class SegmentSettings:
 @OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "
                                          "teacher features (--feature-pairs S:T,..., --feature-weight; the cache "
                                          "needs --record-features)",
-                     impl="stages.train_student.objective_feature:VelocityFeature", caps=ObjectiveCaps(lora=False))
+                     impl="stages.train_student.objective_velocity:VelocityFeature", caps=ObjectiveCaps(lora=False))
 @dataclass(frozen=True, kw_only=True)
 class FeatureSettings:
     feature_pairs: str | None = setting(None, check=non_empty,

@@ -1,19 +1,20 @@
-"""Stage two's training items and loader: a cached sample with its prompt's embedding, read by row in the order
-the batch sampler (`epoch.RankBatches`) gives; the workers only fetch (each with its own reader and LRU)."""
+"""Stage two's training items, loader and batches: a cached sample with its prompt's embedding, read by row in the
+order the batch sampler (`epoch.RankBatches`) gives; the workers only fetch (each with its own reader and LRU); a
+micro-batch holds lists of the samples' own tensors, laid out where they are used."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cache import format as F
 from cache.cache_error import CacheError
 from cache.prompt_store import ROW_LATENT_UNWRITTEN, EmbeddingCache, PartRows, RowCache
 from cache.reader import C_CACHE, C_PROMPT, C_SEED, C_STEP, CacheIndex, SampleReader, sample_code
 from pipeline import signals
+from pipeline.torch_private import shared_bytes
 
-from .collate import collate
 from .epoch import RankBatches
 
 # The derived field a SegmentDataset adds to each item: the average velocity from the sample's state to the end of
@@ -50,7 +51,7 @@ class SampleDataset(Dataset):
         tensors, meta = self._reader.read(row)
         r = self.index.table[row]
         cache = self.index.caches[int(r[C_CACHE])]
-        # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): `collate.padded_context` pads
+        # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): `padded_context` pads
         # them to max_sequence_length on the device
         try:
             context, padded = self._embeds[int(r[C_CACHE])][int(r[C_PROMPT])]
@@ -142,3 +143,56 @@ def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, 
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin, prefetch_factor=4 if num_workers else None,
                       worker_init_fn=signals.worker_ignores_sigterm if num_workers else None)
+
+
+def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.cumsum([0] + [-(-n // 64) * 64 for n in sizes])  # (each at a multiple of 64 bytes: any dtype's)
+    buf = shared_bytes(int(starts[-1]))  # (shared: the batch reaches training uncopied)
+    out, flat = [], buf.numpy()
+    for t, n, at in zip(tensors, sizes, starts.tolist()):
+        # (with numpy, never torch: torch's intra-op threads wait on each other on a busy machine, docs/architecture.md
+        # "Batches"; as flat uint8 memory, whatever the dtype)
+        np.copyto(flat[at:at + n], t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        out.append(buf[at:at + n].view(t.dtype).view(t.shape))
+    return out
+
+
+def collate(items: list[dict]) -> dict:
+    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors
+    (stacked and padded once, on the device, by `to_device` / `padded_context`; a loader worker's in one buffer of
+    shared memory), and the per-sample metadata as tensors."""
+    names = list(items[0]["fields"])
+    tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
+    if get_worker_info() is not None:
+        tensors = _in_shared_memory(tensors)
+    b = len(items)
+    return {
+        "fields": {n: tensors[k * b:(k + 1) * b] for k, n in enumerate(names)},
+        "context": tensors[len(names) * b:],
+        "max_len": items[0]["max_len"],
+        "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
+        "sigma": torch.tensor([i["sigma"] for i in items], dtype=torch.float32),
+        "step": torch.tensor([i["step"] for i in items], dtype=torch.int64),
+        "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
+        "keys": [i["key"] for i in items if i["weight"] > 0],
+    }
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's field (a list of the samples' tensors, one shape) stacked on `device` as `dtype`: [B, ...]."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=device)
+    for j, t in enumerate(tensors):
+        out[j].copy_(t, non_blocking=True)
+    return out
+
+
+def padded_context(batch: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's prompt embeddings on `device` as the teacher saw them: [B, max_len, D], each sample's
+    real tokens, then zeros (as WanPipeline pads them)."""
+    ctx = batch["context"]
+    out = torch.zeros((len(ctx), batch["max_len"], ctx[0].shape[-1]), dtype=dtype, device=device)
+    for j, c in enumerate(ctx):
+        out[j, :c.shape[0]].copy_(c, non_blocking=True)
+    return out

@@ -61,8 +61,7 @@ class EpochPlan:
         rng = np.random.Generator(np.random.PCG64(seq))
         if not self.window:
             return rng.permutation(self.n), np.zeros(1, dtype=np.int64)
-        _, group = np.unique(self.groups, return_inverse=True)
-        group = group.reshape(-1)
+        group = np.unique(self.groups, return_inverse=True)[1].reshape(-1)
         place = rng.permutation(int(group.max()) + 1)[group]  # where each position's group comes in the epoch
         win = place // self.window
         pieces = np.lexsort((np.arange(self.n), place))  # window after window, group after group, on-disk order

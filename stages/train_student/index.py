@@ -36,7 +36,6 @@ _SCAN_THREADS = 4  # checksumming releases the GIL: a few shards at once per ran
 def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str) -> CacheIndex:
     """Check every shard against the manifest and index its members; CacheError naming the first bad shard."""
     shards = shard_list(caches)
-    mine = list(range(env.rank, len(shards), env.world_size))
     table = empty_table(caches)
     codes = np.zeros(len(shards), dtype=np.int64)
     details: dict[int, str] = {}
@@ -50,7 +49,7 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
             details[sid] = str(e)
 
     with ThreadPoolExecutor(max_workers=_SCAN_THREADS) as pool:
-        list(pool.map(scan, mine))
+        list(pool.map(scan, range(env.rank, len(shards), env.world_size)))  # this rank's share
     codes = all_reduce_numpy(codes, device)
     bad = np.flatnonzero(codes != SHARD_OK)
     if len(bad):

@@ -29,9 +29,8 @@ from pipeline.runtime import barrier
 from pipeline.sampling import model_timestep
 
 from . import checkpoint
-from .collate import collate, padded_context, to_device
 from .comm import all_gather_bytes, all_reduce
-from .data import make_loader
+from .data import collate, make_loader, padded_context, to_device
 from .epoch import RankBatches, eval_batches
 from .objective_velocity import Batch
 from .student import trained_parameters

@@ -203,12 +203,11 @@ class FSDP(Strategy):
     def reduce_gradients(self) -> None:
         if self.heads is None or self.env.world_size == 1:
             return
-        for p in self.heads.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: a zero contribution, and the collective still matches
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.env.world_size)
+        for _, p in trained_parameters(self.heads):
+            if p.grad is None:  # unused on this rank: a zero contribution, and the collective still matches
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(self.env.world_size)
 
     def clip_grad_norm(self, params, max_norm):
         from torch.distributed.tensor import DTensor

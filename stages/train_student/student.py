@@ -222,15 +222,13 @@ def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...]
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for tname in f.keys():
-                    sname = by_teacher.get(tname)
-                    if sname is None:
-                        continue
+                for tname in (k for k in f.keys() if k in by_teacher):
+                    sname = by_teacher[tname]
                     if list(f.get_slice(tname).get_shape()) != list(state[sname].shape):
                         shape_mismatch.append(sname)
-                        continue
-                    state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
-                    copied.append(sname)
+                    else:
+                        state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
+                        copied.append(sname)
     if not copied:
         raise UserError(f"--init-from-teacher {path}: no teacher tensor matches the student's names and shapes "
                         f"({len(shape_mismatch)} differ in shape); use a student as wide as the teacher "

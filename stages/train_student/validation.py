@@ -34,9 +34,7 @@ class Validator:
         rows = index.table[data.heldout_rows]
         rows = rows[np.isin(rows[:, C_PROMPT], prompts)]
         # (prompt, seed) -> the cache holding it (the first one, as the index keeps duplicates once)
-        where: dict[tuple[int, int], int] = {}
-        for ci, p, s in rows[:, [C_CACHE, C_PROMPT, C_SEED]].tolist():
-            where.setdefault((int(p), int(s)), int(ci))
+        where = {(p, s): ci for ci, p, s in reversed(rows[:, [C_CACHE, C_PROMPT, C_SEED]].tolist())}
         self.trajectories = sorted(where)
         self.caches = [index.caches[where[t]].path for t in self.trajectories]
         self.steps = student_steps(record)
