@@ -154,7 +154,6 @@ class Trainer:
         self.checkpointed: int | None = None  # the step of the last checkpoint this run wrote
         self.data_wait_s = 0.0  # seconds step() spent blocked in next(loader) since fit last read it
 
-    # -- logging -------------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
         """One metrics.jsonl record, and the same to the tracker (rank 0; the others hold neither)."""
         if self.metrics is not None:
@@ -168,7 +167,6 @@ class Trainer:
             self.metrics = None
         self.tracker.close(failed)
 
-    # -- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def log_eval(self) -> None:
         """Log the mean loss over the held-out prompts' samples (all ranks); nothing without a held-out set."""
@@ -218,7 +216,6 @@ class Trainer:
             self.tracker.log_image("val/teacher_vs_student", self.state.step, grid,
                                    caption="teacher | student, one row per held-out trajectory")
 
-    # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         rng = all_gather_bytes(json.dumps(checkpoint.rng_state()).encode(), self.device)
         if self.env.is_main:
@@ -266,7 +263,6 @@ class Trainer:
         err.all_ranks = True  # every rank raises it at the same step: rank 0 alone prints it
         return err
 
-    # -- training ------------------------------------------------------------------------------------
     def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int, dict[str, float]]:
         """One optimizer step; returns (mean loss over all ranks' samples, grad norm, samples, mean of each term)."""
         cfg, plan = self.cfg, self.plan
