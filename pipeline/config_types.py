@@ -5,6 +5,7 @@ true string to Python (docs/reliability.md, "Exit codes")."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -64,6 +65,20 @@ def _type_problem(cls, values: dict[str, Any], given: dict[str, Any], toml_path)
     return None
 
 
+def read_object(path: str | os.PathLike, what: str, fix: str = "rewrite it or remove it", fmt: str = "JSON") -> dict:
+    """The table (object) a JSON or TOML file holds, or a UserError naming `what` at `path` and the `fix`."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {p} does not exist; {fix}")
+    try:
+        data = (tomllib.loads if fmt == "TOML" else json.loads)(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # both decode errors are ValueErrors
+        raise UserError(f"{what} {p} is not valid {fmt} ({e}); {fix}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {p} must be a {fmt} object, not a {type(data).__name__}; {fix}")
+    return data
+
+
 def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
     """Build `cls` from a TOML file (optional; keys with dashes or underscores, at the top level or under the
     stage's table) with `overrides` (the CLI flags given) on top; a bad key or value is a UserError naming it."""
@@ -71,12 +86,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     names = {f.name for f in dataclasses.fields(cls)}
     if toml_path is not None:
         p = Path(toml_path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist; pass an existing TOML file to --config")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config file {p} is not valid TOML: {e}") from e
+        data = read_object(p, "config file", "pass an existing TOML file to --config", "TOML")
         section = getattr(cls, "TOML_SECTION", None)
         if section and isinstance(data.get(section), dict):
             data = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data[section]}

@@ -17,13 +17,14 @@ from cache.format import DTYPES
 from pipeline import lora_experts
 from pipeline.artifact import DISTILL, LORA_JSON, LoraRecord, RunLayout
 from pipeline.config import ExportConfig
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
 from .export import MARK, building
-from .models import Student, read_distill, read_json, teacher_dir, teacher_transformer_config
+from .models import Student, read_distill, teacher_dir, teacher_transformer_config
 
 
 class LoraRun:
@@ -34,7 +35,7 @@ class LoraRun:
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
         try:
-            record = LoraRecord.from_json(read_json(chosen / LORA_JSON, "LoRA description"))
+            record = LoraRecord.from_json(read_object(chosen / LORA_JSON, "LoRA description"))
         except ValueError as e:
             raise UserError(f"LoRA description {chosen / LORA_JSON}: {e}; it was not written by this WanDistiller's "
                             "train-student --lora-of: rerun it") from e

@@ -5,7 +5,6 @@ folder), its untrained twin and the teacher pipeline. The student's `kind` (`Com
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, LoraRecord, RunLayout
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 
@@ -66,22 +66,12 @@ class Student:
                 "student_steps": self.setting("sampling_steps")}
 
 
-def read_json(path: Path, what: str) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path} is not readable JSON ({e}); rewrite it or remove it") from e
-    if not isinstance(obj, dict):
-        raise UserError(f"{what} {path} holds a {type(obj).__name__}, expected a JSON object")
-    return obj
-
-
 def _transformer_config(folder: Path) -> dict | None:
     """config.json of a WanTransformer3DModel folder; None if `folder` holds no model config."""
     cf = folder / "config.json"
     if not cf.is_file():
         return None
-    cfg = read_json(cf, "model config")
+    cfg = read_object(cf, "model config")
     if cfg.get("_class_name") != TRANSFORMER_CLASS:
         raise UserError(f"{folder} holds a {cfg.get('_class_name')!r}, not a {TRANSFORMER_CLASS} student")
     if not any(folder.glob("*.safetensors")):
@@ -258,7 +248,7 @@ def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None 
     mi = p / "model_index.json"
     if not mi.is_file():
         raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")
-    cls = read_json(mi, "teacher index").get("_class_name")
+    cls = read_object(mi, "teacher index").get("_class_name")
     if cls != PIPELINE_CLASS:
         raise UserError(f"teacher {name!r} is a {cls!r}, not a {PIPELINE_CLASS}")
     return p
@@ -269,7 +259,7 @@ def teacher_transformer_config(path: Path) -> dict:
     for comp in ("transformer", "transformer_2"):
         cf = path / comp / "config.json"
         if cf.is_file():
-            return read_json(cf, "teacher config")
+            return read_object(cf, "teacher config")
     raise UserError(f"teacher {path} has no transformer/config.json")
 
 

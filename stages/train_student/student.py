@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact import LoraRecord
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
@@ -27,14 +28,8 @@ def _model_class():
 def load_student_config(path: str | os.PathLike) -> dict:
     """Read and check a student JSON config; keys starting with '_' (diffusers metadata) are ignored."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"student config {p} does not exist; pass a JSON file like configs/student-tiny.json")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"student config {p} is not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise UserError(f"student config {p} must be a JSON object of WanTransformer3DModel arguments")
+    raw = read_object(p, "student config", "pass a JSON file of WanTransformer3DModel arguments like "
+                      "configs/student-tiny.json")
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
     valid = {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
     if unknown := sorted(set(cfg) - valid):
