@@ -42,7 +42,7 @@ from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
-from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
+from .teacher import ExpertSet, iter_encoded, load_experts, load_scheduler, load_text_encoder
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
@@ -103,27 +103,11 @@ class _Part(PartPlan):
     latent_shape: tuple[int, int, int, int]
     header: CacheHeader  # the manifest's description of the run
     fingerprint: str
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-    @property
-    def part_dir(self) -> Path:
-        return self.out / F.PARTS_DIR / F.part_dirname(self.part)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return F.DTYPES[self.placement.dtype]
-
-    @cached_property
-    def recorded(self) -> tuple[int, ...]:
-        """The steps each trajectory records (--record-steps; every step without it)."""
-        return recorded_steps(self.header)
-
-    @property
-    def device(self) -> torch.device:
-        return self.placement.device
+    recorded: tuple[int, ...]  # the steps each trajectory records (--record-steps; every step without it)
+    out: Path
+    part_dir: Path
+    dtype: torch.dtype
+    device: torch.device
 
     @property
     def owner(self) -> bool:
@@ -152,8 +136,11 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
                                  prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity())
+    out = Path(cfg.out)
     return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
-                 latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint())
+                 latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint(),
+                 recorded=recorded_steps(header), out=out, part_dir=out / F.PARTS_DIR / F.part_dirname(plan.part),
+                 dtype=F.DTYPES[placement.dtype], device=placement.device)
 
 
 def _open_part(job: _Part) -> PartProgress:
@@ -230,8 +217,8 @@ def _encode(job: _Part, prog: PartProgress) -> None:
         rows.add(list(range(lo, hi)), job.rows[lo:hi], texts[lo:hi], embeds, lens)
     rows.close()
     fault_point("after_encode_rows")
-    neg, neg_len = encode_prompts(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype, device,
-                                  progress=False)
+    [(_, neg, neg_len)] = iter_encoded(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype,
+                                       device, progress=False)
     neg_bytes = st_save({F.NEG_EMBEDS: neg[0].contiguous(), F.NEG_SEQ_LEN: neg_len.to(torch.int64)})
     atomic_write_bytes(job.part_dir / F.NEGATIVE, neg_bytes)
     if job.part == 0:
