@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from .placements import Placement
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
-CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
-                "transformer": "config.json", "transformer_2": "config.json"}
+CONFIG_FILES = {"tokenizer": "", "text_encoder": "config.json", "vae": "config.json",
+                "scheduler": "scheduler_config.json", "transformer": "config.json", "transformer_2": "config.json"}
 ROPE_MAX_SEQ_LEN = 1024  # WanTransformer3DModel's default, for a config that does not say
 
 
@@ -146,17 +146,13 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         missing.append("transformer")
     configs = {}
     for comp in [c for c in (*REQUIRED, *experts) if c not in missing]:
-        cf = p / comp / CONFIG_FILES.get(comp, "")
-        if comp == "tokenizer":
-            if not cf.is_dir():
-                missing.append(f"{comp}/")
-        elif cf.is_file():
-            configs[comp] = json.loads(cf.read_text())
-        else:
+        cf = p / comp / CONFIG_FILES[comp]  # the tokenizer: its folder
+        if not (cf.is_dir() if comp == "tokenizer" else cf.is_file()):
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
-    for comp in ("text_encoder", *experts):
-        if comp in configs and not any((p / comp).glob("*.safetensors")):
-            missing.append(f"{comp}/*.safetensors")
+        elif comp != "tokenizer":
+            configs[comp] = json.loads(cf.read_text())
+    missing += [f"{c}/*.safetensors" for c in ("text_encoder", *experts)
+                if c in configs and not any((p / c).glob("*.safetensors"))]
     if missing:
         # Offline, a Hub id resolves to whatever the local Hub cache holds, maybe only the configs `plan` fetched
         hint = (f"; the local Hub cache holds only part of it: download the rest where the Hub is reachable (`hf "
