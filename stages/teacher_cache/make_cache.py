@@ -10,7 +10,6 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,17 +107,8 @@ class _Part(PartPlan):
     part_dir: Path
     dtype: torch.dtype
     device: torch.device
-
-    @property
-    def owner(self) -> bool:
-        """Writes the cache's root files (and clears them on --overwrite): rank 0 under torchrun, or the only part."""
-        return self.torchrun and self.part == 0 or self.num_parts == 1
-
-    @cached_property
-    def blocks(self) -> list[list[tuple[int, int]]]:
-        """The part's trajectories (prompt_idx, seed_idx), batch_size at a time: the unit of work and of resume."""
-        traj = [(p, s) for p in self.rows for s in range(self.cfg.seeds_per_prompt)]
-        return [traj[i:i + self.cfg.batch_size] for i in range(0, len(traj), self.cfg.batch_size)]
+    owner: bool  # writes the root files (clears them on --overwrite): rank 0 under torchrun, or the only part
+    blocks: list[list[tuple[int, int]]]  # the (prompt_idx, seed_idx), batch_size at a time: the unit of work and resume
 
 
 def _setup(plan: PartPlan) -> _Part:
@@ -136,11 +126,13 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
                                  prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity())
-    out = Path(cfg.out)
+    out, traj = Path(cfg.out), [(p, s) for p in plan.rows for s in range(cfg.seeds_per_prompt)]
     return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
                  latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint(),
                  recorded=recorded_steps(header), out=out, part_dir=out / F.PARTS_DIR / F.part_dirname(plan.part),
-                 dtype=F.DTYPES[placement.dtype], device=placement.device)
+                 dtype=F.DTYPES[placement.dtype], device=placement.device,
+                 owner=plan.torchrun and plan.part == 0 or plan.num_parts == 1,
+                 blocks=[traj[i:i + cfg.batch_size] for i in range(0, len(traj), cfg.batch_size)])
 
 
 def _open_part(job: _Part) -> PartProgress:
