@@ -41,7 +41,7 @@ from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
-from .teacher import ExpertSet, iter_encoded, load_experts, load_scheduler, load_text_encoder
+from .teacher import ExpertSet, iter_encoded, load_scheduler, load_text_encoder
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
@@ -84,7 +84,9 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         if todo:
             if job.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(job.device)
-            experts = load_experts(job.spec, job.placement, log=print0)
+            experts = ExpertSet(job.spec, job.placement, log=print0)
+            if not job.placement.expert_major:  # all now; in expert-major order each as `activate` asks
+                experts.activate(None)
             loop_s = _run_blocks(job, prog, experts, todo)
             experts.close()
         prog.complete = True

@@ -213,14 +213,6 @@ def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtyp
         bar.close()
 
 
-def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
-    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
-    experts = ExpertSet(spec, placement, log)
-    if not placement.expert_major:
-        experts.activate(None)
-    return experts
-
-
 class ExpertSet:
     """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
 
