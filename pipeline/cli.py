@@ -221,7 +221,8 @@ def plan_cmd(as_json, config_file, **flags):
     given = {k: v for k, v in flags.items() if k not in own and v is not None}
     _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
-    from stages.teacher_cache.plan_report import PLACEHOLDERS, NoPlacement
+    from stages.teacher_cache.launch import PLACEHOLDERS
+    from stages.teacher_cache.plan_report import NoPlacement
 
     run = load_config(TeacherCacheConfig, config_file, given | PLACEHOLDERS)  # checked as teacher-cache checks it
     try:

@@ -182,8 +182,6 @@ def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     return []
 
 
-# What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
-PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
 _NAMED = ("teacher", "revision", "placement")  # in the printed command's first words
 
 
@@ -213,7 +211,12 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     words = launch.teacher_cache_words(teacher, revision, plan.placement, flags)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
-    step = _step_time(settings, plan, spec, cfg)
+    if settings.step_time is not None:
+        step = costs.StepTime(settings.step_time, "--step-time")
+    elif settings.measure:  # one step measured here
+        step = costs.measure_step(cfg, plan.placement)
+    else:  # the table's figure for the teacher's shape
+        step = costs.table_step_time(spec.transformer_config, plan.tokens_per_sample, plan.placement)
     if step is not None and settings.prompts:
         plan.time = costs.project(settings.prompts, cfg.seeds_per_prompt, cfg.steps, step,
                                   plan.launch["parts"], plan.launch["gpus_per_rank"])
@@ -243,15 +246,6 @@ def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
     ranks = s.ranks_per_node or 1
     measured = Inventory.measure(offload_dir, ranks, gpus=gpus is None)
     return Inventory.assume(gpus, s.assume_ram, s.assume_disk, ranks, measured)
-
-
-def _step_time(s: PlanSettings, plan: Plan, spec: TeacherSpec, cfg: TeacherCacheConfig) -> costs.StepTime | None:
-    """--step-time, else one step measured here (--measure), else the table's figure for the teacher's shape."""
-    if s.step_time is not None:
-        return costs.StepTime(s.step_time, "--step-time")
-    if s.measure:
-        return costs.measure_step(cfg, plan.placement)
-    return costs.table_step_time(spec.transformer_config, plan.tokens_per_sample, plan.placement)
 
 
 def cache_projection(spec: TeacherSpec, cfg: TeacherCacheConfig, prompts: int | None) -> dict:
