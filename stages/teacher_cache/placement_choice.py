@@ -320,14 +320,12 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         if len(inv.gpus) > 1 and inv.ranks_per_node == 1:
             caps = [inv.usable_gpu(i) - act for i in range(len(inv.gpus))]
             room = gib(sum(max(c, 0) for c in caps))
-            if fits_across(expert_pieces(needs, len(needs.experts)), caps):
-                why.append(f"{what} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
-                           "no block split")
-                return Decision(pick(spreads=True), "step", why)
-            if two and fits_across(expert_pieces(needs, 1), caps):
-                why.append(f"one expert fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
-                           "both do not: expert-major order")
-                return Decision(pick(spreads=True), "expert", why)
+            # both experts (or the one), else (two) one expert at a time
+            for n, who, order, tail in ((len(needs.experts), what, "step", "no block split"),
+                                        (1, "one expert", "expert", "both do not: expert-major order")):
+                if fits_across(expert_pieces(needs, n), caps):
+                    why.append(f"{who} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), {tail}")
+                    return Decision(pick(spreads=True), order, why)
             why.append(f"the experts do not fit across the {len(inv.gpus)} GPUs either")
         elif len(inv.gpus) > 1:
             why.append("balanced is not used under torchrun (every rank would spread over every GPU)")

@@ -147,10 +147,9 @@ class TrajectoryRunner:
                 noise_pred, noise_cond, noise_uncond = self.predict(model, latent_in, timestep, context, scale)
             if kept:
                 keep = self.keep_cond_uncond and noise_cond is not None
+                pair = [n.to(self.dtype).cpu() if keep else None for n in (noise_cond, noise_uncond)]
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
-                                   noise_pred.to(self.dtype).cpu(),
-                                   noise_cond.to(self.dtype).cpu() if keep else None,
-                                   noise_uncond.to(self.dtype).cpu() if keep else None,
+                                   noise_pred.to(self.dtype).cpu(), *pair,
                                    self.features.result() if self.features else None))
             latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
         return latents.float().cpu(), (latents, sched)

@@ -23,7 +23,6 @@ class Cpu(PlacementKind):
 
 
 class Cuda(PlacementKind):
-
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         if len(needs.experts) < 2 or not inv.gpus:
             return "step"
@@ -36,7 +35,6 @@ class Cuda(PlacementKind):
 
 
 class Offload(PlacementKind):
-
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         return "expert" if len(needs.experts) > 1 and sum(needs.experts) > inv.usable_ram else "step"
 
@@ -56,7 +54,6 @@ class Offload(PlacementKind):
 
 
 class Disk(PlacementKind):
-
     def load_expert(self, p, spec, comp, log=print):
         return load_disk_expert(spec, comp, p.torch_dtype, p.device, p.offload_dir, log)
 
@@ -73,7 +70,6 @@ class Disk(PlacementKind):
 
 
 class Auto(PlacementKind):
-
     def validate(self, cfg) -> None:
         if dist_env().world_size > 1 and self.uses_rank_gpu():
             check_ranks_fit_gpus("placement auto (on a machine with GPUs)")
