@@ -66,7 +66,7 @@ class TeacherSpec:
                 height // self.vae_spatial, width // self.vae_spatial)
 
     def check_sizes(self, height: int, width: int, frames: int) -> None:
-        _, ph, pw = self.patch_size
+        pt, ph, pw = self.patch_size
         for name, v, m in (("height", height, self.vae_spatial * ph), ("width", width, self.vae_spatial * pw)):
             if v % m:
                 lo, hi = v // m * m, (v // m + 1) * m
@@ -77,7 +77,6 @@ class TeacherSpec:
         # Wan's rotary embedding (diffusers' WanRotaryPosEmbed) holds rope_max_seq_len positions per axis (frames,
         # height, width, in patches): a larger size fails in the first forward, after the prompts were encoded.
         rope = min(int(self.configs[e].get("rope_max_seq_len", ROPE_MAX_SEQ_LEN)) for e in self.experts)
-        pt, ph, pw = self.patch_size
         _, f, h, w = self.latent_shape(height, width, frames)
         for name, value, patches, top in (
                 ("height", height, h // ph, rope * ph * self.vae_spatial),
@@ -218,7 +217,6 @@ class ExpertSet:
 
     def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
         self.spec, self.placement, self.log = spec, placement, log
-        self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
 
     def __len__(self) -> int:
@@ -238,7 +236,7 @@ class ExpertSet:
             self.models[e] = None
         if released:
             gc.collect()
-            if self.device.type == "cuda":
+            if self.placement.device.type == "cuda":  # a released expert's memory handed back
                 torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
