@@ -41,7 +41,7 @@ from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
-from .teacher import ExpertSet, iter_encoded, load_scheduler, load_text_encoder
+from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
@@ -84,9 +84,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         if todo:
             if job.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(job.device)
-            experts = ExpertSet(job.spec, job.placement, log=print0)
-            if not job.placement.expert_major:  # all now; in expert-major order each as `activate` asks
-                experts.activate(None)
+            experts = load_experts(job.spec, job.placement, log=print0)
             loop_s = _run_blocks(job, prog, experts, todo)
             experts.close()
         prog.complete = True
@@ -211,8 +209,8 @@ def _encode(job: _Part, prog: PartProgress) -> None:
         rows.add(list(range(lo, hi)), job.rows[lo:hi], texts[lo:hi], embeds, lens)
     rows.close()
     fault_point("after_encode_rows")
-    [(_, neg, neg_len)] = iter_encoded(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype,
-                                       device, progress=False)
+    neg, neg_len = encode_prompts(tokenizer, encoder, [cfg.negative_prompt], cfg.max_sequence_length, dtype, device,
+                                  progress=False)
     neg_bytes = st_save({F.NEG_EMBEDS: neg[0].contiguous(), F.NEG_SEQ_LEN: neg_len.to(torch.int64)})
     atomic_write_bytes(job.part_dir / F.NEGATIVE, neg_bytes)
     if job.part == 0:
@@ -239,10 +237,15 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     """Run the blocks `todo` to their last step while the writer thread packs shards; returns the loop's seconds."""
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
     neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
-    cfg = job.cfg
+    cfg, tcfg, features = job.cfg, job.spec.transformer_config, None
+    if cfg.record_features is not None:  # the projection written beside the manifest
+        matrix = projection_matrix(int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"]),
+                                   cfg.feature_dim, cfg.feature_seed)
+        write_projection(job.out, matrix)
+        features = FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
     runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
                               job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                              patch=job.spec.patch_size, features=_feature_recorder(job),
+                              patch=job.spec.patch_size, features=features,
                               record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
     bar, progress = _progress_bar(job, prog, todo)
     sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
@@ -321,18 +324,6 @@ def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink,
             pending.result()
         pool.submit(sink.flush).result()
     return stopped
-
-
-def _feature_recorder(job: _Part) -> FeatureRecorder | None:
-    """--record-features: the recorder, after writing the projection beside the manifest."""
-    cfg = job.cfg
-    if cfg.record_features is None:
-        return None
-    tcfg = job.spec.transformer_config
-    matrix = projection_matrix(int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"]), cfg.feature_dim,
-                               cfg.feature_seed)
-    write_projection(job.out, matrix)
-    return FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
 
 
 def _wait_for_parts(job: _Part) -> None:

@@ -240,11 +240,6 @@ class Needs:
                    enc.bytes if enc else 0)
 
     @property
-    def block_streaming_gpu(self) -> int:
-        """GPU bytes of `disk`: the block computing, the next one prefetched, the rest of the expert, activations."""
-        return 2 * self.block + self.other + self.activations
-
-    @property
     def layer_streaming_gpu(self) -> int:
         """GPU bytes of `offload`: the layer computing, the next one prefetched and the activations."""
         return 2 * self.layer + self.activations
@@ -301,9 +296,7 @@ def expert_pieces(needs: Needs, n_experts: int) -> list[int]:
 def decide(needs: Needs, inv: Inventory) -> Decision:
     """Pick a placement and an expert order for `needs` on the machine `inv` (pure: no device is touched)."""
     both, one, two = sum(needs.experts), max(needs.experts), len(needs.experts) > 1
-    act = needs.activations
-    ram = inv.usable_ram
-    why: list[str] = []
+    act, ram, why = needs.activations, inv.usable_ram, []
     if inv.gpus:
         gpu = min(inv.usable_gpu(i) for i in range(len(inv.gpus)))
         what = "a replica (both experts)" if two else "the transformer"

@@ -212,6 +212,21 @@ def iter_encoded(tokenizer, text_encoder, prompts: list[str], max_len: int, dtyp
         bar.close()
 
 
+def encode_prompts(tokenizer, text_encoder, prompts: list[str], max_len: int, dtype: torch.dtype,
+                   device: torch.device, batch_size: int = 16, progress: bool = True):
+    """Embeddings [n, L, D] and lengths [n] of a few prompts at once (`iter_encoded`, gathered)."""
+    parts = list(iter_encoded(tokenizer, text_encoder, prompts, max_len, dtype, device, batch_size, progress))
+    return torch.cat([e for _, e, _ in parts]), torch.cat([n for _, _, n in parts])
+
+
+def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
+    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
+    experts = ExpertSet(spec, placement, log)
+    if not placement.expert_major:
+        experts.activate(None)
+    return experts
+
+
 class ExpertSet:
     """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
 

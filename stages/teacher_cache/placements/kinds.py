@@ -65,8 +65,9 @@ class Disk(PlacementKind):
             return Layout(where, dict(disk=both, cpu=block_ram + x.needs.activations), max(x.needs.experts))
         where = {"text_encoder": f"cpu, moved to cuda:0 as a whole to encode (model offload), {ENCODER_FREED}"}
         where |= {e: "offload folder (disk), one block at a time in RAM and on cuda:0" for e in x.sizes.experts}
-        return Layout(where, dict(disk=both, cpu=block_ram) | {"cuda:0": x.needs.block_streaming_gpu},
-                      max(x.needs.experts))
+        # the GPU: the block computing, the next one prefetched, the rest of the expert and the activations
+        gpu = 2 * x.needs.block + x.needs.other + x.needs.activations
+        return Layout(where, dict(disk=both, cpu=block_ram) | {"cuda:0": gpu}, max(x.needs.experts))
 
 
 class Auto(PlacementKind):
