@@ -232,6 +232,7 @@ class ExpertSet:
 
     def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
         self.spec, self.placement, self.log = spec, placement, log
+        self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
 
     def __len__(self) -> int:
@@ -251,7 +252,7 @@ class ExpertSet:
             self.models[e] = None
         if released:
             gc.collect()
-            if self.placement.device.type == "cuda":  # a released expert's memory handed back
+            if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
