@@ -32,7 +32,7 @@ from . import checkpoint
 from .comm import all_gather_bytes, all_reduce
 from .data import collate, make_loader, padded_context, to_device
 from .epoch import RankBatches, eval_batches
-from .objective_velocity import Batch
+from .objective_base import Batch
 from .student import trained_parameters
 from .tracking import Tracker
 from .train_plan import TrainPlan, lr_at

@@ -13,9 +13,8 @@ from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.registries import FeatureSettings, SegmentSettings, VelocitySettings
 
-from .objective_base import (  # noqa: F401 (the objectives' API, importable from here)
-    OBJECTIVES, PREDICTION, Batch, Objective, Outputs, WithHeads, block_output, check_cache, get_objective, mse,
-    registered, student_forward,
+from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
+    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
 )
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pipeline.runtime import DistEnv
 
 from . import checkpoint
 from .comm import all_gather_bytes
-from .objective_velocity import WithHeads
+from .objective_base import WithHeads
 from .student import StudentKind, trained_parameters
 
 

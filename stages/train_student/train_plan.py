@@ -20,7 +20,7 @@ from pipeline.runtime import DistEnv, dist_env, print0
 
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
-from .objective_velocity import Objective, check_cache, get_objective
+from .objective_base import Objective, check_cache, get_objective
 from .run_identity import KeptSettings, RunIdentity
 from .strategy import Strategy, get_strategy
 from .student import StudentKind, student_kind
