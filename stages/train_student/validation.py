@@ -26,8 +26,8 @@ class Validator:
     """Samples the student on fixed held-out trajectories; `run` returns (metrics record, image grid or None)."""
 
     def __init__(self, record: DistillRecord, data, max_prompts: int, batch_size: int, device: torch.device,
-                 decode: bool, vae: tuple[Path, str] | None = None):
-        self.record, self.device, self.batch_size, self.decode = record, device, batch_size, decode
+                 vae: tuple[Path, str] | None = None):
+        self.record, self.device, self.batch_size, self.decode = record, device, batch_size, vae is not None
         index = data.index
         self.manifest = index.manifest
         prompts = [int(p) for p in data.heldout_prompts[:max_prompts]]
@@ -44,7 +44,7 @@ class Validator:
         self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._neg: torch.Tensor | None = None
         self._vae = None
-        self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer when decode is on
+        self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer, with --val-decode
         self._teacher_frames: np.ndarray | None = None
 
     def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -89,7 +89,7 @@ class Validator:
         """The teacher's VAE alone (diffusers AutoencoderKLWan from the teacher's vae/ subfolder), float32."""
         from diffusers import AutoencoderKLWan
 
-        folder, named_by = self._vae_from or vae_folder(None, None, None, self.manifest)
+        folder, named_by = self._vae_from
         # A local folder only (vae_folder fetched whatever was to be fetched), safetensors only: no pickle is read.
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32,
                                                use_safetensors=True)
@@ -180,7 +180,6 @@ def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torc
     every rank): every rank samples, rank 0 alone decodes and logs. `teacher`: `StudentKind.teacher_flag`'s."""
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
-    decode = cfg.val_decode and is_main
     # settled before step 1: a refusal costs no training
-    vae = vae_folder(*teacher, cfg.revision, data.index.manifest) if decode else None
-    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, decode, vae)
+    vae = vae_folder(*teacher, cfg.revision, data.index.manifest) if cfg.val_decode and is_main else None
+    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, vae)
