@@ -101,9 +101,8 @@ class RecordSettings:
 class TeacherRun(PlacementSettings, RunShape, RecordSettings):
     """The teacher's run as `plan` sizes it and `teacher-cache` runs it."""
 
-    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
-                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
-                           check=non_empty)
+    teacher: str = setting(check=non_empty, help="Wan pipeline: local diffusers folder or Hub id (e.g. "
+                           "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).")
     revision: str | None = _revision()
     placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
                                           "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
@@ -440,9 +439,8 @@ class ExportConfig:
     revision: str | None = _revision(default_text="distill.json's, for its teacher")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
     copy: bool = setting(True, flag="copy/link", help="Copy the teacher's text encoder, tokenizer, VAE and scheduler "
-                                                      "into the folder (self-contained: what the Hub needs), or "
-                                                      "symlink them (no second copy on disk; works on this machine "
-                                                      "only).")
+                         "into the folder (self-contained: what the Hub needs), or symlink them (no second copy on "
+                         "disk; works on this machine only).")
     overwrite: bool = setting(False, help="Replace an earlier export at --out (never any other folder).")
     base_model: str | None = setting(None, help="The teacher's Hub id, for the model card's base_model.",
                                      default_text="--teacher when it is a Hub id or a Hub cache snapshot")
@@ -486,10 +484,9 @@ class EvalConfig(_Inference):
                                     default_text="student_init/ if saved, else distill.json's, else 0")
     batch_size: int = setting(8, help="Samples (velocity MSE) or trajectories (sampling) per forward.",
                               check=at_least(1))
-    attributes: str | None = setting(None, check=non_empty, path=True,
-                                     help="Shapes captions (data/shapes-heldout.txt) that teacher and student draw, "
-                                          "scored by the attribute checker (colours, position); needs the teacher's "
-                                          "text encoder and VAE.")
+    attributes: str | None = setting(None, check=non_empty, path=True, help="Shapes captions "
+                                     "(data/shapes-heldout.txt) that teacher and student draw, scored by the attribute "
+                                     "checker (colours, position); needs the teacher's text encoder and VAE.")
     attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
                                                 check=at_least(1), default_text="all")
     attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
@@ -516,8 +513,7 @@ class PlanSettings:
     gpu_memory: str | None = setting(None, check=byte_size, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
                                                                  "= 10^9).", default_text="this machine's free memory")
     assume_gpus: str | None = setting(None, check=gpu_sizes, help="A node's GPUs when they differ: 4x24GiB, "
-                                                                  "80GiB,40GiB or none (instead of --gpus-per-node and "
-                                                                  "--gpu-memory).")
+                                      "80GiB,40GiB or none (instead of --gpus-per-node and --gpu-memory).")
     assume_ram: str | None = setting(None, check=byte_size, help="Available RAM of a node (e.g. 256GiB).",
                                      default_text="this machine's")
     assume_disk: str | None = setting(None, check=byte_size, help="Free disk under --offload-dir (e.g. 2TiB).",
@@ -527,8 +523,7 @@ class PlanSettings:
     prompts: int | None = setting(None, check=at_least(1), help="Prompt count: the cache's bytes, and stage one's "
                                                                 "GPU-hours and wall time.")
     step_time: float | None = setting(None, check=positive(), help="Seconds of one teacher step of one trajectory (CFG "
-                                                                   "included) with the chosen placement, for the time "
-                                                                   "projection.",
+                                      "included) with the chosen placement, for the time projection.",
                                       default_text="--measure's, else the measured table of docs/costs.md")
     measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement "
                                         "on this machine (plan on the machine that will run it).")

@@ -90,12 +90,6 @@ def _fsync_and_digest(path: Path) -> dict:
         return {"bytes": f.tell(), "sha256": sha.hexdigest()}
 
 
-def _write_bytes(path: Path, data: bytes) -> dict:
-    """Write `data` to `path` (fsynced); returns its digest."""
-    path.write_bytes(data)
-    return _fsync_and_digest(path)
-
-
 @contextlib.contextmanager
 def os_errors(path: Path) -> Iterator[None]:
     """A safetensors write failure (full disk, quota; it reports errno only in its message) raised as the OSError it
@@ -182,8 +176,10 @@ def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], 
     root = Path(out) / CHECKPOINTS
     final = root / step_dirname(step)
     state = {**trainer_state, DIGESTS_KEY: DIGESTS}
-    files[STATE] = _write_bytes(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
-    _write_bytes(tmp / DIGESTS, (json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n").encode())
+    (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
+    files[STATE] = _fsync_and_digest(tmp / STATE)
+    (tmp / DIGESTS).write_text(json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n")
+    _fsync_and_digest(tmp / DIGESTS)
     fsync_dir(tmp)
     fault_point("before_checkpoint_rename")
     if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged
