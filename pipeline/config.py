@@ -449,6 +449,9 @@ class ExportConfig:
     private: bool = setting(False, help="Create the --push-to-hub repo private.")
     fuse: bool = setting(False, help="A LoRA run: a standalone pipeline with the adapters merged into the teacher's "
                                      "transformers, instead of the adapter files for load_lora_weights.")
+    lora_format: str = setting("diffusers", check=one_of(("diffusers", "wan"), cli_choice=False), help="A LoRA run's "
+                               "adapter files: diffusers (peft key names) or wan (the original Wan key names, "
+                               "diffusion_model.blocks.N...lora_down/lora_up/alpha: for ComfyUI, and diffusers).")
 
     cpu_only = True  # export copies weights and writes files: never a GPU
 

@@ -177,9 +177,10 @@ def run(cfg: ExportConfig) -> dict:
     if cfg.push_to_hub:
         hub_card.check_online(cfg.push_to_hub)
     student = find_student(cfg.student, cfg.weights)
-    if cfg.fuse and not student.kind.fuses:
-        raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
-                        "student (its export is already a standalone pipeline); drop --fuse")
+    asked = [flag for flag, on in (("--fuse", cfg.fuse), ("--lora-format", cfg.lora_format != "diffusers")) if on]
+    if asked and not student.kind.adapters:
+        raise UserError(f"{asked[0]} applies to a LoRA run's adapter files, and {cfg.student} is a compact student "
+                        f"(its export is already a standalone pipeline); drop {asked[0]}")
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)

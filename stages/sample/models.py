@@ -126,7 +126,7 @@ class CompactRun:
     """A compact run's student: a WanTransformer3DModel folder (student/, or student_ema/)."""
 
     marker = "config.json"  # the file that makes a student folder this kind's
-    fuses = False  # `export --fuse` applies (it has adapters to merge)
+    adapters = False  # `export --fuse` and `--lora-format` apply to a student with adapters
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
         cfg = _transformer_config(chosen)
