@@ -56,7 +56,7 @@ class StepBench:
         from pipeline.runtime import dist_env
         from stages.train_student import data as D
         from stages.train_student import loop as L
-        from stages.train_student.collate import collate
+        from stages.train_student.data import collate
         from stages.train_student.epoch import EpochPlan, RankBatches
         from stages.train_student.index import prepare
         from stages.train_student.objective_velocity import Velocity
@@ -163,7 +163,7 @@ def raw_read(cache: Path, chunk: int = 1 << 20) -> tuple[float, int]:
 def reader_read(bench: StepBench) -> tuple[float, int]:
     """Seconds for the stage-two reader to deliver one epoch as collated batches, in the epoch's order, from
     a cold start: new reader and embedding LRU, page cache of every cache file (shards, zarr) dropped."""
-    from stages.train_student.collate import collate
+    from stages.train_student.data import collate
     from stages.train_student.data import SampleDataset
     from stages.train_student.epoch import RankBatches
 

@@ -3,9 +3,11 @@ handling of what writers never read again."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,11 +48,8 @@ def umask() -> int:
     """The process's umask, read without changing it where Linux tells it (/proc/self/status), else by setting and
     restoring it (a file another thread creates in between gets 077's modes: more private, never less)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
+        return int(re.search(r"^Umask:\s*([0-7]+)$", Path("/proc/self/status").read_text(), re.M).group(1), 8)
+    except (OSError, AttributeError):  # no /proc, or no Umask line (Linux < 4.7)
         pass
     mask = os.umask(0o077)
     os.umask(mask)
@@ -91,7 +90,8 @@ def fsync_paths(paths) -> None:
                 files += [Path(root, n) for n in names if not os.path.islink(os.path.join(root, n))]
         else:
             files.append(p)
-    run_each(fsync_dir, files)
+    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="fsync") as pool:
+        list(pool.map(fsync_dir, files))
     for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):  # deepest first: each entry, then its holder
         if d.is_dir():
             fsync_dir(d)
@@ -107,44 +107,27 @@ def drop_behind(fd: int, upto: int | None = None) -> None:
         os.posix_fadvise(fd, 0, upto or 0, os.POSIX_FADV_DONTNEED)
 
 
-def run_each(fn: Callable, items, workers: int = FSYNC_THREADS) -> None:
-    """`fn(item)` for each item, on `workers` threads (inline where there is a single item); the first error is
-    raised once all have run. For calls that wait in the kernel without the GIL (fsync)."""
-    items = list(items)
-    if len(items) <= 1:
-        for it in items:
-            fn(it)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="fsync") as pool:
-        for f in [pool.submit(fn, it) for it in items]:
-            f.result()
-
-
 # Bytes a writer writes between two hand-overs to `WriteBehind`: large enough that the calls cost nothing next to
 # the bytes, small enough that the pages freed are reused at once.
 WRITE_BEHIND_BYTES = 64 << 20
 
 # sync_file_range(2) flags (Linux): start writeback of a range without waiting; wait for it.
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# libc's sync_file_range(2) (Linux); None where there is none
+_SFR_FN = getattr(_LIBC, "sync_file_range", None) if hasattr(os, "posix_fadvise") else None
+if _SFR_FN is not None:
+    _SFR_FN.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 
-def _sync_file_range() -> Callable | None:
-    """libc's sync_file_range(2) (Linux), raising OSError; None where there is none."""
-    import ctypes
-
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-    if fn is None or not hasattr(os, "posix_fadvise"):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-
-    def call(fd: int, offset: int, nbytes: int, flags: int) -> None:
-        if fn(fd, offset, nbytes, flags) != 0:
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-
-    return call
+def _errno_error(*names) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, os.strerror(err), *names)
 
 
-_SFR = _sync_file_range()
+def _sfr(fd: int, offset: int, nbytes: int, flags: int) -> None:
+    if _SFR_FN(fd, offset, nbytes, flags) != 0:
+        raise _errno_error()
 
 
 class WriteBehind:
@@ -159,13 +142,13 @@ class WriteBehind:
     def add(self, fd: int, offset: int = 0, nbytes: int = 0, owned: bool = False) -> None:
         """The range [offset, offset + nbytes) of `fd` (nbytes 0: to the end of the file) was written; `owned`: close
         `fd` once its range is dropped."""
-        if _SFR is None:
+        if _SFR_FN is None:
             drop_behind(fd, None if nbytes == 0 else offset + nbytes)
             if owned:
                 os.close(fd)
             return
         try:
-            _SFR(fd, offset, nbytes, _SFR_WRITE)
+            _sfr(fd, offset, nbytes, _SFR_WRITE)
         except OSError:
             if owned:
                 os.close(fd)
@@ -180,7 +163,7 @@ class WriteBehind:
         fd, offset, nbytes, owned = self._last
         self._last = None
         try:
-            _SFR(fd, offset, nbytes, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            _sfr(fd, offset, nbytes, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         finally:
             if owned:
@@ -194,17 +177,14 @@ _AT_FDCWD = -100
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the folders `a` and `b` atomically; False where the system or filesystem cannot."""
-    import ctypes
-
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    renameat2 = getattr(_LIBC, "renameat2", None)
     if renameat2 is None:
         return False
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
+    raise _errno_error(str(a), None, str(b))
 
 
 def publish_dir(tmp: str | os.PathLike, dest: str | os.PathLike, before_replace: Callable[[], None] | None = None,

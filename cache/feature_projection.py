@@ -1,7 +1,6 @@
 """The fixed projection that teacher features are stored through (`teacher-cache --record-features`): P, a
 [dim, feature_dim] Gaussian matrix scaled by 1/sqrt(dim), a function of (dim, feature_dim, seed) alone
-(docs/architecture.md, "Feature distillation").
-"""
+(docs/architecture.md, "Feature distillation")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The on-disk cache format: every file, member and array name, defined once (the JSON records' keys: records.py).
 
-Outside readers rely on these names: add new ones, never rename. See ARCHITECTURE.md, "The cache".
-"""
+Outside readers rely on these names: add new ones, never rename. See ARCHITECTURE.md, "The cache"."""
 
 from __future__ import annotations
 
@@ -83,10 +82,9 @@ def sample_key(prompt_idx: int, seed_idx: int, step: int) -> str:
 
 def parse_key(key: str) -> tuple[int, int, int]:
     """Inverse of `sample_key`; raises ValueError for a foreign key."""
-    m = _KEY_RE.match(key)
-    if not m:
+    if not (m := _KEY_RE.match(key)):
         raise ValueError(f"not a WanDistiller sample key: {key!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    return tuple(map(int, m.groups()))
 
 
 def part_dirname(part: int) -> str:

@@ -1,7 +1,6 @@
 """manifest.json: the single entry point for readers of a finished cache, written atomically by whichever part
 finishes last (rank 0 under torchrun); read as untrusted input, checked whole (`records`) before any field is used.
-See docs/architecture.md, "The cache".
-"""
+See docs/architecture.md, "The cache"."""
 
 from __future__ import annotations
 
@@ -73,12 +72,6 @@ def _short(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_settings(cache_dir: str | os.PathLike, m: Manifest) -> None:
-    """CacheError with `settings_problem`, if any."""
-    if problem := settings_problem(cache_dir, m):
-        raise CacheError(problem)
-
-
 def _negative_sha256(cache_dir: Path, written: str) -> str | None:
     """sha256 of the cache's negative.safetensors, as the manifest records it. The root copy is part 0's own
     (written together): a missing root copy, or one that no longer matches what the previous manifest recorded
@@ -138,16 +131,14 @@ def negative_embeds(cache_dir: str | os.PathLike) -> torch.Tensor:
     except FileNotFoundError:
         raise CacheError(f"{Path(cache_dir) / NEGATIVE} is missing; rerun the same `wandistiller teacher-cache` "
                          "command") from None
-    if manifest_path(cache_dir).exists():
-        if problem := negative_problem(cache_dir, load_manifest(cache_dir)):
-            raise CacheError(problem)
+    if manifest_path(cache_dir).exists() and (problem := negative_problem(cache_dir, load_manifest(cache_dir))):
+        raise CacheError(problem)
     return st_load(data)[NEG_EMBEDS]
 
 
 def try_write_manifest(cache_dir: str | os.PathLike, num_parts: int,
                        before_replace: Callable[[], None] | None = None) -> Manifest | None:
-    """Write the manifest if all `num_parts` parts are complete; return it, or None if some part is not.
-    `before_replace` (fault injection) runs when its temporary file is complete, just before the rename."""
+    """Write the manifest if all `num_parts` parts are complete (else None); `before_replace`: fault injection."""
     parts = []
     for p in range(num_parts):
         prog = PartProgress.load(cache_dir, p)
@@ -200,8 +191,7 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
 
 
 def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
-    """What `cache info` prints: sizes and settings of a finished cache, and its bytes projected for `prompts`
-    prompts (default: its own) of the same kind (`cache.size`)."""
+    """What `cache info` prints: a finished cache's sizes and settings, its bytes projected for `prompts` prompts."""
     m = load_manifest(cache_dir)
     inputs = measured_inputs(cache_dir, m)
     own = project(m, m.prompts, m.num_parts, **inputs)

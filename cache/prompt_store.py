@@ -20,7 +20,7 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
-from .atomic import WriteBehind, drop_behind
+from .atomic import WriteBehind
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
 from .format import (
@@ -96,16 +96,15 @@ class _ReadStore(LocalStore):
         except (FileNotFoundError, NotADirectoryError):
             return None  # (zarr: a chunk never written reads as the fill value)
         with os.fdopen(fd, "rb") as f:
+            start, n = 0, -1  # (no byte_range: the whole file)
             if isinstance(byte_range, RangeByteRequest):
-                f.seek(byte_range.start)
-                data = f.read(byte_range.end - byte_range.start)
-            else:
-                if isinstance(byte_range, OffsetByteRequest):
-                    f.seek(byte_range.offset)
-                elif isinstance(byte_range, SuffixByteRequest):
-                    f.seek(max(0, os.fstat(fd).st_size - byte_range.suffix))
-                data = f.read()
-        return prototype.buffer.from_bytes(data)
+                start, n = byte_range.start, byte_range.end - byte_range.start
+            elif isinstance(byte_range, OffsetByteRequest):
+                start = byte_range.offset
+            elif isinstance(byte_range, SuffixByteRequest):
+                start = max(0, os.fstat(fd).st_size - byte_range.suffix)
+            f.seek(start)
+            return prototype.buffer.from_bytes(f.read(n))
 
     def get_sync(self, key, *, prototype=None, byte_range=None):
         return self._read(key, prototype or default_buffer_prototype(), byte_range)
@@ -215,19 +214,14 @@ def write_latent_rows(g: zarr.Group, name: str, rows: list[int], seed_idx: list[
 
 
 def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]:
-    """The store's `files` ("<array>/<file>"), just written, dropped from the page cache (`atomic.drop_behind`) or
-    handed to `behind`; their paths."""
+    """Hand the store's just-written `files` ("<array>/<file>") to `behind` (else drop them here); their paths."""
     root = Path(str(g.store.root)) / g.path
     paths = [root / f for f in files]
+    own = behind or WriteBehind()
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        if behind is not None:
-            behind.add(fd, owned=True)
-            continue
-        try:
-            drop_behind(fd)
-        finally:
-            os.close(fd)
+        own.add(os.open(p, os.O_RDONLY), owned=True)
+    if behind is None:
+        own.close()
     return paths
 
 
@@ -266,15 +260,19 @@ def _damage(e: Exception) -> str:
             else f"do not read ({type(e).__name__}: {e})")
 
 
+def _values(name: str) -> cached_property:
+    """A `PartRows` property: every value of the store's array `name`, read on first use."""
+    return cached_property(lambda self: self.g[name][:])
+
+
 class PartRows:
     """One part's prompt store, its rows read checked (docs/architecture.md, "The cache"); each array opens on first
     use. With `whole_files` (the in-order checks) a row is served from its whole file, read in one zarr call and kept
     until another file is asked for; a file that does not read is read again row by row, naming the rows."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, num_parts: int, whole_files: bool = False):
-        self.cache_dir, self.part, self.num_parts = Path(cache_dir), part, num_parts
+        self.cache_dir, self.part, self.num_parts, self.whole_files = Path(cache_dir), part, num_parts, whole_files
         self.g = open_prompt_store(prompt_store_path(cache_dir, part))
-        self.whole_files = whole_files
         self._file: dict[str, tuple[int, int, np.ndarray]] = {}  # array -> (first entry, end, its entries)
 
     def where(self, row: int) -> str:
@@ -283,33 +281,11 @@ class PartRows:
     def error(self, bit: int, detail: str) -> RowError:
         return RowError(self.cache_dir, self.part, bit, detail)
 
-    @cached_property
-    def seq_lens(self) -> np.ndarray:
-        return self.g[Z_SEQ_LENS][:]
-
-    @cached_property
-    def token_start(self) -> np.ndarray:
-        return self.g[Z_TOKEN_START][:]
-
-    @cached_property
-    def crcs(self) -> np.ndarray:
-        return self.g[EMBEDS_CRC32C][:]
-
-    @cached_property
-    def embeds(self) -> zarr.Array:
-        return self.g[Z_EMBEDS]
-
-    @cached_property
-    def dtype_name(self) -> str:
-        return self.embeds.attrs[Z_ATTR_TORCH_DTYPE]
-
-    @cached_property
-    def max_len(self) -> int:
-        return int(self.embeds.shape[0]) // max(1, len(self.seq_lens))
-
-    @cached_property
-    def _latents(self) -> dict[str, zarr.Array]:
-        return {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)}
+    seq_lens, token_start, crcs = _values(Z_SEQ_LENS), _values(Z_TOKEN_START), _values(EMBEDS_CRC32C)
+    embeds: zarr.Array = cached_property(lambda self: self.g[Z_EMBEDS])
+    dtype_name: str = cached_property(lambda self: self.embeds.attrs[Z_ATTR_TORCH_DTYPE])
+    max_len: int = cached_property(lambda self: int(self.embeds.shape[0]) // max(1, len(self.seq_lens)))
+    _latents: dict = cached_property(lambda self: {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)})
 
     def _read(self, arr: zarr.Array, lo: int, hi: int) -> np.ndarray:
         """arr[lo:hi] (entries along the first axis), from the whole file(s) holding them where `whole_files`."""
@@ -348,8 +324,7 @@ class PartRows:
         return data
 
     def missing_file(self, row: int) -> str | None:
-        """"file embeds/<file> is missing (...)" where a file holding row `row`'s tokens does not exist (a stat,
-        nothing read), or None."""
+        """"file embeds/<file> is missing (...)" where a file of row `row`'s tokens does not exist (a stat), or None."""
         start, n = int(self.token_start[row]), int(self.seq_lens[row])
         per_file = int(self.embeds.shards[0])
         for first in range(start // per_file * per_file, start + n, per_file):
@@ -438,8 +413,7 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
 
 def read_latents(cache_dir: str | os.PathLike, num_parts: int,
                  trajectories: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial noise and the teacher's final latents of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked;
-    RowError for one never written or damaged."""
+    """(initial noise, final latents) of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked (RowError)."""
     init, final = [], []
     stores: dict[int, PartRows] = {}
     for prompt_idx, seed_idx in trajectories:
@@ -499,15 +473,12 @@ def _trimmed(rows: PartRows, row: int) -> tuple[torch.Tensor, int]:
 
 class EmbeddingCache(RowCache):
     """prompt_idx -> its embedding, the one LRU of embeddings that readers keep (`capacity` prompts), each read
-    checked (`PartRows.trimmed`). `get` pads it with zeros as the teacher's pipeline did; `get_trimmed` gives the real
-    tokens and the padded length, for a reader that pads later (A14B: 4 MiB padded, ~0.5 MiB trimmed)."""
+    checked (`PartRows.trimmed`). `get` pads it with zeros as the teacher's pipeline did; `cache[prompt_idx]` gives
+    the real tokens [seq_len, D] and the padded length, for a reader that pads later (A14B: 4 MiB padded, ~0.5 MiB
+    trimmed)."""
 
     def __init__(self, cache_dir: str | os.PathLike, num_parts: int, capacity: int):
         super().__init__(cache_dir, num_parts, capacity, _trimmed)
-
-    def get_trimmed(self, prompt_idx: int) -> tuple[torch.Tensor, int]:
-        """(the prompt's real token embeddings [seq_len, D], the length `get` pads them to)."""
-        return self[prompt_idx]
 
     def get(self, prompt_idx: int) -> torch.Tensor:
         trimmed, max_len = self[prompt_idx]

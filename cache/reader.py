@@ -1,8 +1,7 @@
 """Random-access reader of finished caches: the shard index and reads of a sample by row.
 
 Unlike webdataset's streaming reader, every sample gets a fixed row number from the manifest before any byte is
-read (so every sample once per epoch, equal steps per rank, a resumable position); a sample is read with one `pread`.
-"""
+read (so every sample once per epoch, equal steps per rank, a resumable position); a sample is read with one `pread`."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import webdataset as wds
 from . import format as F
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
-from .manifest import check_settings, load_manifest
+from .manifest import load_manifest, settings_problem
 from .safe_open import open_fd
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
 from .store_checks import store_problem
@@ -73,15 +72,10 @@ class CacheInfo:
     def fingerprint(self) -> str:
         return self.manifest.fingerprint
 
-    @property
-    def shards(self) -> list[dict]:
-        return self.manifest.shards
-
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
-    does not load, settings that no longer hash to their fingerprint, or a prompt store not of the manifest's shapes
-    (`store_checks.store_problem`)."""
+    does not load, edited settings (`settings_problem`) or a prompt store not of the manifest's (`store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -101,8 +95,7 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
         raise CacheError(f"the caches were made with different settings and their targets cannot be mixed: "
                          f"{listed}; train on caches that share one fingerprint")
     for c in caches:
-        check_settings(c.path, c.manifest)
-        if (problem := store_problem(c.path, c.manifest)) is not None:
+        if problem := settings_problem(c.path, c.manifest) or store_problem(c.path, c.manifest):
             raise CacheError(problem)
     return caches
 
@@ -174,8 +167,7 @@ class ShardStream:
     the iteration ends, `matches` says whether it is the file `rec` records. OSError / TarError when unreadable."""
 
     def __init__(self, cache_dir: str | os.PathLike, rec: dict):
-        self.cache_dir, self.path = cache_dir, Path(cache_dir) / rec.path
-        self.rec = rec
+        self.cache_dir, self.path, self.rec = cache_dir, Path(cache_dir) / rec.path, rec
         self._read: _HashingReader | None = None
 
     def __iter__(self):
@@ -199,7 +191,7 @@ def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
     """Every shard of `caches` in order: (cache id, cache dir, record, first row). Rows follow the manifests."""
     out, row = [], 0
     for ci, c in enumerate(caches):
-        for rec in c.shards:
+        for rec in c.manifest.shards:
             out.append((ci, c.path, rec, row))
             row += int(rec.samples)
     return out
@@ -207,16 +199,14 @@ def shard_list(caches: list[CacheInfo]) -> list[tuple[int, Path, dict, int]]:
 
 def empty_table(caches: list[CacheInfo]) -> np.ndarray:
     """A zeroed table with one row per sample listed in the manifests (filled by `fill_table`)."""
-    return np.zeros((sum(int(r.samples) for c in caches for r in c.shards), N_COLS), dtype=np.int64)
+    return np.zeros((sum(int(r.samples) for c in caches for r in c.manifest.shards), N_COLS), dtype=np.int64)
 
 
 def fill_table(table: np.ndarray, shard_id: int, cache_id: int, first_row: int, scanned: np.ndarray) -> None:
     """Place one shard's scan in the table (rows first_row .. first_row + len)."""
     rows = slice(first_row, first_row + len(scanned))
-    table[rows, C_CACHE] = cache_id
-    table[rows, C_SHARD] = shard_id
-    for j, c in enumerate(SCAN_COLS):
-        table[rows, c] = scanned[:, j]
+    table[rows, C_CACHE], table[rows, C_SHARD] = cache_id, shard_id
+    table[rows, list(SCAN_COLS)] = scanned
 
 
 class CacheIndex:
@@ -230,10 +220,7 @@ class CacheIndex:
         _, first = np.unique(key, return_index=True)
         self.duplicates = len(table) - len(first)
         self.table = table[np.sort(first)] if self.duplicates else table
-        m = caches[0].manifest
-        self.latent_shape = tuple(m.latent_shape)
-        self.dtype = m.dtype
-        self.steps = int(m.steps)
+        self.steps = int(caches[0].manifest.steps)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -260,38 +247,33 @@ def check_complete(cache: CacheInfo, cache_id: int, table: np.ndarray, shards: l
     rows = table[table[:, C_CACHE] == cache_id]
     fix = (f"rerun the same `wandistiller teacher-cache` command on it: it rewrites {F.MANIFEST} from the parts' "
            "progress records (`wandistiller cache verify` lists every problem)")
-    _, first, counts = np.unique(sample_code(rows), return_index=True, return_counts=True)
-    subset = len(recorded) < dims[2]
-    for cols, limit in zip((C_PROMPT, C_SEED, C_STEP), dims):
-        out = (rows[:, cols] < 0) | (rows[:, cols] >= limit)
-        if cols == C_STEP and subset:
-            out |= ~np.isin(rows[:, cols], recorded)
-        foreign = np.flatnonzero(out)
-        if len(foreign):
-            r = rows[foreign[0]]
-            steps = f"recorded steps {','.join(map(str, recorded))}" if subset else f"{dims[2]} steps"
-            raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2].path} holds sample "
-                             f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
-                             f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
+    foreign = np.flatnonzero((rows[:, C_PROMPT] < 0) | (rows[:, C_PROMPT] >= dims[0]) | (rows[:, C_SEED] < 0)
+                             | (rows[:, C_SEED] >= dims[1]) | ~np.isin(rows[:, C_STEP], recorded))
+    if len(foreign):
+        r = rows[foreign[0]]
+        steps = f"recorded steps {','.join(map(str, recorded))}" if len(recorded) < dims[2] else f"{dims[2]} steps"
+        raise CacheError(f"shard {cache.path / shards[int(r[C_SHARD])][2].path} holds sample "
+                         f"{F.sample_key(*(int(r[c]) for c in (C_PROMPT, C_SEED, C_STEP)))}, outside the "
+                         f"{dims[0]} prompts x {dims[1]} seeds x {steps} of its manifest; {fix}")
+    codes, counts = np.unique(sample_code(rows), return_counts=True)
     if (counts > 1).any():
-        code = np.unique(sample_code(rows))[np.argmax(counts > 1)]
+        code = codes[np.argmax(counts > 1)]
         where = sorted({shards[int(r[C_SHARD])][2].path for r in rows[sample_code(rows) == code]})
         raise CacheError(f"cache {cache.path}: {int((counts > 1).sum())} sample(s) are listed more than once "
                          f"(e.g. in {' and '.join(where) if len(where) > 1 else where[0] + ', listed twice'} of "
                          f"{F.MANIFEST}); {fix}")
     expected = dims[0] * dims[1] * len(recorded)
-    if len(first) != expected:
+    if len(codes) != expected:
         listed = {rec.path for ci, _, rec, _ in shards if ci == cache_id}
         unlisted = sorted(f"{F.SHARDS_DIR}/{p.name}" for p in (cache.path / F.SHARDS_DIR).glob("*.tar")
                           if f"{F.SHARDS_DIR}/{p.name}" not in listed)
         why = f"; {', '.join(unlisted[:3])} exist(s) but {F.MANIFEST} does not list it" if unlisted else ""
-        raise CacheError(f"cache {cache.path} lists {len(first)} samples, its settings make {expected} "
-                         f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(first)}{why}; {fix}")
+        raise CacheError(f"cache {cache.path} lists {len(codes)} samples, its settings make {expected} "
+                         f"(prompts x seeds x recorded steps): an epoch would miss {expected - len(codes)}{why}; {fix}")
 
 
 def open_index(dirs: list[str | os.PathLike], checksum: bool = False) -> CacheIndex:
-    """Index of finished caches in one process (no ranks; stage two splits this work over its ranks):
-    every shard scanned (tar headers only unless `checksum`), CacheError for any that is not as recorded."""
+    """Index of finished caches in one process (stage two splits this over its ranks); CacheError for a bad shard."""
     caches = open_caches(dirs)
     table, shards = empty_table(caches), shard_list(caches)
     for sid, (ci, cache_dir, rec, first) in enumerate(shards):
@@ -347,8 +329,7 @@ class SampleReader:
     a bounded LRU of open shards. One reader per process and thread: a DataLoader's workers each make their own."""
 
     def __init__(self, index: CacheIndex, max_open: int = 64):
-        self.index = index
-        self.max_open = max_open
+        self.index, self.max_open = index, max_open
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         # (cache, a tensor member's safetensors header) -> its tensors (name, dtype, count, offset, shape), for

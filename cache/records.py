@@ -1,8 +1,7 @@
 """The cache's JSON records as frozen dataclasses: stage one's header, the manifest, a shard record.
 
 Each record's fields are its JSON keys, in the order written (`to_json`); `from_json` refuses an unknown key, a
-missing one or one of another type or range in one line (docs/architecture.md, "The cache").
-"""
+missing one or one of another type or range in one line (docs/architecture.md, "The cache")."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ class Record:
     NESTED: ClassVar[dict[str, tuple[type, str]]] = {}
 
     def to_json(self) -> dict:
-        names = [f.name for f in fields(self)]
-        return self._json([*self.FIRST, *(n for n in names if n not in self.FIRST)])
+        return self._json([*self.FIRST, *(f.name for f in fields(self) if f.name not in self.FIRST)])
 
     def _json(self, names) -> dict:
         out = {}
@@ -122,9 +120,7 @@ class Record:
             if name not in obj:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     return f"{where}lacks the field {name!r}"
-                continue
-            check = _check(f)
-            if not check[0](obj[name]):
+            elif not (check := _check(f))[0](obj[name]):
                 return f"{where}its field {name!r} is {_short(obj[name])}, expected {check[1]}"
         for name, (kind, label) in cls.NESTED.items():
             found = obj.get(name)  # (an optional one may be null or absent)
@@ -156,10 +152,6 @@ class ShardRecord(Record):
     bytes: int
     crc32c: int  # of the shard's bytes (cache/checksum.py)
     blocks: list[int]  # the part's trajectory blocks it holds
-
-    @property
-    def path_part(self) -> int:
-        return int(SHARD_RE.match(self.path).group(1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,27 +320,18 @@ def parts_problem(num_parts: int, prompts: int) -> str | None:
     return None
 
 
-def shard_path_problem(rel, cache_dir) -> str | None:
-    """Why a shard path recorded in a manifest or progress record is not `shards/part-PPPPP-SSSSSS.tar` inside the
-    cache folder, or None."""
-    if not isinstance(rel, str) or not rel:
-        return f"shard path {rel!r} is not a path"
-    p = PurePosixPath(rel)
-    if p.is_absolute() or PureWindowsPath(rel).drive or ".." in p.parts or "\\" in rel:
-        return f"shard path {rel!r} is outside the cache folder {cache_dir}"
-    if not SHARD_RE.match(rel):
-        return f"shard path {rel!r} is not of the form {F.SHARDS_DIR}/part-PPPPP-SSSSSS.tar"
-    return None
-
-
 def shard_problem(shards: list[ShardRecord], cache_dir, num_parts: int, part: int | None = None) -> str | None:
     """Why a shard record of a manifest (or of part `part`'s progress record) is not one: its path not
-    `shards/part-PPPPP-SSSSSS.tar` of one of its parts (of its own part); None when every one is sound."""
+    `shards/part-PPPPP-SSSSSS.tar` inside the cache folder, of one of its parts (of its own part); or None."""
     for rec in shards:
-        problem = shard_path_problem(rec.path, cache_dir)
-        if problem is None and (rec.path_part >= num_parts or rec.part != rec.path_part
-                                or part not in (None, rec.path_part)):
-            problem = f"shard path {rec.path!r} is not one of {'its parts' if part is None else 'its part'}"
-        if problem is not None:
-            return problem
+        rel = rec.path
+        if not isinstance(rel, str) or not rel:
+            return f"shard path {rel!r} is not a path"
+        p = PurePosixPath(rel)
+        if p.is_absolute() or PureWindowsPath(rel).drive or ".." in p.parts or "\\" in rel:
+            return f"shard path {rel!r} is outside the cache folder {cache_dir}"
+        if not (m := SHARD_RE.match(rel)):
+            return f"shard path {rel!r} is not of the form {F.SHARDS_DIR}/part-PPPPP-SSSSSS.tar"
+        if (own := int(m.group(1))) >= num_parts or rec.part != own or part not in (None, own):
+            return f"shard path {rel!r} is not one of {'its parts' if part is None else 'its part'}"
     return None

@@ -1,7 +1,6 @@
 """The declared sample schema: every tensor and metadata field a cached sample may carry (docs/architecture.md,
 "The cache"; adding a field: "Extension points"). Every setting that turns a field on is in stage one's header, so
-in the fingerprint: a cache with a field and one without are never mixed in training.
-"""
+in the fingerprint: a cache with a field and one without are never mixed in training."""
 
 from __future__ import annotations
 
@@ -76,9 +75,7 @@ META_FIELDS: dict[str, MetaField] = {f.name: f for f in (
 
 def sample_fields(manifest: CacheHeader) -> tuple[str, ...]:
     """Names of the tensors every sample of the cache described by `manifest` (or a stage-one header) carries."""
-    if isinstance(manifest, Manifest):
-        return tuple(manifest.sample_fields)
-    return tuple(declared_fields(manifest))
+    return tuple(manifest.sample_fields if isinstance(manifest, Manifest) else declared_fields(manifest))
 
 
 def recorded_steps(manifest: CacheHeader) -> tuple[int, ...]:
@@ -95,17 +92,14 @@ def declared_fields(header: CacheHeader) -> list[str]:
 def sample_bytes(manifest: CacheHeader, fields=None) -> int:
     """Tensor bytes of one sample (safetensors and tar headers aside) for the cache `manifest` describes:
     `fields` (default: every field its samples carry)."""
-    total = 0
-    for name in fields if fields is not None else sample_fields(manifest):
-        f = SAMPLE_FIELDS[name]
-        total += math.prod(int(d) for d in f.shape(manifest)) * F.DTYPES[f.dtype_name(manifest)].itemsize
-    return total
+    return sum(math.prod(int(d) for d in SAMPLE_FIELDS[name].shape(manifest))
+               * F.DTYPES[SAMPLE_FIELDS[name].dtype_name(manifest)].itemsize
+               for name in (fields if fields is not None else sample_fields(manifest)))
 
 
 def missing_fields(manifest: CacheHeader, needed) -> list[str]:
     """Which of `needed` the cache's samples do not carry."""
-    have = set(sample_fields(manifest))
-    return [n for n in needed if n not in have]
+    return [n for n in needed if n not in sample_fields(manifest)]
 
 
 def check_undeclared(names) -> None:
@@ -125,8 +119,7 @@ def tensor_problems(key: str, tensors: Mapping[str, torch.Tensor], manifest: Cac
     function of their layout alone, which a reader may check once per layout (`reader.SampleReader`)."""
     problems = []
     for name in sample_fields(manifest):
-        field = SAMPLE_FIELDS.get(name)
-        t = tensors.get(name)
+        field, t = SAMPLE_FIELDS.get(name), tensors.get(name)
         if t is None:
             problems.append(f"sample {key} lacks tensor {name}")
             continue
@@ -147,9 +140,7 @@ def meta_problems(key: str, meta: Mapping, manifest: CacheHeader, identity: bool
     problems = []
     for name, field in META_FIELDS.items():
         v = meta.get(name)
-        if field.type is float and isinstance(v, int) and not isinstance(v, bool):
-            continue
-        if not isinstance(v, field.type) or isinstance(v, bool):
+        if not isinstance(v, (int, float) if field.type is float else field.type) or isinstance(v, bool):
             problems.append(f"sample {key} metadata {name} is {v!r}, expected {field.type.__name__}")
     if not identity:
         return problems

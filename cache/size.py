@@ -1,8 +1,7 @@
 """What a cache costs on disk, from its settings: bytes per sample, per prompt, and for a prompt count.
 
 The one place for the arithmetic that `cache info`, `wandistiller plan` and teacher-cache's disk check share, exact
-for what stage one writes (docs/architecture.md, "The cache", Size).
-"""
+for what stage one writes (docs/architecture.md, "The cache", Size)."""
 
 from __future__ import annotations
 
@@ -38,10 +37,8 @@ def _tar_member(size: int) -> int:
 
 def sample_disk_bytes(settings: CacheHeader) -> int:
     """Bytes one sample takes in a shard of the cache `settings` (a manifest, or stage one's header) describe."""
-    tensors = {}
-    for name in sample_fields(settings):
-        field = SAMPLE_FIELDS[name]
-        tensors[name] = torch.empty(field.shape(settings), dtype=F.DTYPES[field.dtype_name(settings)])
+    tensors = {f.name: torch.empty(f.shape(settings), dtype=F.DTYPES[f.dtype_name(settings)])
+               for f in (SAMPLE_FIELDS[name] for name in sample_fields(settings))}
     meta = json.dumps(_META_WORST, sort_keys=True).encode()
     # safetensors' header depends on names, dtypes and shapes only: one save of uninitialised tensors gives it
     return _tar_member(len(meta)) + _tar_member(len(st_save(tensors)))
@@ -102,9 +99,8 @@ def _latents_bytes(settings: CacheHeader, rows: int) -> int:
 def prompt_bytes(settings: CacheHeader, embed_tokens: float | None = None) -> float:
     """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: the bound,
     max_sequence_length), and its seeds' latents (the files' indexes and last chunk's padding left out)."""
-    if embed_tokens is None:
-        embed_tokens = settings.max_sequence_length
-    embed = embed_tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
+    tokens = settings.max_sequence_length if embed_tokens is None else embed_tokens
+    embed = tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
     return embed + 2 * (settings.seeds_per_prompt * latent_bytes(settings) + _CRC)
 
 
@@ -154,8 +150,7 @@ def project(settings: CacheHeader, prompts: int, num_parts: int = 1, *, batch_si
 
 
 def measured_inputs(cache_dir: str | os.PathLike, manifest: Manifest) -> dict:
-    """What a projection from a finished cache takes from the cache itself: its prompts' mean real tokens, its fixed
-    bytes, and the batch size and shard size its parts were written with."""
+    """What `project` takes from a finished cache: mean real tokens, fixed bytes, its batch and shard sizes."""
     cache_dir = Path(cache_dir)
     tokens = rows = 0
     for part in range(manifest.num_parts):

@@ -59,24 +59,6 @@ def check_prompt_rows(cache_dir: str | os.PathLike, num_parts: int, prompts: int
                          f"store was damaged); {REBUILD}")
 
 
-def final_latents_problem(cache_dir: str | os.PathLike, num_parts: int, seeds: int,
-                          latent_shape: tuple[int, ...]) -> str | None:
-    """Why the cache's prompt stores cannot serve final latents (no `final_latents` array of the manifest's shape), or
-    None. Metadata only: a latent never written is caught when it is read and by `cache verify`."""
-    want = (int(seeds), *(int(v) for v in latent_shape))
-    for part in range(num_parts):
-        path = prompt_store_path(cache_dir, part)
-        try:
-            arr = open_prompt_store(path)[Z_FINAL_LATENTS]
-        except UnsafeFileError:
-            raise
-        except Exception as e:  # a missing store or array, whatever zarr raises for it
-            return f"{path} has no {Z_FINAL_LATENTS} array ({type(e).__name__})"
-        if tuple(arr.shape[1:]) != want:
-            return f"{path}/{Z_FINAL_LATENTS} is {list(arr.shape[1:])} per prompt, expected {list(want)}"
-    return None
-
-
 def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | None:
     """Why a part's prompt store is not what the manifest says it holds (an array of another shape, dtype or chunk,
     or one that does not open), or None. Metadata only: every reader checks it before reading a row, so that no
@@ -89,27 +71,23 @@ def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | Non
                 Z_EMBEDS: ((max(1, rows * m.max_sequence_length), m.text_dim), storage_numpy_dtype(dtype)),
                 Z_INIT_NOISE: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32"),
                 Z_FINAL_LATENTS: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32")}
-        rel = store_relpath(part)
+        where = f"prompt store {Path(cache_dir) / store_relpath(part)}"
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))
             for name, (shape, np_dtype) in want.items():
                 try:
                     arr = g[name]
                 except KeyError:
-                    return (f"prompt store {Path(cache_dir) / rel} lacks its {name.replace('_', ' ')} array ({name}); "
-                            f"{REBUILD}")
+                    return f"{where} lacks its {name.replace('_', ' ')} array ({name}); {REBUILD}"
                 blocks = [tuple(arr.chunks), *([tuple(arr.shards)] if arr.shards else [])]
-                if (len(arr.shape) != len(shape) or any(w is not None and w != h for w, h in zip(shape, arr.shape))
-                        or (np_dtype and str(arr.dtype) != np_dtype)
+                if (tuple(arr.shape) != shape or (np_dtype and str(arr.dtype) != np_dtype)
                         or any(c > max(h, TOKENS_PER_FILE) for b in blocks for c, h in zip(b, arr.shape))):
-                    return (f"prompt store {Path(cache_dir) / rel}: {name} is {arr.dtype} {list(arr.shape)} in chunks "
-                            f"of {list(arr.chunks)}, its manifest makes it {np_dtype or ''} "
-                            f"{['?' if w is None else w for w in shape]}; {REBUILD}")
-            if g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE) != dtype:
-                return (f"prompt store {Path(cache_dir) / rel}: {Z_EMBEDS} holds "
-                        f"{g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE)!r} values, its manifest says {dtype}; {REBUILD}")
+                    return (f"{where}: {name} is {arr.dtype} {list(arr.shape)} in chunks of {list(arr.chunks)}, its "
+                            f"manifest makes it {np_dtype or ''} {list(shape)}; {REBUILD}")
+            if (torch_dtype := g[Z_EMBEDS].attrs.get(Z_ATTR_TORCH_DTYPE)) != dtype:
+                return f"{where}: {Z_EMBEDS} holds {torch_dtype!r} values, its manifest says {dtype}; {REBUILD}"
         except UnsafeFileError:
             raise
         except Exception as e:  # a missing store or array, whatever zarr raises for it
-            return f"prompt store {Path(cache_dir) / rel} does not open ({type(e).__name__}: {e}); {REBUILD}"
+            return f"{where} does not open ({type(e).__name__}: {e}); {REBUILD}"
     return None

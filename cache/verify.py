@@ -1,6 +1,5 @@
 """`cache verify`: check every byte a stage reads against what stage one recorded (docs/architecture.md, "The
-cache", Checksums). safetensors is not a checksum: a flipped bit inside tensor data still parses.
-"""
+cache", Checksums). safetensors is not a checksum: a flipped bit inside tensor data still parses."""
 
 from __future__ import annotations
 
@@ -27,11 +26,10 @@ def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[st
         fd = open_fd(cache_dir, rel)
     except FileNotFoundError:
         return [f"{rel}: missing"]
-    problems = []
     size = os.fstat(fd).st_size
     os.close(fd)
-    if size != rec.bytes:
-        problems.append(f"{rel}: {size} bytes on disk, manifest says {rec.bytes} (truncated or replaced)")
+    problems = [] if size == rec.bytes else [f"{rel}: {size} bytes on disk, manifest says {rec.bytes} (truncated or "
+                                             "replaced)"]
     stream, count = ShardStream(cache_dir, rec), 0
     try:
         for members in stream:
@@ -88,10 +86,9 @@ def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[st
             read_projection(cache_dir, m.feature_projection_sha256)
         except CacheError as e:
             problems.append(f"{F.FEATURE_PROJECTION}: {e}")
-    if store is not None:
-        return problems
-    return problems + prompt_row_problems(cache_dir, m.num_parts, m.prompts, checksums=True,
-                                          progress=progress)
+    if store is None:
+        problems += prompt_row_problems(cache_dir, m.num_parts, m.prompts, checksums=True, progress=progress)
+    return problems
 
 
 def _check_negative(cache_dir: Path, m: dict) -> list[str]:

@@ -1,6 +1,5 @@
 """Shard writer: one webdataset tar per shard, written under a temporary name and renamed when complete, so a shard
-under its final name is whole; its crc32c is taken over the bytes as written (docs/architecture.md, Write path).
-"""
+under its final name is whole; its crc32c is taken over the bytes as written (docs/architecture.md, Write path)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class ShardWriter:
     """Write one shard of `part` with number `index`; `close()` makes it visible and returns its record."""
 
     def __init__(self, cache_dir: str | os.PathLike, part: int, index: int):
-        self.part = part
-        self.relpath = shard_relpath(part, index)
+        self.part, self.relpath = part, shard_relpath(part, index)
         self.final = Path(cache_dir) / self.relpath
         self.tmp = self.final.with_name(self.final.name + TMP_SUFFIX)
         self.final.parent.mkdir(parents=True, exist_ok=True)

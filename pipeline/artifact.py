@@ -1,29 +1,10 @@
-"""The run artifact: what `train-student` leaves in its OUT folder, and `distill.json`'s record.
-
-`train-student` writes this layout and `sample`, `eval` and `export` read it; nobody else spells these
-names. The record is a dataclass: a key is written and read under one name only.
-
-    OUT/
-      student/            the trained student (diffusers WanTransformer3DModel); renamed in LAST, so it
-                          exists only when the run finished. A LoRA run (--lora-of) holds its adapters there
-                          instead, in diffusers' LoRA format (LORA_FILES), and LORA_JSON
-      student_ema/        the EMA weights, when --ema-decay > 0
-      student_init/       the untrained student, when it was initialised from teacher blocks
-      distill.json        DistillRecord: what the student learned and how it is meant to be sampled
-      config.json         the resolved train-student config
-      checkpoints/        step-NNNNNNNN/ folders (stages/train_student/checkpoint.py)
-      metrics.jsonl       one JSON record per logged step / evaluation / validation
-      loss.png            the loss curves
-      tensorboard/        TensorBoard event files (--report-to tensorboard, the default)
-      wandb/              W&B's own run folders (--report-to wandb, unless WANDB_DIR says elsewhere)
-      wandb-run.json      the W&B run id a --resume continues
-      writer.lock         the flock of the run's one writer (pipeline/lock.py)
-      eval.json           `eval`'s report, by default
+"""The run artifact: what `train-student` leaves in its OUT folder (the layout: docs/architecture.md, "The run
+artifact"), and `distill.json`'s record. `train-student` writes it, `sample`, `eval` and `export` read it; nobody
+else spells these names. The record is a dataclass: a key is written and read under one name only.
 
 `RunLayout.foreign` tells a folder of ours from anyone else's: `train-student` writes into an --out that is empty
 or holds only these names, each of its kind (a folder or a file; a JSON file that reads as ours), and their
-temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happens to hold a `config.json`.
-"""
+temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happens to hold a `config.json`."""
 
 from __future__ import annotations
 
@@ -90,11 +71,7 @@ class RunLayout:
         a run never makes one, and writing through it would write elsewhere."""
         if not self.root.is_dir():
             return []
-        found = []
-        for entry in sorted(self.root.iterdir()):
-            why = _not_ours(entry)
-            if why is not None:
-                found.append(f"{entry.name}{why}")
+        found = [f"{e.name}{why}" for e in sorted(self.root.iterdir()) if (why := _not_ours(e)) is not None]
         return found[:limit] + ([f"{len(found) - limit} more"] if len(found) > limit else [])
 
 
@@ -112,10 +89,8 @@ def _base_name(name: str) -> str | None:
     `loss.png.tmp.png`, `student.123.old.tmp`); None for a name a run never writes."""
     if name in _RUN_ENTRIES:
         return name
-    for base in _RUN_ENTRIES:
-        if name.startswith(base + ".") and (name.endswith(".tmp") or name == f"{LOSS_PNG}.tmp.png"):
-            return base
-    return None
+    temporary = name.endswith(".tmp") or name == f"{LOSS_PNG}.tmp.png"
+    return next((base for base in _RUN_ENTRIES if temporary and name.startswith(base + ".")), None)
 
 
 # What `_not_ours` reads of a file at most: a run's records are kilobytes (an eval.json of 128 captions ~50 KB, of
@@ -233,14 +208,8 @@ class DistillRecord(Record):
         shared = {f.name for f in fields(CacheHeader)} & {f.name for f in fields(cls)}
         return cls(**{k: getattr(manifest, k) for k in shared}, **learned)
 
-    @property
-    def guided(self) -> bool:
-        """Whether the student learned CFG-guided targets (then it samples at guidance 1)."""
-        return self.cfg
-
-    @property
-    def sampling_steps(self) -> int:
-        return self.student_steps if self.student_steps is not None else self.steps
+    guided = property(lambda self: self.cfg)  # the student learned CFG-guided targets: it samples at guidance 1
+    sampling_steps = property(lambda self: self.steps if self.student_steps is None else self.student_steps)
 
     @classmethod
     def from_json(cls, obj, source: str | os.PathLike = DISTILL) -> DistillRecord:

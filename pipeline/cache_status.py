@@ -1,7 +1,5 @@
-"""Where a cache stage one has not finished stands, and what finishes it: `cache info`'s lines and every reader's
-refusal (`unfinished_problem`), from each part's progress record and its stage-one lock. The words live here, not in
-`cache/`, which keeps to the format and its reading.
-"""
+"""Where a cache stage one has not finished stands, and what finishes it (`cache info`'s lines, every reader's
+refusal), from each part's progress record and stage-one lock: the words live here, `cache/` keeps to the format."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class PartStatus:
 def parts_status(cache_dir: str | os.PathLike) -> tuple[int | None, list[PartStatus]]:
     """(the part count, None without records; the status of each part, and of any other with a record or writer)."""
     records = {p: PartProgress.load(cache_dir, p) for p in list_parts(cache_dir)}
-    counts = {r.num_parts for r in records.values()}
-    num_parts = max(counts) if counts else None
+    num_parts = max((r.num_parts for r in records.values()), default=None)
     live = lock.live_writers(cache_dir)
     numbers = sorted(set(range(num_parts or 0)) | set(records) | set(live))
     return num_parts, [_status(p, records.get(p), live.get(p)) for p in numbers]
@@ -57,25 +54,15 @@ def _status(part: int, prog: PartProgress | None, writer: dict | None) -> PartSt
 
 
 def _prompts_done(prog: PartProgress, seeds: int) -> int:
-    """Prompts whose every trajectory (row r's: r * seeds ..) is in a done block (block b's: b * batch_size ..),
-    from the done blocks alone, whatever counts the record claims."""
-    done, spans = 0, []
-    for b in sorted(set(prog.done_blocks)):  # runs of consecutive done blocks: [first trajectory, end)
-        lo, hi = b * prog.batch_size, (b + 1) * prog.batch_size
-        if spans and spans[-1][1] == lo:
-            spans[-1][1] = hi
-        else:
-            spans.append([lo, hi])
-    for lo, hi in spans:
-        done += max(0, min(hi, prog.prompts * seeds) // seeds - -(-lo // seeds))
-    return done
+    """Prompts whose every trajectory lies in a done block, from the done blocks alone (whatever counts it claims)."""
+    done, size = set(prog.done_blocks), prog.batch_size
+    return sum(all(b in done for b in range(r * seeds // size, ((r + 1) * seeds - 1) // size + 1))
+               for r in range(prog.prompts))
 
 
 def describe(s: PartStatus, sizes: bool = False, eta: float | None = None) -> str:
     """One part in words: `part 1: stopped, 3 of 7 prompts, 2 shards` (`sizes`: its samples and bytes too)."""
-    if s.state == NOT_STARTED:
-        return f"part {s.part}: not started"
-    text = f"part {s.part}: {s.state}"
+    text = f"part {s.part}: {s.state}"  # (a part not started has no record, no holder and no ETA)
     if s.prompts is not None:
         text += f", {s.prompts_done} of {s.prompts} prompts, {s.shards} shard{'s' * (s.shards != 1)}"
         if sizes:
@@ -132,8 +119,7 @@ def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
 
 
 def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
-    """Seconds a running part needs for its samples left, at the rate of the shards its process wrote (between its
-    first and its last: loading the teacher does not count); None for a part not running, or before a shard."""
+    """Seconds left for a running part at its shards' rate (first to last: loading the teacher is left out), or None."""
     started = (status.holder or {}).get("started")
     prog = PartProgress.load(cache_dir, status.part) if status.state == RUNNING else None
     if prog is None or not isinstance(started, (int, float)):
@@ -149,11 +135,9 @@ def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
     written.sort()
     if not written:
         return None
-    span = written[-1][0] - written[0][0]
-    if len(written) > 1 and span > 0:
-        rate = sum(n for _, n in written[1:]) / span
-    else:
-        rate = sum(n for _, n in written) / max(written[-1][0] - started, 1e-3)
+    span = written[-1][0] - written[0][0]  # (> 0: at least two shards)
+    rate = (sum(n for _, n in written[1:]) / span if span > 0 else
+            sum(n for _, n in written) / max(written[-1][0] - started, 1e-3))
     return (status.samples_total - status.samples) / rate if rate > 0 else None
 
 
@@ -162,9 +146,8 @@ def lines(info: dict) -> list[str]:
     out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info['num_parts']} part(s) finished, "
            f"{info['samples']} samples ({human(info['bytes'])}) so far"]
     for part in info["parts"]:
-        part = dict(part)
-        eta = part.pop("eta_s")
-        out.append(f"  {describe(PartStatus(**part), sizes=True, eta=eta)}")
+        status = PartStatus(**{k: v for k, v in part.items() if k != "eta_s"})
+        out.append(f"  {describe(status, sizes=True, eta=part['eta_s'])}")
     out.append(f"to finish: {info['to_finish']}")
     return out
 

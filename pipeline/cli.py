@@ -24,26 +24,6 @@ from .errors import UserError, user_errors
 from .options import config_options
 
 
-def _quiet_libraries() -> None:
-    # diffusers/transformers progress bars and advisory warnings would drown our own bar and summary.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*upcast_vae.*")
-    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from diffusers.utils import logging as dlog
-
-        dlog.disable_progress_bar()
-        dlog.set_verbosity_error()
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
-        tlog.set_verbosity_error()
-    except ImportError:
-        pass
-
-
 def _start(cpu_only: bool) -> None:
     """Once a command knows where it runs, before it imports a stage (whose imports ask CUDA): a CPU run hides the
     GPUs from the process (runtime.hide_gpus); then the libraries are quietened."""
@@ -51,7 +31,16 @@ def _start(cpu_only: bool) -> None:
         from .runtime import hide_gpus
 
         hide_gpus()
-    _quiet_libraries()
+    # diffusers/transformers progress bars and advisory warnings would drown our own bar and summary.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*upcast_vae.*")
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+        if name in ("diffusers", "transformers"):
+            library = importlib.import_module(f"{name}.utils.logging")
+            library.disable_progress_bar()
+            library.set_verbosity_error()
 
 
 def common_options(fn):
@@ -72,33 +61,30 @@ def common_options(fn):
     return wrapper
 
 
-def _lowercase_error(e: click.ClickException) -> click.ClickException:
-    """Have click's own refusals end in `error: ...` like every other message of ours, not click's `Error: ...`."""
-    show = e.show
+def _lowercased(call, *args):
+    """call(*args), click's own refusals ending in `error: ...` like every other message of ours, not `Error: ...`."""
+    try:
+        return call(*args)
+    except click.ClickException as e:
+        show = e.show
 
-    def shown(file=None):
-        buf = io.StringIO()
-        show(file=buf)
-        click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
+        def shown(file=None):
+            buf = io.StringIO()
+            show(file=buf)
+            click.echo(re.sub(r"^Error: ", "error: ", buf.getvalue(), flags=re.M), file=file or sys.stderr, nl=False)
 
-    e.show = shown
-    return e
+        e.show = shown
+        raise
 
 
 class _Group(click.Group):
     """The `wandistiller` group: every click error raised while it parses or runs a subcommand says `error:`."""
 
     def make_context(self, *args, **kwargs):
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.ClickException as e:
-            raise _lowercase_error(e) from None
+        return _lowercased(functools.partial(super().make_context, **kwargs), *args)
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.ClickException as e:
-            raise _lowercase_error(e) from None
+        return _lowercased(super().invoke, ctx)
 
 
 def _run_stage(cls, config_file, flags, module: str) -> None:
@@ -113,9 +99,13 @@ def _run_stage(cls, config_file, flags, module: str) -> None:
 def main():
     """WanDistiller: distill a Wan 2.x video teacher into a small text-to-image student, offline.
 
-    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the
-    student (on one GPU or many: ddp or fsdp) from that cache alone.
-    """
+    Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the student (on
+    one GPU or many: ddp or fsdp) from that cache alone."""
+
+
+def _stage_command(name: str, cls, errors: str):
+    """Decorator of a stage command: the options of its config `cls`, --config and --log-level, errors in one line."""
+    return lambda fn: main.command(name)(config_options(cls)(common_options(user_errors(errors)(fn))))
 
 
 @main.command("tiny-teacher")
@@ -131,8 +121,7 @@ def tiny_teacher_cmd(out, variant, seed):
     """Write the embedded tiny Wan teacher (diffusers format, no download): random weights, or the trained
     shapes teacher.
 
-    Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2
-    """
+    Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2"""
     _start(cpu_only=True)  # builds the weights on the CPU
     from .tiny_teacher import write_tiny_teacher
 
@@ -143,18 +132,14 @@ def tiny_teacher_cmd(out, variant, seed):
     click.echo(f"tiny {variant} teacher written to {path}")
 
 
-@main.command("teacher-cache")
-@config_options(TeacherCacheConfig)
-@common_options
-@user_errors("teacher-cache")
+@_stage_command("teacher-cache", TeacherCacheConfig, "teacher-cache")
 def teacher_cache_cmd(config_file, **flags):
     """Stage one: run the teacher over prompts x seeds x steps and write a resumable cache.
 
     Rerunning the same command resumes; under torchrun each rank is one part.
 
-    Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt
-    --out runs/cache --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64
-    """
+    Example: wandistiller teacher-cache --teacher runs/tiny-teacher --prompts data/prompts.txt --out runs/cache
+    --placement cpu --steps 8 --height 64 --width 64 --max-sequence-length 64"""
     cfg = load_config(TeacherCacheConfig, config_file, flags)
     _start(cfg.cpu_only or cfg.dry_run)  # a dry run touches no device
     from stages import teacher_cache
@@ -162,25 +147,18 @@ def teacher_cache_cmd(config_file, **flags):
     (teacher_cache.dry_run if cfg.dry_run else teacher_cache.run)(cfg)
 
 
-@main.command("sample")
-@config_options(SampleConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("sample", SampleConfig, "sample")
 def sample_cmd(config_file, **flags):
     """Teacher and student images from the same noise, side by side: one PNG row per prompt.
 
     \b
     Example:
       wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
-        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4
-    """
+        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4"""
     _run_stage(SampleConfig, config_file, flags, "stages.sample.sample")
 
 
-@main.command("export")
-@config_options(ExportConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("export", ExportConfig, "sample")
 def export_cmd(config_file, **flags):
     """Write a diffusers pipeline folder with the student as its one transformer, ready for the Hub.
 
@@ -190,42 +168,32 @@ def export_cmd(config_file, **flags):
     \b
     Example:
       wandistiller export --student runs/student --teacher runs/tiny-teacher --out runs/student-pipeline
-      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student
-    """
+      wandistiller export --student runs/student --out runs/student-hub --push-to-hub you/wan-student"""
     _run_stage(ExportConfig, config_file, flags, "stages.sample.export")
 
 
-@main.command("eval")
-@config_options(EvalConfig)
-@common_options
-@user_errors("sample")
+@_stage_command("eval", EvalConfig, "sample")
 def eval_cmd(config_file, **flags):
-    """Compare the student with the teacher's cached trajectories: velocity error per step, error of the
-    sampled final latent (trained and untrained), and sampling time of student vs teacher; with
-    --attributes, also what share of the teacher's attribute accuracy (shape and background colours,
-    position) the student keeps on shapes captions.
+    """Compare the student with the teacher's cached trajectories: velocity error per step, error of the sampled final
+    latent (trained and untrained), and sampling time of student vs teacher; with --attributes, also what share of the
+    teacher's attribute accuracy (shape and background colours, position) the student keeps on shapes captions.
 
     \b
     Example:
       wandistiller eval --student runs/student --cache runs/heldout-cache --max-prompts 16
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --attributes data/shapes-heldout.txt
       wandistiller eval --student runs/demo/student --cache runs/demo/cache --student-steps 1,2,4 \\
-        --compare runs/demo/student-4step --attributes data/shapes-heldout.txt
-    """
+        --compare runs/demo/student-4step --attributes data/shapes-heldout.txt"""
     _run_stage(EvalConfig, config_file, flags, "stages.sample.evaluate")
 
 
-@main.command("train-student")
-@config_options(TrainStudentConfig)
-@common_options
-@user_errors("train-student")
+@_stage_command("train-student", TrainStudentConfig, "train-student")
 def train_student_cmd(config_file, **flags):
-    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy)
-    under torchrun.
+    """Stage two: train a student from one or more caches (no teacher, no text encoder); DDP or FSDP (--strategy) under
+    torchrun.
 
-    Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json
-    --out runs/student --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16
-    """
+    Example: wandistiller train-student --cache runs/cache --student-config configs/student-tiny.json --out runs/student
+    --epochs 4 --batch-size 16 --lr 1e-3 --warmup-steps 20 --holdout-prompts 16"""
     _run_stage(TrainStudentConfig, config_file, flags, "stages.train_student")
 
 
@@ -247,14 +215,14 @@ def plan_cmd(as_json, config_file, **flags):
       wandistiller plan --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers --gpus-per-node 8 --nodes 4 --gpu-memory 80GiB \\
         --prompts 200000
       wandistiller plan --teacher tests/data/wan22-a14b-configs --assume-gpus 4x24GiB --assume-ram 256GiB
-      wandistiller plan --config configs/wan2.2-t2v-a14b.toml --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers
-    """
+      wandistiller plan --config configs/wan2.2-t2v-a14b.toml --teacher Wan-AI/Wan2.2-T2V-A14B-Diffusers"""
     own = {f.name for f in dataclasses.fields(PlanSettings)}
     settings = load_config(PlanSettings, None, {k: v for k, v in flags.items() if k in own})
     given = {k: v for k, v in flags.items() if k not in own and v is not None}
     _start(cpu_only=False)  # plans for the GPUs it sees
     from stages.teacher_cache import plan_from_flags
-    from stages.teacher_cache.plan_report import PLACEHOLDERS, NoPlacement
+    from stages.teacher_cache.launch import PLACEHOLDERS
+    from stages.teacher_cache.plan_report import NoPlacement
 
     run = load_config(TeacherCacheConfig, config_file, given | PLACEHOLDERS)  # checked as teacher-cache checks it
     try:
@@ -283,20 +251,16 @@ def cache_info_cmd(cache_dir, prompts, as_json):
     bytes on disk per sample, per prompt and projected for --prompts N. Of a cache stage one has not finished: each
     part's prompts done, shards and samples, who writes it and its ETA, and how to finish it.
 
-    Example: wandistiller cache info runs/cache --prompts 100000
-    """
+    Example: wandistiller cache info runs/cache --prompts 100000"""
     _start(cpu_only=True)
     from cache.manifest import summarize
 
     from .cache_status import lines, summarize_unfinished
 
     unfinished = summarize_unfinished(cache_dir)
-    if unfinished is not None:
-        click.echo(json.dumps(unfinished, indent=2) if as_json else "\n".join(lines(unfinished)))
-        return
-    info = summarize(cache_dir, prompts)
-    if as_json:
-        click.echo(json.dumps(info, indent=2))
+    info = summarize(cache_dir, prompts) if unfinished is None else unfinished
+    if as_json or unfinished is not None:
+        click.echo(json.dumps(info, indent=2) if as_json else "\n".join(lines(unfinished)))
         return
     from cache.size import human
 
@@ -313,8 +277,7 @@ def cache_verify_cmd(cache_dir):
     """Re-hash every shard and check counts, shapes, dtypes and prompt rows. Exit 0 if sound, 1 if not (2: not a
     cache, or one whose stage one has not finished: the line names its unfinished parts).
 
-    Example: wandistiller cache verify runs/cache
-    """
+    Example: wandistiller cache verify runs/cache"""
     _start(cpu_only=True)
     from cache import format as F
     from cache.cache_error import CacheError
@@ -329,8 +292,7 @@ def cache_verify_cmd(cache_dir):
         load_manifest(cache_dir)  # (raises the CacheError that says which, and what to do)
     problems = verify_cache(cache_dir, progress=sys.stderr.isatty())
     if problems:
-        for p in problems:
-            click.echo(f"BAD {p}")
+        click.echo("\n".join(f"BAD {p}" for p in problems))
         click.echo(f"{len(problems)} problem(s) in {cache_dir}; rebuild the named shards by deleting them "
                    "and rerunning teacher-cache, or rebuild the cache with --overwrite", err=True)
         sys.exit(1)

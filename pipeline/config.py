@@ -1,7 +1,6 @@
 """Configs of every command, side by side: one frozen dataclass each, loaded from TOML with CLI flags on top
 (config_types.load_config; docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI builds
-its options from it at load.
-"""
+its options from it at load."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
 )
 from .settings import (
-    at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, non_empty, one_of, positive,
-    refuse_foreign, setting, settings_of, str_tuple,
+    at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
+    positive, refuse_foreign, setting, settings_of, str_tuple,
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
@@ -43,11 +42,9 @@ def save_resolved(cfg, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, (json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n").encode())
 
 
-class _DeviceChoice:
-    @property
-    def cpu_only(self) -> bool:
-        """The run asked for the CPU: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
-        return self.device == "cpu"
+def _asks_cpu(cfg) -> bool:
+    """`cpu_only` of a config with --device: the CLI hides the GPUs before anything asks CUDA (runtime.hide_gpus)."""
+    return cfg.device == "cpu"
 
 
 def _revision(of: str = "--teacher", default_text: str | None = None):
@@ -104,9 +101,8 @@ class RecordSettings:
 class TeacherRun(PlacementSettings, RunShape, RecordSettings):
     """The teacher's run as `plan` sizes it and `teacher-cache` runs it."""
 
-    teacher: str = setting(help="Wan pipeline: local diffusers folder or Hub id (e.g. "
-                                "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).",
-                           check=non_empty)
+    teacher: str = setting(check=non_empty, help="Wan pipeline: local diffusers folder or Hub id (e.g. "
+                           "Wan-AI/Wan2.2-T2V-A14B-Diffusers; HF_HUB_OFFLINE=1 uses the local Hub cache).")
     revision: str | None = _revision()
     placement: str = setting("auto", help=f"Where the teacher's weights live: {' | '.join(PLACEMENTS.names())} | a "
                                           "device-map .json (docs/placements.md; `wandistiller plan` explains auto).",
@@ -138,9 +134,7 @@ class TeacherCacheConfig(TeacherRun):
     dry_run: bool = setting(False, help="Check the settings, prompts, teacher configs and --out, print what the run "
                                         "would do and exit: no weight loaded, nothing written.")
 
-    @property
-    def cpu_only(self) -> bool:  # (as _DeviceChoice's)
-        return placement_entry(self.placement).caps.gpu == "no"
+    cpu_only = property(lambda self: placement_entry(self.placement).caps.gpu == "no")  # (as _asks_cpu)
 
     def __post_init__(self):
         check_settings(self)
@@ -181,19 +175,12 @@ def _check_record_steps(cfg: TeacherCacheConfig) -> None:
                          f"than --record-steps {n}; record at least {len(keep)}")
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on (its affinity: taskset, cgroups, SLURM's --cpus-per-task)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
-
-
 def _workers(name, v) -> None:
-    """At most one DataLoader worker per core: a worker's work is CPU work (read, crc32c, decode, collate), and more
-    workers than cores only wait for each other (500 of them on 2 cores fork 500 processes)."""
+    """At most one DataLoader worker per core this process may run on (its affinity: taskset, cgroups, SLURM's
+    --cpus-per-task): a worker's work is CPU work (read, crc32c, decode, collate), and more workers than cores only
+    wait for each other (500 of them on 2 cores fork 500 processes)."""
     at_least(0)(name, v)
-    cores = _cores()
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     if v > cores:
         raise ValueError(f"{name} {v} is more than the {cores} CPU core(s) this machine gives the process; use at most "
                          f"{cores} (or leave it out: cores per rank - 2, at most 4)")
@@ -209,7 +196,7 @@ _ObjectiveSettings = merged("_ObjectiveSettings", OBJECTIVES)  # every objective
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
+class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
     """Stage two: train a student (compact, or LoRA adapters on the teacher) from one or more finished caches."""
 
     TOML_SECTION = "train_student"
@@ -282,13 +269,14 @@ class TrainStudentConfig(_DeviceChoice, LoraSettings, _ObjectiveSettings):
     val_every: int = setting(0, check=at_least(0),
                              help="Optimizer steps between validations by sampling the held-out prompts (final-latent "
                                   "MSE against the teacher's cached latents; needs --holdout-prompts); 0 = off.")
-    val_max_prompts: int = setting(4, help="Held-out prompts (all their seeds) validation samples.",
-                                   check=at_least(1))
+    val_max_prompts: int = setting(4, help="Held-out prompts (all their seeds) validation samples.", check=at_least(1))
     val_decode: bool = setting(False, help="Also decode the validation latents with the teacher's VAE (rank 0) and "
                                            "log a teacher|student image grid.")
     dry_run: bool = setting(False, help="Time one training step (after a warm-up step) on this machine and report the "
                                         "student's parameters, memory per GPU, samples/s and the run's projected time, "
                                         "then exit: nothing is written to --out, shards are checked by size only.")
+
+    cpu_only = property(_asks_cpu)
 
     @property
     def objective_settings(self):
@@ -372,10 +360,7 @@ def _check_student_kind(cfg: TrainStudentConfig) -> None:
 
 # -- the commands that run a trained student: sample, export, eval ---------------------------------------
 # A setting left None is resolved at run time: distill.json, the manifest or the teacher, then the DEFAULT_* above.
-
-def _device(name, v) -> None:
-    if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(v)):
-        raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N, got {v!r}")
+_DEVICE = must(lambda v: re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(v)), "be auto, cpu, cuda or cuda:N")
 
 
 def _student(help: str = "train-student --out folder (student/, distill.json) or a student model folder."):
@@ -388,20 +373,21 @@ def _weights():
 
 
 def _compare(help: str):
-    return setting((), help=help, parse=str_tuple, check=_paths, path=True, multiple=True)
-
-
-def _paths(name, v) -> None:
-    if not all(isinstance(c, str) and c for c in v):
-        raise ValueError(f"{name} must list train-student OUT folders, got {v!r}")
+    return setting((), help=help, parse=str_tuple, path=True, multiple=True,
+                   check=must(lambda v: all(isinstance(c, str) and c for c in v), "list train-student OUT folders"))
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Inference(_DeviceChoice):
+class _Inference:
     student: str = _student()
     weights: str = _weights()
-    device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_device)
+    device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_DEVICE)
     dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
+
+    cpu_only = property(_asks_cpu)
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -439,9 +425,6 @@ class SampleConfig(_Inference):
     compare: tuple[str, ...] = _compare("Another train-student OUT drawn beside the student at its own steps "
                                         "(repeatable).")
 
-    def __post_init__(self):
-        check_settings(self)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
@@ -456,9 +439,8 @@ class ExportConfig:
     revision: str | None = _revision(default_text="distill.json's, for its teacher")
     out: str = setting(help="Pipeline folder to create.", check=non_empty, path=True)
     copy: bool = setting(True, flag="copy/link", help="Copy the teacher's text encoder, tokenizer, VAE and scheduler "
-                                                      "into the folder (self-contained: what the Hub needs), or "
-                                                      "symlink them (no second copy on disk; works on this machine "
-                                                      "only).")
+                         "into the folder (self-contained: what the Hub needs), or symlink them (no second copy on "
+                         "disk; works on this machine only).")
     overwrite: bool = setting(False, help="Replace an earlier export at --out (never any other folder).")
     base_model: str | None = setting(None, help="The teacher's Hub id, for the model card's base_model.",
                                      default_text="--teacher when it is a Hub id or a Hub cache snapshot")
@@ -467,6 +449,9 @@ class ExportConfig:
     private: bool = setting(False, help="Create the --push-to-hub repo private.")
     fuse: bool = setting(False, help="A LoRA run: a standalone pipeline with the adapters merged into the teacher's "
                                      "transformers, instead of the adapter files for load_lora_weights.")
+    lora_format: str = setting("diffusers", check=one_of(("diffusers", "wan"), cli_choice=False), help="A LoRA run's "
+                               "adapter files: diffusers (peft key names) or wan (the original Wan key names, "
+                               "diffusion_model.blocks.N...lora_down/lora_up/alpha: for ComfyUI, and diffusers).")
 
     cpu_only = True  # export copies weights and writes files: never a GPU
 
@@ -502,27 +487,19 @@ class EvalConfig(_Inference):
                                     default_text="student_init/ if saved, else distill.json's, else 0")
     batch_size: int = setting(8, help="Samples (velocity MSE) or trajectories (sampling) per forward.",
                               check=at_least(1))
-    attributes: str | None = setting(None, check=non_empty, path=True,
-                                     help="Shapes captions (data/shapes-heldout.txt) that teacher and student draw, "
-                                          "scored by the attribute checker (colours, position); needs the teacher's "
-                                          "text encoder and VAE.")
+    attributes: str | None = setting(None, check=non_empty, path=True, help="Shapes captions "
+                                     "(data/shapes-heldout.txt) that teacher and student draw, scored by the attribute "
+                                     "checker (colours, position); needs the teacher's text encoder and VAE.")
     attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
                                                 check=at_least(1), default_text="all")
     attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
                                   check=at_least(0))
     student_steps: tuple[int, ...] | None = setting(
-        None, parse=int_list, check=lambda name, v: None if min(v) >= 1 else _bad_steps(name, v),
+        None, parse=int_list, check=must(lambda v: min(v) >= 1, "list integers >= 1"),
         help="Sample the student with each of these step counts, e.g. 1,2,4.",
         default_text="its own: distill.json's student_steps, else the teacher's steps")
     compare: tuple[str, ...] = _compare("Another train-student OUT sampled at its own steps from the same noise "
                                         "(repeatable); the report's table lines them up with the teacher.")
-
-    def __post_init__(self):
-        check_settings(self)
-
-
-def _bad_steps(name, v):
-    raise ValueError(f"{name} must list integers >= 1, got {v!r}")
 
 
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
@@ -539,8 +516,7 @@ class PlanSettings:
     gpu_memory: str | None = setting(None, check=byte_size, help="Memory of each GPU, e.g. 80GiB (GiB = 2^30 bytes, GB "
                                                                  "= 10^9).", default_text="this machine's free memory")
     assume_gpus: str | None = setting(None, check=gpu_sizes, help="A node's GPUs when they differ: 4x24GiB, "
-                                                                  "80GiB,40GiB or none (instead of --gpus-per-node and "
-                                                                  "--gpu-memory).")
+                                      "80GiB,40GiB or none (instead of --gpus-per-node and --gpu-memory).")
     assume_ram: str | None = setting(None, check=byte_size, help="Available RAM of a node (e.g. 256GiB).",
                                      default_text="this machine's")
     assume_disk: str | None = setting(None, check=byte_size, help="Free disk under --offload-dir (e.g. 2TiB).",
@@ -550,8 +526,7 @@ class PlanSettings:
     prompts: int | None = setting(None, check=at_least(1), help="Prompt count: the cache's bytes, and stage one's "
                                                                 "GPU-hours and wall time.")
     step_time: float | None = setting(None, check=positive(), help="Seconds of one teacher step of one trajectory (CFG "
-                                                                   "included) with the chosen placement, for the time "
-                                                                   "projection.",
+                                      "included) with the chosen placement, for the time projection.",
                                       default_text="--measure's, else the measured table of docs/costs.md")
     measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement "
                                         "on this machine (plan on the machine that will run it).")

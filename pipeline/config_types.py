@@ -1,11 +1,11 @@
 """Loading a config (`load_config`: TOML with the CLI flags on top), every value checked against its field's
 declared type before a stage sees it, and refused (never coerced) when it does not fit: `overwrite = "false"` is a
-true string to Python (docs/reliability.md, "Exit codes").
-"""
+true string to Python (docs/reliability.md, "Exit codes")."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -54,13 +54,29 @@ def _fits(value, tp, seq_as_str: bool) -> bool:
     return True  # a type this check does not know: the dataclass's own validation decides
 
 
-def type_problem(cls, values: dict[str, Any]) -> tuple[str, str] | None:
-    """(field, message) of the first value in `values` that does not fit its field's type; None when all fit."""
+def _type_problem(cls, values: dict[str, Any], given: dict[str, Any], toml_path) -> str | None:
+    """Why the first value that does not fit its field's type is refused, and the file it came from (unless a flag
+    gave it); None when all fit."""
     types = hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in values and not _fits(values[f.name], types[f.name], seq_as_str=True):
-            return f.name, f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}"
+            where = f" (config file {toml_path})" if toml_path and f.name not in given else ""
+            return f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}{where}"
     return None
+
+
+def read_object(path: str | os.PathLike, what: str, fix: str = "rewrite it or remove it", fmt: str = "JSON") -> dict:
+    """The table (object) a JSON or TOML file holds, or a UserError naming `what` at `path` and the `fix`."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {p} does not exist; {fix}")
+    try:
+        data = (tomllib.loads if fmt == "TOML" else json.loads)(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # both decode errors are ValueErrors
+        raise UserError(f"{what} {p} is not valid {fmt} ({e}); {fix}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {p} must be a {fmt} object, not a {type(data).__name__}; {fix}")
+    return data
 
 
 def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, Any]):
@@ -70,12 +86,7 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     names = {f.name for f in dataclasses.fields(cls)}
     if toml_path is not None:
         p = Path(toml_path)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist; pass an existing TOML file to --config")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config file {p} is not valid TOML: {e}") from e
+        data = read_object(p, "config file", "pass an existing TOML file to --config", "TOML")
         section = getattr(cls, "TOML_SECTION", None)
         if section and isinstance(data.get(section), dict):
             data = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data[section]}
@@ -88,20 +99,15 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
     _refuse_missing(cls, values, toml_path)
-    where = f" (config file {toml_path})" if toml_path else ""
-    problem = type_problem(cls, values)
-    if problem is not None:
-        problem = problem[1] + ("" if problem[0] in given else where)
+    problem = _type_problem(cls, values, given, toml_path)
     try:
         cfg = cls(**values)
     except ValueError as e:  # a range check names the range too: its message wins
         raise UserError(f"{e}{_source(cls, str(e), given, in_file, toml_path)}") from e
-    except TypeError as e:  # missing required field, or a value of the wrong type
-        raise UserError(problem or f"incomplete configuration: {e}") from e
-    except Exception as e:  # a wrong type that __post_init__ tripped over
-        if problem is None:
+    except Exception as e:  # a TypeError (a missing field, a wrong type), or a wrong type __post_init__ tripped over
+        if problem is None and not isinstance(e, TypeError):
             raise
-        raise UserError(problem) from e
+        raise UserError(problem or f"incomplete configuration: {e}") from e
     if problem is not None:
         raise UserError(problem)
     return cfg

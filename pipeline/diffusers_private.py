@@ -1,6 +1,5 @@
 """diffusers' group-offloading internals that the `disk` and `offload` placements use, in one place, each read in
-the diffusers versions CHECKED names: `internal` refuses in one line when one has moved (test_private_adapters.py).
-"""
+the diffusers versions CHECKED names: `internal` refuses in one line when one has moved (test_private_adapters.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""User-facing errors: one clear line, a remedy and a non-zero exit, from the CLI and from every torchrun rank.
-
-The exit codes are one table (`classify`; docs/reliability.md, "Exit codes"), used by `user_errors` (the CLI
-decorator) and `exit_rank` (the end of a failing torchrun rank).
-"""
+"""User-facing errors: one clear line, a remedy and a non-zero exit, from the CLI (`user_errors`) and from every
+torchrun rank (`exit_rank`); the exit codes are one table (`classify`; docs/reliability.md, "Exit codes")."""
 
 from __future__ import annotations
 
@@ -33,11 +30,6 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped cleanly when a scheduler preempt
 
 class Terminated(BaseException):
     """SIGTERM stopped the stage; a BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
-
-
-def _torch():
-    """torch when this process has imported it, else None: a bad flag must not wait seconds for torch to load."""
-    return sys.modules.get("torch")
 
 
 # Stage-specific remedies printed with an out-of-memory report, most effective first.
@@ -74,7 +66,7 @@ def first_line(exc: BaseException) -> str:
 def _memory_report() -> list[str]:
     """Peak RSS, and each CUDA device's figures when this process uses CUDA (a CPU run's must not initialise it)."""
     lines = [f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"]
-    torch = _torch()
+    torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         for d in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(d)
@@ -88,7 +80,7 @@ def _memory_report() -> list[str]:
 def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG keeps its traceback."""
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
-    torch = _torch()
+    torch = sys.modules.get("torch")  # (only once imported: a bad flag must not wait seconds for torch to load)
     if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         lines = [f"out of memory in {stage}: {first_line(exc)}", *(f"  memory: {m}" for m in _memory_report())]
         return EXIT_OOM, "\n".join(lines + ["  remedies:"] + [f"    - {r}" for r in OOM_REMEDIES.get(stage, [])])
@@ -151,9 +143,9 @@ def user_errors(stage: str):
 
 
 def exit_rank(exc: BaseException, env: DistEnv, stage: str) -> NoReturn:
-    """End a failing torchrun rank (call it in the `except` block): print its error, record it for torchrun's
-    summary and leave at once (no teardown: torchrun then stops the other ranks, and a rank blocked in a collective
-    with this one fails instead of waiting). An error every rank raises alike (`exc.all_ranks`): rank 0 prints it."""
+    """End a failing torchrun rank (in the `except` block): print its error (rank 0 alone for one all ranks raise alike,
+    `exc.all_ranks`), record it for torchrun's summary and leave at once: no teardown, so a rank blocked in a collective
+    with this one fails instead of waiting."""
     code, message = classify(exc, stage)
     text = f"[rank {env.rank}] error: {message}"
     if code == EXIT_BUG:

@@ -1,11 +1,10 @@
-"""Fault injection for the fault-tolerance suite (tests/faults): die or fail at a named point of a stage.
-
-WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" (docs/reliability.md, "What the suite does", lists the points and hows).
-The variable is read on the first call, not at import, so processes forked from a preloaded server see their own.
-"""
+"""Fault injection for the fault-tolerance suite (tests/faults): die or fail at a named point of a stage, as
+WANDISTILLER_KILL_AT="<point>:<n>[:<how>]" says (docs/reliability.md, "What the suite does"). The variable is read on
+the first call, not at import, so processes forked from a preloaded server see their own."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -41,15 +40,11 @@ def _parse(spec: str | None) -> tuple[str, int, str] | None:
 def fault_point(name: str) -> None:
     """Mark a point where a fault may be injected; a no-op unless asked for."""
     global _target
-    if _target is None:
-        return
     if _target is _UNREAD:
         _target = _parse(os.environ.get(KILL_AT_ENV))
-        if _target is None:
-            return
-    point, n, how = _target
-    if name != point:
+    if _target is None or name != _target[0]:
         return
+    n, how = _target[1:]
     _seen[name] = _seen.get(name, 0) + 1
     if _seen[name] != n:
         return
@@ -68,8 +63,6 @@ def children(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux: every thread's `children` list in /proc)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
             out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
     return out

@@ -1,7 +1,6 @@
 """Where a teacher the user names lives on this machine: the one place that turns `--teacher` (and
 `--init-from-teacher`) into a local folder (docs/architecture.md, "Teachers by name: local folders and Hub ids").
-huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module.
-"""
+huggingface_hub is imported when a Hub id is resolved, never at load: the CLI imports this module."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from .errors import UserError, first_line
 CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "*/*.safetensors.index.json")
 PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
 FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
-
-EXAMPLE_ID = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
 
 
 def is_hub_id(name: str) -> bool:
@@ -35,43 +32,38 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
                             "--revision")
         return p
     if not is_hub_id(name):
-        raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like {EXAMPLE_ID} "
-                        "(build a tiny one with `wandistiller tiny-teacher`)")
-    return _snapshot(name, revision, files, flag, files if hint_files is None else hint_files, recorded_in)
-
-
-def _snapshot(repo: str, revision: str | None, files: tuple[str, ...], flag: str, hint: tuple[str, ...],
-              recorded_in: str | None = None) -> Path:
-    """snapshot_download, its failures turned into one line each."""
+        raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like "
+                        "Wan-AI/Wan2.2-T2V-A14B-Diffusers (build a tiny one with `wandistiller tiny-teacher`)")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
     at = f" at revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(files),
+        return Path(snapshot_download(name, revision=revision, allow_patterns=list(files),
                                       local_files_only=recorded_in is not None))
     except hf.RevisionNotFoundError as e:
-        raise UserError(f"{flag} {repo}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
+        raise UserError(f"{flag} {name}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
                         "that exists (or leave --revision out for main)") from e
     except (hf.GatedRepoError, hf.RepositoryNotFoundError) as e:
-        raise UserError(f"{flag} {repo} is not on the Hub or needs a login ({first_line(e)}); check the id, accept "
+        raise UserError(f"{flag} {name} is not on the Hub or needs a login ({first_line(e)}); check the id, accept "
                         "its licence on huggingface.co and run `hf auth login`, or pass a local folder") from e
     except hf.IncompleteSnapshotError as e:  # (a LocalEntryNotFoundError: before it)
-        raise UserError(f"{flag} {repo}{at}: the cached copy is incomplete and the Hub cannot be reached "
+        raise UserError(f"{flag} {name}{at}: the cached copy is incomplete and the Hub cannot be reached "
                         f"({first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
     except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
         if recorded_in is not None:
-            raise UserError(f"{recorded_in} names the teacher {repo}{at}, a Hub id that is not in the local Hub cache "
+            raise UserError(f"{recorded_in} names the teacher {name}{at}, a Hub id that is not in the local Hub cache "
                             f"({constants.HF_HUB_CACHE}); nothing is downloaded because a file says so: pass "
-                            f"{flag} {repo} to fetch it (or a local folder)") from e
+                            f"{flag} {name} to fetch it (or a local folder)") from e
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+        hint = files if hint_files is None else hint_files
         include = " --include " + " ".join(f"'{f}'" for f in hint) if hint != PIPELINE else ""
-        raise UserError(f"{flag} {repo}{at} is not in the local Hub cache ({constants.HF_HUB_CACHE}) and {why}; "
-                        f"download it where the Hub is reachable (`hf download {repo}{include}`) into that cache "
+        raise UserError(f"{flag} {name}{at} is not in the local Hub cache ({constants.HF_HUB_CACHE}) and {why}; "
+                        f"download it where the Hub is reachable (`hf download {name}{include}`) into that cache "
                         "(or set HF_HOME to one that holds it), or pass a local folder") from e
     except hf.HfHubHTTPError as e:  # (an OSError: before it)
-        raise UserError(f"{flag} {repo}: the Hub answered {first_line(e)}; retry later, or pass a local "
+        raise UserError(f"{flag} {name}: the Hub answered {first_line(e)}; retry later, or pass a local "
                         "folder") from e
     except OSError as e:  # a cache folder that cannot be written, a full disk
-        raise UserError(f"{flag} {repo}: fetching it from the Hub failed ({first_line(e)}); free space or fix the "
+        raise UserError(f"{flag} {name}: fetching it from the Hub failed ({first_line(e)}); free space or fix the "
                         f"permissions of {constants.HF_HUB_CACHE}, or pass a local folder") from e

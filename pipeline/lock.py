@@ -1,11 +1,10 @@
-"""One writer per output: an exclusive `flock` on a lock file, held for the life of the writing process.
-
-docs/reliability.md ("One writer per output folder", "Folders someone else handed over") gives the design, the
-cases and the refusals; stage one locks each part (`locks/part-NNNNN.lock`), stage two its run folder (rank 0).
-"""
+"""One writer per output: an exclusive `flock` on a lock file, held for the life of the writing process; stage one
+locks each part (`locks/part-NNNNN.lock`), stage two its run folder (rank 0): docs/reliability.md, "One writer per
+output folder" and "Folders someone else handed over"."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -72,14 +71,12 @@ def read_head(path: str | os.PathLike, n: int) -> bytes:
     """The first `n` bytes of the regular file `path`, opened by `open_regular`; b"" where none can be read."""
     try:
         fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
+        try:
+            return os.pread(fd, n, 0)
+        finally:
+            os.close(fd)
     except (OSError, UnsafeFile):
         return b""
-    try:
-        return os.pread(fd, n, 0)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
 
 
 def _check_locks_dir(folder: Path) -> bool:
@@ -103,8 +100,7 @@ _HELD: dict[Path, tuple[int, Path | None]] = {}
 
 
 def acquire(path: str | os.PathLike, what: str) -> None:
-    """Take the exclusive lock `path` for `what` (e.g. "part 0 of cache /x"), until `release` or the process exits,
-    or refuse with one line naming the holder. One it holds already: a no-op."""
+    """Hold the exclusive lock `path` for `what` ("part 0 of cache /x") until `release` or exit, or refuse it."""
     path = Path(path).absolute()
     if path in _HELD:
         return
@@ -156,8 +152,7 @@ def _lock_exclusive(fd: int) -> bool:
 
 
 def release(path: str | os.PathLike) -> None:
-    """Give up the lock `path` if this process holds it, removing the lock file (and the folder acquire made
-    for it, if empty). Unlinked before unlocking, so no one can lock a file about to vanish."""
+    """Give up the lock `path` if held, unlinked before unlocking (so no one locks a file about to vanish)."""
     path = Path(path).absolute()
     if path not in _HELD:
         return
@@ -165,10 +160,8 @@ def release(path: str | os.PathLike) -> None:
     path.unlink(missing_ok=True)
     os.close(fd)
     if made_dir is not None:
-        try:
+        with contextlib.suppress(OSError):  # (kept when not empty)
             made_dir.rmdir()
-        except OSError:
-            pass
 
 
 def _record(fd: int) -> dict:
@@ -204,20 +197,13 @@ def live_writers(cache_dir: str | os.PathLike) -> dict[int, dict]:
         names = sorted(os.listdir(folder))
     except (UnsafeFile, OSError):  # a link to elsewhere or no folder at all: no writer can hold a lock in it
         return {}
-    live = {}
-    for name in names:
-        m = _PART_LOCK.fullmatch(name)
-        record = live_writer(folder / name) if m else None
-        if record is not None:
-            live[int(m.group(1))] = record
-    return live
+    locks = [(int(m.group(1)), folder / name) for name in names if (m := _PART_LOCK.fullmatch(name))]
+    return {part: record for part, path in locks if (record := live_writer(path)) is not None}
 
 
 def live_writer(path: str | os.PathLike) -> dict | None:
-    """The record `acquire` wrote of the live process holding the stage-one lock `path` ({} if not written yet), or
-    None when none holds it (a killed writer's file, or junk that is no regular file). Probed with a shared flock
-    taken and dropped at once (it sees holders on other NFS clients too), never by a pid, which says nothing across
-    hosts."""
+    """The record `acquire` wrote of the live holder of the stage-one lock `path` ({} if not written yet), else None;
+    probed with a shared flock taken and dropped at once (it sees holders on other NFS clients too), never by a pid."""
     try:
         fd = open_regular(path, os.O_RDONLY, single_link=False)  # the probe writes nothing: a second name is harmless
     except (FileNotFoundError, UnsafeFile):

@@ -1,18 +1,24 @@
 """The LoRA student as one model (`LoraExperts`, docs/lora.md): the teacher's transformer(s), frozen, with peft
-adapters, called like one transformer; `load` rebuilds it through diffusers' own LoRA loader.
-"""
+adapters, called like one transformer; `load` rebuilds it through diffusers' own LoRA loader."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from .artifact import LORA_JSON, LoraRecord
+from .user_error import UserError
 
 COMPONENTS = ("transformer", "transformer_2")  # expert 1 (high noise), expert 2 (low noise)
 ADAPTER = "default"  # the adapter's name inside each expert (peft's default)
+# A block's modules: diffusers' names -> the original Wan code's, which ComfyUI's Wan model keeps and diffusers' own
+# Wan LoRA converter (lora_conversion_utils' `_convert_non_diffusers_wan_lora_to_diffusers`) reads back.
+WAN_NAMES = {f"{a}.{d}": f"{w}.{o}" for a, w in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+             for d, o in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))}
+WAN_NAMES |= {"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
 
 
 def add_adapter(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
@@ -50,14 +56,13 @@ class LoraExperts(torch.nn.Module):
 
     def _groups(self, timestep: torch.Tensor) -> list[tuple[str, torch.Tensor | None]]:
         """(expert, the batch rows it runs, None for all of them) for each expert with rows."""
-        first = COMPONENTS[0]
         if self.boundary_timestep is None:
             return [(next(iter(self.experts)), None)]
         t = timestep if timestep.ndim == 1 else timestep[:, 0]  # (per-token timesteps: the first token's)
         high = t >= self.boundary_timestep
         if bool(high.all()) or not bool(high.any()):
-            return [(first if bool(high.all()) else COMPONENTS[1], None)]
-        return [(first, high.nonzero().flatten()), (COMPONENTS[1], (~high).nonzero().flatten())]
+            return [(COMPONENTS[0] if bool(high.all()) else COMPONENTS[1], None)]
+        return [(COMPONENTS[0], high.nonzero().flatten()), (COMPONENTS[1], (~high).nonzero().flatten())]
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
         groups = self._groups(timestep)
@@ -143,6 +148,21 @@ class LoraExperts(torch.nn.Module):
                                           transformer_lora_adapter_metadata=metadata)
             _sort_metadata(folder / self.record.files[comp])
         (folder / LORA_JSON).write_text(json.dumps(self.record.to_json(), indent=1) + "\n")
+
+
+def wan_state(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """An adapter file's tensors in diffusers' keys (`transformer.blocks.N.attn1.to_q.lora_A.weight`) under the
+    original Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.lora_up.weight`, `.alpha`)."""
+    out = {}
+    for key, v in state.items():
+        m = re.fullmatch(r"transformer\.blocks\.(\d+)\.(.+)\.lora_([AB])\.weight", key)
+        if m is None or m[2] not in WAN_NAMES:
+            raise UserError(f"lora-format wan: the adapter on {key.removeprefix('transformer.').split('.lora_')[0]} "
+                            "has no Wan key name (a block's attention and FFN have); use --lora-format diffusers")
+        module = f"diffusion_model.blocks.{m[1]}.{WAN_NAMES[m[2]]}"
+        out[f"{module}.lora_{'down' if m[3] == 'A' else 'up'}.weight"] = v
+        out[f"{module}.alpha"] = torch.tensor(float(alpha))  # (the update is scaled by alpha / rank, as peft's)
+    return out
 
 
 def _sort_metadata(path: Path) -> None:

@@ -1,6 +1,5 @@
 """The click options of a command, generated from its config's settings (docs/architecture.md, "Settings and
-registries"). Every option defaults to None (not given), so that a TOML value stands unless a flag overrides it.
-"""
+registries"). Every option defaults to None (not given), so that a TOML value stands unless a flag overrides it."""
 
 from __future__ import annotations
 
@@ -13,12 +12,9 @@ from .settings import OWNER, declared, hints, name_of, one_of, required
 
 
 def _default_text(f: dataclasses.Field) -> str | None:
-    text = f.metadata.get("default_text")
-    if text is not None:
+    d, text = f.default, f.metadata.get("default_text")
+    if text is not None or d is dataclasses.MISSING or d is None or d == ():
         return text
-    d = f.default
-    if d is dataclasses.MISSING or d is None or d == ():
-        return None
     if isinstance(d, bool):  # the spelling of the switch that is on by default
         on, _, off = (f.metadata.get("flag") or f.name.replace("_", "-")).partition("/")
         return on if d else (off or f"no-{on}")
@@ -44,10 +40,6 @@ def _type(f: dataclasses.Field, tp):
     return base if base in (int, float) else str  # (lists too: "0,4,8", which the config parses)
 
 
-def _none_if_empty(ctx, param, value):
-    return value or None  # a repeatable flag not given: the config file's value, if any
-
-
 def _option(f: dataclasses.Field, tp):
     name = name_of(f)
     kw: dict = {"default": None, "help": help_of(f)}
@@ -56,7 +48,8 @@ def _option(f: dataclasses.Field, tp):
         return click.option(f"--{on}/--{off or 'no-' + on}", f.name, **kw)
     kw["type"] = _type(f, tp)
     if f.metadata.get("multiple"):
-        kw.update(multiple=True, default=(), callback=_none_if_empty)
+        # A repeatable flag not given is None: the config file's value, if any, stands.
+        kw.update(multiple=True, default=(), callback=lambda ctx, param, value: value or None)
     return click.option(f"--{name}", f.name, **kw)
 
 

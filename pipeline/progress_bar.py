@@ -1,6 +1,5 @@
 """Progress bars: tqdm's redrawn bar on a terminal, and in a log file (stderr not a TTY) one plain line every
-LOG_INTERVAL_S instead of carriage-return frames, which a log keeps all of.
-"""
+LOG_INTERVAL_S instead of carriage-return frames, which a log keeps all of."""
 
 from __future__ import annotations
 
@@ -50,7 +49,5 @@ class LineBar(tqdm):
 def progress_bar(*args, file=None, **kwargs) -> tqdm:
     """A tqdm bar (same arguments) on stderr or `file`: redrawn on a terminal, plain lines (`LineBar`) elsewhere."""
     file = sys.stderr if file is None else file
-    isatty = getattr(file, "isatty", None)
-    if isatty is not None and isatty():
-        return tqdm(*args, file=file, **kwargs)
-    return LineBar(*args, file=file, **kwargs)
+    bar = tqdm if getattr(file, "isatty", lambda: False)() else LineBar
+    return bar(*args, file=file, **kwargs)

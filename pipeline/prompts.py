@@ -1,6 +1,5 @@
 """Prompt files: `.txt` (one prompt a line; blank lines and `#` comments skipped) or `.jsonl`
-(docs/usage.md). A control character or an over-long prompt is refused with its line, before anything tokenizes it.
-"""
+(docs/usage.md). A control character or an over-long prompt is refused with its line, before anything tokenizes it."""
 
 from __future__ import annotations
 
@@ -52,9 +51,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
 
 
 def _lines(p: Path, f):
-    """(line number, decoded line without its ending) for each line of `f`, read a line at a time (a line past
-    MAX_LINE_BYTES is refused before it is read whole). A line ends at `\\n` alone, as an editor numbers them:
-    `str.splitlines` would also split at a form feed, NEL, U+2028, ... and every error's line number would be off."""
+    """(line number, decoded line without its ending) of `f`, a line at a time (one past MAX_LINE_BYTES is refused
+    unread). A line ends at `\\n` alone, as an editor numbers them: `str.splitlines` would also split at a form feed."""
     offset = 0
     for n in itertools.count(1):
         raw = f.readline(MAX_LINE_BYTES + 1)

@@ -1,7 +1,6 @@
 """The names a user can choose, each declared once: placements, objectives, strategies, trackers, feature pools
 (docs/architecture.md, "Settings and registries"). Declared here, not beside the implementations, because the CLI
-reads them without importing torch or a stage; an entry names its implementation by import path (`Entry.load`).
-"""
+reads them without importing torch or a stage; an entry names its implementation by import path (`Entry.load`)."""
 
 from __future__ import annotations
 
@@ -104,14 +103,13 @@ class PlacementCaps:
 
 PLACEMENTS = Registry("placement")
 _P = "stages.teacher_cache.placements."
-_ONE_GPU = (1.0, "one GPU computes at a time, as one replica would (not measured)")
 PLACEMENTS.declare("auto", "the planner's pick for this machine (`wandistiller plan` explains it)",
                    caps=PlacementCaps(gpu="if available", picks=True, auto=False), impl=_P + "kinds:Auto")
 PLACEMENTS.declare("cpu", "RAM, computed on the CPU", caps=PlacementCaps(), impl=_P + "kinds:Cpu")
 PLACEMENTS.declare("cuda", "one GPU (one replica per rank under torchrun)",
                    caps=PlacementCaps(gpu="required", replica_per_gpu=True, speed=(1.0, "")), impl=_P + "kinds:Cuda")
 _SPREAD = dict(gpu="required", without_gpu="offload or disk (or cpu)", spreads=True, takes_max_memory=True,
-               speed=_ONE_GPU)
+               speed=(1.0, "one GPU computes at a time, as one replica would (not measured)"))
 PLACEMENTS.declare("balanced", "spread evenly over the GPUs (and RAM) by accelerate", caps=PlacementCaps(**_SPREAD),
                    impl=_P + "device_map:Balanced")
 PLACEMENTS.declare("sequential", "filling GPU 0 first, then the next (and RAM)",
@@ -136,9 +134,6 @@ def placement_entry(value: str) -> Entry:
                          ".json file")
     return PLACEMENTS[value]
 
-EXPERT_ORDERS = ("auto", "step", "expert")
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlacementSettings:
     """What a placement is told besides its name; every placement reads the ones that concern it (base.py)."""
@@ -150,7 +145,7 @@ class PlacementSettings:
     offload_dir: str | None = setting(None, path=True, default_text="CACHE_DIR/offload",
                                       help="--placement disk: folder the weights stream from.")
     # "step": every step of a block before the next; "expert": a window of blocks with expert 1, then expert 2.
-    expert_order: str = setting("auto", check=one_of(EXPERT_ORDERS),
+    expert_order: str = setting("auto", check=one_of(("auto", "step", "expert")),
                                 help="Two experts: expert = one expert resident at a time, step = both (same "
                                      "cache); auto picks expert when both do not fit.")
 
@@ -219,7 +214,7 @@ class SegmentSettings:
 @OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "
                                          "teacher features (--feature-pairs S:T,..., --feature-weight; the cache "
                                          "needs --record-features)",
-                     impl="stages.train_student.objective_feature:VelocityFeature", caps=ObjectiveCaps(lora=False))
+                     impl="stages.train_student.objective_velocity:VelocityFeature", caps=ObjectiveCaps(lora=False))
 @dataclass(frozen=True, kw_only=True)
 class FeatureSettings:
     feature_pairs: str | None = setting(None, check=non_empty,

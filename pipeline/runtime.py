@@ -17,9 +17,7 @@ class DistEnv:
     world_size: int
     local_rank: int
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main = property(lambda self: self.rank == 0)
 
 
 def dist_env() -> DistEnv:
@@ -37,12 +35,10 @@ def hide_gpus() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def init_distributed(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistEnv:
-    """Join the torchrun process group: NCCL when the ranks compute on CUDA (`use_cuda`; None: whether CUDA is
-    visible), each on its LOCAL_RANK GPU, gloo otherwise; a no-op for one process."""
+def init_distributed(timeout_s: float = 600.0, *, use_cuda: bool) -> DistEnv:
+    """Join the torchrun process group: NCCL when the ranks compute on CUDA, each on its LOCAL_RANK GPU, gloo
+    otherwise; a no-op for one process."""
     env = dist_env()
-    if use_cuda is None:
-        use_cuda = torch.cuda.is_available()
     if env.world_size > 1 and not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(env.local_rank)

@@ -1,8 +1,6 @@
-"""The one teacher-free sampler of a trained student, and the schedule it samples with.
-
-`sample`, `eval`, `export` and stage two's validation all sample a student with it; its stable API, the usage and
-the few-step schedule: docs/architecture.md, "Sampling a student".
-"""
+"""The one teacher-free sampler of a trained student (`sample`, `eval`, `export` and stage two's validation all use
+it), the schedule it samples with, and the timestep input of a Wan transformer that every stage must build alike:
+docs/architecture.md, "Sampling a student"."""
 
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import torch
 from cache.records import Manifest
 
 from .artifact import DistillRecord
-from .wan_inputs import model_timestep
 
 UNIPC = "UniPCMultistepScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
@@ -101,6 +98,16 @@ def student_steps(source) -> int:
     """Sampling steps of the student described by `source`: its own (student_steps), else the teacher's."""
     record = _record(source)
     return record.sampling_steps if isinstance(record, DistillRecord) else record.steps
+
+
+def model_timestep(t: torch.Tensor, latent_fhw: tuple[int, int, int], expand: bool,
+                   patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """Timestep input for per-sample timesteps `t` [B]: `t`, or with `expand` (TI2V) one per token, as WanPipeline."""
+    if not expand:
+        return t
+    f, h, w = (int(v) for v in latent_fhw)
+    tokens = f * len(range(0, h, int(patch[1]))) * len(range(0, w, int(patch[2])))
+    return t[:, None].expand(-1, tokens)
 
 
 @torch.no_grad()

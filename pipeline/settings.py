@@ -1,6 +1,5 @@
 """A setting is declared once: one dataclass field whose metadata holds its help, its check and how the CLI spells it
-(docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI reads it at load.
-"""
+(docs/architecture.md, "Settings and registries"). Imports nothing heavy: the CLI reads it at load."""
 
 from __future__ import annotations
 
@@ -68,44 +67,34 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def at_least(low: int) -> Check:
-    """An integer >= low."""
+def must(ok: Callable[[Any], Any], what: str) -> Check:
+    """A check refusing a value `ok` rejects: "NAME must WHAT, got VALUE"."""
 
     def check(name, v):
-        if not _is_int(v) or v < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if not ok(v):
+            raise ValueError(f"{name} must {what}, got {v!r}")
 
     return check
+
+
+def at_least(low: int) -> Check:
+    return must(lambda v: _is_int(v) and v >= low, f"be an integer >= {low}")
 
 
 def positive(allow_zero: bool = False) -> Check:
-    """A number > 0 (or >= 0)."""
-
-    def check(name, v):
-        if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
-            raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {v!r}")
-
-    return check
+    return must(lambda v: _is_number(v) and not (v < 0 or (v == 0 and not allow_zero)),  # (NaN: config_types')
+                f"be a {'non-negative' if allow_zero else 'positive'} number")
 
 
 def in_range(low: float, high: float, high_open: bool = False, note: str = "") -> Check:
     """A number in [low, high] (or [low, high))."""
-
-    def check(name, v):
-        if not _is_number(v) or not (low <= v < high if high_open else low <= v <= high):
-            raise ValueError(f"{name} must be in [{low:g}, {high:g}{')' if high_open else ']'}{note}, got {v!r}")
-
-    return check
+    return must(lambda v: _is_number(v) and (low <= v < high if high_open else low <= v <= high),
+                f"be in [{low:g}, {high:g}{')' if high_open else ']'}{note}")
 
 
 def int_in(low: int, high: int, why: str = "") -> Check:
     """An integer in [low, high]; `why` says where the upper bound comes from."""
-
-    def check(name, v):
-        if not _is_int(v) or not low <= v <= high:
-            raise ValueError(f"{name} must be an integer from {low} to {high:,}{why}, got {v!r}")
-
-    return check
+    return must(lambda v: _is_int(v) and low <= v <= high, f"be an integer from {low} to {high:,}{why}")
 
 
 def non_empty(name, v) -> None:
@@ -128,9 +117,8 @@ class one_of:  # noqa: N801 (used like the other check factories)
     def __call__(self, name, v) -> None:
         if not isinstance(v, str):  # a wrong type: config_types' message says what the key takes
             raise TypeError(f"{name} must be a string, got {v!r}")
-        if v in self.names() or (self.otherwise is not None and isinstance(v, str) and self.otherwise(v)):
-            return
-        raise ValueError(f"{name} must be one of {', '.join(self.names())}{self.otherwise_text}, got {v!r}")
+        if v not in self.names() and not (self.otherwise is not None and self.otherwise(v)):
+            raise ValueError(f"{name} must be one of {', '.join(self.names())}{self.otherwise_text}, got {v!r}")
 
 
 def int_list(name: str, value) -> tuple[int, ...]:
@@ -159,15 +147,9 @@ SOURCE = "source"  # ... and its field's name in the entry's own settings datacl
 def merged(cls_name: str, registry) -> type:
     """A dataclass of every setting of every entry of `registry`, each field named as its flag (so that the stage
     config deriving from it keeps `--segment-velocity-weight`)."""
-    specs = []
-    for entry in registry.entries():
-        if entry.settings is None:
-            continue
-        types = hints(entry.settings)
-        for f in dataclasses.fields(entry.settings):
-            meta = {**f.metadata, "flag": None, OWNER: entry.name, SOURCE: f.name}
-            specs.append((name_of(f).replace("-", "_"), types[f.name], dataclasses.field(default=f.default,
-                                                                                         metadata=meta)))
+    specs = [(name_of(f).replace("-", "_"), hints(e.settings)[f.name], dataclasses.field(
+        default=f.default, metadata={**f.metadata, "flag": None, OWNER: e.name, SOURCE: f.name}))
+        for e in registry.entries() if e.settings is not None for f in dataclasses.fields(e.settings)]
     return dataclasses.make_dataclass(cls_name, specs, frozen=True, kw_only=True)
 
 

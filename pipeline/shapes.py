@@ -1,7 +1,5 @@
-"""Procedural captioned shapes: the data set the pretrained tiny teacher learns to draw (docs/tiny-teacher.md).
-
-    "a large green square in the top right and a small white star in the bottom left on a black background"
-"""
+"""Procedural captioned shapes: the data set the pretrained tiny teacher learns to draw (docs/tiny-teacher.md), e.g.
+"a large green square in the top right and a small white star in the bottom left on a black background"."""
 
 from __future__ import annotations
 

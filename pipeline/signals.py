@@ -1,8 +1,6 @@
-"""Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits").
-
-Outside a `deferred()` block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at
-its next boundary. Under torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step.
-"""
+"""Stopping cleanly on SIGTERM (docs/reliability.md, "SIGTERM: preemption and time limits"): outside a `deferred()`
+block SIGTERM raises `Terminated` at once; inside one it sets a flag, and the loop stops at its next boundary. Under
+torchrun `agree` reduces every rank's flag once per step, so all ranks stop at one step."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def _handler(signum, frame) -> None:
 
 @contextlib.contextmanager
 def handle_sigterm():
-    """Turn SIGTERM into `Terminated` while this block runs; a no-op off the main thread (Python delivers signals
-    there only) and when a handler is installed already."""
+    """SIGTERM raises `Terminated` while this block runs (a no-op off the main thread, or with a handler installed)."""
     global _installed, _requested, _deferring
     if _installed or threading.current_thread() is not threading.main_thread():
         yield
@@ -71,9 +68,8 @@ def held():
 
 def worker_ignores_sigterm(worker_id: int = 0) -> None:
     """A DataLoader `worker_init_fn`: ignore SIGTERM from anyone but the parent (the trainer). SLURM signals every
-    process of a job step, and a worker that died of it would fail the trainer's next batch before the step where
-    it checkpoints and stops; the trainer sends SIGTERM only to end its workers, which must then go. Forked inside
-    `held()`, a SIGTERM sent before this runs waits for the thread below instead of killing it."""
+    process of a job step, and a dead worker would fail the trainer's next batch before it checkpoints and stops; the
+    trainer sends SIGTERM only to end its workers. Forked in `held()`, an early SIGTERM waits for the thread below."""
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
 

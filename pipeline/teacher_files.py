@@ -1,6 +1,5 @@
 """What identifies a teacher's files, the same for every stage: a config's hash and a weight file's sampled digest
-(stage one's `teacher_identity`, and stage two's LoRA check that its base is the cache's teacher).
-"""
+(stage one's `teacher_identity`, and stage two's LoRA check that its base is the cache's teacher)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The embedded default teacher: a tiny, deterministic Wan pipeline in diffusers format, with every component of
-the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is downloaded.
-"""
+the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -21,26 +20,22 @@ PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny-teacher-pr
 
 # Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
 _WORDS = """
-a an the of in on at with and or to from by under over above below behind near beside between
-inside outside through across along around into onto during while its their his her
-red orange yellow green blue purple pink brown black white grey gray gold silver teal cyan
-magenta violet crimson amber beige turquoise navy pastel neon dark light bright pale golden
-small large big tiny huge tall short long round square triangle circle star heart hexagon
-top bottom left right center middle corner upper lower background foreground scene view
-cat dog bird fish horse fox owl bear wolf deer rabbit lion tiger elephant whale dolphin
-frog turtle butterfly bee dragon robot astronaut knight wizard child woman man girl boy
-people crowd chef painter dancer musician sailor farmer city street road bridge river lake
-sea ocean beach island mountain mountains hill valley forest tree trees flower flowers garden
-field desert snow rain fog storm cloud clouds sky sun moon stars night morning evening dawn
-dusk sunset sunrise winter spring summer autumn fall house castle tower temple church market
-cafe kitchen room library window door table chair lamp book cup bowl plate bread cake fruit
-apple orange lemon coffee tea soup pizza car train boat ship bicycle plane airplane balloon
-rocket spaceship planet galaxy nebula lighthouse village harbor harbour station tunnel
-painting photo photograph watercolor watercolour oil sketch pencil drawing illustration render
-pixel art style detailed cinematic lighting portrait landscape macro closeup wide angle shot
-abstract pattern texture geometric minimalist vintage futuristic ancient modern old new
-glowing shining floating flying running sitting standing walking sleeping reading playing
-covered made full empty wet dry warm cold soft hard glass wooden stone metal paper
+a an the of in on at with and or to from by under over above below behind near beside between inside outside through
+across along around into onto during while its their his her red orange yellow green blue purple pink brown black white
+grey gray gold silver teal cyan magenta violet crimson amber beige turquoise navy pastel neon dark light bright pale
+golden small large big tiny huge tall short long round square triangle circle star heart hexagon top bottom left right
+center middle corner upper lower background foreground scene view cat dog bird fish horse fox owl bear wolf deer rabbit
+lion tiger elephant whale dolphin frog turtle butterfly bee dragon robot astronaut knight wizard child woman man girl
+boy people crowd chef painter dancer musician sailor farmer city street road bridge river lake sea ocean beach island
+mountain mountains hill valley forest tree trees flower flowers garden field desert snow rain fog storm cloud clouds sky
+sun moon stars night morning evening dawn dusk sunset sunrise winter spring summer autumn fall house castle tower temple
+church market cafe kitchen room library window door table chair lamp book cup bowl plate bread cake fruit apple orange
+lemon coffee tea soup pizza car train boat ship bicycle plane airplane balloon rocket spaceship planet galaxy nebula
+lighthouse village harbor harbour station tunnel painting photo photograph watercolor watercolour oil sketch pencil
+drawing illustration render pixel art style detailed cinematic lighting portrait landscape macro closeup wide angle shot
+abstract pattern texture geometric minimalist vintage futuristic ancient modern old new glowing shining floating flying
+running sitting standing walking sleeping reading playing covered made full empty wet dry warm cold soft hard glass
+wooden stone metal paper
 """.split()
 
 
@@ -125,19 +120,15 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
     if variant not in SPECS:
         raise ValueError(f"unknown tiny-teacher variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     spec = SPECS[variant]
-    # Each component draws from its own seeded stream so adding one never changes the others.
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed + 1)
-    text_encoder = _text_encoder(len(tokenizer)).eval()
-    torch.manual_seed(seed + 2)
-    vae = _vae(spec).eval()
-    torch.manual_seed(seed + 3)
-    transformer = _transformer(spec).eval()
-    transformer_2 = None
-    if spec.two_experts:
-        torch.manual_seed(seed + 4)
-        transformer_2 = _transformer(spec).eval()
+    def seeded(k: int, make):  # each component draws from its own seeded stream: adding one changes no other
+        torch.manual_seed(seed + k)
+        return make()
+
+    tokenizer = seeded(0, build_tokenizer)
+    text_encoder = seeded(1, lambda: _text_encoder(len(tokenizer))).eval()
+    vae = seeded(2, lambda: _vae(spec)).eval()
+    transformer = seeded(3, lambda: _transformer(spec)).eval()
+    transformer_2 = seeded(4, lambda: _transformer(spec)).eval() if spec.two_experts else None
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=spec.flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,

@@ -1,7 +1,6 @@
 """torch's private internals that WanDistiller uses, in one place, each read in the torch versions CHECKED names:
 `internal` refuses in one line when one has moved; tests/test_private_adapters.py checks them (and the copy of
-`DefaultLoadPlanner.load_bytes` below). Imported only by code that already runs torch.
-"""
+`DefaultLoadPlanner.load_bytes` below). Imported only by code that already runs torch."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ INTERNALS = {  # every private name used below: (module, attribute path)
     "error_file_path": (_ELASTIC, "ErrorHandler._get_error_file_path"),
     "write_error_file": (_ELASTIC, "ErrorHandler._write_error_file"),
     "new_shared": ("torch", "UntypedStorage._new_shared"),
-    "storage_info": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    "storage_info": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # a DCP index's storage_data entries
     "set_element": ("torch.distributed.checkpoint._traverse", "set_element"),
 }
 # sha256 of the source of torch's DefaultLoadPlanner.load_bytes, which `planner_loading_with` copies with its own load.
@@ -41,8 +40,7 @@ def internal(name: str):
 
 
 def write_error_file(text: str) -> None:
-    """Put `text` into torch elastic's per-worker error file, which torchrun's ChildFailedError summary prints
-    (torch's own `record_exception` writes the traceback alone), in its record format and careful write."""
+    """`text` into torch elastic's per-worker error file, which torchrun's summary prints (torch writes a traceback)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     handler = ErrorHandler()
@@ -60,14 +58,8 @@ def shared_bytes(nbytes: int):
     return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
 
 
-def storage_info_type() -> type:
-    """The class of the entries of a DCP index's `storage_data` (where each item's bytes lie)."""
-    return internal("storage_info")
-
-
 def planner_loading_with(load):
-    """DCP's DefaultLoadPlanner with `load(planner, read_item, value)` reading each non-tensor value instead of DCP's
-    `torch.load(weights_only=False)`; the rest of its `load_bytes` is torch's, copied."""
+    """DCP's DefaultLoadPlanner reading each non-tensor value with `load(planner, read_item, value)`, not torch.load."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

@@ -262,10 +262,11 @@ def test_fsdp_lora_artifact_samples_and_exports(fsdp_run, tiny_teacher, tiny_cac
     from click.testing import CliRunner
 
     from pipeline.cli import main
-    from stages.sample.models import find_student, load_transformer
+    from stages.sample.models import find_student
 
     run, debug = fsdp_run
-    model = load_transformer(find_student(str(run), "raw"), torch.float32, torch.device("cpu"))
+    student = find_student(str(run), "raw")
+    model = student.kind.load(student, torch.float32, torch.device("cpu"))
     spec = spec_of(tiny_teacher, tiny_cache)
     mine = with_adapters(spec, run / "student", seed=3).eval()
     b = _batch(sorted(read_all_samples(tiny_cache).values(), key=lambda s: s[1][F.M_STEP])[:3], tiny_cache)
@@ -333,7 +334,7 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
 
     from pipeline.cli import main
     from pipeline.sampling import sample_latents, student_scheduler
-    from stages.sample.models import find_student, load_transformer
+    from stages.sample.models import find_student
 
     for args, out in (((), tmp_path / "lora"), (("--fuse",), tmp_path / "fused")):
         r = CliRunner().invoke(main, ["export", "--student", str(lora_run), "--out", str(out), *args],
@@ -361,7 +362,7 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
                            load_into_transformer_2=True)
     got = pipe(latents=init.clone(), **kw).frames
     student = find_student(str(lora_run))
-    want = sample_latents(load_transformer(student, torch.float32, torch.device("cpu")),
+    want = sample_latents(student.kind.load(student, torch.float32, torch.device("cpu")),
                           student_scheduler(student.distill), init, embeds, 2)
     assert torch.equal(got, want) and not torch.equal(got, base)  # the adapters are loaded, and they matter
     fused = WanPipeline.from_pretrained(tmp_path / "fused")
@@ -369,6 +370,76 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
     assert not any("lora" in k for c in (fused.transformer, fused.transformer_2) for k in c.state_dict())
     merged = fused(latents=init.clone(), **kw).frames
     assert torch.allclose(merged, want, rtol=1e-4, atol=1e-5), (merged - want).abs().max()
+
+
+@pytest.mark.slow
+def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teacher, tiny_cache, tmp_path):
+    """`export --lora-format wan`: each expert's adapter under the original Wan key names with `.alpha` (what ComfyUI
+    loads), no diffusers metadata; `WanPipeline.load_lora_weights` converts it back and draws the diffusers export's
+    frames, decoded (alpha 6 at rank 4: the scale travels in `.alpha`). What it cannot write ends in one line."""
+    from click.testing import CliRunner
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+
+    from pipeline.cli import main
+    from test_train_student import train as train_compact
+
+    run = tmp_path / "run"
+    lora_train(tiny_cache, tiny_teacher, run, max_steps=3, lora_alpha=6)
+
+    def export(student, *args):
+        return CliRunner().invoke(main, ["export", "--student", str(student), *map(str, args)], catch_exceptions=False)
+
+    for fmt in ("diffusers", "wan"):
+        assert export(run, "--out", tmp_path / fmt, "--lora-format", fmt).exit_code == 0
+    for name in (FILES[0], FILES[2]):
+        with safe_open(tmp_path / "wan" / name, "pt") as f:
+            keys, meta = set(f.keys()), f.metadata()
+            alphas = {float(f.get_tensor(k)) for k in keys if k.endswith(".alpha")}
+        modules = {k.rsplit(".", 2 if k.endswith(".weight") else 1)[0] for k in keys}
+        assert meta is None and alphas == {6.0} and len(keys) == 3 * len(modules)  # lora_down, lora_up, alpha
+        assert {k.split(".", 3)[3].split(".lora_")[0].removesuffix(".alpha") for k in keys} == {
+            "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
+            "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2"}
+        assert all(k.startswith("diffusion_model.blocks.") for k in keys)
+    card = (tmp_path / "wan" / "README.md").read_text()
+    assert "LoraLoaderModelOnly" not in (tmp_path / "diffusers" / "README.md").read_text()  # (its card as before)
+    for needle in ("LoraLoaderModelOnly", "`high_noise_model.safetensors` on the high-noise model",
+                   "`low_noise_model.safetensors` on the low-noise model", "load_into_transformer_2=True"):
+        assert needle in card, needle
+
+    m = load_manifest(tiny_cache)
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(2, *m.latent_shape, generator=g)
+    embeds = torch.randn(2, int(m.max_sequence_length), int(m.text_dim), generator=g)
+
+    def frames(folder: Path | None):
+        pipe = WanPipeline.from_pretrained(tiny_teacher)
+        pipe.set_progress_bar_config(disable=True)
+        for comp, name in (("transformer", FILES[0]), ("transformer_2", FILES[2])) if folder else ():
+            pipe.load_lora_weights(str(folder), weight_name=name, adapter_name=comp,
+                                   load_into_transformer_2=comp == "transformer_2")
+        return pipe(latents=init.clone(), prompt_embeds=embeds, num_inference_steps=2, guidance_scale=1.0,
+                    height=int(m.height), width=int(m.width), num_frames=1, output_type="np").frames
+
+    want, got = frames(tmp_path / "diffusers"), frames(tmp_path / "wan")
+    diff = float(abs(got - want).max())
+    print(f"max pixel difference, wan vs diffusers key names: {diff:.3g} (of 1; {diff * 255:.3g} of 255)")
+    assert diff <= 1e-5 and float(abs(want - frames(None)).max()) > 1e-3  # the same frames, and the adapters matter
+
+    compact, odd = tmp_path / "compact", tmp_path / "odd"
+    train_compact(tiny_cache, compact, max_steps=1)
+    lora_train(tiny_cache, tiny_teacher, odd, max_steps=1, lora_targets="to_q,proj_out")
+    for student, args, needle in (
+            (odd, ["--lora-format", "wan"], "the adapter on proj_out has no Wan key name"),
+            (run, ["--lora-format", "comfy"], "lora-format must be one of diffusers, wan, got 'comfy'"),
+            (run, ["--lora-format", "wan", "--fuse"], "--fuse writes a merged pipeline without adapter files"),
+            (compact, ["--lora-format", "wan"], "is a compact student (its export is already a standalone pipeline)"
+                                                "; drop --lora-format")):
+        r = export(student, "--out", tmp_path / "refused", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+        assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow

@@ -36,9 +36,10 @@ CACHE_FIELD = [
     ("cache/records.py",
      "            cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),\n",
      "            record_x0=cfg.record_x0 or None,\n"),
-    ("stages/teacher_cache/blocks.py", "                        tensors[F.T_FEATURES] = rec.features[j]\n",
-     "                    if self.prog.header.record_x0:\n"
-     "                        tensors[F.T_X0] = rec.x_t[j] - rec.sigma * rec.target[j]\n"),
+    ("stages/teacher_cache/blocks.py",
+     "                          (F.T_TARGET_UNCOND, rec.target_uncond), (F.T_FEATURES, rec.features)]\n",
+     "                if self.prog.header.record_x0:\n"
+     "                    fields.append((F.T_X0, rec.x_t - rec.sigma * rec.target))\n"),
 ]
 OBJECTIVE = [
     ("pipeline/registries.py", None,
@@ -73,20 +74,8 @@ def follow(repo: Path, recipe) -> set[str]:
 
 
 def test_a_toy_objective_reads_a_toy_cache_field(tiny_teacher, prompts_file, tmp_path):
-    repo = tmp_path / "repo"
-    for top in ("pipeline", "cache", "stages", "configs"):
-        shutil.copytree(ROOT / top, repo / top, ignore=shutil.ignore_patterns("__pycache__"))
-    touched = follow(repo, CACHE_FIELD) | follow(repo, OBJECTIVE)
-    assert touched == {rel for rel, _, _ in CACHE_FIELD + OBJECTIVE}
-
-    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-
-    def cli(*args):
-        r = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=repo, env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-        return r.stdout
-
+    repo = _applied(tmp_path, CACHE_FIELD + OBJECTIVE)
+    cli = _cli_in(repo)
     cache, run = tmp_path / "cache", tmp_path / "run"
     flags = [x for k, v in TINY_CACHE_ARGS.items() for x in (f"--{k.replace('_', '-')}", v)]
     cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "cpu",
@@ -135,6 +124,16 @@ def _copy_project(tmp_path: Path) -> Path:
     return repo
 
 
+def _applied(tmp_path: Path, recipe, new_module: bool = False) -> Path:
+    """A copy of the project with `recipe` applied (its first file a new module if `new_module`); the recipe must
+    touch exactly its own files."""
+    repo = _copy_project(tmp_path)
+    if new_module:
+        (repo / recipe[0][0]).write_text("")
+    assert follow(repo, recipe) == {rel for rel, _, _ in recipe}
+    return repo
+
+
 def _cli_in(repo: Path):
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
@@ -154,9 +153,7 @@ def _tiny_flags(plan: bool = False) -> list[str]:
 
 
 def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
-    repo = _copy_project(tmp_path)
-    (repo / PLACEMENT[0][0]).write_text("")  # a new module: the recipe's first file
-    assert follow(repo, PLACEMENT) == {rel for rel, _, _ in PLACEMENT}
+    repo = _applied(tmp_path, PLACEMENT, new_module=True)
     cli = _cli_in(repo)
 
     assert "| disk | toy | a device-map .json" in " ".join(cli("teacher-cache", "--help").split())
@@ -182,8 +179,7 @@ def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
 # --- the cache-field recipe, counted by `plan` ---------------------------------------------------------------------
 
 def test_a_cache_field_recipe(tiny_teacher, prompts_file, tmp_path):
-    repo = _copy_project(tmp_path)
-    assert follow(repo, CACHE_FIELD) == {rel for rel, _, _ in CACHE_FIELD}
+    repo = _applied(tmp_path, CACHE_FIELD)
     cli = _cli_in(repo)
 
     cache = tmp_path / "cache"
@@ -241,10 +237,8 @@ OWN_SAMPLER = [
 
 
 def test_an_objective_recipe(tiny_cache, tmp_path):
-    repo = _copy_project(tmp_path)
-    assert follow(repo, OWN_SAMPLER) == {rel for rel, _, _ in OWN_SAMPLER}
-    assert "--toy-weight FLOAT" in run_cli(repo, "train-student", "--help")
-    run = tmp_path / "run"
+    repo, run = _applied(tmp_path, OWN_SAMPLER), tmp_path / "run"
+    assert "--toy-weight FLOAT" in run_cli(repo, "train-student", "--help")  # its setting, a flag of the stage
     run_cli(repo, *train_args(repo, tiny_cache, run, "--objective", "toy-flow", "--toy-weight", 0.5,
                               "--checkpoint-every", 0))
     distill = json.loads((run / "distill.json").read_text())
@@ -268,8 +262,7 @@ STRATEGY = [
 
 
 def test_a_strategy_recipe(tiny_cache, tmp_path):
-    repo = _copy_project(tmp_path)
-    assert follow(repo, STRATEGY) == {rel for rel, _, _ in STRATEGY}
+    repo = _applied(tmp_path, STRATEGY)
     assert "toy (toy: ddp under another name)" in " ".join(run_cli(repo, "train-student", "--help").split())
     run = tmp_path / "run"
     refused = run_cli(repo, *train_args(repo, tiny_cache, run, "--strategy", "toy", "--mixed-precision", "fp16"),

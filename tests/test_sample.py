@@ -23,8 +23,7 @@ from cache.reader import decode_sample
 from pipeline.artifact import DistillRecord
 from pipeline.cli import main
 from pipeline.prompts import read_prompt_file
-from stages.sample.grid import GridLayout, draw_grid, grid_layout
-from stages.sample.sample import initial_latents, to_image
+from stages.sample.sample import GridLayout, draw_grid, grid_layout, initial_latents, to_image
 
 from conftest import TEST_PROMPTS, TINY_CACHE_ARGS, make_cache
 

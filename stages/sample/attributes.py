@@ -1,7 +1,6 @@
 """A rule-based reader of shapes images (captions of `pipeline.shapes`' grammar): does a generated image show the
 background colour, shape colours and rough positions its caption says? What it reads and why: docs/tiny-teacher.md,
-"A teacher that draws".
-"""
+"A teacher that draws"."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def labels(img) -> np.ndarray:
 
 
 def read(img, n_shapes: int = 1) -> dict:
-    """What the image shows: the background colour, and up to `n_shapes` shape colours (most common first)
-    with the anchor nearest to each one's centroid."""
+    """The background colour and up to `n_shapes` shape colours (most common first), each at its nearest anchor."""
     lab = labels(img)
     counts = np.bincount(lab.ravel(), minlength=len(NAMES))
     bg = int(counts.argmax())
@@ -71,8 +69,7 @@ def _rates(checks) -> dict:
 
 
 def score(images, captions) -> dict:
-    """Accuracy of `images` against their `captions` (same order), in [0, 1], overall and under "by_shapes" for the
-    one-shape and the two-shape captions apart (keys "1", "2"); what each score counts: docs/tiny-teacher.md."""
+    """Accuracy in [0, 1] of `images` against their `captions`, overall and per shape count ("by_shapes": "1", "2")."""
     images, captions = list(images), list(captions)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions")
@@ -100,8 +97,7 @@ def first_frames_u8(frames) -> list[np.ndarray]:
 
 
 def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int):
-    """Initial latents of captions start .. start + n - 1: caption i from seed + i (as `wandistiller sample`
-    draws row i), so every drawer of a caption list starts each caption from the same noise."""
+    """Initial latents of captions start .. start + n - 1: caption i from seed + i, as `wandistiller sample` row i."""
     import torch
 
     from .sample import initial_latents
@@ -112,8 +108,7 @@ def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int):
 
 
 def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> list[np.ndarray]:
-    """uint8 first frames of `pipe(prompt=..., **call)` on `captions`, caption i from `caption_noise` (seed + i);
-    `call` needs height and width."""
+    """uint8 first frames of `pipe(prompt=..., **call)` (height and width given) on `captions`, from `caption_noise`."""
     out = []
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]

@@ -1,6 +1,5 @@
-"""eval's attribute scores (--attributes): the teacher and every entry draw shapes captions from the same noise with
-the cache's settings (guidance, negative prompt, size, text length), the attribute checker (attributes.py) scores
-them, and the first rows of images (teacher | entries) go to a grid next to the report."""
+"""eval's attribute scores (--attributes): the teacher and every entry draw shapes captions from the same noise at
+the cache's settings, attributes.py scores them, and the first rows (teacher | entries) go to a grid by the report."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from pipeline.sampling import decode_latents
 
 from .attributes import caption_noise, first_frames_u8, score
 from .eval_setup import Entry, Setup
-from .grid import draw_grid
-from .sample import SamplingSettings, _write_png
+from .sample import SamplingSettings, _write_png, draw_grid
 
 # Scores whose student / teacher ratio the report gives ("colour": background and every shape colour right).
 KEPT = ("background", "shape_colour", "position", "colour")
@@ -24,8 +22,7 @@ KEPT = ("background", "shape_colour", "position", "colour")
 
 def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: SamplingSettings, device,
               batch_size: int) -> dict[str, list]:
-    """uint8 first frames of every caption drawn by the teacher and by each entry (decoded with the teacher's VAE),
-    all from the same initial noise (caption i: seed + i, as `wandistiller sample` draws row i)."""
+    """uint8 first frames of every caption by the teacher and each entry (its VAE), all from `caption_noise`."""
     images = {"teacher": [], **{e.label: [] for e in entries}}
     bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
@@ -46,9 +43,7 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
 
 
 def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) -> dict:
-    """Each one's scores under its name, "student" and "student_vs_teacher" for the first entry, each entry's share
-    of the teacher's accuracy per attribute under "vs_teacher", the settings the images were drawn with, and the
-    grid's path."""
+    """Each one's scores (the first entry's also as "student"), shares of the teacher's, settings, grid path."""
     m, captions = su.manifest, su.captions
     g2 = m.guidance_2
     settings = SamplingSettings(

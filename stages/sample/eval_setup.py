@@ -1,6 +1,5 @@
-"""What `wandistiller eval` resolves before it samples anything (`setup`: the cache, the student, the teacher, the
-trajectories it uses, every check that can fail) and what it samples (`Entry`: one student at its steps; `entries`).
-The cache is read through `cache/`'s readers only."""
+"""What `wandistiller eval` resolves before it samples anything (`setup`: the cache through `cache/`'s readers, the
+student, the teacher, the trajectories, every check) and what it samples (`Entry`: one student at its steps)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
-from .models import Student, check_compatible, find_student, load_transformer, named_teacher, pick_device
+from .models import Student, check_compatible, find_student, named_teacher, pick_device
 from .sample import student_sampler
 
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
@@ -65,8 +64,7 @@ class Setup:
 
 @dataclasses.dataclass
 class Entry:
-    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds)` -> final latents, through the
-    one sampler (pipeline/sampling.py) with the student's own schedule at `steps`."""
+    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds)` -> final latents, at `steps`."""
 
     label: str
     student: Student
@@ -81,8 +79,7 @@ class Entry:
 
 
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
-    """`student` sampled at `steps`, else its own (a few-step student's distill.json's), else the cache's; at
-    guidance 1 when it learned guided targets, else at the cache's (CFG with the cache's negative prompt)."""
+    """`student` at `steps` (else its own, else the cache's), at guidance 1 for guided targets, else the cache's."""
     steps = steps or student.setting("sampling_steps") or int(manifest.steps)
     guidance = 1.0 if student.guided else float(manifest.guidance)
     draw = student_sampler(student, model, steps, guidance, scheduler_from_config(manifest.scheduler),
@@ -108,8 +105,7 @@ def _settings_warnings(student: Student, manifest: dict) -> list[str]:
 
 def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: int | None,
            only: list[int] | None = None) -> tuple[list[Trajectory], dict]:
-    """All seeds of the cache's prompts, first `max_prompts`: those whose text is listed in the file `heldout`,
-    else those whose index is in `only` (stage two's held-out prompts), else all."""
+    """All seeds of the cache's first `max_prompts` prompts: those listed in `heldout`, else those in `only`."""
     texts = prompt_texts(cache_dir, int(manifest.num_parts))  # (rows never written are left out)
     info: dict = {"cache_prompts": len(texts), "source": "all prompts of the cache"}
     if heldout is not None:
@@ -184,8 +180,7 @@ def setup(cfg: EvalConfig) -> Setup:
 
 
 def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
-    """What is sampled: the student at its own steps (or each of --student-steps), then every --compare student at
-    its own steps, all from the same noise."""
+    """The student at its own steps (or each of --student-steps), then every --compare student at its own."""
     steps_list = list(cfg.student_steps or (None,))
     labels = ["student"] if len(steps_list) == 1 else [f"student@{k}" for k in steps_list]
     out = [make_entry(lab, su.student, model, su.manifest, k) for lab, k in zip(labels, steps_list)]
@@ -203,5 +198,5 @@ def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
         while label in taken:  # two runs' student/ folders, or a run named like an entry
             label, i = f"{name}-{i}", i + 1
         taken.add(label)
-        out.append(make_entry(label, other, load_transformer(other, su.dtype, su.device), su.manifest))
+        out.append(make_entry(label, other, other.kind.load(other, su.dtype, su.device), su.manifest))
     return out

@@ -25,16 +25,14 @@ def _timed(fn, device: torch.device) -> tuple:
 
 
 def _denoisers(entries: list[Entry], pipe, emb, lat, neg, kw: dict) -> dict:
-    """name -> one denoising of the trajectory: the teacher's WanPipeline (its experts, its steps; its final latent
-    float32 on the CPU), then every entry."""
+    """name -> one denoising of the trajectory: the teacher's WanPipeline (final latent on the CPU), then each entry."""
     teacher_kw = {**kw, "negative_prompt_embeds": neg.expand(emb.shape[0], -1, -1)} if kw["guidance_scale"] > 1 else kw
     return {"teacher": lambda: pipe(prompt_embeds=emb, latents=lat.clone(), **teacher_kw).frames.float().cpu(),
             **{e.label: (lambda e=e: e.draw(emb, lat.clone(), neg)) for e in entries}}
 
 
 def _pipelines(entries: list[Entry], pipe, text: str, lat, kw: dict, negative: str, device) -> dict:
-    """name -> one caption through the whole pipeline (encode, denoise, decode): the teacher's WanPipeline, then
-    every entry with the teacher's text encoder and VAE."""
+    """name -> one caption encoded, denoised and decoded: the teacher's WanPipeline, then each entry."""
     def student(e: Entry):
         pe, ne = pipe.encode_prompt(text, negative_prompt=negative, do_classifier_free_guidance=e.guidance > 1.0,
                                     max_sequence_length=kw["max_sequence_length"], device=device)

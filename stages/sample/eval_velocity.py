@@ -1,7 +1,6 @@
 """eval's errors against the teacher's cache, on the prompt embeddings it stores: velocity errors (every model's
-prediction at each cached x_t against the teacher's cached target, per step, the untrained twin alongside as the
-baseline) and final-latent errors (each entry sampled from the cached initial noise against the teacher's final
-latent)."""
+prediction at each cached x_t against the cached target, per step, the untrained twin as the baseline) and
+final-latent errors (each entry sampled from the cached initial noise against the teacher's final latent)."""
 
 from __future__ import annotations
 
@@ -12,15 +11,13 @@ from cache.reader import SampleReader, open_index, prompt_rows
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.progress_bar import progress_bar
-from pipeline.sampling import mse
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import mse, model_timestep
 
 from .eval_setup import Entry, Setup
 
 
 def _batches(su: Setup, size: int):
-    """Lists of at most `size` (tensors, metadata) of every cached step of the selected trajectories, read by row
-    through the cache's index (only the selected samples' bytes are read), each checked against the schema."""
+    """Lists of at most `size` (tensors, metadata) of the selected trajectories' cached steps, read by row."""
     index = open_index([su.cache_dir])
     rows = prompt_rows(index, {t.prompt_idx for t in su.trajs})
     reader = SampleReader(index)
@@ -37,9 +34,8 @@ def _batches(su: Setup, size: int):
 
 @torch.inference_mode()
 def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
-    """Per-step mean of the per-sample MSE of every model against the student's target, over the selected
-    trajectories' samples (at the steps the cache records); where stage two trained on some of the steps only, each
-    step says whether it was one of them."""
+    """Per-step mean MSE of every model against the student's target over the selected samples; where stage two
+    trained on some of the cached steps only, each step says whether it was one of them."""
     manifest, device, dtype = su.manifest, su.device, su.dtype
     steps, recorded = int(manifest.steps), recorded_steps(manifest)
     shape, expand = manifest.latent_shape, manifest.expand_timesteps
@@ -74,8 +70,7 @@ def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
 
 
 def final_latent_errors(su: Setup, entries: list[Entry], neg: torch.Tensor, batch_size: int) -> dict:
-    """MSE between each entry's sampled final latent and the teacher's, per trajectory and mean (latents are read
-    a batch at a time); the first entry's figure is also the report's `student`."""
+    """MSE of each entry's sampled final latent against the teacher's, per trajectory and mean."""
     embeds = su.embeddings()
     errs = {e.label: [] for e in entries}
     bar = progress_bar(total=len(su.trajs) * len(entries), desc="eval sampling", unit="traj", dynamic_ncols=True)

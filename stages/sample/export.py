@@ -1,6 +1,5 @@
 """`wandistiller export`: a diffusers pipeline folder that runs the student with no other argument (a LoRA run's:
-export_lora.py). The folder's layout, its copies and how it is published: docs/architecture.md, "The export".
-"""
+export_lora.py). The folder's layout, its copies and how it is published: docs/architecture.md, "The export"."""
 
 from __future__ import annotations
 
@@ -29,14 +28,12 @@ MARK = "_wandistiller"
 
 
 def _sampling_hints(student: Student, tpath: Path) -> dict:
-    """What a user of the exported pipeline should pass: the student's own steps (a few-step student's K), guidance
-    1 for a student of guided targets, the training resolution (from the latent shape and the teacher's VAE when
-    distill.json has no size) and text length."""
+    """What a user of the export should pass: the student's steps, its guidance, the training size (from the latent
+    shape and the teacher's VAE when distill.json has none) and text length."""
     vae_cfg = tpath / "vae" / "config.json"
     vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
     teacher_guidance = student.setting("guidance")
-    guidance = 1.0 if student.guided else teacher_guidance
-    hints = {"guidance_scale": guidance, "guided_targets": student.guided,
+    hints = {"guidance_scale": 1.0 if student.guided else teacher_guidance, "guided_targets": student.guided,
              "teacher_guidance_scale": teacher_guidance}
     for hint, key in (("num_inference_steps", "sampling_steps"), ("teacher_steps", "steps"),
                       *((k, k) for k in ("max_sequence_length", "negative_prompt", "height", "width", "latent_shape",
@@ -50,8 +47,7 @@ def _sampling_hints(student: Student, tpath: Path) -> dict:
 
 
 def _readme(name: str, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
-    """The model card's body: how to call the pipeline `name` (its Hub id, or the folder's name: never a local path)
-    with its steps, guidance, resolution and text length, copy-paste ready."""
+    """The model card's body: how to call the pipeline `name` (its Hub id or folder name, never a path)."""
     g = hints["guidance_scale"]
     g_text = (f"guidance_scale={g}" if g is not None else
               "guidance_scale=<the teacher's scale> (distill.json did not record it)")
@@ -112,8 +108,7 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 
 
 def copy_contents(src: Path, dst: Path) -> None:
-    """Copy the folder `src` to `dst`: the bytes of every file (a symlink's target's, as a Hub cache snapshot's links
-    to its blobs), not their modes, which copytree would copy (docs/architecture.md, "The export")."""
+    """Copy the folder `src` to `dst`: every file's bytes (a symlink's target's), not their modes as copytree would."""
     for root, _dirs, files in os.walk(src, followlinks=True):
         here = dst / Path(root).relative_to(src)
         here.mkdir(parents=True, exist_ok=True)
@@ -128,10 +123,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
         return
     ours = False
     for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
-        try:
+        with contextlib.suppress(OSError, ValueError, TypeError):
             ours = ours or MARK in json.loads((out / name).read_text())
-        except (OSError, ValueError, TypeError):
-            pass
     if not overwrite:
         raise UserError(f"--out {out} is not empty; choose a new folder"
                         + (" or add --overwrite to replace this earlier export" if ours else ""))
@@ -184,9 +177,10 @@ def run(cfg: ExportConfig) -> dict:
     if cfg.push_to_hub:
         hub_card.check_online(cfg.push_to_hub)
     student = find_student(cfg.student, cfg.weights)
-    if cfg.fuse and not student.kind.fuses:
-        raise UserError(f"--fuse merges a LoRA run's adapters into the teacher, and {cfg.student} is a compact "
-                        "student (its export is already a standalone pipeline); drop --fuse")
+    asked = [flag for flag, on in (("--fuse", cfg.fuse), ("--lora-format", cfg.lora_format != "diffusers")) if on]
+    if asked and not student.kind.adapters:
+        raise UserError(f"{asked[0]} applies to a LoRA run's adapter files, and {cfg.student} is a compact student "
+                        f"(its export is already a standalone pipeline); drop {asked[0]}")
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)
     _check_out(out, cfg.overwrite)

@@ -1,7 +1,6 @@
 """A LoRA run (`train-student --lora-of`) as the inference commands take it: `LoraRun`, the student kind of models.py
 (found by its lora.json, loaded as the teacher with its adapters, untrained as the teacher itself), and its
-`wandistiller export`: the adapters and their card, or with `--fuse` the merged pipeline (docs/lora.md, "Using it").
-"""
+`wandistiller export`: the adapters and their card, or with `--fuse` the merged pipeline (docs/lora.md, "Using it")."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from cache.atomic import honour_umask
@@ -18,24 +18,25 @@ from cache.format import DTYPES
 from pipeline import lora_experts
 from pipeline.artifact import DISTILL, LORA_JSON, LoraRecord, RunLayout
 from pipeline.config import ExportConfig
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
 from .export import MARK, building
-from .models import Student, read_distill, read_json, teacher_dir, teacher_transformer_config
+from .models import Student, read_distill, teacher_dir, teacher_transformer_config
 
 
 class LoraRun:
     """A LoRA run's student: its adapters (student_ema/'s when chosen) on the teacher lora.json names."""
 
     marker = LORA_JSON  # the file that makes a student folder this kind's
-    fuses = True  # `export --fuse` merges the adapters into the teacher
+    adapters = True  # `export --fuse` merges them into the teacher, `--lora-format` names their keys
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
         try:
-            record = LoraRecord.from_json(read_json(chosen / LORA_JSON, "LoRA description"))
+            record = LoraRecord.from_json(read_object(chosen / LORA_JSON, "LoRA description"))
         except ValueError as e:
             raise UserError(f"LoRA description {chosen / LORA_JSON}: {e}; it was not written by this WanDistiller's "
                             "train-student --lora-of: rerun it") from e
@@ -64,14 +65,15 @@ class LoraRun:
 LORA_RUN = LoraRun()
 
 
-def readme(student: Student, hints: dict, name: str, base: str, fused: bool) -> str:
-    """The model card: the base, the steps, guidance 1, the text length, and a copy-paste call. `name`: what the
-    export is loaded as (its Hub id, or the folder's name), `base`: the teacher's public name; never a local path."""
+def readme(student: Student, hints: dict, name: str, base: str, fused: bool, wan: bool = False) -> str:
+    """The model card: base, steps, guidance 1, text length, a call (`wan`: ComfyUI's too); `name`, `base`: public."""
     steps, msl = hints.get("num_inference_steps"), hints.get("max_sequence_length")
     lora = replace(student.lora, teacher=base)
     call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")
                      if k in hints)
     experts = ", ".join(f"`{f}` ({c})" for c, f in lora.files.items())
+    roles = dict(zip(lora_experts.COMPONENTS, ("high-noise", "low-noise"))) if len(lora.experts) > 1 else {}
+    comfy = ", ".join(f"`{f}` on the {roles.get(c, 'teacher')} model" for c, f in lora.files.items())
     if fused:
         load = (f'pipe = WanPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")  '
                 "# adapters merged, scheduler included")
@@ -103,7 +105,11 @@ from diffusers import UniPCMultistepScheduler, WanPipeline
 {load}
 image = pipe("a lighthouse at night", num_frames=1, guidance_scale=1.0, {call}, output_type="pil").frames[0][0]
 ```
-"""
+""" + (f"""
+The files hold the original Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.lora_up`,
+`.alpha`), which `load_lora_weights` above converts on load. ComfyUI: copy them to `models/loras` and apply each with
+a LoraLoaderModelOnly node on its expert's model ({comfy}); {steps} steps at CFG 1 (the schedule: `scheduler/`).
+""" if wan else "")
 
 
 def _fused(student: Student, tmp: Path, dtype) -> None:
@@ -124,10 +130,13 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     """Write the adapters (or, with --fuse, the merged pipeline) to `out`; returns the summary."""
+    if cfg.fuse and cfg.lora_format == "wan":
+        raise UserError("--lora-format wan names the adapter files' keys, and --fuse writes a merged pipeline without "
+                        "adapter files; drop one of them")
     base_model, base = hub_card.public_teacher(student.lora.teacher, student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",))
-            + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse))
+            + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse, cfg.lora_format == "wan"))
     lora = replace(student.lora, teacher=base).to_json()
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
             "fused": cfg.fuse, "cache_fingerprints": student.fingerprints}
@@ -139,7 +148,11 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
         else:
             tmp.mkdir(parents=True)
             for name in student.lora.files.values():  # the bytes, not the run's file modes
-                shutil.copyfile(student.path / name, tmp / name)
+                if cfg.lora_format == "wan":  # (no LoraConfig metadata: diffusers would scale by alpha / rank twice)
+                    state = lora_experts.wan_state(load_file(student.path / name), student.lora.alpha)
+                    (tmp / name).write_bytes(save(state))
+                else:
+                    shutil.copyfile(student.path / name, tmp / name)
             (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
         public = replace(student.distill.lora, teacher=base).to_json()

@@ -1,7 +1,5 @@
-"""What makes an export ready for the Hugging Face Hub: the model card's metadata, names without local paths (the
-one place both exports strip them: an absolute path leaks a user name and means nothing to anyone else) and the
-upload (`export --push-to-hub`), all through huggingface_hub: docs/architecture.md, "The export".
-"""
+"""What makes an export ready for the Hugging Face Hub through huggingface_hub: the card's metadata, names without
+local paths (an absolute path leaks a user name) and the upload: docs/architecture.md, "The export"."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ TAGS = ["wandistiller", "distillation", "wan", "text-to-image"]
 
 
 def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
-    """(base_model, name): the teacher's Hub id for the card's metadata (--base-model, else the name when it is a Hub
-    id and no local folder, else the repo of the Hub cache snapshot it was loaded from, else None), and what an export
-    calls the teacher: that id, else its folder's name; never a path."""
+    """(base_model, name): the teacher's Hub id for the card (--base-model, else the name if a Hub id and no local
+    folder, else the repo of the Hub cache snapshot it was loaded from, else None), and that id or its folder name."""
     base = base_model or (teacher if is_hub_id(teacher) and not Path(teacher).exists() else None)
     if base is None:
         snapshots = (_CACHED.match(part) for part in Path(folder or teacher).resolve().parts[::-1])
@@ -32,8 +29,7 @@ def public_teacher(teacher: str, folder: Path | None, base_model: str | None = N
 
 
 def public_record(record: DistillRecord, teacher: str) -> dict:
-    """distill.json as an export carries it: the teacher named as the card names it (`public_teacher`) and no local
-    path: the caches by fingerprint alone, files by their names."""
+    """distill.json as an export carries it: the teacher by its public name, caches by fingerprint, files by name."""
     name = lambda p: Path(p).name if p else p  # noqa: E731
     return dataclasses.replace(record, teacher=teacher, teacher_path=None,
                                caches=[{"fingerprint": c["fingerprint"]} for c in record.caches],
@@ -42,9 +38,8 @@ def public_record(record: DistillRecord, teacher: str) -> dict:
 
 
 def drop_local_names(folder: Path) -> None:
-    """Remove from every JSON file below `folder` the `_name_or_path` (`name_or_path`) that diffusers and transformers
-    write into a config they save, where it is a local path: the folder a component was loaded from says nothing to
-    anyone else (its Hub id, when that is what it holds, stays). Symlinked folders (`--link`) are left alone."""
+    """Remove from every JSON file below `folder` the `_name_or_path` (`name_or_path`) diffusers and transformers save
+    where it is a local path, which says nothing to anyone else (a Hub id stays); symlinked folders are left alone."""
     for root, _dirs, files in os.walk(folder):
         for name in files:
             path = Path(root) / name
@@ -64,8 +59,7 @@ def drop_local_names(folder: Path) -> None:
 
 
 def teacher_license(folder: Path, repo_id: str | None) -> str | None:
-    """The license the teacher's own model card declares (its README.md front matter: in its folder, or its Hub
-    repo's, from the local Hub cache or the Hub), if it has one; None when no card can be read."""
+    """The license the teacher's own model card declares (in its folder, else its Hub repo's); None when unknown."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.repocard import metadata_load
 
@@ -80,8 +74,7 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
 
 
 def front_matter(license_: str | None, base_model: str | None, few_step: bool, tags: tuple[str, ...] = ()) -> str:
-    """The model card's YAML metadata block: what the Hub indexes the model by (a LoRA export's adapters under
-    their base model, tagged `lora`), `tags` after the common ones."""
+    """The model card's YAML metadata (what the Hub indexes it by), `tags` after the common ones."""
     from huggingface_hub import ModelCardData
 
     tags = TAGS + (["few-step"] if few_step else []) + list(tags)
@@ -100,8 +93,7 @@ def check_online(repo_id: str) -> None:
 
 
 def push(folder: Path, repo_id: str, private: bool) -> str:
-    """Upload the export `folder` to the Hub model repo `repo_id` (created if missing); its URL. Offline, refused or
-    unreachable: one UserError line that says the folder is complete and how to upload it later."""
+    """Upload `folder` to the Hub model repo `repo_id` (created if missing); its URL, else one UserError line."""
     try:
         from huggingface_hub import HfApi
 

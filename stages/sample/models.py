@@ -1,12 +1,10 @@
 """Find and load what the inference commands run: the trained student (the run artifact, or a bare transformer
 folder), its untrained twin and the teacher pipeline. The student's `kind` (`CompactRun` here, export_lora.py's
-`LoraRun`) finds, loads, rebuilds untrained and exports it: docs/architecture.md, "The run artifact".
-"""
+`LoraRun`) finds, loads, rebuilds untrained and exports it: docs/architecture.md, "The run artifact"."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, LoraRecord, RunLayout
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 
@@ -67,22 +66,12 @@ class Student:
                 "student_steps": self.setting("sampling_steps")}
 
 
-def read_json(path: Path, what: str) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path} is not readable JSON ({e}); rewrite it or remove it") from e
-    if not isinstance(obj, dict):
-        raise UserError(f"{what} {path} holds a {type(obj).__name__}, expected a JSON object")
-    return obj
-
-
 def _transformer_config(folder: Path) -> dict | None:
     """config.json of a WanTransformer3DModel folder; None if `folder` holds no model config."""
     cf = folder / "config.json"
     if not cf.is_file():
         return None
-    cfg = read_json(cf, "model config")
+    cfg = read_object(cf, "model config")
     if cfg.get("_class_name") != TRANSFORMER_CLASS:
         raise UserError(f"{folder} holds a {cfg.get('_class_name')!r}, not a {TRANSFORMER_CLASS} student")
     if not any(folder.glob("*.safetensors")):
@@ -137,7 +126,7 @@ class CompactRun:
     """A compact run's student: a WanTransformer3DModel folder (student/, or student_ema/)."""
 
     marker = "config.json"  # the file that makes a student folder this kind's
-    fuses = False  # `export --fuse` applies (it has adapters to merge)
+    adapters = False  # `export --fuse` and `--lora-format` apply to a student with adapters
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
         cfg = _transformer_config(chosen)
@@ -160,8 +149,7 @@ class CompactRun:
         return model.to(device).eval().requires_grad_(False)
 
     def init_exact(self, student: Student, seed: int | None) -> bool:
-        """Whether `untrained` reproduces the starting weights: saved ones, or the recorded seed and no teacher
-        blocks copied in."""
+        """Whether `untrained` reproduces the starting weights: saved, or the recorded seed and no teacher blocks."""
         return seed is None and (_has_init_dir(student) or student.setting("init_seed") is not None
                                  and not student.setting("init_from_teacher"))
 
@@ -213,11 +201,6 @@ def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dty
     return dev, DTYPES[name]
 
 
-def load_transformer(student: Student, dtype: torch.dtype, device: torch.device):
-    """The trained student, ready to sample (a LoRA run's: the teacher with its adapters)."""
-    return student.kind.load(student, dtype, device)
-
-
 def _has_init_dir(student: Student) -> bool:
     return _transformer_config(RunLayout(student.root).student_init) is not None
 
@@ -245,8 +228,7 @@ def check_compatible(student: Student, *, in_channels: int, text_dim: int, laten
 
 
 def named_teacher(cfg, recorded: str | None, recorded_revision: str | None, record: str) -> Path:
-    """The folder of the teacher a command runs: --teacher (with --revision), else the one the run recorded in
-    `record` (distill.json, or the cache's manifest) at its recorded revision, unless --revision says another."""
+    """--teacher (with --revision), else the teacher `record` names, at its recorded revision unless --revision says."""
     if cfg.teacher:
         return teacher_dir(cfg.teacher, cfg.revision)
     return teacher_dir(recorded, cfg.revision or recorded_revision, record)
@@ -261,13 +243,12 @@ def student_teacher(cfg, student: Student) -> tuple[str, Path]:
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:
-    """Local folder of a Wan teacher pipeline (a Hub id is found in the local Hub cache or fetched: pipeline.hub;
-    one that `recorded_in` named, not the user, is never fetched)."""
+    """Local folder of a Wan teacher pipeline (pipeline.hub: one that `recorded_in` named is never fetched)."""
     p = teacher_folder(name, revision, recorded_in=recorded_in)
     mi = p / "model_index.json"
     if not mi.is_file():
         raise UserError(f"teacher {name!r} is not a diffusers pipeline folder (no model_index.json in {p})")
-    cls = read_json(mi, "teacher index").get("_class_name")
+    cls = read_object(mi, "teacher index").get("_class_name")
     if cls != PIPELINE_CLASS:
         raise UserError(f"teacher {name!r} is a {cls!r}, not a {PIPELINE_CLASS}")
     return p
@@ -278,7 +259,7 @@ def teacher_transformer_config(path: Path) -> dict:
     for comp in ("transformer", "transformer_2"):
         cf = path / comp / "config.json"
         if cf.is_file():
-            return read_json(cf, "teacher config")
+            return read_object(cf, "teacher config")
     raise UserError(f"teacher {path} has no transformer/config.json")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,35 +57,32 @@ class StageOneProgress:
         return self.bytes / self.samples_written * self.cache_samples if self.samples_written else None
 
     def figures(self) -> dict[str, float]:
+        """The figures so far, set on the bar at every block and shard (else a one-shard part's bar ends on
+        `written=0 B`)."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
         out = {"samples_per_s": self.samples_run / dt, "prompts_per_s": self.samples_run / self.steps / self.seeds / dt,
                "bytes_written": float(self.bytes)}
+        post = {"prompts/s": f"{out['prompts_per_s']:.2f}", "written": human(self.bytes)}
         if self.projected is not None:
             out["projected_cache_bytes"] = self.projected
+            post["cache"] = "~" + human(self.projected)
         if self.bar.total:
             left = self.bar.total - self.bar.n
             out["eta_s"] = left / out["samples_per_s"] if out["samples_per_s"] > 0 else float("nan")
+        self.bar.set_postfix(post, refresh=False)
         return out
 
     def block(self, samples: int) -> None:
         """A block's samples were packed into the open shard."""
         self.samples_run += samples
         self.bar.update(samples)
-        self._postfix(self.figures())
-
-    def _postfix(self, f: dict[str, float]) -> None:
-        """The bar's figures, set at every shard too (else a one-shard part's bar ends on `written=0 B`)."""
-        post = {"prompts/s": f"{f['prompts_per_s']:.2f}", "written": human(f["bytes_written"])}
-        if "projected_cache_bytes" in f:
-            post["cache"] = "~" + human(f["projected_cache_bytes"])
-        self.bar.set_postfix(post, refresh=False)
+        self.figures()
 
     def shard(self, record: ShardRecord) -> None:
         """A shard was renamed into place and recorded."""
         self.bytes += record.bytes
         self.samples_written += record.samples
         f = self.figures()
-        self._postfix(f)
         eta = f.get("eta_s")
         print0(f"part {self.part}: {record.path} written ({record.samples} samples, "
                f"{human(record.bytes)}); {human(self.bytes)} so far, cache ~{human(self.projected)}, "
@@ -109,8 +107,7 @@ class BlockSink:
     def __init__(self, out: Path, prog: PartProgress, store, samples_per_shard: int, num_parts: int,
                  progress: StageOneProgress):
         self.out, self.prog, self.store, self.progress = out, prog, store, progress
-        self.samples_per_shard = samples_per_shard
-        self.num_parts = num_parts
+        self.samples_per_shard, self.num_parts = samples_per_shard, num_parts
         self.writer: ShardWriter | None = None
         self.next_index = next_shard_index(prog)  # kept here: the commit in flight has not recorded its shard yet
         self.pending: list[tuple[int, list[tuple[int, int]], torch.Tensor]] = []
@@ -125,13 +122,10 @@ class BlockSink:
             self.next_index += 1
         try:
             for rec in records:
+                fields = [(F.T_X_T, rec.x_t), (F.T_TARGET, rec.target), (F.T_TARGET_COND, rec.target_cond),
+                          (F.T_TARGET_UNCOND, rec.target_uncond), (F.T_FEATURES, rec.features)]
                 for j, (p, s) in enumerate(traj):
-                    tensors = {F.T_X_T: rec.x_t[j], F.T_TARGET: rec.target[j]}
-                    if rec.target_cond is not None:
-                        tensors[F.T_TARGET_COND] = rec.target_cond[j]
-                        tensors[F.T_TARGET_UNCOND] = rec.target_uncond[j]
-                    if rec.features is not None:
-                        tensors[F.T_FEATURES] = rec.features[j]
+                    tensors = {k: v[j] for k, v in fields if v is not None}  # the fields the cache records
                     meta = {F.M_PROMPT_IDX: p, F.M_SEED_IDX: s, F.M_STEP: rec.step, F.M_TIMESTEP: rec.timestep,
                             F.M_SIGMA: rec.sigma, F.M_EXPERT: rec.expert, F.M_GUIDANCE: rec.guidance}
                     self.writer.write(F.sample_key(p, s, rec.step), tensors, meta)
@@ -188,34 +182,25 @@ class BlockSink:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
-        commit, self._commit = self._commit, None
-        if commit is not None:
-            cf.wait([commit])
         self._committer.shutdown(wait=True)
 
 
 def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]], inputs, neg: torch.Tensor):
     """Yields (block, records, final latents) as each window of blocks finishes; phases [None]: step-major, [(1,),
     (2,)]: expert-major (same records). SIGTERM stops it after the step in progress or between windows."""
-    records: dict[int, list[StepRecord]] = {}
-
-    def keep(b: int):
-        def on_step(record: StepRecord) -> None:
-            records[b].append(record)
-            fault_point("denoise_step")
-            signals.check()
-
-        return on_step
+    def keep(record: StepRecord, into: list[StepRecord]) -> None:
+        into.append(record)
+        fault_point("denoise_step")
+        signals.check()
 
     for window in windows:
-        records = {b: [] for b in window}
-        states: dict = {}
-        finals: dict[int, torch.Tensor] = {}
+        records: dict[int, list[StepRecord]] = {b: [] for b in window}
+        states, finals = {}, {}
         for phase in phases:
             experts.activate(phase)
             for b in window:
                 noise, cond = inputs(b)
-                finals[b], states[b] = runner.run(noise, cond, neg, on_step=keep(b), experts=phase,
-                                                  state=states.get(b))
+                finals[b], states[b] = runner.run(noise, cond, neg, on_step=partial(keep, into=records[b]),
+                                                  experts=phase, state=states.get(b))
         yield from [(b, records[b], finals[b]) for b in window]
         signals.check()

@@ -13,7 +13,7 @@ import torch
 from pipeline.config import DEFAULT_GUIDANCE, TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.registries import placement_entry
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 from . import placements
 from .teacher import ExpertSet, load_scheduler, resolve_teacher
@@ -130,9 +130,8 @@ def _time_step(runner: TrajectoryRunner, model, spec, cfg: TeacherCacheConfig, d
     t = torch.full((b,), 999.0, device=device)
     timestep = model_timestep(t, latents.shape[2:], spec.expand_timesteps, spec.patch_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
-    runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)  # warms up
-    sync(device)
-    t0 = time.perf_counter()
-    runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
-    sync(device)
+    for _ in range(2):  # the first warms up
+        t0 = time.perf_counter()
+        runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
+        sync(device)
     return time.perf_counter() - t0

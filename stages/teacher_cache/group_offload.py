@@ -28,15 +28,8 @@ _GROUPING = {"offload_type": "block_level", "num_blocks_per_group": 1}  # disk: 
 def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype of every parameter as `from_pretrained(torch_dtype=dtype)` loads it."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    out = {}
-    for name, p in model.named_parameters():
-        if not p.is_floating_point():
-            out[name] = p.dtype
-        elif any(k in name.split(".") for k in keep):
-            out[name] = torch.float32
-        else:
-            out[name] = dtype
-    return out
+    return {name: (torch.float32 if any(k in name.split(".") for k in keep) else dtype) if p.is_floating_point()
+            else p.dtype for name, p in model.named_parameters()}
 
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -53,9 +46,8 @@ def largest_layer_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     owners = {n for n, _ in model.named_modules()}
     for name, p in model.named_parameters():
         atoms = name.split(".")[:-1]
-        owner = next((".".join(atoms[:i]) for i in range(len(atoms), 0, -1) if ".".join(atoms[:i]) in leaves), None)
-        if owner is None:  # grouped by its closest module
-            owner = next((".".join(atoms[:i]) for i in range(len(atoms), -1, -1) if ".".join(atoms[:i]) in owners))
+        prefixes = [".".join(atoms[:i]) for i in range(len(atoms), -1, -1)]  # its modules, the closest first
+        owner = next((m for m in prefixes if m in leaves), None) or next(m for m in prefixes if m in owners)
         groups[owner] = groups.get(owner, 0) + p.numel() * dtypes[name].itemsize
     return max(groups.values(), default=0)
 
@@ -123,9 +115,8 @@ def _folder_ok(folder: Path, fp: str) -> bool:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if marker.get("fingerprint") != fp or not isinstance(marker.get("files"), dict):
-        return False
-    return all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in marker["files"].items())
+    return marker.get("fingerprint") == fp and isinstance(marker.get("files"), dict) and all(
+        (folder / n).is_file() and (folder / n).stat().st_size == size for n, size in marker["files"].items())
 
 
 def _pid_alive(pid: int) -> bool:
@@ -174,10 +165,9 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-download the teacher")
     files = {}
     for _, tensor_keys, path in diffusers_private.disk_groups(model):
-        wanted = {key: names[id(t)] for t, key in tensor_keys.items()}
-        tensors = {}
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for key, name in wanted.items():
+        tensors, by_file = {}, {}  # by_file: checkpoint file -> [(group key, tensor name)]
+        for t, key in tensor_keys.items():
+            name = names[id(t)]
             if name in buffers:
                 tensors[key] = buffers[name].contiguous()
             else:
@@ -190,8 +180,6 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
         dest = Path(path)
         save_file(tensors, dest)
         files[dest.name] = dest.stat().st_size
-        del tensors
-    del model
     return files
 
 

@@ -11,6 +11,8 @@ from . import placements
 
 HEAD_PORT = 29500
 WIDTH = 112  # where printed commands wrap (shell continuation lines)
+# What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
+PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
 
 
 @dataclass
@@ -111,7 +113,7 @@ def teacher_cache_words(teacher: str, revision: str | None, placement: str, give
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]
-    words += ["--prompts", "PROMPTS.txt", "--out", "CACHE_DIR", "--placement", placement]
+    words += [w for name, value in PLACEHOLDERS.items() for w in (f"--{name}", value)] + ["--placement", placement]
     for flag, value in given.items():  # a switch: value None
         words += [flag] if value is None else [flag, str(value)]
     return words

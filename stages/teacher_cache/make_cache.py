@@ -10,7 +10,6 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,38 +102,13 @@ class _Part(PartPlan):
     latent_shape: tuple[int, int, int, int]
     header: CacheHeader  # the manifest's description of the run
     fingerprint: str
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-    @property
-    def part_dir(self) -> Path:
-        return self.out / F.PARTS_DIR / F.part_dirname(self.part)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return F.DTYPES[self.placement.dtype]
-
-    @cached_property
-    def recorded(self) -> tuple[int, ...]:
-        """The steps each trajectory records (--record-steps; every step without it)."""
-        return recorded_steps(self.header)
-
-    @property
-    def device(self) -> torch.device:
-        return self.placement.device
-
-    @property
-    def owner(self) -> bool:
-        """Writes the cache's root files (and clears them on --overwrite): rank 0 under torchrun, or the only part."""
-        return self.torchrun and self.part == 0 or self.num_parts == 1
-
-    @cached_property
-    def blocks(self) -> list[list[tuple[int, int]]]:
-        """The part's trajectories (prompt_idx, seed_idx), batch_size at a time: the unit of work and of resume."""
-        traj = [(p, s) for p in self.rows for s in range(self.cfg.seeds_per_prompt)]
-        return [traj[i:i + self.cfg.batch_size] for i in range(0, len(traj), self.cfg.batch_size)]
+    recorded: tuple[int, ...]  # the steps each trajectory records (--record-steps; every step without it)
+    out: Path
+    part_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+    owner: bool  # writes the root files (clears them on --overwrite): rank 0 under torchrun, or the only part
+    blocks: list[list[tuple[int, int]]]  # the (prompt_idx, seed_idx), batch_size at a time: the unit of work and resume
 
 
 def _setup(plan: PartPlan) -> _Part:
@@ -152,8 +126,13 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
                                  prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity())
+    out, traj = Path(cfg.out), [(p, s) for p in plan.rows for s in range(cfg.seeds_per_prompt)]
     return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
-                 latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint())
+                 latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint(),
+                 recorded=recorded_steps(header), out=out, part_dir=out / F.PARTS_DIR / F.part_dirname(plan.part),
+                 dtype=F.DTYPES[placement.dtype], device=placement.device,
+                 owner=plan.torchrun and plan.part == 0 or plan.num_parts == 1,
+                 blocks=[traj[i:i + cfg.batch_size] for i in range(0, len(traj), cfg.batch_size)])
 
 
 def _open_part(job: _Part) -> PartProgress:
@@ -218,7 +197,7 @@ def _refuse_other_settings(job: _Part) -> None:
 def _encode(job: _Part, prog: PartProgress) -> None:
     """Encode the part's prompts and the negative prompt, write the rows and the initial noise, free the encoder."""
     cfg, dtype, device = job.cfg, job.dtype, job.device
-    tokenizer, encoder = load_text_encoder(job.spec, dtype, device, model_offload=job.placement.offloads_text_encoder)
+    tokenizer, encoder = load_text_encoder(job.spec, dtype, device, job.placement.entry.caps.offloads_text_encoder)
     store = create_prompt_store(prompt_store_path(job.out, job.part), len(job.rows), cfg.max_sequence_length,
                                 job.spec.transformer_config["text_dim"], job.placement.dtype, cfg.seeds_per_prompt,
                                 job.latent_shape)
@@ -258,10 +237,15 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     """Run the blocks `todo` to their last step while the writer thread packs shards; returns the loop's seconds."""
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
     neg = part_negative(job.out, job.part, prog.negative_sha256).unsqueeze(0)
-    cfg = job.cfg
+    cfg, tcfg, features = job.cfg, job.spec.transformer_config, None
+    if cfg.record_features is not None:  # the projection written beside the manifest
+        matrix = projection_matrix(int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"]),
+                                   cfg.feature_dim, cfg.feature_seed)
+        write_projection(job.out, matrix)
+        features = FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
     runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
                               job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                              patch=job.spec.patch_size, features=_feature_recorder(job),
+                              patch=job.spec.patch_size, features=features,
                               record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
     bar, progress = _progress_bar(job, prog, todo)
     sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
@@ -280,13 +264,12 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         sink.abort()
+        raise
+    finally:
         bar.close()  # end the bar's line so the error message starts on its own
         progress.close()
-        raise
     pool.shutdown(wait=True)
     sink.close()
-    bar.close()
-    progress.close()
     if stopped:
         raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(job.blocks)} blocks of "
                                  f"part {job.part} cached; rerun the same command to resume")
@@ -341,18 +324,6 @@ def _pack_blocks(finished, blocks: list[list[tuple[int, int]]], sink: BlockSink,
             pending.result()
         pool.submit(sink.flush).result()
     return stopped
-
-
-def _feature_recorder(job: _Part) -> FeatureRecorder | None:
-    """--record-features: the recorder, after writing the projection beside the manifest."""
-    cfg = job.cfg
-    if cfg.record_features is None:
-        return None
-    tcfg = job.spec.transformer_config
-    matrix = projection_matrix(int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"]), cfg.feature_dim,
-                               cfg.feature_seed)
-    write_projection(job.out, matrix)
-    return FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
 
 
 def _wait_for_parts(job: _Part) -> None:

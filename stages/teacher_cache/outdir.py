@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from cache import format as F
@@ -46,9 +47,7 @@ def refuse_foreign(out: Path) -> None:
     if foreign:
         raise UserError(f"output {out} is not empty and is not a WanDistiller cache (found {foreign[0]!r}); "
                         "choose a new or empty directory")
-    unsafe = _first_unsafe_entry(out)
-    if unsafe is not None:
-        path, mode = unsafe
+    for path, mode in _unsafe_entries(out):  # the first one
         if stat.S_ISLNK(mode):
             raise UserError(f"{path} is a symbolic link inside the cache {out}; remove the link (stage one never "
                             "writes or deletes through one: nothing was) and rerun")
@@ -60,9 +59,9 @@ def refuse_foreign(out: Path) -> None:
                         f"{F.MANIFEST} or {F.PARTS_DIR}/part-N/{F.PROGRESS} of one); choose a new or empty directory")
 
 
-def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
-    """(path, st_mode) of the first entry below `out` that is neither a folder nor a regular file, or None. Links are
-    never followed; entries that vanish meanwhile (a concurrent part's temporary files) are skipped."""
+def _unsafe_entries(out: Path) -> Iterator[tuple[Path, int]]:
+    """(path, st_mode) of each entry below `out` that is neither a folder nor a regular file. Links are never
+    followed; entries that vanish meanwhile (a concurrent part's temporary files) are skipped."""
     todo = [out]
     while todo:
         folder = todo.pop()
@@ -76,26 +75,22 @@ def _first_unsafe_entry(out: Path) -> tuple[Path, int] | None:
                     if e.is_dir(follow_symlinks=False):  # d_type: no system call per entry
                         todo.append(Path(e.path))
                     elif not e.is_file(follow_symlinks=False):
-                        return Path(e.path), e.stat(follow_symlinks=False).st_mode
+                        yield Path(e.path), e.stat(follow_symlinks=False).st_mode
                 except FileNotFoundError:
                     continue
-    return None
 
 
-def _read_json(path: Path):
-    """The JSON value of the regular file `path` (never through a link, never blocking), or None."""
+def _ours(path: Path, keys: set[str]) -> bool:
+    """Whether the regular file `path` (never read through a link, never blocking) is a JSON object with `keys`."""
     try:
         fd = open_regular(path, os.O_RDONLY, what="file", single_link=False)
     except (OSError, UnsafeFile):
-        return None
+        return False
     try:
         with os.fdopen(fd, "rb") as f:
-            return json.loads(f.read())
+            value = json.loads(f.read())
     except (OSError, ValueError, RecursionError):
-        return None
-
-
-def _ours(value, keys: set[str]) -> bool:
+        return False
     return isinstance(value, dict) and keys <= value.keys()
 
 
@@ -108,12 +103,9 @@ def _part_dirs(out: Path) -> list[Path]:
 
 def _holds_a_cache(out: Path) -> bool:
     """Whether `out` is demonstrably a cache stage one wrote, or the skeleton a refused or killed first run leaves."""
-    if _ours(_read_json(manifest_path(out)), _MANIFEST_KEYS):
-        return True
-    for d in _part_dirs(out):
-        if _ours(_read_json(d / F.PROGRESS), _PROGRESS_KEYS) or _ours(_read_json(d / F.RESOLVED_CONFIG), _CONFIG_KEYS):
-            return True
-    return _is_skeleton(out)
+    return _ours(manifest_path(out), _MANIFEST_KEYS) or any(
+        _ours(d / F.PROGRESS, _PROGRESS_KEYS) or _ours(d / F.RESOLVED_CONFIG, _CONFIG_KEYS) for d in _part_dirs(out)
+    ) or _is_skeleton(out)
 
 
 def _is_skeleton(out: Path) -> bool:
@@ -129,23 +121,20 @@ def _is_skeleton(out: Path) -> bool:
     def tmp_file(e) -> bool:
         return e.is_file(follow_symlinks=False) and e.name.endswith(F.TMP_SUFFIX)
 
+    def file_like(pattern: re.Pattern, check=lambda _path: True):
+        return lambda f: tmp_file(f) or f.is_file(follow_symlinks=False) and pattern.fullmatch(f.name) is not None \
+            and check(Path(f.path))
+
+    folders = {F.SHARDS_DIR: file_like(_SHARD, _is_our_shard), LOCKS_DIR: file_like(_PART_LOCK),
+               F.PARTS_DIR: lambda p: p.is_dir(follow_symlinks=False) and _PART_DIR.fullmatch(p.name) is not None
+               and only(Path(p.path), tmp_file)}
+
     def root_entry(e) -> bool:
-        if tmp_file(e):
-            return True
         if e.name in (F.NEGATIVE, F.FEATURE_PROJECTION):
             return e.is_file(follow_symlinks=False) and _is_safetensors(Path(e.path))
-        if not e.is_dir(follow_symlinks=False):
-            return False
-        if e.name == F.SHARDS_DIR:
-            return only(Path(e.path), lambda f: tmp_file(f) or f.is_file(follow_symlinks=False)
-                        and _SHARD.fullmatch(f.name) is not None and _is_our_shard(Path(f.path)))
-        if e.name == LOCKS_DIR:
-            return only(Path(e.path), lambda f: tmp_file(f) or f.is_file(follow_symlinks=False)
-                        and _PART_LOCK.fullmatch(f.name) is not None)
-        if e.name == F.PARTS_DIR:
-            return only(Path(e.path), lambda p: p.is_dir(follow_symlinks=False) and _PART_DIR.fullmatch(p.name)
-                        is not None and only(Path(p.path), tmp_file))
-        return False
+        if e.name in folders and e.is_dir(follow_symlinks=False):
+            return only(Path(e.path), folders[e.name])
+        return tmp_file(e)
 
     return only(out, root_entry)
 
@@ -220,31 +209,24 @@ def _remove_part(d: Path) -> None:
 
 def _remove(path: Path) -> None:
     """Delete `path` (rmtree unlinks links, never follows them); what vanished meanwhile is fine, else a UserError."""
-
-    def failed(e: BaseException, where) -> UserError:
-        why = getattr(e, "strerror", None) or e
-        return UserError(f"--overwrite cannot remove {where} ({why}); remove it by hand (or make it writable) and "
-                         "rerun")
-
     def onerror(_func, where, exc_info):
         if not isinstance(exc_info[1], FileNotFoundError):
-            raise failed(exc_info[1], where) from exc_info[1]
+            raise _cannot_remove(exc_info[1], where) from exc_info[1]
 
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise failed(e, path) from e
-    try:
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
             shutil.rmtree(path, onerror=onerror)
         else:
             path.unlink()
     except FileNotFoundError:
-        pass  # gone meanwhile
+        pass  # gone meanwhile (or never there)
     except OSError as e:
-        raise failed(e, e.filename or path) from e
+        raise _cannot_remove(e, e.filename or path) from e
+
+
+def _cannot_remove(e: BaseException, where) -> UserError:
+    why = getattr(e, "strerror", None) or e
+    return UserError(f"--overwrite cannot remove {where} ({why}); remove it by hand (or make it writable) and rerun")
 
 
 def drop_orphans(out: Path, prog: PartProgress, owns_root: bool) -> None:
@@ -282,25 +264,20 @@ def next_shard_index(prog: PartProgress) -> int:
     return 1 + max((int(Path(s.path).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)
 
 
-def remaining_bytes(header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
-                    samples_per_shard: int) -> tuple[int, int, int]:
-    """(shard bytes, prompt-store bytes, samples) the part still writes, embeddings at their text's bound."""
+def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
+               samples_per_shard: int, torchrun: bool) -> None:
+    """Print what the part will still write (embeddings at their text's bound), and refuse (UserError, one line)
+    when it exceeds the free disk."""
     done = set(prog.done_blocks) if prog is not None else set()
     todo = [len(b) for i, b in enumerate(blocks) if i not in done]
-    recorded = len(recorded_steps(header))
+    recorded, steps = len(recorded_steps(header)), int(header.steps)
     shards = shard_bytes([n * recorded for n in todo], samples_per_shard, sample_disk_bytes(header))
     if prog is None or not prog.encoded:
         tokens = sum(embed_tokens_bound(t, header) for t in texts) / max(len(texts), 1)
         store = round(len(texts) * prompt_bytes(header, tokens))
     else:
         store = sum(todo) * latent_bytes(header)  # the final latents still to come
-    return shards, store, sum(todo) * recorded
-
-
-def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
-               samples_per_shard: int, torchrun: bool) -> None:
-    """Print what the part will still write, and refuse (UserError, one line) when it exceeds the free disk."""
-    shards, store, samples = remaining_bytes(header, texts, blocks, prog, samples_per_shard)
+    samples = sum(todo) * recorded
     need = shards + store
     if need == 0:
         return
@@ -311,9 +288,7 @@ def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], pr
            f"{human(store)} of prompt store); {human(free)} free at {out}")
     if need * sharing <= free:
         return
-    recorded, steps = len(recorded_steps(header)), int(header.steps)
-    per_step = shards / recorded
     raise UserError(f"--out {out} has {human(free)} free, and this run would write {human(need * sharing)} more "
                     f"({samples} samples{ranks}: {human(shards)} of shards, {human(store)} of prompt store); free "
                     f"space, record fewer steps per trajectory with --record-steps N (now {recorded} of {steps}; each "
-                    f"step costs ~{human(per_step * sharing)} here), or pass another --out")
+                    f"step costs ~{human(shards / recorded * sharing)} here), or pass another --out")

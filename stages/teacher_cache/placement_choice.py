@@ -178,10 +178,9 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         model = meta_transformer(root, comp, real_buffers=False)
         blocks = list(getattr(model, "blocks", []))
         block_bytes = max((weight_bytes(b, tdtype) for b in blocks), default=0)
-        ck, ckd = _checkpoint(root / comp)
         comps[comp] = Component(comp, type(model).__name__, sum(p.numel() for p in model.parameters()),
                                 weight_bytes(model, tdtype), len(blocks), block_bytes,
-                                largest_layer_bytes(model, tdtype), ck, ckd)
+                                largest_layer_bytes(model, tdtype), *_checkpoint(root / comp))
     if isinstance(mi.get("text_encoder"), list) and mi["text_encoder"][0]:
         import transformers
 
@@ -241,11 +240,6 @@ class Needs:
                    enc.bytes if enc else 0)
 
     @property
-    def block_streaming_gpu(self) -> int:
-        """GPU bytes of `disk`: the block computing, the next one prefetched, the rest of the expert, activations."""
-        return 2 * self.block + self.other + self.activations
-
-    @property
     def layer_streaming_gpu(self) -> int:
         """GPU bytes of `offload`: the layer computing, the next one prefetched and the activations."""
         return 2 * self.layer + self.activations
@@ -302,9 +296,7 @@ def expert_pieces(needs: Needs, n_experts: int) -> list[int]:
 def decide(needs: Needs, inv: Inventory) -> Decision:
     """Pick a placement and an expert order for `needs` on the machine `inv` (pure: no device is touched)."""
     both, one, two = sum(needs.experts), max(needs.experts), len(needs.experts) > 1
-    act = needs.activations
-    ram = inv.usable_ram
-    why: list[str] = []
+    act, ram, why = needs.activations, inv.usable_ram, []
     if inv.gpus:
         gpu = min(inv.usable_gpu(i) for i in range(len(inv.gpus)))
         what = "a replica (both experts)" if two else "the transformer"
@@ -321,14 +313,12 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
         if len(inv.gpus) > 1 and inv.ranks_per_node == 1:
             caps = [inv.usable_gpu(i) - act for i in range(len(inv.gpus))]
             room = gib(sum(max(c, 0) for c in caps))
-            if fits_across(expert_pieces(needs, len(needs.experts)), caps):
-                why.append(f"{what} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
-                           "no block split")
-                return Decision(pick(spreads=True), "step", why)
-            if two and fits_across(expert_pieces(needs, 1), caps):
-                why.append(f"one expert fits across the {len(inv.gpus)} GPUs ({room} usable after activations), "
-                           "both do not: expert-major order")
-                return Decision(pick(spreads=True), "expert", why)
+            # both experts (or the one), else (two) one expert at a time
+            for n, who, order, tail in ((len(needs.experts), what, "step", "no block split"),
+                                        (1, "one expert", "expert", "both do not: expert-major order")):
+                if fits_across(expert_pieces(needs, n), caps):
+                    why.append(f"{who} fits across the {len(inv.gpus)} GPUs ({room} usable after activations), {tail}")
+                    return Decision(pick(spreads=True), order, why)
             why.append(f"the experts do not fit across the {len(inv.gpus)} GPUs either")
         elif len(inv.gpus) > 1:
             why.append("balanced is not used under torchrun (every rank would spread over every GPU)")

@@ -98,9 +98,8 @@ def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(
     """Sizes, layout and (for auto) the decision for running `teacher` with `placement` on `inventory`."""
     inv = inventory or Inventory.measure()
     entry = placements.get(placement)
-    gpu_exec = bool(inv.gpus) and entry.caps.gpu != "no"
-    if device_map is not None:
-        gpu_exec = any(isinstance(v, int) for v in device_map.values())
+    gpu_exec = any(isinstance(v, int) for v in device_map.values()) if device_map is not None \
+        else bool(inv.gpus) and entry.caps.gpu != "no"
     shape = replace(shape, dtype=shape.dtype or ("bfloat16" if gpu_exec else "float32"))
     sizes = teacher_sizes(teacher, shape.dtype)
     needs = Needs.of(sizes, activation_bytes(sizes, shape))
@@ -112,8 +111,7 @@ def make_plan(teacher: str, placement: str = "auto", shape: RunShape = RunShape(
             raise NoPlacement(e.line, _nowhere(teacher, shape, inv)) from e
         entry, order, why = placements.get(d.placement), d.expert_order, d.reasons
     else:
-        order = entry.expert_order(needs, inv)
-        why = [f"placement {placement} requested"]
+        order, why = entry.expert_order(needs, inv), [f"placement {placement} requested"]
         if entry.caps.gpu == "required" and not inv.gpus:
             notes.append(f"{entry.name} needs a CUDA GPU and this inventory has none: it would stop with an error")
     if len(sizes.experts) < 2 or expert_order in ("step", "expert"):
@@ -150,10 +148,9 @@ def _nowhere(teacher: str, shape: RunShape, inv: Inventory) -> dict:
     first = sizes[shape.dtype]
     return {"dtype": shape.dtype, "batch_size": shape.batch_size, "height": shape.height, "width": shape.width,
             "frames": shape.frames,
-            "components": [{"name": name, "class": first.components[name].cls,
-                            "params": first.components[name].params,
-                            "bytes": {d: sizes[d].components[name].bytes for d in dtypes}}
-                           for name in ("text_encoder", *first.experts) if first.components.get(name) is not None],
+            "components": [{"name": n, "class": c.cls, "params": c.params,
+                            "bytes": {d: sizes[d].components[n].bytes for d in dtypes}}
+                           for n in ("text_encoder", *first.experts) if (c := first.components.get(n)) is not None],
             "activations_bytes": acts,
             "would_fit": {d: machines_that_fit(Needs.of(sizes[d], acts[d]), inv.ranks_per_node) for d in dtypes}}
 
@@ -185,8 +182,6 @@ def _encoder_notes(needs: Needs, inv: Inventory, where: str) -> list[str]:
     return []
 
 
-# What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
-PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
 _NAMED = ("teacher", "revision", "placement")  # in the printed command's first words
 
 
@@ -196,8 +191,7 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     teacher, revision, placement = cfg.teacher, cfg.revision, cfg.placement
     root = teacher_folder(teacher, revision, files=CONFIGS)  # a Hub id: its configs alone
     inv = _inventory(settings, cfg.offload_dir)
-    assumed_gpus = settings.assume_gpus is not None or settings.gpus_per_node is not None \
-        or settings.gpu_memory is not None
+    assumed_gpus = any(v is not None for v in (settings.assume_gpus, settings.gpus_per_node, settings.gpu_memory))
     dmap = read_device_map(placement, check_devices=not assumed_gpus)[0] \
         if placements.get(placement).caps.json_map else None
     plan = make_plan(str(root), placement, cfg, inventory=inv, max_memory=parse_max_memory(cfg.max_memory),
@@ -217,7 +211,12 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     words = launch.teacher_cache_words(teacher, revision, plan.placement, flags)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
-    step = _step_time(settings, plan, root, cfg)
+    if settings.step_time is not None:
+        step = costs.StepTime(settings.step_time, "--step-time")
+    elif settings.measure:  # one step measured here
+        step = costs.measure_step(cfg, plan.placement)
+    else:  # the table's figure for the teacher's shape
+        step = costs.table_step_time(spec.transformer_config, plan.tokens_per_sample, plan.placement)
     if step is not None and settings.prompts:
         plan.time = costs.project(settings.prompts, cfg.seeds_per_prompt, cfg.steps, step,
                                   plan.launch["parts"], plan.launch["gpus_per_rank"])
@@ -249,17 +248,6 @@ def _inventory(s: PlanSettings, offload_dir: str | None) -> Inventory:
     return Inventory.assume(gpus, s.assume_ram, s.assume_disk, ranks, measured)
 
 
-def _step_time(s: PlanSettings, plan: Plan, root: Path, cfg: TeacherCacheConfig) -> costs.StepTime | None:
-    """--step-time, else one step measured here (--measure), else the table's figure for the teacher's shape."""
-    if s.step_time is not None:
-        return costs.StepTime(s.step_time, "--step-time")
-    if s.measure:
-        return costs.measure_step(cfg, plan.placement)
-    first = next(c["name"] for c in plan.components if c["class"] == "WanTransformer3DModel")
-    config = json.loads((root / first / "config.json").read_text())
-    return costs.table_step_time(config, plan.tokens_per_sample, plan.placement)
-
-
 def cache_projection(spec: TeacherSpec, cfg: TeacherCacheConfig, prompts: int | None) -> dict:
     """The bytes of the cache `cfg` would write (`cache.size` over the header stage one would record,
     `CacheHeader.planned`: every sample field its settings turn on), per sample and per prompt, and for `prompts`
@@ -285,6 +273,5 @@ def _render_cache(c: dict) -> str:
             f"{c['seeds_per_prompt']} seed(s) + {human(c['prompt_store_bytes'])} of prompt store (noise, final latent, "
             f"the embedding at all {c['max_sequence_length']} tokens: at most) = {human(c['bytes_per_prompt'])} per "
             "prompt")
-    if c["prompts"]:
-        return head + f"; {c['prompts']:,} prompts: {human(c['total_bytes'])}"
-    return head + " (--prompts N: the total)"
+    return head + (f"; {c['prompts']:,} prompts: {human(c['total_bytes'])}" if c["prompts"] else
+                   " (--prompts N: the total)")

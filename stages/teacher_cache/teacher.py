@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from .placements import Placement
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
-CONFIG_FILES = {"text_encoder": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
-                "transformer": "config.json", "transformer_2": "config.json"}
+CONFIG_FILES = {"tokenizer": "", "text_encoder": "config.json", "vae": "config.json",
+                "scheduler": "scheduler_config.json", "transformer": "config.json", "transformer_2": "config.json"}
 ROPE_MAX_SEQ_LEN = 1024  # WanTransformer3DModel's default, for a config that does not say
 
 
@@ -66,7 +66,7 @@ class TeacherSpec:
                 height // self.vae_spatial, width // self.vae_spatial)
 
     def check_sizes(self, height: int, width: int, frames: int) -> None:
-        _, ph, pw = self.patch_size
+        pt, ph, pw = self.patch_size
         for name, v, m in (("height", height, self.vae_spatial * ph), ("width", width, self.vae_spatial * pw)):
             if v % m:
                 lo, hi = v // m * m, (v // m + 1) * m
@@ -77,7 +77,6 @@ class TeacherSpec:
         # Wan's rotary embedding (diffusers' WanRotaryPosEmbed) holds rope_max_seq_len positions per axis (frames,
         # height, width, in patches): a larger size fails in the first forward, after the prompts were encoded.
         rope = min(int(self.configs[e].get("rope_max_seq_len", ROPE_MAX_SEQ_LEN)) for e in self.experts)
-        pt, ph, pw = self.patch_size
         _, f, h, w = self.latent_shape(height, width, frames)
         for name, value, patches, top in (
                 ("height", height, h // ph, rope * ph * self.vae_spatial),
@@ -89,11 +88,10 @@ class TeacherSpec:
 
     def identity(self) -> dict:
         """Placement-independent identity for the fingerprint: config hashes and weight-file samples."""
-        h = {"model_index": hash_json(self.model_index)}
-        h.update({k: hash_json(v) for k, v in sorted(self.configs.items())})
-        h["weights"] = {f"{comp}/{f.name}": sample_file(f) for comp in ("text_encoder", *self.experts)
-                        for f in sorted((self.path / comp).glob("*.safetensors"))}
-        return h
+        configs = {c: hash_json(v) for c, v in sorted(self.configs.items())}
+        return {"model_index": hash_json(self.model_index), **configs,
+                "weights": {f"{comp}/{f.name}": sample_file(f) for comp in ("text_encoder", *self.experts)
+                            for f in sorted((self.path / comp).glob("*.safetensors"))}}
 
 
 def read_json(p: Path) -> dict:
@@ -147,17 +145,13 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         missing.append("transformer")
     configs = {}
     for comp in [c for c in (*REQUIRED, *experts) if c not in missing]:
-        cf = p / comp / CONFIG_FILES.get(comp, "")
-        if comp == "tokenizer":
-            if not cf.is_dir():
-                missing.append(f"{comp}/")
-        elif cf.is_file():
-            configs[comp] = json.loads(cf.read_text())
-        else:
+        cf = p / comp / CONFIG_FILES[comp]  # the tokenizer: its folder
+        if not (cf.is_dir() if comp == "tokenizer" else cf.is_file()):
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
-    for comp in ("text_encoder", *experts):
-        if comp in configs and not any((p / comp).glob("*.safetensors")):
-            missing.append(f"{comp}/*.safetensors")
+        elif comp != "tokenizer":
+            configs[comp] = json.loads(cf.read_text())
+    missing += [f"{c}/*.safetensors" for c in ("text_encoder", *experts)
+                if c in configs and not any((p / c).glob("*.safetensors"))]
     if missing:
         # Offline, a Hub id resolves to whatever the local Hub cache holds, maybe only the configs `plan` fetched
         hint = (f"; the local Hub cache holds only part of it: download the rest where the Hub is reachable (`hf "
@@ -253,20 +247,16 @@ class ExpertSet:
     def activate(self, experts: tuple[int, ...] | None) -> None:
         """Make exactly `experts` (1-based; None = all) resident, releasing the others first."""
         want = set(range(1, len(self.models) + 1)) if experts is None else set(experts)
-        for e in range(1, len(self.models) + 1):
-            if e not in want:
-                self.release(e)
+        released = [e for e in range(len(self.models)) if e + 1 not in want and self.models[e] is not None]
+        for e in released:
+            self.models[e] = None
+        if released:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
                 self.models[e - 1] = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
-
-    def release(self, expert: int) -> None:
-        if self.models[expert - 1] is None:
-            return
-        self.models[expert - 1] = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.activate(())

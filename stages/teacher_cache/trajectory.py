@@ -13,7 +13,7 @@ import torch
 
 from cache.feature_projection import project
 from pipeline.errors import UserError
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 
 def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:
@@ -42,13 +42,9 @@ class Schedule:
         boundary = None if boundary_ratio is None else boundary_ratio * s.config.num_train_timesteps
         g2 = guidance if guidance_2 is None else guidance_2
         cfg = guidance > 1.0  # WanPipeline.do_classifier_free_guidance looks at the first scale only
-        experts, scales = [], []
-        for t in s.timesteps:
-            high = boundary is None or t >= boundary
-            experts.append(1 if high else 2)
-            scales.append((guidance if high else g2) if cfg else 1.0)
+        high = [boundary is None or t >= boundary for t in s.timesteps]  # the high-noise expert's steps
         return cls([float(t) for t in s.timesteps], [float(x) for x in s.sigmas[: len(s.timesteps)]],
-                   experts, scales, cfg)
+                   [1 if h else 2 for h in high], [(guidance if h else g2) if cfg else 1.0 for h in high], cfg)
 
 
 @dataclass
@@ -151,10 +147,9 @@ class TrajectoryRunner:
                 noise_pred, noise_cond, noise_uncond = self.predict(model, latent_in, timestep, context, scale)
             if kept:
                 keep = self.keep_cond_uncond and noise_cond is not None
+                pair = [n.to(self.dtype).cpu() if keep else None for n in (noise_cond, noise_uncond)]
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
-                                   noise_pred.to(self.dtype).cpu(),
-                                   noise_cond.to(self.dtype).cpu() if keep else None,
-                                   noise_uncond.to(self.dtype).cpu() if keep else None,
+                                   noise_pred.to(self.dtype).cpu(), *pair,
                                    self.features.result() if self.features else None))
             latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
         return latents.float().cpu(), (latents, sched)

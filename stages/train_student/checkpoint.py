@@ -5,6 +5,7 @@ DCP index through `_IndexUnpickler`). docs/reliability.md "Checkpoints", docs/mu
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import io
@@ -13,7 +14,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier
-from pipeline.torch_private import planner_loading_with, storage_info_type
+from pipeline.torch_private import internal, planner_loading_with
 
 from .comm import all_gather_bytes
 
@@ -63,12 +64,11 @@ def _unb64(s: str) -> torch.Tensor:
 def rng_state() -> dict:
     """This process's RNG states (torch CPU and CUDA, numpy, python) as JSON-able values."""
     np_state = np.random.get_state()
-    py_state = random.getstate()
     return {
         "torch": _b64(torch.get_rng_state()),
         "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "python": random.getstate(),  # (tuples: JSON writes them as the lists set_rng_state reads)
     }
 
 
@@ -82,47 +82,26 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _digest(sha, size: int) -> dict:
-    return {"bytes": size, "sha256": sha.hexdigest()}
-
-
 def _fsync_and_digest(path: Path) -> dict:
     """fsync `path` and return its digest, in one pass over it (just written: read from the page cache)."""
     with open(path, "rb") as f:
         sha = hashlib.file_digest(f, "sha256")
         os.fsync(f.fileno())
-        size = f.tell()
-    return _digest(sha, size)
+        return {"bytes": f.tell(), "sha256": sha.hexdigest()}
 
 
-def _write_bytes(path: Path, data: bytes) -> dict:
-    """Write `data` to `path` (fsynced); returns its digest."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return _digest(hashlib.sha256(data), len(data))
-
-
-def as_os_error(e: Exception, path: Path) -> OSError | None:
-    """The OSError behind a safetensors write failure (it reports errno only in its message), or None."""
-    m = _OS_ERROR.search(str(e))
-    if m is None:
-        return None
-    code = int(m.group(1))
-    return OSError(code, os.strerror(code), str(path))
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file; a failed write (full disk, quota) raises the OSError it is (one line from the CLI)."""
+@contextlib.contextmanager
+def os_errors(path: Path) -> Iterator[None]:
+    """A safetensors write failure (full disk, quota; it reports errno only in its message) raised as the OSError it
+    is, naming `path`: one line from the CLI, not a SafetensorError traceback."""
     try:
-        save_file(tensors, path)
-        honour_umask(path)  # (safetensors writes 0600: colleagues could not read the checkpoint)
+        yield
+    except OSError:
+        raise
     except Exception as e:
-        err = as_os_error(e, path)
-        if err is None:
+        if (m := _OS_ERROR.search(str(e))) is None:
             raise
-        raise err from e
+        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path)) from e
 
 
 class _WriteRecorder:
@@ -130,10 +109,7 @@ class _WriteRecorder:
     hashes what is written: torch.save writes its zip strictly in order (it never seeks), so that is the file."""
 
     def __init__(self, f):
-        self.f = f
-        self.error: OSError | None = None
-        self.sha = hashlib.sha256()
-        self.bytes = 0
+        self.f, self.error, self.sha = f, None, hashlib.sha256()
 
     def write(self, data) -> int:
         try:
@@ -142,7 +118,6 @@ class _WriteRecorder:
             self.error = e
             raise
         self.sha.update(data)
-        self.bytes += memoryview(data).nbytes
         return n
 
     def flush(self) -> None:
@@ -158,15 +133,12 @@ def _torch_save(obj, path: Path) -> dict:
             torch.save(obj, sink)
             f.flush()
             os.fsync(f.fileno())
-        return _digest(sink.sha, sink.bytes)
-    except RuntimeError as e:
-        if sink is None or sink.error is None:
+            return {"bytes": f.tell(), "sha256": sink.sha.hexdigest()}
+    except (RuntimeError, OSError) as e:  # an OSError too from the final flush, on close
+        err = sink.error if sink is not None and sink.error is not None else e
+        if not isinstance(err, OSError) or err.filename is not None:
             raise
-        raise OSError(sink.error.errno, sink.error.strerror, str(path)) from e
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror, str(path)) from e  # the final flush, on close
+        raise OSError(err.errno, err.strerror, str(path)) from e
 
 
 def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
@@ -186,7 +158,9 @@ def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor]
         heads_state = None if heads is None else heads.state_dict()
         for name, tensors in ((MODEL, model_state), (EMA, ema), (HEADS, heads_state)):
             if tensors is not None:
-                save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / name)
+                with os_errors(tmp / name):
+                    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / name)
+                honour_umask(tmp / name)  # (safetensors writes 0600: colleagues could not read the checkpoint)
                 pending[name] = pool.submit(_fsync_and_digest, tmp / name)
             if name == MODEL:
                 fault_point("in_checkpoint")
@@ -202,8 +176,10 @@ def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], 
     root = Path(out) / CHECKPOINTS
     final = root / step_dirname(step)
     state = {**trainer_state, DIGESTS_KEY: DIGESTS}
-    files[STATE] = _write_bytes(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
-    _write_bytes(tmp / DIGESTS, (json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n").encode())
+    (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
+    files[STATE] = _fsync_and_digest(tmp / STATE)
+    (tmp / DIGESTS).write_text(json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n")
+    _fsync_and_digest(tmp / DIGESTS)
     fsync_dir(tmp)
     fault_point("before_checkpoint_rename")
     if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged
@@ -239,11 +215,10 @@ def save_sharded(out: str | os.PathLike, step: int, state_dict: dict, trainer_st
             if p.name.startswith(f"__{env.rank}_") or (env.is_main and p.name == SHARDED_INDEX)}
     gathered = all_gather_bytes(json.dumps(mine).encode(), device)
     if env.is_main:
-        files: dict[str, dict] = {}
-        for part in gathered:
-            files.update(json.loads(part))
+        files = {name: d for part in gathered for name, d in json.loads(part).items()}
         for p in sorted(shards.iterdir()):  # a file of a layout DCP may use one day: recorded all the same
-            files.setdefault(f"{SHARDED}/{p.name}", _fsync_and_digest(p))
+            if f"{SHARDED}/{p.name}" not in files:
+                files[f"{SHARDED}/{p.name}"] = _fsync_and_digest(p)
         fsync_dir(shards)
         _seal(out, tmp, step, files, trainer_state, keep)
     barrier(device)
@@ -257,11 +232,8 @@ INDEX_GLOBALS = frozenset({
     *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
                                           "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
                                           "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 })
 
@@ -315,7 +287,7 @@ def read_index(path: Path):
     files = {p.name for p in (path / SHARDED).iterdir()}
     for info in index.storage_data.values():
         where = getattr(info, "relative_path", None)
-        if not (isinstance(info, storage_info_type()) and _is_shard_name(f"{SHARDED}/{where}") and where in files
+        if not (isinstance(info, internal("storage_info")) and _is_shard_name(f"{SHARDED}/{where}") and where in files
                 and type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
                 and not info.transform_descriptors):
             raise untrusted(path, name, f"{str(where)[:80]!r} as a place of its data",
@@ -329,25 +301,21 @@ def sharded_keys(path: Path, index=None) -> set[str]:
     return {k.split(".", 1)[0] for k in index.state_dict_metadata}
 
 
-def _dcp_reader(path: Path, index):
-    """A FileSystemReader of SHARDED/ that hands DCP `index` (read_index's, checked) instead of unpickling the file."""
+def load_sharded(path: Path, state_dict: dict, index) -> None:
+    """Fill `state_dict` (this rank's tensors, laid out as trained) in place from sharded checkpoint `path`, with
+    `read_index`'s index and no pickled code run: a shard file that holds any is refused (`untrusted`) on every rank."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class _CheckedReader(dcp.FileSystemReader):
+    class _CheckedReader(dcp.FileSystemReader):  # hands DCP the checked `index` instead of unpickling the file
         def read_metadata(self, *args, **kwargs):
-            if getattr(index, "storage_meta", None) is None:
-                index.storage_meta = StorageMeta()
+            index.storage_meta = index.storage_meta or StorageMeta()
             index.storage_meta.load_id = self.load_id
             return index
 
-    return _CheckedReader(path / SHARDED)
-
-
-def _safe_planner():
-    """DCP's DefaultLoadPlanner with its non-tensor values (the optimizer's param_groups: numbers, tuples) read with
-    `weights_only=True`; DCP's own reads them with `torch.load(weights_only=False)`."""
-
+    # The non-tensor values (the optimizer's param_groups: numbers, tuples) read with weights_only=True; DCP's own
+    # planner reads them with torch.load(weights_only=False).
     def load(planner, read_item, value: io.BytesIO):
         try:
             return torch.load(value, map_location="cpu", weights_only=True)
@@ -355,18 +323,8 @@ def _safe_planner():
             where = planner.metadata.storage_data[read_item.storage_index].relative_path
             raise Untrusted(f"{SHARDED}/{where}\0{_pickled_global(e)}") from None
 
-    return planner_loading_with(load)
-
-
-def load_sharded(path: Path, state_dict: dict, index=None) -> None:
-    """Fill `state_dict` (this rank's tensors, laid out as trained) in place from sharded checkpoint `path`, with
-    `read_index`'s index and no pickled code run: a shard file that holds any is refused (`untrusted`) on every rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    index = read_index(path) if index is None else index
     try:
-        dcp.load(state_dict, storage_reader=_dcp_reader(path, index), planner=_safe_planner())
+        dcp.load(state_dict, storage_reader=_CheckedReader(path / SHARDED), planner=planner_loading_with(load))
     except CheckpointException as e:  # DCP gathers every rank's failure into this one
         for failure, _ in e.failures.values():
             if isinstance(failure, Untrusted):
@@ -389,11 +347,9 @@ def _pickled_global(e: Exception) -> str:
 
 
 def _named(out: str | os.PathLike) -> list[Path]:
-    """The folders with a checkpoint's final name, oldest first."""
+    """The folders with a checkpoint's final name, oldest first (the names, zero-padded, sort by step)."""
     root = Path(out) / CHECKPOINTS
-    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _NAME.match(d.name)) and d.is_dir()] \
-        if root.is_dir() else []
-    return [d for _, d in sorted(found)]
+    return sorted(d for d in root.iterdir() if _NAME.match(d.name) and d.is_dir()) if root.is_dir() else []
 
 
 def complete(out: str | os.PathLike) -> list[Path]:
@@ -404,7 +360,7 @@ def complete(out: str | os.PathLike) -> list[Path]:
 def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
     """Keep the newest `keep` complete checkpoints at or before `step`; remove leftovers of interrupted writes.
     Those past `step` (damaged ones a resume skipped, written again) are left alone and not counted."""
-    found = [d for d in complete(out) if step is None or int(_NAME.match(d.name).group(1)) <= step]
+    found = [d for d in complete(out) if step is None or d.name <= step_dirname(step)]
     for d in found[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
     for d in (Path(out) / CHECKPOINTS).glob(f"*{TMP}"):
@@ -418,16 +374,6 @@ def read_state(path: Path) -> dict:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
-
-
-def _size_problem(name: str, size: int, want: int) -> str | None:
-    if size == want:
-        return None
-    if size == 0:
-        return f"{name}: empty (0 of {want} bytes)"
-    if size < want:
-        return f"{name}: truncated ({size} of {want} bytes)"
-    return f"{name}: {size} bytes, {want} recorded"
 
 
 def _read_record(path: Path) -> dict[str, dict]:
@@ -454,25 +400,8 @@ def _read_record(path: Path) -> dict[str, dict]:
 
 def _is_shard_name(name) -> bool:
     """`sharded/<file>`: a file directly in a sharded checkpoint's DCP folder (never a path out of it)."""
-    if not isinstance(name, str) or not name.startswith(f"{SHARDED}/"):
-        return False
-    rest = name[len(SHARDED) + 1:]
-    return bool(rest) and "/" not in rest and "\\" not in rest and rest not in (".", "..")
-
-
-def _check_recorded(path: Path, files: dict[str, dict]) -> str | None:
-    """The first file of `path` that is not as its record says (sizes first: no hashing of a short file)."""
-    for name, want in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name}: missing"
-        if problem := _size_problem(name, f.stat().st_size, want["bytes"]):
-            return problem
-    for name, want in files.items():
-        with open(path / name, "rb") as f:
-            if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
-                return f"{name}: sha256 mismatch"
-    return None
+    rest = name.removeprefix(f"{SHARDED}/") if isinstance(name, str) and name.startswith(f"{SHARDED}/") else ""
+    return rest not in ("", ".", "..") and "/" not in rest and "\\" not in rest
 
 
 def check(path: Path) -> str | None:
@@ -481,19 +410,24 @@ def check(path: Path) -> str | None:
         return f"{DIGESTS}: missing"
     try:
         files = _read_record(path)
-    except ValueError as e:
-        return str(e)
-    if problem := _check_recorded(path, files):
-        return problem
-    try:
-        read_state(path)
-    except (ValueError, OSError) as e:
-        return f"{STATE}: unreadable ({_first_line(e)})"
-    if f"{SHARDED}/{SHARDED_INDEX}" in files:  # the index is a pickle: read safely now (a UserError if planted)
+        for name, want in files.items():  # sizes first: no hashing of a short file
+            if not (path / name).is_file():
+                return f"{name}: missing"
+            if (size := (path / name).stat().st_size) != (n := want["bytes"]):
+                return (f"{name}: empty (0 of {n} bytes)" if size == 0 else f"{name}: truncated ({size} of {n} bytes)"
+                        if size < n else f"{name}: {size} bytes, {n} recorded")
+        for name, want in files.items():
+            with open(path / name, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
+                    return f"{name}: sha256 mismatch"
         try:
+            read_state(path)
+        except (ValueError, OSError) as e:
+            return f"{STATE}: unreadable ({_first_line(e)})"
+        if f"{SHARDED}/{SHARDED_INDEX}" in files:  # the index is a pickle: read safely now (a UserError if planted)
             read_index(path)
-        except ValueError as e:
-            return str(e)
+    except ValueError as e:  # (the record's or the index's one-line reason)
+        return str(e)
     return None
 
 
@@ -502,20 +436,20 @@ def pick(out: str | os.PathLike) -> tuple[Path | None, list[str]]:
     any. Every folder with a final name is a candidate (one without trainer_state.json is reported as damaged)."""
     damaged: list[tuple[str, str]] = []
     for d in reversed(_named(out)):
-        problem = check(d)
-        if problem is not None:
+        if (problem := check(d)) is not None:
             damaged.append((d.name, problem))
-            continue
-        if not damaged:
+        elif not damaged:
             return d, []
-        named = (f"checkpoint {damaged[0][0]} is damaged ({damaged[0][1]})" if len(damaged) == 1 else
-                 "checkpoints " + ", ".join(f"{n} ({p})" for n, p in damaged) + " are damaged")
-        return d, [f"warning: {named}; resuming from {d.name}"]
+        else:
+            named = (f"checkpoint {damaged[0][0]} is damaged ({damaged[0][1]})" if len(damaged) == 1 else
+                     "checkpoints " + ", ".join(f"{n} ({p})" for n, p in damaged) + " are damaged")
+            return d, [f"warning: {named}; resuming from {d.name}"]
     if not damaged:
         return None, []
     listed = ", ".join(f"{n} ({p})" for n, p in damaged)
-    raise UserError(f"--resume: no sound checkpoint in {Path(out) / CHECKPOINTS}: {listed}; delete the damaged checkpoint folders "
-                    "and rerun with --resume to train again from step 0, or start without --resume in a new --out")
+    raise UserError(f"--resume: no sound checkpoint in {Path(out) / CHECKPOINTS}: {listed}; delete the damaged "
+                    "checkpoint folders and rerun with --resume to train again from step 0, or start without --resume "
+                    "in a new --out")
 
 
 def load(path: Path, load_model: Callable[[dict[str, torch.Tensor]], None], optimizer: torch.optim.Optimizer,

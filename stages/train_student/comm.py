@@ -36,9 +36,5 @@ def all_gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
     buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[8:8]
     bufs = [torch.empty_like(buf, device=device) for _ in range(world)]
     dist.all_gather(bufs, buf.to(device))
-    out = []
-    for b in bufs:
-        b = b.cpu()
-        size = int.from_bytes(bytes(b[:8].tolist()), "little")
-        out.append(bytes(b[8:8 + size].numpy().tobytes()))
-    return out
+    bufs = [b.cpu() for b in bufs]
+    return [b[8:8 + int.from_bytes(bytes(b[:8].tolist()), "little")].numpy().tobytes() for b in bufs]

@@ -1,19 +1,20 @@
-"""Stage two's training items and loader: a cached sample with its prompt's embedding, read by row in the order
-the batch sampler (`epoch.RankBatches`) gives; the workers only fetch (each with its own reader and LRU)."""
+"""Stage two's training items, loader and batches: a cached sample with its prompt's embedding, read by row in the
+order the batch sampler (`epoch.RankBatches`) gives; the workers only fetch (each with its own reader and LRU); a
+micro-batch holds lists of the samples' own tensors, laid out where they are used."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cache import format as F
 from cache.cache_error import CacheError
 from cache.prompt_store import ROW_LATENT_UNWRITTEN, EmbeddingCache, PartRows, RowCache
 from cache.reader import C_CACHE, C_PROMPT, C_SEED, C_STEP, CacheIndex, SampleReader, sample_code
 from pipeline import signals
+from pipeline.torch_private import shared_bytes
 
-from .collate import collate
 from .epoch import RankBatches
 
 # The derived field a SegmentDataset adds to each item: the average velocity from the sample's state to the end of
@@ -50,10 +51,10 @@ class SampleDataset(Dataset):
         tensors, meta = self._reader.read(row)
         r = self.index.table[row]
         cache = self.index.caches[int(r[C_CACHE])]
-        # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): `collate.padded_context` pads
+        # the real tokens only (an A14B embedding is 4 MiB padded, ~0.5 MiB trimmed): `padded_context` pads
         # them to max_sequence_length on the device
         try:
-            context, padded = self._embeds[int(r[C_CACHE])].get_trimmed(int(r[C_PROMPT]))
+            context, padded = self._embeds[int(r[C_CACHE])][int(r[C_PROMPT])]
         except (ValueError, FileNotFoundError, KeyError) as e:
             if isinstance(e, CacheError):
                 raise
@@ -98,17 +99,10 @@ def _final_latents(rows: PartRows, row: int) -> tuple[PartRows, int, torch.Tenso
     return rows, row, torch.from_numpy(np.ascontiguousarray(rows.latents(F.Z_FINAL_LATENTS, row), dtype=np.float32))
 
 
-def segment_velocity(x_k: torch.Tensor, x_end: torch.Tensor, sigma_k: float, sigma_end: float) -> torch.Tensor:
-    """(x_end - x_k) / (sigma_end - sigma_k) in float32: the constant velocity that carries x_k at sigma_k to x_end at
-    sigma_end along a straight line, i.e. what one Euler step of that size must predict."""
-    return (x_end.float() - x_k.float()) / (sigma_end - sigma_k)
-
-
 class SegmentDataset(SampleDataset):
     """A SampleDataset whose items are pairs of states of one trajectory: the sample's x_t at step k and the state at
     `end_step[k]` (a later cached step, or the final latent), with their average velocity under SEGMENT_VELOCITY.
     Every row's partner is looked up once, here: a pair costs one more `pread` (usually in the same shard)."""
-
 
     def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...], end_step):
         super().__init__(index, embedding_cache_size, fields)
@@ -125,25 +119,23 @@ class SegmentDataset(SampleDataset):
         self._finals = [RowCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size, _final_latents)
                         for c in self.index.caches]
 
-    def _final_latent(self, cache: int, prompt: int, seed: int) -> torch.Tensor:
-        """One trajectory's final latent [C, F, H, W] (an LRU of prompts); CacheError where it was never written."""
-        rows, row, latents = self._finals[cache][prompt]
-        if not bool(latents[seed].any()):
-            raise rows.error(ROW_LATENT_UNWRITTEN, f"{F.Z_FINAL_LATENTS} of {rows.where(row)} seed {seed} were never "
-                                                   "written")
-        return latents[seed]
-
     def __getitem__(self, item: tuple[int, float]) -> dict:
         out = super().__getitem__(item)
         row = item[0]
         r = self.index.table[row]
-        end, end_row = int(self.end_step[int(r[C_STEP])]), int(self.end_rows[row])
+        end, end_row, seed = int(self.end_step[int(r[C_STEP])]), int(self.end_rows[row]), int(r[C_SEED])
         if end_row >= 0:
             x_end = self._reader.read_tensors(end_row)[F.T_X_T]
-        else:
-            x_end = self._final_latent(int(r[C_CACHE]), int(r[C_PROMPT]), int(r[C_SEED]))
-        out["fields"][SEGMENT_VELOCITY] = segment_velocity(out["fields"][F.T_X_T], x_end, out["sigma"],
-                                                           self.sigmas[end])
+        else:  # the trajectory's final latent [C, F, H, W] (an LRU of prompts), unless it was never written
+            rows, prow, latents = self._finals[int(r[C_CACHE])][int(r[C_PROMPT])]
+            if not bool(latents[seed].any()):
+                raise rows.error(ROW_LATENT_UNWRITTEN, f"{F.Z_FINAL_LATENTS} of {rows.where(prow)} seed {seed} were "
+                                                       "never written")
+            x_end = latents[seed]
+        # in float32, the constant velocity that carries x_t at its sigma to x_end at sigma_end along a straight line,
+        # i.e. what one Euler step of that size must predict
+        x_k = out["fields"][F.T_X_T]
+        out["fields"][SEGMENT_VELOCITY] = (x_end.float() - x_k.float()) / (self.sigmas[end] - out["sigma"])
         return out
 
 
@@ -151,3 +143,56 @@ def make_loader(dataset: SampleDataset, sampler: RankBatches, num_workers: int, 
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin, prefetch_factor=4 if num_workers else None,
                       worker_init_fn=signals.worker_ignores_sigterm if num_workers else None)
+
+
+def _in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, copied one after the other into one buffer in shared memory (views of it, same shapes)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.cumsum([0] + [-(-n // 64) * 64 for n in sizes])  # (each at a multiple of 64 bytes: any dtype's)
+    buf = shared_bytes(int(starts[-1]))  # (shared: the batch reaches training uncopied)
+    out, flat = [], buf.numpy()
+    for t, n, at in zip(tensors, sizes, starts.tolist()):
+        # (with numpy, never torch: torch's intra-op threads wait on each other on a busy machine, docs/architecture.md
+        # "Batches"; as flat uint8 memory, whatever the dtype)
+        np.copyto(flat[at:at + n], t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        out.append(buf[at:at + n].view(t.dtype).view(t.shape))
+    return out
+
+
+def collate(items: list[dict]) -> dict:
+    """A micro-batch: every field the dataset read and the prompt embeddings, as lists of the samples' tensors
+    (stacked and padded once, on the device, by `to_device` / `padded_context`; a loader worker's in one buffer of
+    shared memory), and the per-sample metadata as tensors."""
+    names = list(items[0]["fields"])
+    tensors = [i["fields"][n] for n in names for i in items] + [i["context"] for i in items]
+    if get_worker_info() is not None:
+        tensors = _in_shared_memory(tensors)
+    b = len(items)
+    return {
+        "fields": {n: tensors[k * b:(k + 1) * b] for k, n in enumerate(names)},
+        "context": tensors[len(names) * b:],
+        "max_len": items[0]["max_len"],
+        "timestep": torch.tensor([i["timestep"] for i in items], dtype=torch.float32),
+        "sigma": torch.tensor([i["sigma"] for i in items], dtype=torch.float32),
+        "step": torch.tensor([i["step"] for i in items], dtype=torch.int64),
+        "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
+        "keys": [i["key"] for i in items if i["weight"] > 0],
+    }
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's field (a list of the samples' tensors, one shape) stacked on `device` as `dtype`: [B, ...]."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=device)
+    for j, t in enumerate(tensors):
+        out[j].copy_(t, non_blocking=True)
+    return out
+
+
+def padded_context(batch: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A collated batch's prompt embeddings on `device` as the teacher saw them: [B, max_len, D], each sample's
+    real tokens, then zeros (as WanPipeline pads them)."""
+    ctx = batch["context"]
+    out = torch.zeros((len(ctx), batch["max_len"], ctx[0].shape[-1]), dtype=dtype, device=device)
+    for j, c in enumerate(ctx):
+        out[j, :c.shape[0]].copy_(c, non_blocking=True)
+    return out

@@ -61,8 +61,7 @@ class EpochPlan:
         rng = np.random.Generator(np.random.PCG64(seq))
         if not self.window:
             return rng.permutation(self.n), np.zeros(1, dtype=np.int64)
-        _, group = np.unique(self.groups, return_inverse=True)
-        group = group.reshape(-1)
+        group = np.unique(self.groups, return_inverse=True)[1].reshape(-1)
         place = rng.permutation(int(group.max()) + 1)[group]  # where each position's group comes in the epoch
         win = place // self.window
         pieces = np.lexsort((np.arange(self.n), place))  # window after window, group after group, on-disk order
@@ -150,15 +149,13 @@ def epoch_plan(data: DataSplit, world: int, batch: int, accum: int, order: str,
 def order_identity(plan: EpochPlan, embedding_cache_size: int) -> dict | None:
     """What a grouped epoch's order depends on beyond (seed, epoch, data), for the run's identity (a resume with
     another order is refused); None for a shuffled one."""
-    if not plan.window:
-        return None
-    return {"grouped": plan.window, "group_prompts": group_prompts(embedding_cache_size), "lanes": LANES}
+    return {"grouped": plan.window, "group_prompts": group_prompts(embedding_cache_size), "lanes": LANES} \
+        if plan.window else None
 
 
 class RankBatches(Sampler):
     """Batch sampler: this rank's micro-batches of one epoch, from optimizer step `start_step` on; an empty share of
     a micro-step (only in an epoch's last window) is one zero-weight sample, so the rank still joins the collectives."""
-
 
     def __init__(self, plan: EpochPlan, rows: np.ndarray, seed: int, epoch: int, rank: int, start_step: int = 0):
         self.plan, self.rows, self.seed, self.epoch, self.rank = plan, rows, seed, epoch, rank

@@ -36,7 +36,6 @@ _SCAN_THREADS = 4  # checksumming releases the GIL: a few shards at once per ran
 def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str) -> CacheIndex:
     """Check every shard against the manifest and index its members; CacheError naming the first bad shard."""
     shards = shard_list(caches)
-    mine = list(range(env.rank, len(shards), env.world_size))
     table = empty_table(caches)
     codes = np.zeros(len(shards), dtype=np.int64)
     details: dict[int, str] = {}
@@ -50,15 +49,14 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
             details[sid] = str(e)
 
     with ThreadPoolExecutor(max_workers=_SCAN_THREADS) as pool:
-        list(pool.map(scan, mine))
+        list(pool.map(scan, range(env.rank, len(shards), env.world_size)))  # this rank's share
     codes = all_reduce_numpy(codes, device)
     bad = np.flatnonzero(codes != SHARD_OK)
     if len(bad):
         sid = int(bad[0])
         _, cache_dir, rec, _ = shards[sid]
         more = f" ({len(bad) - 1} more shard(s) also fail)" if len(bad) > 1 else ""
-        msg = details.get(sid, shard_problem(cache_dir, rec, int(codes[sid])))
-        err = CacheError(msg + more)
+        err = CacheError(details.get(sid, shard_problem(cache_dir, rec, int(codes[sid]))) + more)
         err.all_ranks = True  # every rank raises it: rank 0 alone prints it
         raise err
     table = all_reduce_numpy(table, device)  # each row was filled by exactly one rank, zeros elsewhere
@@ -66,8 +64,7 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
         for ci, c in enumerate(caches):
             check_complete(c, ci, table, shards)
             check_prompt_rows(c.path, int(c.manifest.num_parts), int(c.manifest.prompts))
-            problem = negative_problem(c.path, c.manifest)
-            if problem:
+            if problem := negative_problem(c.path, c.manifest):
                 raise CacheError(problem)
         # What training reads of the prompt stores, each rank a share of the rows: every chunk of a prompt's real
         # tokens present, and with --verify checksum the tokens matching their crc32c and the final latents theirs.
@@ -75,8 +72,7 @@ def build_index(caches: list[CacheInfo], env: DistEnv, device: torch.device, che
             parts, prompts = int(c.manifest.num_parts), int(c.manifest.prompts)
             flags = all_reduce_numpy(row_check_flags(c.path, parts, prompts, env.rank, env.world_size,
                                                      checksums=check == "checksum"), device)
-            problem = row_flags_problem(c.path, parts, flags, checksums=check == "checksum")
-            if problem:
+            if problem := row_flags_problem(c.path, parts, flags, checksums=check == "checksum"):
                 raise CacheError(problem)
     except CacheError as err:
         err.all_ranks = True
@@ -145,27 +141,21 @@ class DataSplit:
 
     def digest(self) -> str:
         """Identity of the training set: a resumed run must see the very same rows."""
-        h = hashlib.sha256()
-        h.update(sample_code(self.index.table[self.train_rows]).tobytes())
-        h.update(sample_code(self.index.table[self.heldout_rows]).tobytes())
-        return h.hexdigest()
+        codes = [sample_code(self.index.table[rows]).tobytes() for rows in (self.train_rows, self.heldout_rows)]
+        return hashlib.sha256(b"".join(codes)).hexdigest()
 
 
 def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
     """Rows to train on (optionally only some step indices) and the held-out prompts' rows."""
     steps_col = index.table[:, C_STEP]
-    present = sorted(set(np.unique(steps_col).tolist()))
-    if train_steps is None:
-        use_steps = tuple(present)
-    else:
-        missing = sorted(set(train_steps) - set(present))
-        if missing:
-            raise UserError(f"--train-steps {','.join(map(str, train_steps))}: the cache has no step "
-                            f"{','.join(map(str, missing))} (it holds steps "
-                            + (f"{present[0]}..{present[-1]}" if len(present) == present[-1] - present[0] + 1
-                               else ",".join(map(str, present)))
-                            + f" of {index.steps}); choose from those")
-        use_steps = tuple(sorted(set(train_steps)))
+    present = np.unique(steps_col).tolist()
+    if train_steps is not None and (missing := sorted(set(train_steps) - set(present))):
+        raise UserError(f"--train-steps {','.join(map(str, train_steps))}: the cache has no step "
+                        f"{','.join(map(str, missing))} (it holds steps "
+                        + (f"{present[0]}..{present[-1]}" if len(present) == present[-1] - present[0] + 1
+                           else ",".join(map(str, present)))
+                        + f" of {index.steps}); choose from those")
+    use_steps = tuple(present) if train_steps is None else tuple(sorted(set(train_steps)))
     keep = np.isin(steps_col, use_steps)
     prompts = index.table[:, C_PROMPT]
     held = holdout_set(prompts, holdout_prompts) if holdout_prompts else np.zeros(0, dtype=np.int64)
@@ -177,7 +167,6 @@ def prepare(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: 
             train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
     """Check and index the caches (opened by `cache.reader.open_caches`), then split them into training and
     held-out rows."""
-
     index = build_index(caches, env, device, check)
     if index.duplicates:
         log.info(f"{index.duplicates} sample(s) appear in more than one cache; each is trained on once")

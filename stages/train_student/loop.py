@@ -26,14 +26,13 @@ from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
 from pipeline.runtime import barrier
-from pipeline.wan_inputs import model_timestep
+from pipeline.sampling import model_timestep
 
 from . import checkpoint
-from .collate import collate, padded_context, to_device
 from .comm import all_gather_bytes, all_reduce
-from .data import make_loader
+from .data import collate, make_loader, padded_context, to_device
 from .epoch import RankBatches, eval_batches
-from .objective_velocity import Batch
+from .objective_base import Batch
 from .student import trained_parameters
 from .tracking import Tracker
 from .train_plan import TrainPlan, lr_at
@@ -47,12 +46,10 @@ DEBUG_DIR_ENV = "WANDISTILLER_DEBUG_DIR"
 
 def maybe_fail(rank: int, step: int) -> None:
     spec = os.environ.get(FAIL_AT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if int(parts[0]) == rank and int(parts[1]) == step:
+    parts = spec.split(":") if spec else []
+    if parts and int(parts[0]) == rank and int(parts[1]) == step:
         where = f"(injected by {FAIL_AT_ENV}={spec} at step {step} on rank {rank})"
-        if len(parts) > 2 and parts[2] == "oom":
+        if parts[2:3] == ["oom"]:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB {where}")
         raise RuntimeError(f"injected failure {where}")
 
@@ -99,11 +96,10 @@ def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: t
     """A collated micro-batch on the device, with the transformer's timestep input laid out as WanPipeline's."""
     fields = {k: to_device(v, device) for k, v in batch["fields"].items()}
     t = model_timestep(batch["timestep"].to(device), fields[F.T_X_T].shape[2:], expand_timesteps, patch)
-    meta = {k: batch[k].to(device) for k in ("timestep", "sigma", "step")}
     # collate passes the real tokens alone; the padding, zeros as WanPipeline pads, is added here on the device
     # (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
-    context = padded_context(batch, device)
-    return Batch(fields, t, context, batch["weight"].to(device), meta)
+    return Batch(fields, t, padded_context(batch, device), batch["weight"].to(device),
+                 {k: batch[k].to(device) for k in ("timestep", "sigma", "step")})
 
 
 def nonfinite_input(b: Batch, keys: list[str]) -> str | None:
@@ -144,13 +140,11 @@ class Trainer:
         self.optimizer, self.scaler = parts.optimizer, parts.scaler
         self.objective, self.data, self.plan, self.total = plan.objective, plan.data, plan.epochs, plan.total
         self.state, self.out, self.identity = state, out, plan.identity
-        self.expand_timesteps, self.patch = plan.expand_timesteps, plan.patch
+        self.expand_timesteps, self.patch = plan.manifest.expand_timesteps, tuple(plan.manifest.patch_size)
         self.dataset = plan.objective.dataset(plan.data.index, self.cfg.embedding_cache_size)
         mixed = plan.mixed
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=mixed)) if mixed else contextlib.nullcontext
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.heads is not None:
-            self.params += [p for p in self.heads.parameters() if p.requires_grad]
+        self.params = [p for m in (self.model, self.heads) if m is not None for p in m.parameters() if p.requires_grad]
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
         self.metrics = open(RunLayout(out).metrics, "a") if self.env.is_main else None
@@ -160,7 +154,6 @@ class Trainer:
         self.checkpointed: int | None = None  # the step of the last checkpoint this run wrote
         self.data_wait_s = 0.0  # seconds step() spent blocked in next(loader) since fit last read it
 
-    # -- logging -------------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
         """One metrics.jsonl record, and the same to the tracker (rank 0; the others hold neither)."""
         if self.metrics is not None:
@@ -174,13 +167,12 @@ class Trainer:
             self.metrics = None
         self.tracker.close(failed)
 
-    # -- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss over the held-out prompts' samples (all ranks), or None without a held-out set."""
+    def log_eval(self) -> None:
+        """Log the mean loss over the held-out prompts' samples (all ranks); nothing without a held-out set."""
         rows = self.data.heldout_rows
         if len(rows) == 0:
-            return None
+            return
         self._train_mode(False)
         total = torch.zeros(2, dtype=torch.float64)
         batches = eval_batches(rows, self.env.rank, self.env.world_size, self.cfg.batch_size)
@@ -195,19 +187,14 @@ class Trainer:
                 total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
         self._train_mode(True)
         total = all_reduce(total, self.device)
-        return float(total[0] / total[1])
+        self.last_eval = float(total[0] / total[1])
+        self.log({"type": "eval", "step": self.state.step, "heldout_loss": self.last_eval,
+                  "heldout_samples": int(len(rows))})
 
     def _train_mode(self, on: bool) -> None:
         for module in (self.model, self.heads):
             if module is not None:
                 module.train(on)
-
-    def log_eval(self) -> None:
-        loss = self.evaluate()
-        if loss is not None:
-            self.log({"type": "eval", "step": self.state.step, "heldout_loss": loss,
-                      "heldout_samples": int(len(self.data.heldout_rows))})
-            self.last_eval = loss
 
     def validate(self) -> None:
         """Rank 0 samples the held-out prompts (validation.py; the EMA weights with EMA, as `eval` would) while the
@@ -219,26 +206,24 @@ class Trainer:
             with self.strategy.ema_weights(self.ema) if swap else contextlib.nullcontext(), self.strategy.inference():
                 record, grid = self.validator.run(self.model, self.state.step)
         except Exception as e:  # noqa: BLE001 -- validation must never stop training
-            record, grid = None, None
             tqdm.write(f"warning: validation at step {self.state.step} failed, training goes on: "
                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            return
         finally:
             self.model.train()
-        if record is not None:
-            self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
+        self.log({"type": "val", "step": self.state.step, "weights": "ema" if swap else "raw", **record})
         if grid is not None:
             self.tracker.log_image("val/teacher_vs_student", self.state.step, grid,
                                    caption="teacher | student, one row per held-out trajectory")
 
-    # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         rng = all_gather_bytes(json.dumps(checkpoint.rng_state()).encode(), self.device)
         if self.env.is_main:
             self.tracker.flush()  # before the checkpoint: what it covers is on disk, so a resume leaves no gap
         state = asdict(self.state) | {"rng": [json.loads(r) for r in rng], "world_size": self.env.world_size,
                                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                                      "strategy": self.strategy.name, "total": self.total}  # (the run's length)
-        state["extra"] = self.identity.to_json()
+                                      "strategy": self.strategy.name, "total": self.total,  # (the run's length)
+                                      "extra": self.identity.to_json()}
         # every rank: ddp's rank 0 writes the whole checkpoint, under fsdp each rank its shards
         ema = dict(zip((k for k, _ in trained_parameters(self.model)), self.ema.shadow_params)) if self.ema else None
         self.strategy.save_checkpoint(self.out, self.state.step, ema, self.optimizer, state, self.cfg.keep_checkpoints)
@@ -278,7 +263,6 @@ class Trainer:
         err.all_ranks = True  # every rank raises it at the same step: rank 0 alone prints it
         return err
 
-    # -- training ------------------------------------------------------------------------------------
     def step(self, loader_iter, epoch_step: int) -> tuple[float, float, int, dict[str, float]]:
         """One optimizer step; returns (mean loss over all ranks' samples, grad norm, samples, mean of each term)."""
         cfg, plan = self.cfg, self.plan
@@ -286,16 +270,15 @@ class Trainer:
         micros = plan.micro_range(epoch_step)
         loss_sum = torch.zeros((), dtype=torch.float64)
         term_sums: dict[str, torch.Tensor] = {}
-        keys = []
         bad, looked = None, False  # the first non-finite input of this rank's micro-batches, once a loss is not
         for j, _ in enumerate(micros):
             t_wait = time.perf_counter()
             batch = next(loader_iter)
             self.data_wait_s += time.perf_counter() - t_wait  # blocked on the loader, not computing
-            keys.append(batch["keys"])
+            if self.debug_dir:
+                self.trained_keys.append(batch["keys"])
             b = to_batch(batch, self.device, self.expand_timesteps, self.patch)
-            last = j == len(micros) - 1
-            with self.strategy.accumulate(last):
+            with self.strategy.accumulate(j == len(micros) - 1):
                 per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()
                 self.scaler.scale(weighted * (self.env.world_size / count)).backward()
@@ -305,8 +288,6 @@ class Trainer:
             if len(terms) > 1:
                 for name, t in terms.items():
                     term_sums[name] = term_sums.get(name, 0) + (t.detach() * b.weight).sum().double().cpu()
-        if self.debug_dir:
-            self.trained_keys.extend(keys)
         self.strategy.reduce_gradients()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
@@ -358,31 +339,25 @@ class Trainer:
         with signals.held():  # its workers start with SIGTERM held, until they ignore it (data.make_loader)
             it = iter(loader)
         while st.epoch_step < self.plan.steps and st.step < self.total:
-            loss, lr, grad_norm, terms = self._take_step(it, pace)
+            maybe_fail(env.rank, st.step + 1)
+            fault_point("train_step")
+            lr = lr_at(st.step, self.total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)  # this step's, scheduled
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            t0 = time.time()
+            self.data_wait_s = 0.0
+            loss, grad_norm, count, terms = self.step(it, st.epoch_step)
+            pace.add(count, time.time() - t0, self.data_wait_s)
+            st.step += 1
+            st.epoch_step += 1
+            st.samples += count
+            st.wall_s = time.time() - pace.t_start
             self._log_step(bar, pace, loss, lr, grad_norm, terms)
             self._at_step_boundary()
         del it, loader  # stops the workers of this epoch
         if st.epoch_step >= self.plan.steps:
             st.epoch += 1
             st.epoch_step = 0
-
-    def _take_step(self, loader_iter, pace: _Pace) -> tuple[float, float, float, dict[str, float]]:
-        """The next optimizer step at its scheduled learning rate; returns (loss, lr, grad norm, terms)."""
-        st = self.state
-        maybe_fail(self.env.rank, st.step + 1)
-        fault_point("train_step")
-        lr = lr_at(st.step, self.total, self.cfg.lr, self.cfg.warmup_steps, self.cfg.min_lr_ratio)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        t0 = time.time()
-        self.data_wait_s = 0.0
-        loss, grad_norm, count, terms = self.step(loader_iter, st.epoch_step)
-        pace.add(count, time.time() - t0, self.data_wait_s)
-        st.step += 1
-        st.epoch_step += 1
-        st.samples += count
-        st.wall_s = time.time() - pace.t_start
-        return loss, lr, grad_norm, terms
 
     def _log_step(self, bar, pace: _Pace, loss: float, lr: float, grad_norm: float, terms: dict[str, float]) -> None:
         """The metrics line every `log_every` steps (and at the last), and the progress bar after every step."""
@@ -449,29 +424,25 @@ def truncate_metrics(out: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())  # a kill here must not empty it
 
 
-def plot_losses(out: Path) -> Path | None:
+def plot_losses(out: Path) -> None:
     """OUT/loss.png: training loss per logged step and held-out loss, log scale."""
     path = RunLayout(out).metrics
     if not path.exists():
-        return None
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, held = [], []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if r["type"] in ("train", "eval"):  # validation records ("val") are the tracker's
-            (train if r["type"] == "train" else held).append((r["step"], r.get("loss", r.get("heldout_loss"))))
+    records = [json.loads(line) for line in path.read_text().splitlines()]  # validation records ("val") are skipped
+    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
+    held = [(r["step"], r["heldout_loss"]) for r in records if r["type"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*np.asarray(train).T, label="train loss", lw=1)
     if held:
         ax.plot(*np.asarray(held).T, "o-", label="held-out loss", ms=3)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("MSE to cached target")
-    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="MSE to cached target", yscale="log")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -480,4 +451,3 @@ def plot_losses(out: Path) -> Path | None:
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png)
-    return png

@@ -27,17 +27,6 @@ class LoraStudent(StudentKind):
     schedule), built as the teacher's experts frozen in the autocast dtype with float32 adapters."""
 
     bf16_policy = False  # (its base is built in the autocast dtype already, its adapters float32)
-    teacher: str  # as the user named it (folder or Hub id)
-    path: Path  # its local folder
-    revision: str | None
-    experts: tuple[str, ...]  # the teacher's transformers, in expert order
-    trained: tuple[str, ...]  # the experts this run adapts and loads
-    boundary_timestep: float | None  # expert 1 runs at t >= this (None: one expert)
-    boundary_ratio: float | None
-    config: dict  # the transformer's config (both experts share it)
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
 
     def prepare(self, manifest, cache, requested):
         self._read_teacher(self.cfg, manifest)
@@ -59,10 +48,12 @@ class LoraStudent(StudentKind):
         steps = manifest.scheduler.get("num_train_timesteps", 1000)
         config = {k: v for k, v in _read(path / experts[0] / "config.json", cfg.lora_of).items()
                   if not k.startswith("_")}
-        self.teacher, self.path, self.revision, self.experts, self.trained = cfg.lora_of, path, cfg.revision, \
-            experts, trained
+        self.teacher, self.path, self.revision = cfg.lora_of, path, cfg.revision  # teacher: as the user named it
+        self.experts, self.trained = experts, trained  # the teacher's transformers in expert order; those adapted
+        # expert 1 runs at t >= boundary_timestep (None: one expert)
         self.boundary_timestep, self.boundary_ratio = None if ratio is None else ratio * steps, ratio
-        self.config, self.rank, self.alpha = config, cfg.lora_rank, float(cfg.lora_alpha or cfg.lora_rank)
+        self.config = config  # the transformer's config (both experts share it)
+        self.rank, self.alpha = cfg.lora_rank, float(cfg.lora_alpha or cfg.lora_rank)
         self.targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
 
     def expert_of(self, timestep: float) -> int:
@@ -97,8 +88,7 @@ class LoraStudent(StudentKind):
             return requested
         expert = COMPONENTS.index(self.trained[0]) + 1
         steps = requested if requested is not None else tuple(recorded_steps(manifest))
-        mine = tuple(k for k in steps if int(manifest.experts[k]) == expert)
-        if not mine:
+        if not (mine := tuple(k for k in steps if int(manifest.experts[k]) == expert)):
             raise UserError(f"--lora-experts {expert}: none of the cached steps {','.join(map(str, steps))} ran with "
                             f"expert {expert}; choose the other expert or other --train-steps")
         return mine

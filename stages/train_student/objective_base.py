@@ -65,10 +65,8 @@ def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, bl
     inner = getattr(model, "module", model)  # DDP
     inner = getattr(inner, "student", inner)  # WithHeads
     captured: dict[int, torch.Tensor] = {}
-    handles = []
-    for i in blocks:
-        handles.append(inner.blocks[i].register_forward_hook(
-            lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)))
+    handles = [inner.blocks[i].register_forward_hook(
+        lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in blocks]
     try:
         with autocast():
             pred = model(hidden_states=batch.x_t, timestep=batch.timestep, encoder_hidden_states=batch.context,
@@ -121,7 +119,6 @@ class Objective:
         first, *rest = terms.values()
         return sum(rest, first), terms
 
-
     def student_steps(self, manifest: dict) -> int | None:
         """Sampling steps the trained student is meant to use; None: the teacher's."""
         return None
@@ -143,8 +140,7 @@ class Objective:
 
 
 def _check_fields(cls: type[Objective]) -> type[Objective]:
-    unknown = [f for f in cls.fields if f not in SAMPLE_FIELDS]
-    if unknown:
+    if unknown := [f for f in cls.fields if f not in SAMPLE_FIELDS]:
         raise ValueError(f"objective {cls.name!r} reads undeclared cache field(s) {unknown}: declare them in "
                          "cache/schema.py first")
     return cls
@@ -162,8 +158,7 @@ def get_objective(name: str) -> type[Objective]:
 
 def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: int) -> None:
     """Refuse, in one line, a cache or student that cannot give `objective` what it declared it needs."""
-    missing = missing_fields(manifest, objective.fields)
-    if missing:
+    if missing := missing_fields(manifest, objective.fields):
         how = "; ".join(f"{n}: {SAMPLE_FIELDS[n].recorded_by}" for n in missing if SAMPLE_FIELDS[n].recorded_by)
         raise UserError(f"--objective {objective.name} needs cache field(s) {', '.join(missing)} that the cache "
                         f"{cache} does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
@@ -171,9 +166,7 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
                         + " or choose another --objective")
     objective.check(manifest, cache)
     for o in objective.outputs:
-        if o == PREDICTION:
-            continue
-        if not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers:
+        if o != PREDICTION and (not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers):
             raise UserError(f"--objective {objective.name} needs the model output {o!r}, which a {num_layers}-block "
                             "student does not have; choose blocks below its num_layers")
 

@@ -4,17 +4,17 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import torch
 
 from cache import format as F
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
-from pipeline.registries import SegmentSettings, VelocitySettings
+from pipeline.registries import FeatureSettings, SegmentSettings, VelocitySettings
 
-from .objective_base import (  # noqa: F401 (the objectives' API, importable from here)
-    OBJECTIVES, PREDICTION, Batch, Objective, Outputs, WithHeads, block_output, check_cache, get_objective, mse,
-    registered, student_forward,
+from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
+    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
 )
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ class Segment(Objective):
     """Few-step distillation from the cached trajectories alone: at every cached state x_k the student learns the
     average velocity to its segment's end, so one Euler step from a boundary lands on the next and the student
     samples in K steps without CFG (docs/architecture.md "Objectives", docs/results.md)."""
-
 
     Config = SegmentSettings
     fields = (F.T_X_T,)
@@ -71,13 +70,7 @@ class Segment(Objective):
         if not is_flow_matching(sched):
             raise UserError(f"--objective segment needs a flow-matching teacher schedule; the cache {cache} was "
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")
-        from cache.store_checks import final_latents_problem
-
-        problem = final_latents_problem(cache, int(manifest.num_parts), int(manifest.seeds_per_prompt),
-                                        tuple(manifest.latent_shape))
-        if problem:
-            raise UserError(f"--objective segment needs each trajectory's final latent, and the cache {cache} lacks "
-                            f"them ({problem}); rebuild it with `wandistiller teacher-cache`")
+        # (each trajectory's final latent: `open_caches` has checked every store's final_latents array)
         bounds, exact = segment_boundaries(sched, steps, self.k, [float(v) for v in sigmas])
         if len(bounds) != self.k:
             raise UserError(f"--student-steps {self.k}: only {len(bounds)} distinct cached steps lie near the {self.k}-"
@@ -123,8 +116,7 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
     from pipeline.sampling import segment_boundaries
 
     recorded = recorded_steps(manifest)
-    missing = [b for b in bounds if b not in recorded]
-    if not missing:
+    if not (missing := [b for b in bounds if b not in recorded]):
         return
     steps = int(manifest.steps)
     usable = [j for j in range(1, min(steps, 16) + 1)
@@ -137,3 +129,62 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
                     f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "
                     f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
 
+
+def parse_pairs(text) -> tuple[tuple[int, int], ...]:
+    """"S:T,S:T" -> ((S, T), ...); ValueError with the expected form otherwise."""
+    if isinstance(text, (list, tuple)):
+        text = ",".join(str(x) for x in text)
+    pairs = []
+    for item in str(text or "").split(","):
+        s, sep, t = item.strip().partition(":")
+        if not sep or not s.strip().isdigit() or not t.strip().isdigit():
+            raise ValueError(f"feature-pairs must look like 0:10,1:30 (student block:teacher block), got {text!r}")
+        pairs.append((int(s), int(t)))
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"feature-pairs names a pair twice: {text!r}")
+    return tuple(pairs)
+
+
+class VelocityFeature(Objective):
+    """The teacher's prediction plus its hidden states (docs/architecture.md "Feature distillation")."""
+
+    Config = FeatureSettings
+    fields = (F.T_X_T, F.T_TARGET, F.T_FEATURES)
+
+    def __init__(self, settings: dict | None = None):
+        super().__init__(settings)
+        self.pairs = parse_pairs(self.settings["feature_pairs"])
+        self.weight = float(self.settings["feature_weight"])
+        self.outputs = ("prediction", *dict.fromkeys(block_output(s) for s, _ in self.pairs))
+        self.rows: dict[int, int] = {}  # teacher block -> row of the cached features (set by heads())
+        self.pool = "none"
+
+    @classmethod
+    def from_config(cls, cfg) -> VelocityFeature:
+        settings = cfg.objective_settings
+        if not settings.feature_pairs:
+            raise UserError("--objective velocity+feature needs --feature-pairs S:T,... (student block:teacher block "
+                            "recorded by teacher-cache --record-features)")
+        pairs = ",".join(f"{s}:{t}" for s, t in parse_pairs(settings.feature_pairs))
+        return cls({**asdict(settings), "feature_pairs": pairs})
+
+    def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module:
+        recorded = [int(b) for b in manifest.record_features or []]
+        if unknown := sorted({t for _, t in self.pairs} - set(recorded)):
+            raise UserError(f"--feature-pairs names teacher block(s) {unknown} that the cache did not record (it holds "
+                            f"blocks {recorded}); pair with those or rebuild the cache with --record-features")
+        self.rows = {b: i for i, b in enumerate(recorded)}
+        self.pool = manifest.feature_pool
+        width = int(student_config["num_attention_heads"]) * int(student_config["attention_head_dim"])
+        dim = int(manifest.feature_dim)
+        return torch.nn.ModuleDict({f"{s}:{t}": torch.nn.Linear(width, dim) for s, t in self.pairs})
+
+    def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
+        cached = batch.fields[F.T_FEATURES]  # [B, recorded blocks, tokens or 1, D]
+        feature = 0
+        for s, t in self.pairs:
+            mine = heads[f"{s}:{t}"](out.blocks[s].float())  # [B, tokens, D]
+            feature = feature + mse(mine.mean(1, keepdim=True) if self.pool == "mean" else mine,
+                                    cached[:, self.rows[t]])
+        return {"velocity": mse(out.prediction, batch.fields[F.T_TARGET]),
+                "feature": self.weight * feature / len(self.pairs)}

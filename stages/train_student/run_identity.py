@@ -45,10 +45,8 @@ class KeptSettings:
 
     @classmethod
     def of(cls, cfg: TrainStudentConfig, mixed_precision: str) -> KeptSettings:
-        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}
-        steps = values["train_steps"]
-        return cls(**values | {"mixed_precision": mixed_precision, "train_steps": None if steps is None else
-                               list(steps)})
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)} | {"mixed_precision": mixed_precision}
+        return cls(**values | {"train_steps": None if cfg.train_steps is None else list(cfg.train_steps)})
 
 
 @dataclass(frozen=True)
@@ -95,9 +93,10 @@ def _show(v) -> str:
     return f"{v!r:.60}" if isinstance(v, dict) else str(v)
 
 
-def _with(flag: str, v) -> str:
-    """How to pass value `v` of `flag` again (`--lr 0.001`; `no --train-steps` for one that was not given)."""
-    return f"no {flag}" if v is None else f"{flag} {_show(v)}"
+def _changed(name: str, old, new) -> tuple[str, str, str]:
+    """(flag, what differs, how to pass the old value again: `--lr 0.001`, `no --train-steps`) of setting `name`."""
+    flag = "--" + name.replace("_", "-")
+    return flag, f"{flag} {_show(old)} then, {_show(new)} now", f"no {flag}" if old is None else f"{flag} {_show(old)}"
 
 
 def _flag(cfg: TrainStudentConfig, key: str, objective: str) -> str:
@@ -136,9 +135,21 @@ def _data_difference(then: KeptSettings, now: KeptSettings, flags: str) -> tuple
     """The data selection differs: name the selection flag that changed, if one did (else the caches' rows did)."""
     for k in ("train_steps", "holdout_prompts"):
         if getattr(then, k) != getattr(now, k):
-            flag = "--" + k.replace("_", "-")
-            return f"{flag} {_show(getattr(then, k))} then, {_show(getattr(now, k))} now", _with(flag, getattr(then, k))
+            return _changed(k, getattr(then, k), getattr(now, k))[1:]
     return "other rows to train on or hold out", f"the same {flags}"
+
+
+def _differences(saved: dict, then: RunIdentity, p: TrainPlan):
+    """(what, detail, fix) of each identity field, then each kept setting, that differs between `then` and this run."""
+    for f in sorted(dataclasses.fields(RunIdentity), key=lambda f: f.name):
+        old, new = getattr(then, f.name), getattr(p.identity, f.name)
+        if f.name != "settings" and old != new:
+            yield f.metadata["what"], *(_data_difference(then.settings, p.identity.settings, f.metadata["flags"])
+                                        if f.name == "data" else _difference(f, old, new, saved, p.cfg))
+    for s in dataclasses.fields(KeptSettings):
+        old, new = getattr(then.settings, s.name), getattr(p.identity.settings, s.name)
+        if old != new:
+            yield _changed(s.name, old, new)
 
 
 def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> str | None:
@@ -149,22 +160,7 @@ def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> 
         sharded = written_by in STRATEGIES and STRATEGIES[written_by].caps.shards
         return (f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
                 f"{'sharded' if sharded else 'whole'}); resume with --strategy {written_by}, or use a new --out")
-    found = None
-    for f in sorted(dataclasses.fields(RunIdentity), key=lambda f: f.name):
-        old, new = getattr(then, f.name), getattr(p.identity, f.name)
-        if f.name == "settings" or old == new:
-            continue
-        detail = _data_difference(then.settings, p.identity.settings, f.metadata["flags"]) if f.name == "data" \
-            else _difference(f, old, new, saved, p.cfg)
-        found = (f.metadata["what"], *detail)
-        break
-    for s in [] if found else dataclasses.fields(KeptSettings):
-        old, new = getattr(then.settings, s.name), getattr(p.identity.settings, s.name)
-        if old != new:
-            flag = "--" + s.name.replace("_", "-")
-            found = flag, f"{flag} {_show(old)} then, {_show(new)} now", _with(flag, old)
-            break
-    if found is None:
+    if (found := next(_differences(saved, then, p), None)) is None:
         return None
     what, detail, fix = found
     return (f"checkpoint {ckpt} was made with another {what} ({detail}); a resume continues the run its checkpoint "
@@ -174,9 +170,7 @@ def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> 
 
 def length_flag(cfg: TrainStudentConfig, total: int) -> str:
     """The flag that sets the run's length `total`: --max-steps N, or --epochs E when they end it first."""
-    if cfg.max_steps is not None and total == cfg.max_steps:
-        return f"--max-steps {cfg.max_steps}"
-    return f"--epochs {cfg.epochs or 1}"
+    return f"--max-steps {total}" if total == cfg.max_steps else f"--epochs {cfg.epochs or 1}"
 
 
 _STATE_KEYS = ("strategy", "total", "world_size", "rng", "scaler", "extra")  # what a resume reads beside the position
@@ -204,8 +198,7 @@ def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
 
 def length_note(saved: dict, p: TrainPlan) -> str | None:
     """One line when this resume ends the run at another step than the checkpoint's run would have."""
-    before = saved["total"]
-    if before == p.total:
+    if (before := saved["total"]) == p.total:
         return None
     return (f"note: --resume: the run now ends at step {p.total} ({length_flag(p.cfg, p.total)}), not {before}: "
             f"from step {saved['step'] + 1} the learning rate follows the schedule of {p.total} steps, so the "

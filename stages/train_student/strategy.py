@@ -8,7 +8,6 @@ import hashlib
 import math
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -19,7 +18,7 @@ from pipeline.runtime import DistEnv
 
 from . import checkpoint
 from .comm import all_gather_bytes
-from .objective_velocity import WithHeads
+from .objective_base import WithHeads
 from .student import StudentKind, trained_parameters
 
 
@@ -46,7 +45,21 @@ def items_sha(items) -> str:
 
 
 class Strategy:
-    """One way of laying the student, its gradients, optimizer state and EMA over the ranks."""
+    """One way of laying the student, its gradients, optimizer state and EMA over the ranks. A strategy implements
+    - `wrap(model, heads, student: StudentKind)`: lay the student (built on the CPU) and the heads on the device as it
+      trains them, before the optimizer is built; returns the module forward and backward run through (None: the
+      student);
+    - `accumulate(last)`: the context of one micro-step's forward and backward (`last`: the optimizer step's last
+      one), holding back the gradient reduction until then where the strategy does;
+    - `save_checkpoint(out, step, ema, optimizer, trainer_state, keep)`: write checkpoint `step` (every rank calls it);
+    - `load_checkpoint(path, optimizer)`: restore weights, heads and optimizer; returns (trainer state, EMA tensors);
+    - `ema_weights(ema)`: a context with the EMA weights (diffusers' EMAModel `ema`) in the student, the trained ones
+      after;
+    - `full_model(ema=None)`: a context giving rank 0 the student with its full weights (the EMA's when `ema` is
+      given), for `save_pretrained`, and None the other ranks; every rank enters it;
+    - `weights_sha()`: sha256 of the student's full weights, the same on every rank (checked to agree where
+      replicated);
+    and where it differs from the defaults below, `reduce_gradients`, `clip_grad_norm` and `inference`."""
 
     name: str  # its declared name and capabilities (set by get_strategy)
     caps: StrategyCaps
@@ -62,17 +75,6 @@ class Strategy:
         self.heads: torch.nn.Module | None = None
         self.student: StudentKind | None = None  # the kind of `model` (set by wrap)
 
-    def wrap(self, model: torch.nn.Module, heads: torch.nn.Module | None,
-             student: StudentKind) -> torch.nn.Module | None:
-        """Lay the student (built on the CPU) and the heads on the device as this strategy trains them, before the
-        optimizer is built; returns the module the loop runs forward and backward through (None: the student)."""
-        raise NotImplementedError
-
-    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
-        """Around one micro-step's forward and backward (`last`: the optimizer step's last one), for holding back
-        the gradient reduction until then where the strategy does."""
-        raise NotImplementedError
-
     def reduce_gradients(self) -> None:
         """After the last micro-step's backward: reduce any gradients the wrapping does not."""
 
@@ -80,31 +82,9 @@ class Strategy:
         """Clip the gradients of `params` to a global norm of `max_norm`; returns the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def save_checkpoint(self, out: Path, step: int, ema: dict[str, torch.Tensor] | None, optimizer,
-                        trainer_state: dict, keep: int) -> None:
-        """Write checkpoint `step` (every rank calls this)."""
-        raise NotImplementedError
-
-    def load_checkpoint(self, path: Path, optimizer) -> tuple[dict, dict[str, torch.Tensor] | None]:
-        """Restore weights, heads and optimizer from checkpoint `path`; returns (trainer state, EMA tensors)."""
-        raise NotImplementedError
-
-    def ema_weights(self, ema) -> contextlib.AbstractContextManager:
-        """The EMA weights in the student for the duration (diffusers' EMAModel `ema`), the trained ones after."""
-        raise NotImplementedError
-
     def inference(self) -> contextlib.AbstractContextManager:
         """Around forwards outside the training step's autocast (validation by sampling)."""
         return contextlib.nullcontext()
-
-    def full_model(self, ema=None) -> contextlib.AbstractContextManager:
-        """Rank 0: the student with its full weights (the EMA's when `ema` is given), for `save_pretrained`;
-        None on the other ranks. Every rank enters it."""
-        raise NotImplementedError
-
-    def weights_sha(self) -> str:
-        """sha256 of the student's full weights, the same on every rank (checked to agree where replicated)."""
-        raise NotImplementedError
 
 
 class DDP(Strategy):
@@ -120,13 +100,11 @@ class DDP(Strategy):
             # Frozen weights (a LoRA student's base, read from the same teacher files on every rank) are neither
             # broadcast nor reduced: only the trained parameters are DDP's.
             module = model if heads is None else WithHeads(model, heads)
-            frozen = [k for k, p in module.named_parameters() if not p.requires_grad]
-            if frozen:
+            if frozen := [k for k, p in module.named_parameters() if not p.requires_grad]:
                 torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                module,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False,
-                gradient_as_bucket_view=True)
+                module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False, gradient_as_bucket_view=True)
         return self.ddp
 
     def accumulate(self, last):
@@ -177,8 +155,7 @@ class FSDP(Strategy):
         if not dist.is_initialized():  # one process: FSDP still wants a process group (of one)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
-        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
-        kw = {"mesh": mesh}
+        kw = {"mesh": init_device_mesh(self.device.type, (self.env.world_size,))}
         self.student = student
         self.policy = self.mixed == torch.bfloat16 and student.bf16_policy
         if self.policy:
@@ -226,12 +203,11 @@ class FSDP(Strategy):
     def reduce_gradients(self) -> None:
         if self.heads is None or self.env.world_size == 1:
             return
-        for p in self.heads.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: a zero contribution, and the collective still matches
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.env.world_size)
+        for _, p in trained_parameters(self.heads):
+            if p.grad is None:  # unused on this rank: a zero contribution, and the collective still matches
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(self.env.world_size)
 
     def clip_grad_norm(self, params, max_norm):
         from torch.distributed.tensor import DTensor
@@ -247,11 +223,10 @@ class FSDP(Strategy):
                     norm = norm.full_tensor()  # the sum over every rank's shard
                 square = square + norm.float().square()
         total = square.sqrt()
-        if math.isfinite(max_norm):
-            coef = min(float(max_norm / (total + 1e-6)), 1.0)  # clip_grad_norm_'s coefficient
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        # clip_grad_norm_'s coefficient
+        if math.isfinite(max_norm) and (coef := min(float(max_norm / (total + 1e-6)), 1.0)) < 1.0:
+            for g in grads:
+                g.mul_(coef)
         return total
 
     def _options(self):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact import LoraRecord
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import FIRST_TRANSFORMER, teacher_folder
 
@@ -27,14 +28,8 @@ def _model_class():
 def load_student_config(path: str | os.PathLike) -> dict:
     """Read and check a student JSON config; keys starting with '_' (diffusers metadata) are ignored."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"student config {p} does not exist; pass a JSON file like configs/student-tiny.json")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"student config {p} is not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise UserError(f"student config {p} must be a JSON object of WanTransformer3DModel arguments")
+    raw = read_object(p, "student config", "pass a JSON file of WanTransformer3DModel arguments like "
+                      "configs/student-tiny.json")
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
     valid = {p for p in inspect.signature(_model_class().__init__).parameters if p != "self"}
     if unknown := sorted(set(cfg) - valid):
@@ -181,18 +176,15 @@ def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path]
     """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder, a single
     .safetensors file, or a Hub id: its first transformer alone is fetched, or found in the local Hub cache)."""
     p = teacher_folder(path, revision, files=FIRST_TRANSFORMER, flag="--init-from-teacher")
-    if p.is_file() and p.suffix == ".safetensors":
-        cfg_path = p.parent / "config.json"
-        return [p], json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     if (p / "model_index.json").is_file():
         p = p / "transformer"
-    if not p.is_dir():
+    single = p.is_file() and p.suffix == ".safetensors"
+    if not single and not p.is_dir():
         raise UserError(f"--init-from-teacher {path} is neither a Wan pipeline folder, a transformer folder nor a "
                         ".safetensors file")
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
+    if not (files := [p] if single else sorted(p.glob("*.safetensors"))):
         raise UserError(f"--init-from-teacher {path}: no .safetensors weights in {p}")
-    cfg_path = p / "config.json"
+    cfg_path = (p.parent if single else p) / "config.json"
     return files, json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
 
@@ -216,29 +208,22 @@ def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...]
                         f"(num_layers); give one teacher block per student block")
     if n_teacher is not None and max(blocks) >= n_teacher:
         raise UserError(f"--teacher-blocks {','.join(map(str, blocks))}: the teacher has blocks 0..{n_teacher - 1}")
-    # student name -> teacher name
-    wanted = {}
-    for name in model.state_dict():
-        if name.startswith(_BLOCK_PREFIX):
-            i, rest = name[len(_BLOCK_PREFIX):].split(".", 1)
-            wanted[name] = f"{_BLOCK_PREFIX}{blocks[int(i)]}.{rest}"
-        else:
-            wanted[name] = name
-    by_teacher = {t: s for s, t in wanted.items()}
     state = model.state_dict()
+    by_teacher = {}  # teacher name -> student name
+    for name in state:
+        i, _, rest = name.removeprefix(_BLOCK_PREFIX).partition(".")
+        by_teacher[f"{_BLOCK_PREFIX}{blocks[int(i)]}.{rest}" if name.startswith(_BLOCK_PREFIX) else name] = name
     copied, shape_mismatch = [], []
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for tname in f.keys():
-                    sname = by_teacher.get(tname)
-                    if sname is None:
-                        continue
+                for tname in (k for k in f.keys() if k in by_teacher):
+                    sname = by_teacher[tname]
                     if list(f.get_slice(tname).get_shape()) != list(state[sname].shape):
                         shape_mismatch.append(sname)
-                        continue
-                    state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
-                    copied.append(sname)
+                    else:
+                        state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
+                        copied.append(sname)
     if not copied:
         raise UserError(f"--init-from-teacher {path}: no teacher tensor matches the student's names and shapes "
                         f"({len(shape_mismatch)} differ in shape); use a student as wide as the teacher "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -13,7 +14,7 @@ import numpy as np
 
 from cache.atomic import atomic_write_json
 from pipeline.artifact import RunLayout
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.registries import TRACKERS
 
 WANDB_EXTRA = 'pip install wandb (or the wandb extra, from the WanDistiller checkout: pip install -e ".[wandb]")'
@@ -103,10 +104,9 @@ class TensorBoardTracker(Tracker):
         purge = 0 if resume_step is None else resume_step + 1
         _wait_past_event_files(layout.tensorboard)
         self.writer = SummaryWriter(str(layout.tensorboard), purge_step=purge, flush_secs=30)
-        flat = hparams(config)
         # The hparams plugin's summaries go into this run's own event file (add_hparams would open a second run).
         metrics = {"eval/heldout_loss": 0.0, "val/final_latent_mse": 0.0, "train/loss": 0.0}
-        for summary in hparams_summary(flat, metrics):
+        for summary in hparams_summary(hparams(config), metrics):
             self.writer.file_writer.add_summary(summary)
         # At the step this process starts from: a resumed run's config (a raised --max-steps, say) shows beside
         # the first one's.
@@ -138,15 +138,17 @@ class WandbTracker(Tracker):
         import wandb
 
         self.wandb = wandb
-        run_id = _read_run_id(layout.wandb_run) if resume_step is not None else None  # None: W&B draws one
+        run_id = None  # W&B draws one
+        if resume_step is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no earlier W&B run, or a torn file
+                run_id = json.loads(layout.wandb_run.read_text())["id"]
         try:
             self.run = wandb.init(
                 id=run_id, resume="allow" if run_id else None, config=config, name=layout.root.resolve().name,
                 project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
                 dir=None if os.environ.get("WANDB_DIR") else str(layout.root))
         except Exception as e:  # no login, no network, a bad entity: the user's to fix, in one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--report-to wandb: W&B could not start a run ({first}); run `wandb login`, set "
+            raise UserError(f"--report-to wandb: W&B could not start a run ({first_line(e)}); run `wandb login`, set "
                             "WANDB_MODE=offline to log without a network, or pass --report-to tensorboard") from e
         atomic_write_json(layout.wandb_run, {"id": self.run.id, "project": self.run.project,
                                              "dir": str(Path(self.run.dir).parent)})
@@ -159,13 +161,6 @@ class WandbTracker(Tracker):
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
-
-
-def _read_run_id(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text())["id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no earlier W&B run (or a torn file): start a new one
 
 
 def open_tracker(report_to: str, layout: RunLayout, *, config: dict, resume_step: int | None,

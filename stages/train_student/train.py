@@ -57,10 +57,8 @@ def run(cfg: TrainStudentConfig) -> dict:
 def _cannot_write(e: BaseException, out: Path) -> UserError | None:
     """A write inside --out refused for its permissions (or a file where a folder must be): the user's to fix, so one
     line instead of a traceback (errors.classify keeps EACCES elsewhere a bug). None for anything else."""
-    if not isinstance(e, OSError) or e.errno not in (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR):
-        return None
-    path = Path(e.filename or "")
-    if not e.filename or not path.absolute().is_relative_to(out.absolute()):
+    if not isinstance(e, OSError) or e.errno not in (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR) \
+            or not e.filename or not (path := Path(e.filename)).absolute().is_relative_to(out.absolute()):
         return None
     return UserError(f"cannot write {path} ({e.strerror}); make {out} writable or choose another --out, and rerun "
                      "(with --resume to keep its checkpoints)")
@@ -102,16 +100,14 @@ def _save_pretrained(model: torch.nn.Module, dest: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with checkpoint.os_errors(tmp):
+            model.save_pretrained(tmp, safe_serialization=True)
         honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
         publish_dir(tmp, dest, before_replace=lambda: fault_point("before_dir_rename"),
                     after_replace=lambda: fault_point("after_dir_rename"))
-    except Exception as e:
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
-        err = None if isinstance(e, OSError) else checkpoint.as_os_error(e, tmp)
-        if err is None:
-            raise
-        raise err from e  # a full disk: one line from the CLI, not a SafetensorError traceback
+        raise
 
 
 def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord:
@@ -125,9 +121,7 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
         train_timesteps=[m.timesteps[k] for k in steps], heldout_prompts=data.heldout_prompts.tolist(),
         init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config,
         optimizer_steps=state.step, samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
-        objective_settings=objective.record(), student_steps=objective.student_steps(m),
-        lora=p.student.record(),
-    )
+        objective_settings=objective.record(), student_steps=objective.student_steps(m), lora=p.student.record())
 
 
 def _build(p: TrainPlan, fresh: bool) -> Parts:
@@ -187,7 +181,6 @@ def _finished(saved: dict, p: TrainPlan) -> bool:
 
 def _resume(ckpt: Path, p: TrainPlan, parts: Parts) -> tuple[TrainState, dict | None]:
     saved, ema_state = p.strategy.load_checkpoint(ckpt, parts.optimizer)  # (checked by `check_resumable`)
-
     state = TrainState(**{k: saved[k] for k in ("step", "epoch", "epoch_step", "samples", "wall_s")})
     if saved["world_size"] == p.env.world_size:
         checkpoint.set_rng_state(saved["rng"][p.env.rank])
@@ -222,8 +215,8 @@ def _start(p: TrainPlan) -> tuple[Parts, TrainState, Path | None] | dict:
     restored from it; the summary instead when the run is already finished."""
     cfg = p.cfg
     ckpt = _pick_checkpoint(p) if cfg.resume else None
-    saved = checkpoint.read_state(ckpt) if ckpt is not None else None
-    if saved is not None:
+    if ckpt is not None:
+        saved = checkpoint.read_state(ckpt)
         check_resumable(ckpt, saved, p)
         if _finished(saved, p):  # (the SLURM script passes --resume to every start)
             print0(f"train-student: {p.layout.root} is finished ({p.total} steps, {p.layout.student} written); "
@@ -232,10 +225,8 @@ def _start(p: TrainPlan) -> tuple[Parts, TrainState, Path | None] | dict:
         if note := length_note(saved, p):
             print0(note)
     parts = _build(p, fresh=ckpt is None)
-    state, ema_state = TrainState(), None
-    if ckpt is not None:
-        state, ema_state = _resume(ckpt, p, parts)
-    elif cfg.resume:
+    state, ema_state = _resume(ckpt, p, parts) if ckpt is not None else (TrainState(), None)
+    if ckpt is None and cfg.resume:
         print0(f"--resume: no complete checkpoint in {p.layout.checkpoints}; starting from step 0")
     if p.env.is_main:  # only now: a refused --resume leaves the run as it was
         save_resolved(cfg, p.layout.resolved_config)

@@ -46,8 +46,7 @@ def measure(p: TrainPlan, parts: Parts) -> dict:
     params = (sum(p.numel() for p in model.parameters()), sum(p.numel() for _, p in trained_parameters(model)),
               sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad))
     report = _report(p, params, count, took, wait, timed)
-    for line in _lines(report):
-        print0(line)
+    print0("\n".join(_lines(report)))
     return report
 
 

@@ -20,7 +20,7 @@ from pipeline.runtime import DistEnv, dist_env, print0
 
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
-from .objective_velocity import Objective, check_cache, get_objective
+from .objective_base import Objective, check_cache, get_objective
 from .run_identity import KeptSettings, RunIdentity
 from .strategy import Strategy, get_strategy
 from .student import StudentKind, student_kind
@@ -46,14 +46,6 @@ class TrainPlan:
     @property
     def manifest(self) -> Manifest:
         return self.data.index.manifest
-
-    @property
-    def expand_timesteps(self) -> bool:
-        return self.manifest.expand_timesteps
-
-    @property
-    def patch(self) -> tuple[int, int, int]:
-        return tuple(self.manifest.patch_size)
 
 
 def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> TrainPlan:
@@ -107,18 +99,15 @@ def _check_out(out: Path, resume: bool) -> None:
     written (the lock file included)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; pass a directory to --out")
-    foreign = RunLayout(out).foreign()
-    if foreign:  # a project folder: its config.json and metrics.jsonl would be overwritten by the run's
+    if foreign := RunLayout(out).foreign():  # a project folder: the run's config.json etc. would overwrite its own
         raise UserError(f"--out {out} is not a train-student run folder: it holds {', '.join(foreign)}, and the run "
                         "would write its own config.json, metrics.jsonl and checkpoints among them; choose a new or "
                         "empty folder for --out")
     if dist_env().is_main:  # one writer per run folder: a second run would collide on checkpoints and metrics
         lock.acquire(out / lock.RUN_LOCK, f"run folder {out}")
-    if out.is_dir() and not resume:
-        done = RunLayout(out).holds_run()
-        if done:
-            raise UserError(f"{out} already holds a training run ({done[0]}/); add --resume to continue it or "
-                            "choose a new --out")
+    if out.is_dir() and not resume and (done := RunLayout(out).holds_run()):
+        raise UserError(f"{out} already holds a training run ({done[0]}/); add --resume to continue it or "
+                        "choose a new --out")
 
 
 def _check_apart(out: Path, caches: tuple[str, ...]) -> None:
@@ -128,16 +117,12 @@ def _check_apart(out: Path, caches: tuple[str, ...]) -> None:
     where = out.resolve()
     for c in caches:
         cache = Path(c).resolve()
-        if where == cache:
-            how = "is"
-        elif where.is_relative_to(cache):
-            how = "is inside"
-        elif cache.is_relative_to(where):
-            how = "holds"
-        else:
-            continue
-        raise UserError(f"--out {out} {how} the --cache folder {c}: the run would write its checkpoints, metrics and "
-                        "student into a cache folder (or around it); choose an --out outside every --cache folder")
+        how = "is" if where == cache else "is inside" if where.is_relative_to(cache) else \
+            "holds" if cache.is_relative_to(where) else None
+        if how is not None:
+            raise UserError(f"--out {out} {how} the --cache folder {c}: the run would write its checkpoints, metrics "
+                            "and student into a cache folder (or around it); choose an --out outside every --cache "
+                            "folder")
 
 
 def _epochs(cfg: TrainStudentConfig, data: DataSplit, env: DistEnv) -> tuple[EpochPlan, int]:
@@ -148,12 +133,9 @@ def _epochs(cfg: TrainStudentConfig, data: DataSplit, env: DistEnv) -> tuple[Epo
                         f"samples over {env.world_size} rank(s) is {share} per rank per epoch; lower --batch-size "
                         f"to at most {max(share, 1)}" + (" or use fewer ranks" if env.world_size > 1 else ""))
     plan = epoch_plan(data, env.world_size, cfg.batch_size, cfg.grad_accum, cfg.order, cfg.embedding_cache_size)
-    if cfg.max_steps is not None:
-        total = cfg.max_steps if cfg.epochs is None else min(cfg.max_steps, cfg.epochs * plan.steps)
-    else:
-        total = (cfg.epochs or 1) * plan.steps
-    warning = warmup_warning(cfg, total)
-    if warning:
+    by_epochs = None if cfg.epochs is None and cfg.max_steps is not None else (cfg.epochs or 1) * plan.steps
+    total = min(k for k in (cfg.max_steps, by_epochs) if k is not None)
+    if warning := warmup_warning(cfg, total):
         print0(warning)
     return plan, total
 

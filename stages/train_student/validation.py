@@ -14,7 +14,7 @@ from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
 from pipeline.artifact import DistillRecord
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
 
@@ -26,17 +26,15 @@ class Validator:
     """Samples the student on fixed held-out trajectories; `run` returns (metrics record, image grid or None)."""
 
     def __init__(self, record: DistillRecord, data, max_prompts: int, batch_size: int, device: torch.device,
-                 decode: bool, vae: tuple[Path, str] | None = None):
-        self.record, self.device, self.batch_size, self.decode = record, device, batch_size, decode
+                 vae: tuple[Path, str] | None = None):
+        self.record, self.device, self.batch_size, self.decode = record, device, batch_size, vae is not None
         index = data.index
         self.manifest = index.manifest
         prompts = [int(p) for p in data.heldout_prompts[:max_prompts]]
         rows = index.table[data.heldout_rows]
         rows = rows[np.isin(rows[:, C_PROMPT], prompts)]
         # (prompt, seed) -> the cache holding it (the first one, as the index keeps duplicates once)
-        where: dict[tuple[int, int], int] = {}
-        for ci, p, s in rows[:, [C_CACHE, C_PROMPT, C_SEED]].tolist():
-            where.setdefault((int(p), int(s)), int(ci))
+        where = {(p, s): ci for ci, p, s in reversed(rows[:, [C_CACHE, C_PROMPT, C_SEED]].tolist())}
         self.trajectories = sorted(where)
         self.caches = [index.caches[where[t]].path for t in self.trajectories]
         self.steps = student_steps(record)
@@ -46,7 +44,7 @@ class Validator:
         self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._neg: torch.Tensor | None = None
         self._vae = None
-        self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer when decode is on
+        self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer, with --val-decode
         self._teacher_frames: np.ndarray | None = None
 
     def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -91,7 +89,7 @@ class Validator:
         """The teacher's VAE alone (diffusers AutoencoderKLWan from the teacher's vae/ subfolder), float32."""
         from diffusers import AutoencoderKLWan
 
-        folder, named_by = self._vae_from or vae_folder(None, None, None, self.manifest)
+        folder, named_by = self._vae_from
         # A local folder only (vae_folder fetched whatever was to be fetched), safetensors only: no pickle is read.
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32,
                                                use_safetensors=True)
@@ -107,9 +105,8 @@ class Validator:
                 self._vae = self._load_vae()
             except Exception as e:  # noqa: BLE001 -- no images, but the latent error is still logged
                 self.decode = False
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                tqdm.write(f"warning: --val-decode: cannot load the teacher's VAE ({first}); validation goes on "
-                           "without images")
+                tqdm.write(f"warning: --val-decode: cannot load the teacher's VAE ({first_line(e)}); validation "
+                           "goes on without images")
                 return None
         if self._teacher_frames is None:
             self._teacher_frames = self._frames(torch.cat([f for _, f, _ in self._load_inputs()]))
@@ -183,7 +180,6 @@ def make_validator(cfg, is_main: bool, data, record: DistillRecord, device: torc
     every rank): every rank samples, rank 0 alone decodes and logs. `teacher`: `StudentKind.teacher_flag`'s."""
     if not ((is_main or every_rank) and cfg.val_every and len(data.heldout_prompts)):
         return None
-    decode = cfg.val_decode and is_main
     # settled before step 1: a refusal costs no training
-    vae = vae_folder(*teacher, cfg.revision, data.index.manifest) if decode else None
-    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, decode, vae)
+    vae = vae_folder(*teacher, cfg.revision, data.index.manifest) if cfg.val_decode and is_main else None
+    return Validator(record, data, cfg.val_max_prompts, cfg.batch_size, device, vae)

@@ -85,11 +85,6 @@ class Placement:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
-    def offloads_text_encoder(self) -> bool:
-        """Keep the text encoder in RAM and move it to the GPU as a whole to encode (model-level offload)."""
-        return self.entry.caps.offloads_text_encoder and self.device.type == "cuda"
-
     def load_expert(self, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
         """Expert `comp` of the teacher, its weights where this placement keeps them, ready to run."""
         return self.entry.load_expert(self, spec, comp, log)

@@ -148,10 +148,9 @@ class _DeviceMapPlacement(PlacementKind):
         per_dev = map_bytes(model, dmap, dtype)
         copies = len(x.sizes.experts) if x.order == "step" else 1
         resident = {d: b * copies for d, b in per_dev.items() if d != "disk"}
-        gpus = sorted(d for d in per_dev if d.startswith("cuda"))
-        main = gpus[0] if gpus else "cpu"
+        main = min((d for d in per_dev if d.startswith("cuda")), default="cpu")
         resident[main] = resident.get(main, 0) + x.needs.activations
-        spill = per_dev.get("cpu", 0) + per_dev.get("disk", 0) if gpus else per_dev.get("disk", 0)
+        spill = per_dev.get("cpu", 0) + per_dev.get("disk", 0) if main != "cpu" else per_dev.get("disk", 0)
         summary = ", ".join(f"{d} {gib(b)}" for d, b in per_dev.items())
         where = {"text_encoder": f"{main}, {ENCODER_FREED}"} | {e: summary + x.one_at_a_time for e in x.sizes.experts}
         notes = [f"{gib(spill)} of each expert sits on cpu/disk and is moved to the GPU at every forward"] if spill else []

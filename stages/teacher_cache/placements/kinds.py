@@ -23,7 +23,6 @@ class Cpu(PlacementKind):
 
 
 class Cuda(PlacementKind):
-
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         if len(needs.experts) < 2 or not inv.gpus:
             return "step"
@@ -36,7 +35,6 @@ class Cuda(PlacementKind):
 
 
 class Offload(PlacementKind):
-
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         return "expert" if len(needs.experts) > 1 and sum(needs.experts) > inv.usable_ram else "step"
 
@@ -56,7 +54,6 @@ class Offload(PlacementKind):
 
 
 class Disk(PlacementKind):
-
     def load_expert(self, p, spec, comp, log=print):
         return load_disk_expert(spec, comp, p.torch_dtype, p.device, p.offload_dir, log)
 
@@ -68,12 +65,12 @@ class Disk(PlacementKind):
             return Layout(where, dict(disk=both, cpu=block_ram + x.needs.activations), max(x.needs.experts))
         where = {"text_encoder": f"cpu, moved to cuda:0 as a whole to encode (model offload), {ENCODER_FREED}"}
         where |= {e: "offload folder (disk), one block at a time in RAM and on cuda:0" for e in x.sizes.experts}
-        return Layout(where, dict(disk=both, cpu=block_ram) | {"cuda:0": x.needs.block_streaming_gpu},
-                      max(x.needs.experts))
+        # the GPU: the block computing, the next one prefetched, the rest of the expert and the activations
+        gpu = 2 * x.needs.block + x.needs.other + x.needs.activations
+        return Layout(where, dict(disk=both, cpu=block_ram) | {"cuda:0": gpu}, max(x.needs.experts))
 
 
 class Auto(PlacementKind):
-
     def validate(self, cfg) -> None:
         if dist_env().world_size > 1 and self.uses_rank_gpu():
             check_ranks_fit_gpus("placement auto (on a machine with GPUs)")
@@ -92,6 +89,3 @@ class Auto(PlacementKind):
         device = entry.execution_device(cfg)
         return entry.placement(cfg, spec, device, cfg.dtype or default_dtype(device), d.expert_order,
                                needs.activations, reason="; ".join(d.reasons))
-
-    def layout(self, x: PlanInput) -> Layout:
-        raise RuntimeError("auto has no layout of its own: plan the placement placement_choice.decide picks")
