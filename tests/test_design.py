@@ -29,8 +29,10 @@ def test_the_readme_is_a_front_door():
 
 
 # Issue 42's bound: pipeline/ cache/ stages/ at most 15,000 lines (17,185 before the redesign, 14,976 after it). A
-# feature that needs more raises it in its own commit, saying what the lines buy.
-LINE_BOUND = 15_000
+# feature that needs more raises it in its own commit, saying what the lines buy. +100 (issue 43): the K-step
+# student's schedule as a choice (explicit, shifted, per expert; its refusals, sampler, export hint and plan's
+# --keep-steps): 15,092.
+LINE_BOUND = 15_100
 
 
 def test_the_packages_do_not_grow_back():
