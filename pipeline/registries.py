@@ -207,8 +207,8 @@ class StudentSchedule:
                                                         "timesteps, steps the cache recorded, e.g. 999,936,837,633.")
     student_shift: float | None = setting(None, check=positive(), help="segment: K boundaries of a flow schedule "
                                           "shifted by S (Wan2.2-Lightning's: 5), at the nearest recorded steps.")
-    student_expert_steps: tuple[int, ...] | None = setting(None, parse=int_list, help="segment: H,L: the K steps "
-                                                           "the high- and the low-noise expert's steps take.")
+    student_expert_steps: tuple[int, ...] | None = setting(None, parse=int_list, help="segment: H,L: how many of "
+                                                           "the K steps fall to the high- and the low-noise expert.")
 
 
 CHOSEN = ("student_timesteps", "student_shift", "student_expert_steps")  # a schedule other than equal segments

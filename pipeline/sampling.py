@@ -105,8 +105,8 @@ def chosen_boundaries(header, choice: Mapping, recorded) -> list[int]:
         if split is not None:
             b = next((s for s in range(n) if header.experts[s] != header.experts[0]), n)
             if len(split) != 2 or 0 in split or b == n:
-                raise ValueError(f"{flag} H,L gives each of the teacher's two experts at least 1 step, and the cache's "
-                                 + ("teacher runs one" if b == n else f"{n} steps are {b} high-noise, {n - b} low-noise"))
+                raise ValueError(f"{flag} H,L gives each of the teacher's two experts at least 1 step; the cache's "
+                                 + (f"{n} steps are {b} high-noise, {n - b} low" if b < n else "teacher runs one"))
             parts = [(0, b, split[0], " of the high-noise expert"), (b, n, split[1], " of the low-noise expert")]
         for a, e, m, whose in parts:
             end = sig[e] if e < n else 0.0
