@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .registries import (
-    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, placement_entry,
+    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, StudentSchedule,
+    placement_entry,
 )
 from .settings import (
     at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
@@ -505,8 +506,9 @@ class EvalConfig(_Inference):
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class PlanSettings:
-    """`wandistiller plan`'s own settings: the machine (by default this one) and the run's size."""
+class PlanSettings(StudentSchedule):
+    """`wandistiller plan`'s own settings: the machine (by default this one), the run's size, and the schedule of the
+    segment student it is for (its boundaries become --keep-steps of the printed command under --record-steps)."""
 
     TOML_SECTION = "plan"
 

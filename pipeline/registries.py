@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .settings import at_least, non_empty, one_of, positive, setting
+from .settings import at_least, int_list, non_empty, one_of, positive, setting
 
 
 @dataclass(frozen=True)
@@ -196,14 +196,29 @@ class VelocitySettings:
     """The velocity objective takes no settings."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class StudentSchedule:
+    """Where a K-step student's segments start on the teacher's steps (segment; `plan` keeps them: --keep-steps)."""
+
+    student_steps: int | None = setting(
+        None, check=at_least(1), help="segment: the student's sampling steps K, 1 .. the cache's steps (a divisor of "
+                                      "them reproduces the teacher's schedule exactly).")
+    student_timesteps: tuple[int, ...] | None = setting(None, parse=int_list, help="segment: the K boundary "
+                                                        "timesteps, steps the cache recorded, e.g. 999,936,837,633.")
+    student_shift: float | None = setting(None, check=positive(), help="segment: K boundaries of a flow schedule "
+                                          "shifted by S (Wan2.2-Lightning's: 5), at the nearest recorded steps.")
+    student_expert_steps: tuple[int, ...] | None = setting(None, parse=int_list, help="segment: H,L: how many of "
+                                                           "the K steps fall to the high- and the low-noise expert.")
+
+
+CHOSEN = ("student_timesteps", "student_shift", "student_expert_steps")  # a schedule other than equal segments
+
+
 @OBJECTIVES.settings("segment", "K-step student (--student-steps K): at each cached state, MSE to the average "
                                 "velocity to the end of its segment of the teacher's schedule; samples with K Euler "
                                 "steps, no CFG", impl=_OBJ + "Segment", caps=ObjectiveCaps(sampler="euler"))
 @dataclass(frozen=True, kw_only=True)
-class SegmentSettings:
-    student_steps: int | None = setting(
-        None, check=at_least(1), help="segment: the student's sampling steps K, 1 .. the cache's steps (a divisor of "
-                                      "them reproduces the teacher's schedule exactly).")
+class SegmentSettings(StudentSchedule):
     velocity_weight: float = setting(0.0, flag="segment-velocity-weight", check=positive(allow_zero=True),
                                      help="segment: weight of an added per-step velocity loss at the same states.")
     start_weight: float = setting(1.0, flag="segment-start-weight", check=positive(),

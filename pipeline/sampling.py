@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from cache.records import Manifest
 
 from .artifact import DistillRecord
+from .registries import CHOSEN
 
 UNIPC = "UniPCMultistepScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
@@ -81,11 +83,69 @@ def segment_boundaries(config: Mapping, steps: int, student_steps: int,
     return bounds, exact
 
 
+def chosen_boundaries(header, choice: Mapping, recorded) -> list[int]:
+    """The boundary steps a segment student chose (`choice`: its settings) on the schedule of `header`, each a
+    `recorded` step: `student_timesteps`; else in each part (the whole, or each expert's by `student_expert_steps`)
+    its steps cut equally, or a flow schedule shifted by `student_shift` over its sigmas, at the nearest recorded
+    steps. ValueError, one line, for a choice the cache cannot train."""
+    n, sig, ts = int(header.steps), [float(v) for v in header.sigmas], [int(t) for t in header.timesteps]
+    rec, (k, explicit, shift, split) = sorted(recorded), (choice.get(key) for key in ("student_steps", *CHOSEN))
+    listed = lambda steps: ",".join(str(ts[s]) for s in steps)  # noqa: E731
+    if explicit is not None:
+        step = {t: s for s, t in enumerate(ts)}
+        if shift is not None or split is not None:
+            raise ValueError("--student-timesteps names the boundaries: drop --student-shift, --student-expert-steps")
+        if missing := [t for t in explicit if step.get(t) not in rec]:
+            raise ValueError(f"--student-timesteps {','.join(map(str, missing))}: not steps the cache recorded; choose "
+                             f"from its recorded timesteps {listed(rec)}")
+        if (bounds := [step[t] for t in explicit])[0] != 0 or bounds != sorted(set(bounds)):
+            raise ValueError(f"--student-timesteps must fall from the first step's {ts[0]}, got {list(explicit)}")
+    else:
+        parts, flag, bounds = [(0, n, k, "")], "--student-expert-steps" if split else "--student-shift", []
+        if split is not None:
+            b = next((s for s in range(n) if header.experts[s] != header.experts[0]), n)
+            if len(split) != 2 or 0 in split or b == n:
+                raise ValueError(f"{flag} H,L gives each of the teacher's two experts at least 1 step; the cache's "
+                                 + (f"{n} steps are {b} high-noise, {n - b} low" if b < n else "teacher runs one"))
+            parts = [(0, b, split[0], " of the high-noise expert"), (b, n, split[1], " of the low-noise expert")]
+        for a, e, m, whose in parts:
+            end = sig[e] if e < n else 0.0
+            want = [sig[a + round(j * (e - a) / m)] if shift is None else
+                    end + (sig[a] - end) * shift * (1 - j / m) / (1 + (shift - 1) * (1 - j / m)) for j in range(m)]
+            near = lambda pool: [min(pool, key=lambda s: (abs(sig[s] - w), s)) for w in want]  # noqa: E731
+            if len(set(ideal := near(range(a, e)))) < m:
+                raise ValueError(f"{flag}: {m} boundaries in the {e - a} steps{whose} meet; choose fewer")
+            if len(set(got := near([s for s in rec if a <= s < e] or [a]))) < m:
+                raise ValueError(f"{flag}: the cache records too few of the steps{whose} ({listed(range(a, e))}) for "
+                                 f"{m} boundaries; rebuild it with --keep-steps {','.join(map(str, ideal))}")
+            bounds += got
+    if k is not None and len(bounds) != k:
+        raise ValueError(f"--student-steps {k}, but the chosen schedule has {len(bounds)} steps; drop --student-steps")
+    return bounds
+
+
+def chosen_points(source) -> np.ndarray | None:
+    """The points (scheduler's `sigmas=`, before its shift) of the boundaries a segment student chose; None: none."""
+    r = _record(source)
+    s, t = r.objective_settings, float(r.scheduler.get("num_train_timesteps", 1000))
+    if not any(s.get(c) is not None for c in CHOSEN):
+        return None
+    sched = scheduler_from_config(r.scheduler)  # the unshifted points each flow scheduler starts from
+    return (np.linspace(1, 1 / t, r.steps + 1)[:-1] if r.scheduler["_class_name"] == UNIPC else
+            np.linspace(sched.sigma_max * t, sched.sigma_min * t, r.steps) / t)[s["boundaries"]]
+
+
 def student_scheduler(source):
-    """A fresh scheduler for the student `source` describes: its objective's own sampler, else the teacher's."""
+    """A fresh scheduler for the student `source` describes: its objective's own sampler, else the teacher's; at the
+    student's K steps, on the boundaries it chose (`chosen_points`)."""
     record = _record(source)
     sampler = own_sampler(record)
-    return scheduler_from_config(SAMPLERS[sampler](record.scheduler) if sampler else record.scheduler)
+    sched = scheduler_from_config(SAMPLERS[sampler](record.scheduler) if sampler else record.scheduler)
+    if sampler and (points := chosen_points(record)) is not None:
+        plain = sched.set_timesteps
+        sched.set_timesteps = lambda steps, device=None: plain(
+            steps, device=device, sigmas=points if steps == len(points) else None)
+    return sched
 
 
 def own_sampler(source) -> str | None:

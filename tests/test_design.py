@@ -29,9 +29,11 @@ def test_the_readme_is_a_front_door():
 
 
 # Issue 42's bound: pipeline/ cache/ stages/ at most 15,000 lines (17,185 before the redesign, 14,976 after it). A
-# feature that needs more raises it in its own commit, saying what the lines buy. +40: issue 43's `export
-# --lora-format wan` (LoRA files in the original Wan key names, for ComfyUI).
-LINE_BOUND = 15_040
+# feature that needs more raises it in its own commit, saying what the lines buy. Issue 43 (video), so far: +40 for
+# `export --lora-format wan` (LoRA files in the original Wan key names, for ComfyUI); +116 for the K-step student's
+# schedule as a choice (explicit, shifted, per expert; its refusals, sampler, export hint and plan's --keep-steps);
+# +174 for the moving-shape clips and the motion checker.
+LINE_BOUND = 15_310
 
 
 def test_the_packages_do_not_grow_back():

@@ -18,7 +18,7 @@ from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
-from pipeline.sampling import own_sampler, student_scheduler
+from pipeline.sampling import chosen_points, own_sampler, student_scheduler
 
 from . import hub_card
 from .models import BORROWED, Student, check_compatible, find_student, student_teacher, teacher_transformer_config
@@ -40,6 +40,8 @@ def _sampling_hints(student: Student, tpath: Path) -> dict:
                                          "objective"))):
         if student.setting(key) is not None:
             hints[hint] = student.setting(key)
+    if student.distill is not None and (points := chosen_points(student.distill)) is not None:
+        hints["sigmas"] = [float(v) for v in points]  # its scheduler's `sigmas=`: the boundaries it chose
     shape = hints.get("latent_shape")
     if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
         hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
@@ -62,6 +64,10 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
                  f"schedule, the teacher's flow-matching sigmas walked with {steps} first-order (Euler) steps, which "
                  f"lands on the points it was trained to jump between when called with num_inference_steps={steps}. "
                  "Other step counts run, but off the trained schedule.")
+        if "sigmas" in hints:  # a chosen schedule (train-student --student-timesteps, --student-shift, ...)
+            sched += (" Its boundaries are its own choice, which the scheduler's config cannot hold: before calling, "
+                      "`pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+                      f"sigmas=numpy.array({hints['sigmas']}))` (model_index.json's `{MARK}.sigmas`).")
     else:
         sched = (f"It samples with the teacher's scheduler and step count ({steps} steps); fewer steps run, at a loss "
                  "of fidelity (`wandistiller eval --student-steps` measures it).") if steps else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -12,6 +13,8 @@ from cache.records import CacheHeader
 from cache.schema import recorded_steps
 from cache.size import human, project
 from pipeline.config import PlanSettings, RunShape, TeacherCacheConfig, TeacherRun
+from pipeline.registries import CHOSEN, StudentSchedule
+from pipeline.sampling import chosen_boundaries, segment_boundaries
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, teacher_folder
 from pipeline.settings import name_of
@@ -200,6 +203,8 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     # plan does not print a command the run refuses
     spec = configs_spec(root, teacher)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
+    if (keep := _student_keep(settings, spec, cfg)) is not None:
+        cfg, given = replace(cfg, keep_steps=keep), (*given, "keep_steps")
     if root != Path(teacher).expanduser():  # a Hub id
         plan.teacher, plan.source = teacher, f"revision {revision or 'main'}, configs from {root}"
     plan.cache = cache_projection(spec, replace(cfg, dtype=plan.dtype), settings.prompts)
@@ -221,6 +226,22 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
         plan.time = costs.project(settings.prompts, cfg.seeds_per_prompt, cfg.steps, step,
                                   plan.launch["parts"], plan.launch["gpus_per_rank"])
     return plan
+
+
+def _student_keep(s: PlanSettings, spec: TeacherSpec, cfg: TeacherCacheConfig) -> tuple[int, ...] | None:
+    """--keep-steps with the boundaries of the segment student `s` describes (None: no student, or every step)."""
+    choice = {f.name: getattr(s, f.name) for f in fields(StudentSchedule)}
+    if cfg.record_steps is None or all(v is None for v in choice.values()):
+        return None
+    sched = load_scheduler(spec)
+    sc = Schedule.build(sched, cfg.steps, spec.boundary_ratio, cfg.guidance, cfg.guidance_2)
+    try:
+        bounds = (chosen_boundaries(SimpleNamespace(steps=cfg.steps, **asdict(sc)), choice, range(cfg.steps))
+                  if any(choice[c] is not None for c in CHOSEN) else segment_boundaries(
+                      {"_class_name": type(sched).__name__, **sched.config}, cfg.steps, s.student_steps, sc.sigmas)[0])
+    except ValueError as e:
+        raise UserError(f"plan: {e}") from None
+    return tuple(sorted({*(cfg.keep_steps or ()), *bounds} - {0})) or None
 
 
 def _flag(f, value) -> dict:

@@ -11,7 +11,7 @@ import torch
 from cache import format as F
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
-from pipeline.registries import FeatureSettings, SegmentSettings, VelocitySettings
+from pipeline.registries import CHOSEN, FeatureSettings, SegmentSettings, VelocitySettings
 
 from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
     OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
@@ -40,16 +40,19 @@ class Segment(Objective):
     fields = (F.T_X_T,)
 
     def __init__(self, settings: dict | None = None):
-        super().__init__(settings)
+        super().__init__(settings)  # a schedule choice left unset is not recorded (a default run's distill.json)
+        self.settings = {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings.items()
+                         if v is not None or k not in CHOSEN}
         if float(self.settings.get("velocity_weight", 0.0)) > 0:
             self.fields = (F.T_X_T, F.T_TARGET)
         self.end_step: list[int] | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Objective:
-        if cfg.objective_settings.student_steps is None:
+        s = cfg.objective_settings
+        if s.student_steps is None and s.student_timesteps is None and s.student_expert_steps is None:
             raise UserError("--objective segment needs --student-steps K (the student's sampling steps, 1 up to the "
-                            "cache's steps; K dividing them reproduces the schedule exactly)")
+                            "cache's steps; K dividing them reproduces the schedule exactly), or --student-timesteps")
         return super().from_config(cfg)
 
     @property
@@ -57,11 +60,12 @@ class Segment(Objective):
         return int(self.settings["student_steps"])
 
     def check(self, manifest: dict, cache: str) -> None:
-        from pipeline.sampling import is_flow_matching, segment_boundaries
+        from pipeline.sampling import chosen_boundaries, is_flow_matching, segment_boundaries
 
         steps = int(manifest.steps)
         sigmas, sched = manifest.sigmas, manifest.scheduler
-        if not 1 <= self.k <= steps:
+        chosen = any(self.settings.get(c) is not None for c in CHOSEN)
+        if not chosen and not 1 <= self.k <= steps:
             raise UserError(f"--student-steps {self.k}: the cache {cache} holds {steps}-step trajectories; choose K "
                             f"from 1 to {steps} (a divisor of {steps} reproduces the schedule exactly)")
         if not (isinstance(sigmas, list) and len(sigmas) == steps):
@@ -71,11 +75,19 @@ class Segment(Objective):
             raise UserError(f"--objective segment needs a flow-matching teacher schedule; the cache {cache} was "
                             f"sampled with {sched.get('_class_name')!r} {sched.get('prediction_type', '')}")
         # (each trajectory's final latent: `open_caches` has checked every store's final_latents array)
-        bounds, exact = segment_boundaries(sched, steps, self.k, [float(v) for v in sigmas])
+        if chosen:  # K steps landing exactly on the chosen boundaries (pipeline/sampling.py `chosen_points`)
+            try:
+                bounds, exact = chosen_boundaries(manifest, self.settings, recorded_steps(manifest)), True
+            except ValueError as e:
+                raise UserError(f"--objective segment on the cache {cache}: {e}") from None
+            self.settings["student_steps"] = len(bounds)
+        else:
+            bounds, exact = segment_boundaries(sched, steps, self.k, [float(v) for v in sigmas])
         if len(bounds) != self.k:
             raise UserError(f"--student-steps {self.k}: only {len(bounds)} distinct cached steps lie near the {self.k}-"
                             f"step schedule of the cache {cache}; choose a divisor of {steps}")
-        _check_boundaries_recorded(self.k, bounds, manifest, cache, sched, [float(v) for v in sigmas])
+        if not chosen:
+            _check_boundaries_recorded(self.k, bounds, manifest, cache, sched, [float(v) for v in sigmas])
         if not exact:
             log.warning("--student-steps %d does not divide the cache's %d steps: segments end at the nearest cached "
                         "steps %s, which the %d-step scheduler does not hit exactly", self.k, steps, bounds, self.k)
