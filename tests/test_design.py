@@ -32,8 +32,9 @@ def test_the_readme_is_a_front_door():
 # feature that needs more raises it in its own commit, saying what the lines buy. Issue 43 (video), so far: +40 for
 # `export --lora-format wan` (LoRA files in the original Wan key names, for ComfyUI); +116 for the K-step student's
 # schedule as a choice (explicit, shifted, per expert; its refusals, sampler, export hint and plan's --keep-steps);
-# +174 for the moving-shape clips and the motion checker.
-LINE_BOUND = 15_310
+# +174 for the moving-shape clips and the motion checker; +67 for eval's motion figures (clips drawn whole on a video
+# cache, motion kept and speed ratio per entry, the table's motion columns, clip/shapes captions refused by frames).
+LINE_BOUND = 15_380
 
 
 def test_the_packages_do_not_grow_back():
