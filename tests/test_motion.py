@@ -126,3 +126,20 @@ def test_video_training_recipe_runs_end_to_end(tmp_path):
     frames = pipe(prompt=["a red circle moving from left to right on a blue background"], num_frames=clips.FRAMES,
                   height=64, width=64, num_inference_steps=2, output_type="np").frames
     assert frames.shape == (1, clips.FRAMES, 64, 64, 3)
+
+
+def test_motion_kept_and_speed_ratio_from_the_drawn_clips():
+    """eval's figures against the teacher, with the drawn clips as the teacher: the same clips keep all its motion
+    at its speed; reversed they keep none (no clip is right both ways); drawn slowly they keep none, at half speed."""
+    caps = [clips.clip_for(0, i).caption for i in range(8)]
+    quick = [c.replace(" slowly", "").replace(" quickly", "").replace(" moving", " moving quickly") for c in caps]
+    teacher = [motion.check(_clip(c, i), c) for i, c in enumerate(quick)]
+    assert all(r["all_right"] for r in teacher)
+    assert motion.kept(teacher, teacher) == 1.0 and motion.speed_ratio(teacher, teacher) == pytest.approx(1.0)
+    reversed_ = [motion.check(_clip(c, i)[::-1], c) for i, c in enumerate(quick)]
+    assert motion.kept(teacher, reversed_) == 0.0 and motion.speed_ratio(teacher, reversed_) is None
+    slow = [motion.check(_clip(c.replace("quickly", "slowly"), i), c) for i, c in enumerate(quick)]
+    assert motion.kept(teacher, slow) == 0.0
+    half = clips.SPEEDS["slowly"] / clips.SPEEDS["quickly"]
+    assert motion.speed_ratio(teacher, slow) == pytest.approx(half, abs=0.03)
+    assert motion.kept(reversed_, teacher) is None  # a teacher with no all-right clip: nothing to keep

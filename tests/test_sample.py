@@ -368,6 +368,50 @@ def test_eval_attributes_scores_teacher_and_student_on_shapes_captions(trained_r
     assert grid.size == grid_layout(["teacher", "student"], SIDE, SIDE).size(2, 2)
 
 
+@pytest.fixture(scope="module")
+def video_cache(tiny_teacher, tmp_path_factory):
+    """A cache of 5 frames (2 latent frames through the tiny VAE's 4x temporal factor) on two prompts."""
+    prompts = tmp_path_factory.mktemp("video-prompts") / "two.txt"
+    prompts.write_text("\n".join(TEST_PROMPTS[:2]) + "\n")
+    return make_cache(tiny_teacher, prompts, tmp_path_factory.mktemp("video-cache") / "cache", frames=5)
+
+
+@pytest.mark.slow
+def test_eval_scores_motion_on_a_video_cache(trained_run, video_cache, tiny_cache, tmp_path):
+    """--attributes with clip captions on a video cache: the teacher and the student draw whole clips from the same
+    noise and the motion checker scores them; each entry's motion_right, motion_kept and speed_ratio beside its
+    name, the table's motion columns, a grid of frame strips (a random teacher draws noise: keys and types, not
+    values). Clip captions on a one-frame cache and shapes captions on a video cache end in one line."""
+    m = load_manifest(video_cache)
+    assert m.frames == 5 and m.latent_shape[1] == 2
+    clip_caps, shape_caps = tmp_path / "clips.txt", tmp_path / "shapes.txt"
+    clip_caps.write_text("\n".join(read_prompt_file("data/clips-heldout.txt")[:2]) + "\n")
+    shape_caps.write_text("\n".join(read_prompt_file("data/shapes-heldout.txt")[:2]) + "\n")
+    report_path = tmp_path / "ev" / "eval.json"
+    r = invoke(["eval", "--student", trained_run, "--cache", video_cache, "--report", report_path,
+                "--no-teacher-timing", "--attributes", clip_caps, "--attribute-grid", 1])
+    assert r.exit_code == 0, r.output
+    assert "motion on 2 clips of 5 frames" in r.output and "motion kept" in r.output and "speed x" in r.output
+    report = json.loads(report_path.read_text())
+    att = report["attributes"]
+    assert att["frames"] == 5 and att["captions"] == 2 and "clip_reads" not in att["teacher"]
+    for who in ("teacher", "student"):
+        assert att[who]["clips"] == 2
+        assert all(0.0 <= att[who][k] <= 1.0 for k in ("background", "shape_colour", "attributes", "motion_right",
+                                                           "all"))
+    s = att["student"]
+    assert s["motion_kept"] is None or 0.0 <= s["motion_kept"] <= 1.0
+    assert s["speed_ratio"] is None or s["speed_ratio"] > 0.0
+    teacher_row, row = report["table"]
+    assert row["label"] == "student" and {"motion_right", "motion_kept", "speed_ratio"} <= row.keys()
+    assert "motion_kept" not in teacher_row and isinstance(teacher_row["motion_right"], float)
+    assert Image.open(att["grid"]).size == grid_layout(["teacher", "student"], 5 * SIDE, SIDE).size(1, 2)
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", video_cache, "--attributes", shape_caps,
+                                  "--no-teacher-timing"]), "shapes captions on a 5-frame cache", "clips-heldout.txt")
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--attributes", clip_caps,
+                                  "--no-teacher-timing"]), "clip captions on a one-frame cache", "--frames")
+
+
 def test_eval_attributes_refuses_captions_outside_the_grammar(trained_run, tiny_cache, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("a red circle somewhere nice\n")

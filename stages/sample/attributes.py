@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline import clips
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.shapes import COLOURS, POSITIONS, SIZE, parse_caption
@@ -79,15 +80,25 @@ def score(images, captions) -> dict:
             "by_shapes": {str(k): _rates([c for c in checks if len(c[1]) == k]) for k in counts}}
 
 
-def attribute_captions(path: str, max_prompts: int | None) -> list[str]:
-    """The shapes captions of a prompt file (eval's --attributes); refuse text the checker cannot read."""
+def attribute_captions(path: str, max_prompts: int | None, frames: int = 1) -> list[str]:
+    """The captions of a prompt file (eval's --attributes) the checker can read at the cache's `frames`: shapes
+    captions on an image cache, clip captions (pipeline/clips.py) on a video one; refuse the rest in one line."""
     captions = dedupe(read_prompt_file(path))[0][:max_prompts]
+    video = frames > 1
     for c in captions:
         try:
-            parse_caption(c)
+            (clips.parse_caption if video else parse_caption)(c)
         except ValueError as e:
-            raise UserError(f"--attributes {path}: {e}; the attribute checker reads captions of pipeline/shapes.py's "
-                            "grammar, e.g. data/shapes-heldout.txt") from e
+            try:
+                (parse_caption if video else clips.parse_caption)(c)
+            except ValueError:
+                kind = "clips" if video else "shapes"
+                raise UserError(f"--attributes {path}: {e}; the attribute checker reads captions of "
+                                f"pipeline/{kind}.py's grammar, e.g. data/{kind}-heldout.txt") from e
+            raise UserError(f"--attributes {path}: shapes captions on a {frames}-frame cache; pass clip captions "
+                            "(pipeline/clips.py's grammar), e.g. data/clips-heldout.txt" if video else
+                            f"--attributes {path}: clip captions on a one-frame cache; evaluate them on a video cache "
+                            "(teacher-cache --frames 9), or pass shapes captions, e.g. data/shapes-heldout.txt") from e
     return captions
 
 
@@ -96,14 +107,14 @@ def first_frames_u8(frames) -> list[np.ndarray]:
     return [(np.clip(f[0], 0.0, 1.0) * 255).round().astype(np.uint8) for f in frames]
 
 
-def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int):
-    """Initial latents of captions start .. start + n - 1: caption i from seed + i, as `wandistiller sample` row i."""
+def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int, frames: int = 1):
+    """Initial latents [C, frames, h, w] of captions start .. start + n - 1: caption i from seed + i, as sample's."""
     import torch
 
     from .sample import initial_latents
 
     vs = pipe.vae_scale_factor_spatial
-    shape = (pipe.transformer.config.in_channels, 1, height // vs, width // vs)
+    shape = (pipe.transformer.config.in_channels, frames, height // vs, width // vs)
     return torch.stack([initial_latents(seed + start + i, shape) for i in range(n)])
 
 

@@ -1,10 +1,12 @@
-"""eval's attribute scores (--attributes): the teacher and every entry draw shapes captions from the same noise at
-the cache's settings, attributes.py scores them, and the first rows (teacher | entries) go to a grid by the report."""
+"""eval's attribute scores (--attributes): the teacher and every entry draw the captions from the same noise at the
+cache's settings (whole clips on a video cache), attributes.py (motion.py for clips) scores them, and the first rows
+(teacher | entries, clips as frame strips) go to a grid by the report."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -12,34 +14,52 @@ from pipeline.config import EvalConfig
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents
 
-from .attributes import caption_noise, first_frames_u8, score
+from . import motion
+from .attributes import caption_noise, score
 from .eval_setup import Entry, Setup
 from .sample import SamplingSettings, _write_png, draw_grid
 
 # Scores whose student / teacher ratio the report gives ("colour": background and every shape colour right).
 KEPT = ("background", "shape_colour", "position", "colour")
+KEPT_MOTION = ("background", "shape_colour", "attributes", "motion_right")  # a video eval's (per frame, then per clip)
+
+
+def _u8(frames) -> list[np.ndarray]:
+    """'np' frames [B, F, H, W, 3] in [0, 1] -> B uint8 clips [F, H, W, 3]."""
+    return list((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
 
 
 def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: SamplingSettings, device,
-              batch_size: int) -> dict[str, list]:
-    """uint8 first frames of every caption by the teacher and each entry (its VAE), all from `caption_noise`."""
-    images = {"teacher": [], **{e.label: [] for e in entries}}
+              batch_size: int, shape: list[int], frames: int) -> dict[str, list]:
+    """uint8 clips of every caption by the teacher and each entry (its VAE), all from `caption_noise` of the cache's
+    latent `shape` [C, F, h, w] (`frames` decoded frames)."""
+    clips = {"teacher": [], **{e.label: [] for e in entries}}
     bar = progress_bar(total=len(captions), desc="attributes", unit="caption", dynamic_ncols=True)
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]
-        latents = caption_noise(teacher, settings.seed, s, len(caps), settings.height, settings.width)
+        latents = caption_noise(teacher, settings.seed, s, len(caps), settings.height, settings.width, shape[1])
         with torch.inference_mode():
             embeds, neg = teacher.encode_prompt(caps, negative_prompt=[settings.negative_prompt] * len(caps),
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
-            images["teacher"] += first_frames_u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
-                                                         latents=latents.clone(), **settings.teacher_call()).frames)
+            clips["teacher"] += _u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
+                                            **settings.teacher_call() | {"num_frames": frames}).frames)
             for e in entries:
-                frames = decode_latents(teacher.vae, e.draw(embeds, latents.clone(), neg)).numpy()
-                images[e.label] += first_frames_u8(frames)
+                clips[e.label] += _u8(decode_latents(teacher.vae, e.draw(embeds, latents.clone(), neg)).numpy())
         bar.update(len(caps))
     bar.close()
-    return images
+    return clips
+
+
+def _motion_scores(clips: dict[str, list], captions: list[str], entries: list[Entry]) -> dict:
+    """motion.py's scores of each one's clips; each entry's also `motion_kept` and `speed_ratio` against the
+    teacher's clips, caption by caption."""
+    reads = {name: motion.score(cs, captions) for name, cs in clips.items()}
+    res = {name: {k: v for k, v in r.items() if k != "clip_reads"} for name, r in reads.items()}
+    for e in entries:
+        t, r = reads["teacher"]["clip_reads"], reads[e.label]["clip_reads"]
+        res[e.label] |= {"motion_kept": motion.kept(t, r), "speed_ratio": motion.speed_ratio(t, r)}
+    return res
 
 
 def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) -> dict:
@@ -52,18 +72,22 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
         student_guidance=entries[0].guidance, negative_prompt=m.negative_prompt,
         height=int(m.height), width=int(m.width), max_sequence_length=int(m.max_sequence_length),
         seed=0, student_steps=entries[0].steps)
-    images = _draw_all(teacher, entries, captions, settings, su.device, cfg.batch_size)
-    res = {name: score(imgs, captions) for name, imgs in images.items()}
+    frames, video = int(m.frames), int(m.frames) > 1
+    clips = _draw_all(teacher, entries, captions, settings, su.device, cfg.batch_size, m.latent_shape, frames)
+    if video:
+        res, kept = _motion_scores(clips, captions, entries), KEPT_MOTION
+    else:
+        res, kept = {name: score([c[0] for c in cs], captions) for name, cs in clips.items()}, KEPT
     t = res["teacher"]
-    res["vs_teacher"] = {e.label: {k: round(res[e.label][k] / t[k], 4) if t[k] else None for k in KEPT + ("all",)}
+    res["vs_teacher"] = {e.label: {k: round(res[e.label][k] / t[k], 4) if t[k] else None for k in kept + ("all",)}
                          for e in entries}
     res["student"] = res[entries[0].label]
-    res["student_vs_teacher"] = {k: res["vs_teacher"][entries[0].label][k] for k in KEPT}
+    res["student_vs_teacher"] = {k: res["vs_teacher"][entries[0].label][k] for k in kept}
     keep = range(min(cfg.attribute_grid, len(captions)))
-    rows = [[Image.fromarray(images[name][i]) for name in images] for i in keep]
+    rows = [[Image.fromarray(np.concatenate(list(clips[name][i]), axis=1)) for name in clips] for i in keep]
     grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
     if rows:
         grid_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_png(draw_grid(captions[:len(rows)], rows, list(images)), grid_path)
+        _write_png(draw_grid(captions[:len(rows)], rows, list(clips)), grid_path)
     return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
-            "grid": str(grid_path) if rows else None}
+            "grid": str(grid_path) if rows else None, **({"frames": frames} if video else {})}

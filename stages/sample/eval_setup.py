@@ -44,7 +44,7 @@ class Setup:
     student: Student
     report_path: Path
     teacher_path: Path | None
-    captions: list[str] | None  # --attributes' shapes captions
+    captions: list[str] | None  # --attributes' captions (shapes; clips on a video cache)
     trajs: list[Trajectory]
     selection: dict
     in_training: bool | None  # whether the cache is the student's training cache (None: unknown)
@@ -160,7 +160,8 @@ def setup(cfg: EvalConfig) -> Setup:
         raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
     _check_against_cache(student, manifest, cache_dir)
     teacher_path = _teacher_path(cfg, manifest, cache_dir)
-    captions = attribute_captions(cfg.attributes, cfg.attribute_max_prompts) if cfg.attributes else None
+    captions = (attribute_captions(cfg.attributes, cfg.attribute_max_prompts, manifest.frames)
+                if cfg.attributes else None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
     in_training = (manifest.fingerprint in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []

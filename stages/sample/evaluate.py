@@ -91,8 +91,12 @@ def few_step_table(report: dict) -> list[dict]:
         if not attrs:
             return {}
         a = attrs[name]
-        out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
-               "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
+        if "motion_right" in a:  # a video eval: attributes per frame, then the motion checker's figures
+            out = {"attribute_accuracy": (a["background"] + a["shape_colour"]) / 2, "shape_colour": a["shape_colour"],
+                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "speed_ratio") if k in a}}
+        else:
+            out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
+                   "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
         if name != "teacher":
             out["kept_all_right"] = attrs["vs_teacher"][name]["all"]
         return out
@@ -118,12 +122,16 @@ def format_table(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    video = any("speed_ratio" in r for r in rows)  # the motion columns only for a video eval
     lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} {'attr acc':>8} {'all right':>9} {'kept':>6} "
-             f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
+             + (f"{'motion kept':>11} {'speed x':>7} " if video else "")
+             + f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
     for r in rows:
         lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
                      f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
-                     f"{f(r.get('kept_all_right'), '.0%'):>6} {f(r.get('denoise_s_per_image'), '.4f'):>9} "
+                     f"{f(r.get('kept_all_right'), '.0%'):>6} "
+                     + (f"{f(r.get('motion_kept'), '.0%'):>11} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
+                     + f"{f(r.get('denoise_s_per_image'), '.4f'):>9} "
                      f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
                      f"{f(r.get('speedup_pipeline'), '.1f'):>8}")
     return "\n".join(lines)
@@ -137,7 +145,15 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
              f"{finals['student_steps']} steps vs {timing['teacher_s_per_image']:.3f}s at {timing['steps']} steps "
              "per image)") if timing else ""
     kept = ""
-    if attrs:
+    if attrs and "motion_right" in attrs["teacher"]:
+        t, s = attrs["teacher"], attrs["student"]
+        share = ("n/a (the teacher drew no clip all right)" if s["motion_kept"] is None
+                 else f"{s['motion_kept']:.1%} of the teacher's all-right clips")
+        ratio = "n/a" if s["speed_ratio"] is None else f"{s['speed_ratio']:.2f}"
+        kept = (f"; motion on {attrs['captions']} clips of {attrs['frames']} frames: motion right teacher "
+                f"{t['motion_right']:.1%}, student {s['motion_right']:.1%}, kept {share}, speed ratio {ratio}; "
+                f"grid {attrs['grid']}")
+    elif attrs:
         t, s, share = attrs["teacher"], attrs["student"], attrs["student_vs_teacher"]["colour"]
         share = "n/a (teacher 0%)" if share is None else f"{share:.1%} of the teacher's"
         kept = (f"; attributes on {attrs['captions']} captions: colour accuracy teacher {t['colour']:.1%} (background "

@@ -80,3 +80,18 @@ def score(clips, captions) -> dict:
             "speed": sum(r["speed_right"] for r in worded) / max(len(worded), 1),
             "motion_right": sum(r["motion_right"] for r in reads) / n, "all": sum(r["all_right"] for r in reads) / n,
             "speed_px": {w: float(np.mean(v)) if v else None for w, v in speeds.items()}, "clip_reads": reads}
+
+
+def kept(teacher_reads: list[dict], reads: list[dict]) -> float | None:
+    """Share of the teacher's all-right clips (`check` reads, caption by caption) that `reads` draws all right too;
+    None when the teacher drew none all right."""
+    mine = [r["all_right"] for t, r in zip(teacher_reads, reads, strict=True) if t["all_right"]]
+    return sum(mine) / len(mine) if mine else None
+
+
+def speed_ratio(teacher_reads: list[dict], reads: list[dict]) -> float | None:
+    """Mean of speed / the teacher's speed over the clips both drew in the right direction (so both read >=
+    MIN_SPEED); None when there are none: "slow motion" as a number."""
+    both = [r["speed"] / t["speed"] for t, r in zip(teacher_reads, reads, strict=True)
+            if t["direction_right"] and r["direction_right"]]
+    return float(np.mean(both)) if both else None
