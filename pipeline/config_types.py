@@ -71,7 +71,11 @@ def read_object(path: str | os.PathLike, what: str, fix: str = "rewrite it or re
     if not p.is_file():
         raise UserError(f"{what} {p} does not exist; {fix}")
     try:
-        data = (tomllib.loads if fmt == "TOML" else json.loads)(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:  # a file this process may not read (permissions, I/O): named, not a traceback
+        raise UserError(f"{what} {p} cannot be read ({e.strerror or e}); {fix}") from e
+    try:
+        data = (tomllib.loads if fmt == "TOML" else json.loads)(text)
     except (ValueError, UnicodeDecodeError) as e:  # both decode errors are ValueErrors
         raise UserError(f"{what} {p} is not valid {fmt} ({e}); {fix}") from e
     if not isinstance(data, dict):
