@@ -34,6 +34,7 @@ MAX_SEQUENCE_LENGTH = 4096
 _SEQUENCE_LENGTH = int_in(1, MAX_SEQUENCE_LENGTH, f" (Wan's text encoder reads {DEFAULT_MAX_SEQUENCE_LENGTH} tokens)")
 DEFAULT_STEPS = 40
 DEFAULT_GUIDANCE = 4.0
+DEFAULT_FPS = 8  # sample's videos: a 9-frame clip plays in about a second
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
@@ -425,6 +426,8 @@ class SampleConfig(_Inference):
                                         default_text="distill.json's: a few-step student's K, else --steps")
     compare: tuple[str, ...] = _compare("Another train-student OUT drawn beside the student at its own steps "
                                         "(repeatable).")
+    fps: int | None = setting(None, help="Frames per second of a video run's animated WebPs (video students "
+                              "only).", check=at_least(1), default_text=str(DEFAULT_FPS))
 
 
 @dataclass(frozen=True, kw_only=True)

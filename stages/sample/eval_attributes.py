@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
-from PIL import Image
 
 from pipeline.config import EvalConfig
 from pipeline.progress_bar import progress_bar
@@ -17,16 +15,11 @@ from pipeline.sampling import decode_latents
 from . import motion
 from .attributes import caption_noise, score
 from .eval_setup import Entry, Setup
-from .sample import SamplingSettings, _write_png, draw_grid
+from .sample import SamplingSettings, draw_grid, frame_strip, to_clips, write_image
 
 # Scores whose student / teacher ratio the report gives ("colour": background and every shape colour right).
 KEPT = ("background", "shape_colour", "position", "colour")
 KEPT_MOTION = ("background", "shape_colour", "attributes", "motion_right")  # a video eval's (per frame, then per clip)
-
-
-def _u8(frames) -> list[np.ndarray]:
-    """'np' frames [B, F, H, W, 3] in [0, 1] -> B uint8 clips [F, H, W, 3]."""
-    return list((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
 
 
 def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: SamplingSettings, device,
@@ -42,10 +35,11 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
             embeds, neg = teacher.encode_prompt(caps, negative_prompt=[settings.negative_prompt] * len(caps),
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
-            clips["teacher"] += _u8(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
-                                            **settings.teacher_call() | {"num_frames": frames}).frames)
+            clips["teacher"] += to_clips(teacher(prompt_embeds=embeds, negative_prompt_embeds=neg,
+                                                 latents=latents.clone(),
+                                                 **settings.teacher_call() | {"num_frames": frames}).frames)
             for e in entries:
-                clips[e.label] += _u8(decode_latents(teacher.vae, e.draw(embeds, latents.clone(), neg)).numpy())
+                clips[e.label] += to_clips(decode_latents(teacher.vae, e.draw(embeds, latents.clone(), neg)).numpy())
         bar.update(len(caps))
     bar.close()
     return clips
@@ -84,10 +78,10 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
     res["student"] = res[entries[0].label]
     res["student_vs_teacher"] = {k: res["vs_teacher"][entries[0].label][k] for k in kept}
     keep = range(min(cfg.attribute_grid, len(captions)))
-    rows = [[Image.fromarray(np.concatenate(list(clips[name][i]), axis=1)) for name in clips] for i in keep]
+    rows = [[frame_strip(clips[name][i]) for name in clips] for i in keep]
     grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
     if rows:
         grid_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_png(draw_grid(captions[:len(rows)], rows, list(clips)), grid_path)
+        write_image(draw_grid(captions[:len(rows)], rows, list(clips)), grid_path)
     return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
             "grid": str(grid_path) if rows else None, **({"frames": frames} if video else {})}

@@ -1,7 +1,9 @@
 """`wandistiller sample`: teacher and student images side by side in one grid (a row per prompt, its text on the
 left, a labelled column per model), every column from the same prompt embeddings and initial latents, so that the
 columns differ only by the denoiser and its schedule: the teacher runs as diffusers' WanPipeline, each student
-through the one sampler (pipeline/sampling.py), decoded by the teacher's VAE."""
+through the one sampler (pipeline/sampling.py), decoded by the teacher's VAE. A video run (distill.json's frames
+> 1) draws whole clips at its frame count: the grid's cells are frame strips, and each clip is also an animated
+WebP in a folder beside the grid."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
 from pipeline.config import (
-    DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH, SampleConfig,
+    DEFAULT_FPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH,
+    SampleConfig,
 )
 from pipeline.errors import UserError
 from pipeline.progress_bar import progress_bar
@@ -105,15 +108,36 @@ def initial_latents(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
 
 
-def to_image(frames: np.ndarray) -> Image.Image:
-    """First frame of a WanPipeline 'np' output [B, F, H, W, 3] in [0, 1] as an RGB image."""
-    return Image.fromarray((np.clip(frames[0][0], 0.0, 1.0) * 255).round().astype(np.uint8))
+def to_clips(frames) -> list[np.ndarray]:
+    """A WanPipeline 'np' output [B, F, H, W, 3] in [0, 1] -> B uint8 clips [F, H, W, 3]."""
+    return list((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
 
 
-def _write_png(img: Image.Image, out: Path) -> None:
+def frame_strip(clip: np.ndarray) -> Image.Image:
+    """A uint8 clip [F, H, W, 3] as one RGB image, its frames side by side (one frame: that frame)."""
+    return Image.fromarray(np.concatenate(list(clip), axis=1))
+
+
+def write_image(img: Image.Image, out: Path, format: str = "PNG", **save) -> None:
+    """`img.save(out, format, **save)` through a temporary file renamed into place: no half-written file at `out`."""
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    img.save(tmp, format="PNG")
+    img.save(tmp, format=format, **save)
     os.replace(tmp, out)
+
+
+def write_videos(folder: Path, names: list[str], clips: list[list[np.ndarray]], fps: int) -> dict[str, list]:
+    """Each clip of `clips` (a row per prompt, a clip per name) as a lossless animated WebP `folder/PP-NAME.webp`:
+    Pillow writes it with no other dependency (diffusers' export_to_video needs imageio + ffmpeg or OpenCV)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, list[str]] = {n: [] for n in names}
+    for i, row in enumerate(clips):
+        for name, clip in zip(names, row):
+            first, *rest = [Image.fromarray(f) for f in clip]
+            path = folder / f"{i:02d}-{name}.webp"
+            write_image(first, path, "WEBP", save_all=True, append_images=rest, duration=round(1000 / fps), loop=0,
+                        lossless=True)
+            paths[name].append(str(path))
+    return paths
 
 
 def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: str, settings: SamplingSettings,
@@ -125,6 +149,9 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
         one, own, name = student, settings, "student"
         if path is not None:
             one = find_student(path, cfg.weights)
+            if (n := one.setting("frames", 1)) != (want := student.setting("frames", 1)):
+                raise UserError(f"--compare {path} was trained on a {n}-frame cache, the student on a {want}-frame "
+                                "one: a grid compares students of one frame count; sample them in separate grids")
             own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
                                       student_guidance=1.0 if one.guided else settings.guidance)
             name = Path(path).name if Path(path).name not in drawers else f"{Path(path).name}-{len(drawers)}"
@@ -138,12 +165,14 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
     return drawers, described
 
 
-def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingSettings,
-                 device: torch.device) -> tuple[list[list[Image.Image]], dict[str, float]]:
-    """Rows of images (the teacher's, then each student's, from the same latents and embeddings), seconds a column."""
+def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingSettings, device: torch.device,
+                 frames: int) -> tuple[list[list[np.ndarray]], dict[str, float]]:
+    """Rows of uint8 clips of `frames` frames (the teacher's, then each student's, from the same latents and
+    embeddings), seconds a column."""
     tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
-    shape = (1, tcfg.in_channels, 1, settings.height // vs, settings.width // vs)
-    rows: list[list[Image.Image]] = []
+    latent_frames = (frames - 1) // teacher.vae_scale_factor_temporal + 1  # WanPipeline's own count
+    shape = (1, tcfg.in_channels, latent_frames, settings.height // vs, settings.width // vs)
+    rows: list[list[np.ndarray]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(progress_bar(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
         latents = initial_latents(settings.seed + i, shape)
@@ -152,13 +181,13 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
         t = time.perf_counter()
-        t_img = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
-                        **settings.teacher_call()).frames
+        t_clip = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
+                         **settings.teacher_call() | {"num_frames": frames}).frames
         seconds["teacher"] += time.perf_counter() - t
-        row = [to_image(t_img)]
+        row = to_clips(t_clip)
         for name, (draw, _) in drawers.items():
             t = time.perf_counter()
-            row.append(to_image(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy()))
+            row += to_clips(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy())
             seconds[name] += time.perf_counter() - t
         rows.append(row)
     return rows, seconds
@@ -173,28 +202,40 @@ def run(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     student = find_student(cfg.student, cfg.weights)
+    frames = int(student.setting("frames", 1))  # the cache's, as distill.json copied it: > 1 for a video run
+    if cfg.fps is not None and frames == 1:
+        raise UserError(f"--fps applies only to video students; {cfg.student} was trained on a one-frame (image) "
+                        "cache and draws images: drop --fps")
     teacher_name, teacher_path = student_teacher(cfg, student)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     teacher = load_teacher(teacher_path, dtype, device)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
-    rows, seconds = _sample_rows(prompts, teacher, drawers, settings, device)
+    rows, seconds = _sample_rows(prompts, teacher, drawers, settings, device, frames)
 
-    # save: the grid, and next to it how it was made.
-    grid = draw_grid(prompts, rows, columns)
+    # save: the grid (clips as frame strips), a video run's clips beside it, and next to it how it was made.
+    grid = draw_grid(prompts, [[frame_strip(c) for c in row] for row in rows], columns)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_png(grid, out)
+    write_image(grid, out)
+    config, video, fps = dataclasses.asdict(cfg), {}, cfg.fps or DEFAULT_FPS
+    if frames > 1:
+        folder = out.with_name(f"{out.stem}-videos")
+        video = {"frames": frames, "fps": fps, "videos": write_videos(folder, ["teacher", *drawers], rows, fps)}
+    else:
+        del config["fps"]  # an image run's summary as before video settings existed
     summary = {"grid": str(out), "rows": len(prompts), "size": list(grid.size), "prompts": prompts,
                "teacher": teacher_name, "student": student.describe(), "settings": dataclasses.asdict(settings),
                "columns": columns, "students": described,
                "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "seconds": {k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(time.time() - t0, 2),
-               "config": dataclasses.asdict(cfg)}
+               **video, "config": config}
     out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=2) + "\n")
     tqdm.write(f"grid of {len(prompts)} prompt(s) x {columns} written to {out} ({grid.size[0]}x{grid.size[1]}); "
                f"teacher {seconds['teacher']:.1f}s at {settings.steps} steps, "
-               + ", ".join(f"{n} {seconds[n]:.1f}s at {k} steps" for n, (_, k) in drawers.items()))
+               + ", ".join(f"{n} {seconds[n]:.1f}s at {k} steps" for n, (_, k) in drawers.items())
+               + (f"; {len(rows) * len(columns)} clip(s) of {frames} frames (animated WebP, {fps} fps) written to "
+                  f"{folder}" if video else ""))
     return summary
 
 
