@@ -110,16 +110,17 @@ def _stage_command(name: str, cls, errors: str):
 
 @main.command("tiny-teacher")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to write the pipeline to.")
-@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained"]), default="wan2.2",
-              show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one transformer; ti2v: "
-              "expand_timesteps (all three random); pretrained: a Wan 2.2 teacher trained to draw shapes captions "
-              "(data/tiny-teacher-pretrained).")
+@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained", "video-pretrained"]),
+              default="wan2.2", show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one "
+              "transformer; ti2v: expand_timesteps (all three random); pretrained: a Wan 2.2 teacher trained to draw "
+              "shapes captions (data/tiny-teacher-pretrained); video-pretrained: one trained to draw 9-frame 64x64 "
+              "clips of a shape moving (data/tiny-video-teacher-pretrained; teacher-cache --frames 9).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Weights seed of the random variants (same seed, same bytes).")
 @user_errors("tiny-teacher")
 def tiny_teacher_cmd(out, variant, seed):
     """Write the embedded tiny Wan teacher (diffusers format, no download): random weights, or the trained
-    shapes teacher.
+    shapes (image) or moving-shapes (video) teacher.
 
     Example: wandistiller tiny-teacher --out runs/tiny-teacher --variant wan2.2"""
     _start(cpu_only=True)  # builds the weights on the CPU
@@ -149,7 +150,8 @@ def teacher_cache_cmd(config_file, **flags):
 
 @_stage_command("sample", SampleConfig, "sample")
 def sample_cmd(config_file, **flags):
-    """Teacher and student images from the same noise, side by side: one PNG row per prompt.
+    """Teacher and student images from the same noise, side by side: one PNG row per prompt (a video student's
+    clips as frame strips, and each clip an animated WebP beside the grid).
 
     \b
     Example:

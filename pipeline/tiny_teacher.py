@@ -13,10 +13,14 @@ import torch
 from .errors import UserError
 
 VARIANTS = ("wan2.2", "wan2.1", "ti2v")
-# A tiny Wan 2.2 teacher trained to draw the shapes of pipeline/shapes.py (scripts/train_tiny_teacher.py); its
-# weights are committed, not built: `write_tiny_teacher(out, PRETRAINED)` copies them.
-PRETRAINED = "pretrained"
+# Tiny Wan 2.2 teachers whose weights are trained and committed, not built: `write_tiny_teacher(out, variant)` copies
+# them. PRETRAINED draws the shapes of pipeline/shapes.py (scripts/train_tiny_teacher.py, docs/tiny-teacher.md);
+# VIDEO_PRETRAINED 9-frame clips of a shape moving (pipeline/clips.py; scripts/train_tiny_video_teacher.py,
+# docs/tiny-video-teacher.md). RETRAIN: how each one is made again.
+PRETRAINED, VIDEO_PRETRAINED = "pretrained", "video-pretrained"
 PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny-teacher-pretrained"
+VIDEO_PRETRAINED_DIR = PRETRAINED_DIR.with_name("tiny-video-teacher-pretrained")
+RETRAIN = {PRETRAINED: "make tiny-teacher-train", VIDEO_PRETRAINED: "python scripts/train_tiny_video_teacher.py"}
 
 # Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
 _WORDS = """
@@ -137,13 +141,15 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
 
 
 def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:
-    """Write the tiny pipeline to `out` in diffusers format and return the folder (`pretrained`: a copy of data/'s)."""
+    """Write the tiny pipeline to `out` in diffusers format and return the folder (a RETRAIN variant: a copy of
+    data/'s)."""
     out = Path(out)
-    if variant == PRETRAINED:
-        if not (PRETRAINED_DIR / "model_index.json").is_file():
-            raise UserError(f"the pretrained tiny teacher is missing from {PRETRAINED_DIR}; restore it with "
-                            "`git checkout -- data/` or retrain it with `make tiny-teacher-train`")
-        shutil.copytree(PRETRAINED_DIR, out, dirs_exist_ok=True)  # creates `out` and its parents
+    if variant in RETRAIN:
+        committed = {PRETRAINED: PRETRAINED_DIR, VIDEO_PRETRAINED: VIDEO_PRETRAINED_DIR}[variant]
+        if not (committed / "model_index.json").is_file():
+            raise UserError(f"the {variant} tiny teacher is missing from {committed}; restore it with "
+                            f"`git checkout -- data/` or retrain it with `{RETRAIN[variant]}`")
+        shutil.copytree(committed, out, dirs_exist_ok=True)  # creates `out` and its parents
         return out
     pipe = build_tiny_pipeline(variant, seed)
     out.mkdir(parents=True, exist_ok=True)
