@@ -149,7 +149,8 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
         one, own, name = student, settings, "student"
         if path is not None:
             one = find_student(path, cfg.weights)
-            if (n := one.setting("frames", 1)) != (want := student.setting("frames", 1)):
+            want = student.setting("frames", 1)
+            if (n := one.setting("frames", want)) != want:  # a bare folder (no distill.json) draws the student's
                 raise UserError(f"--compare {path} was trained on a {n}-frame cache, the student on a {want}-frame "
                                 "one: a grid compares students of one frame count; sample them in separate grids")
             own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
