@@ -214,6 +214,11 @@ class CacheHeader(Record):
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
     NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path")
 
+    def clip(self) -> dict:
+        """A video cache's clip length, decoded and in latent frames (`cache info`, `train-student --dry-run`); {} for
+        an image cache, whose reports stay as they were."""
+        return {"frames": self.frames, "latent_frames": self.latent_shape[1]} if self.frames > 1 else {}
+
     def settings(self) -> dict:
         """The header's JSON (a manifest's settings): what the fingerprint is taken over."""
         return self._json(f.name for f in fields(CacheHeader))

@@ -111,9 +111,10 @@ def summarize_unfinished(cache_dir: str | os.PathLike) -> dict | None:
     if (cache_dir / MANIFEST).exists() or not (cache_dir / PARTS_DIR).is_dir():
         return None
     num_parts, statuses = parts_status(cache_dir)
+    clip = next((r.header.clip() for n in list_parts(cache_dir) if (r := PartProgress.load(cache_dir, n))), {})
     return {"cache": str(cache_dir), "finished": False, "num_parts": num_parts,
             "parts_finished": sum(s.state == FINISHED for s in statuses),
-            "samples": sum(s.samples for s in statuses), "bytes": sum(s.bytes for s in statuses),
+            "samples": sum(s.samples for s in statuses), **clip, "bytes": sum(s.bytes for s in statuses),
             "parts": [asdict(s) | {"eta_s": eta_s(cache_dir, s)} for s in statuses],
             "to_finish": to_finish(num_parts, statuses)}
 
@@ -144,12 +145,18 @@ def eta_s(cache_dir: str | os.PathLike, status: PartStatus) -> float | None:
 def lines(info: dict) -> list[str]:
     """`summarize_unfinished`'s dict in words: a head line, a line per part, then how to finish it."""
     out = [f"{info['cache']}: unfinished, {info['parts_finished']} of {info['num_parts']} part(s) finished, "
-           f"{info['samples']} samples ({human(info['bytes'])}) so far"]
+           f"{info['samples']} samples{frames_words(info)} ({human(info['bytes'])}) so far"]
     for part in info["parts"]:
         status = PartStatus(**{k: v for k, v in part.items() if k != "eta_s"})
         out.append(f"  {describe(status, sizes=True, eta=part['eta_s'])}")
     out.append(f"to finish: {info['to_finish']}")
     return out
+
+
+def frames_words(info: dict, lead: str = " of ") -> str:
+    """`lead` and a video run's clip length as `plan`, `cache info` and `train-student --dry-run` say it, `9 frames (3
+    latent)`, from a report holding its frames and latent_frames (`CacheHeader.clip`); '' for an image run."""
+    return f"{lead}{info['frames']} frames ({info['latent_frames']} latent)" if info.get("latent_frames") else ""
 
 
 def _duration(seconds: float) -> str:

@@ -116,6 +116,15 @@ def tiny_cache(tiny_teacher, prompts_file, tmp_path_factory) -> Path:
     return make_cache(tiny_teacher, prompts_file, tmp_path_factory.mktemp("cache") / "cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_video_cache(tiny_teacher, tmp_path_factory) -> Path:
+    """A finished video cache of the tiny teacher: 5 frames (2 latent frames through its VAE's 4x temporal factor),
+    2 prompts x 1 seed x 4 steps = 8 samples."""
+    prompts = tmp_path_factory.mktemp("video-prompts") / "two.txt"
+    prompts.write_text("\n".join(TEST_PROMPTS[:2]) + "\n")
+    return make_cache(tiny_teacher, prompts, tmp_path_factory.mktemp("video-cache") / "cache", frames=5)
+
+
 def sample_header(**overrides):
     """A stage-one header of tiny settings, for tests that write cache records without running stage one."""
     from cache.records import CacheHeader

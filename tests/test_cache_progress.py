@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from cache.part_progress import PartProgress
-from conftest import make_cache
+from conftest import TEST_PROMPTS, make_cache
 from pipeline import faults, lock
 from pipeline.cache_status import eta_s, parts_status
 from pipeline.cli import main
@@ -59,6 +59,18 @@ def test_cache_info_shows_every_part_of_a_half_done_cache(half_done):
     assert info["finished"] is False and info["num_parts"] == 2 and info["parts_finished"] == 1
     assert [(p["part"], p["state"], p["prompts_done"], p["prompts"], p["shards"]) for p in info["parts"]] == [
         (0, "finished", 4, 4, 2), (1, "stopped", 2, 3, 1)]
+
+
+def test_an_unfinished_video_cache_counts_its_frames(tiny_teacher, tmp_path):
+    """Part 0 of 2 of a 5-frame cache written: the head line says its samples' frames, decoded and latent."""
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("\n".join(TEST_PROMPTS[:2]) + "\n")
+    out = make_cache(tiny_teacher, prompts, tmp_path / "cache", frames=5, part=0, num_parts=2)
+    r = invoke(["cache", "info", out])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"{out}: unfinished, 1 of 2 part(s) finished, 4 samples of 5 frames (2 latent) (")
+    info = json.loads(invoke(["cache", "info", out, "--json"]).output)
+    assert info["frames"] == 5 and info["latent_frames"] == 2
 
 
 def test_readers_name_the_unfinished_part_and_the_command(half_done, tmp_path):

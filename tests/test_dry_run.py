@@ -30,3 +30,10 @@ def test_train_student_dry_run_measures_and_writes_nothing(tiny_cache, tmp_path)
     assert re.search(r"a step of 4 samples in [\d.]+ s after a warm-up step on cpu: [\d.]+ samples/s", r.output)
     assert "28 training samples, 7 steps an epoch, 14 steps:" in r.output
     assert not out.exists()
+
+
+def test_a_dry_run_on_a_video_cache_counts_its_frames(tiny_video_cache, tmp_path):
+    r = invoke("train-student", "--cache", tiny_video_cache, "--student-config", TINY_STUDENT, "--out",
+               tmp_path / "never", "--batch-size", "4", "--num-workers", "0", "--device", "cpu", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "run         8 training samples of 5 frames (2 latent), 2 steps an epoch" in r.output

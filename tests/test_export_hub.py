@@ -110,6 +110,37 @@ def test_a_local_teacher_without_a_card_leaves_license_and_base_model_out(run_di
     assert front_matter((tmp_path / "p2" / "README.md").read_text())["base_model"] == TEACHER_ID
 
 
+def test_a_video_students_export_is_text_to_video_and_its_card_draws_a_clip(tiny_video_cache, cached_teacher,
+                                                                             tmp_path):
+    """A student trained on a 5-frame cache: its card says text-to-video (metadata and tags), num_frames in its table,
+    its call and model_index.json's hints; the card's own call, run on the export, draws a 5-frame clip that
+    diffusers' export_to_video takes. (An image student's card and files: test_byte_identity.)"""
+    from diffusers import DiffusionPipeline
+
+    run, out = tmp_path / "run", tmp_path / "pipe"
+    r = invoke(["train-student", "--cache", tiny_video_cache, "--student-config", ROOT / "configs/student-tiny.json",
+                "--out", run, "--max-steps", 1, "--batch-size", 4, "--warmup-steps", 0, "--device", "cpu",
+                "--report-to", "none", "--objective", "segment", "--student-steps", 2])
+    assert r.exit_code == 0, r.output
+    r = invoke(["export", "--student", run, "--teacher", cached_teacher, "--out", out])
+    assert r.exit_code == 0 and "num_frames=5" in r.output, r.output
+    card = (out / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["pipeline_tag"] == "text-to-video" and meta["base_model"] == TEACHER_ID
+    assert meta["tags"] == ["wandistiller", "distillation", "wan", "text-to-video", "few-step"]
+    assert "| num_frames | 5 |" in card and "on clips of 5 frames" in card and "num_frames=1" not in card
+    assert json.loads((out / "model_index.json").read_text())["_wandistiller"]["num_frames"] == 5
+    code = card.split("```python\n")[1].split("```")[0]
+    assert 'export_to_video(frames, "student.mp4", fps=16)' in code
+    call = code[code.index("frames = pipe("):code.index("\nexport_to_video")]
+    pipe = DiffusionPipeline.from_pretrained(out)  # (the card's own loading, on the CPU in float32)
+    pipe.set_progress_bar_config(disable=True)
+    scope = {"pipe": pipe}
+    exec(code.split("\n\n")[0].replace("import torch\n", "") + "\n" + call, scope)  # its imports, its call
+    assert callable(scope["export_to_video"]) and len(scope["frames"]) == 5
+    assert {f.size for f in scope["frames"]} == {(64, 64)}
+
+
 class _Hub(BaseHTTPRequestHandler):
     """The Hub API as huggingface_hub's create_repo and upload_folder use it: create a repo, validate a model card's
     metadata, ask how each file is to be uploaded (here: inline, "regular"), commit (NDJSON, base64 contents)."""

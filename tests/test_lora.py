@@ -443,6 +443,39 @@ def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teac
 
 
 @pytest.mark.slow
+def test_a_lora_of_a_video_cache_exports_a_text_to_video_card_with_its_schedule(tiny_teacher, tiny_video_cache,
+                                                                                tmp_path):
+    """A LoRA trained on a 5-frame cache with a chosen schedule (--student-shift): its card in either key format, and
+    merged, says text-to-video, num_frames (table, call, ComfyUI's length), draws a clip through export_to_video
+    and passes the chosen sigmas as the full export's card does, naming the file that records them."""
+    import yaml
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    run = tmp_path / "run"
+    lora_train(tiny_video_cache, tiny_teacher, run, max_steps=1, student_shift=3.0)
+    for args in (("--lora-format", "wan"), ("--fuse",)):
+        out = tmp_path / args[0].strip("-")
+        r = CliRunner().invoke(main, ["export", "--student", str(run), "--out", str(out), *args],
+                               catch_exceptions=False)
+        assert r.exit_code == 0 and "num_frames=5" in r.output, r.output
+        card = (out / "README.md").read_text()
+        meta = yaml.safe_load(card.split("---\n")[1])
+        assert meta["pipeline_tag"] == "text-to-video" and "text-to-video" in meta["tags"]
+        assert "text-to-image" not in meta["tags"]
+        marked = out / ("model_index.json" if args == ("--fuse",) else "lora.json")
+        points = json.loads(marked.read_text())["_wandistiller"]
+        assert points["num_frames"] == 5 and len(points["sigmas"]) == 2
+        for needle in ("| num_frames | 5 (the clip length it was trained on) |",
+                       "from diffusers.utils import export_to_video", 'num_frames=5, guidance_scale=1.0',
+                       '.frames[0]\nexport_to_video(frames, "student.mp4", fps=16)',
+                       f"sigmas=numpy.array({points['sigmas']}))` ({marked.name}'s `_wandistiller.sigmas`)"):
+            assert needle in card, needle
+        assert ("length 5 (frames)" in card) == (args[0] == "--lora-format")  # the ComfyUI note: wan keys only
+
+
+@pytest.mark.slow
 def test_eval_takes_a_lora_run_whose_untrained_twin_is_the_teacher(lora_run, tiny_cache, tmp_path):
     from click.testing import CliRunner
 

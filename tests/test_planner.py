@@ -154,6 +154,23 @@ def test_plan_cli_text_on_tiny_teacher(tiny_teacher):
     assert "checkpoint on disk" in res.output  # safetensors headers read when weights are there
 
 
+def test_plan_counts_a_video_runs_frames(tiny_teacher):
+    """--frames 9: the run line gives the decoded and the latent frames (the tiny VAE's 4x in time), the JSON its
+    latent_frames; an image run's line and JSON as they were."""
+    def plan(*extra):
+        res = CliRunner().invoke(main, ["plan", "--teacher", str(tiny_teacher), "--assume-gpus", "none",
+                                        "--batch-size", "2", "--height", "64", "--width", "64", *extra],
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    assert "run         dtype float32, batch 2 x 64x64, 9 frames (3 latent), 48 tokens per sample, CFG doubles" \
+        in plan("--frames", "9")
+    assert json.loads(plan("--frames", "9", "--json"))["latent_frames"] == 3
+    assert "batch 2 x 64x64x1 (16 tokens per sample, CFG doubles the forward batch)" in plan()
+    assert "latent_frames" not in json.loads(plan("--json"))
+
+
 def test_sizes_and_gpus_parse():
     assert placement_choice.parse_size("24GiB") == 24 * GiB and placement_choice.parse_size("80GB") == 80 * 10**9
     assert placement_choice.parse_size("2TiB") == 2 * 2**40 and placement_choice.parse_size("1.5GiB") == int(1.5 * GiB)

@@ -183,6 +183,16 @@ def test_cache_info_json(tiny_cache):
     assert info["samples"] == 7 * 4 and info["latent_shape"] == [16, 1, 8, 8] and info["steps"] == 4
 
 
+def test_cache_info_counts_a_video_caches_frames(tiny_video_cache, tiny_cache):
+    """A 5-frame cache: its decoded and latent frames beside its latent shape (an image cache's summary as it was)."""
+    r = invoke(["cache", "info", tiny_video_cache])
+    assert r.exit_code == 0, r.output
+    assert "      latent_shape: [16, 2, 8, 8]\n            frames: 5\n     latent_frames: 2\n" in r.output
+    info = json.loads(invoke(["cache", "info", tiny_video_cache, "--json"]).output)
+    assert info["frames"] == 5 and info["latent_frames"] == 2 and info["samples"] == 2 * 4
+    assert not {"frames", "latent_frames"} & set(json.loads(invoke(["cache", "info", tiny_cache, "--json"]).output))
+
+
 def test_cache_info_on_missing_cache(tmp_path):
     assert_one_line_error(invoke(["cache", "info", tmp_path / "none"]), "does not exist")
 

@@ -42,10 +42,32 @@ def _sampling_hints(student: Student, tpath: Path) -> dict:
             hints[hint] = student.setting(key)
     if student.distill is not None and (points := chosen_points(student.distill)) is not None:
         hints["sigmas"] = [float(v) for v in points]  # its scheduler's `sigmas=`: the boundaries it chose
+    if student.setting("frames", 1) > 1:  # a video student: its clip length (an image one's hints as before)
+        hints["num_frames"] = student.setting("frames")
     shape = hints.get("latent_shape")
     if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
         hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
     return hints
+
+
+def sigmas_sentence(hints: dict, where: str, whose: str = "Its") -> str:
+    """How a card's reader passes a chosen schedule (train-student --student-timesteps, --student-shift, ...): the
+    boundaries `hints` holds, which `where` (the file holding MARK) records too."""
+    return (f"{whose} boundaries are its own choice, which the scheduler's config cannot hold: before calling, "
+            "`pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+            f"sigmas=numpy.array({hints['sigmas']}))` ({where}'s `{MARK}.sigmas`).")
+
+
+def draw(hints: dict, args: str, wrap: bool = False) -> tuple[str, str]:
+    """(an import, the call) of a card's python snippet, `args` after the prompt and num_frames (`wrap`: the output
+    type on a line of its own): a video student's frames written as an mp4 through diffusers' export_to_video."""
+    frames = hints.get("num_frames", 1)
+    lhs = "image" if frames == 1 else "frames"
+    sep = "\n" + " " * len(f"{lhs} = pipe(") if wrap else " "
+    call = f'{lhs} = pipe("a lighthouse at night", num_frames={frames}, {args},{sep}output_type="pil").frames[0]'
+    if frames == 1:
+        return "", call + "[0]"
+    return "from diffusers.utils import export_to_video\n", f'{call}\nexport_to_video(frames, "student.mp4", fps=16)'
 
 
 def _readme(name: str, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
@@ -64,10 +86,8 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
                  f"schedule, the teacher's flow-matching sigmas walked with {steps} first-order (Euler) steps, which "
                  f"lands on the points it was trained to jump between when called with num_inference_steps={steps}. "
                  "Other step counts run, but off the trained schedule.")
-        if "sigmas" in hints:  # a chosen schedule (train-student --student-timesteps, --student-shift, ...)
-            sched += (" Its boundaries are its own choice, which the scheduler's config cannot hold: before calling, "
-                      "`pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
-                      f"sigmas=numpy.array({hints['sigmas']}))` (model_index.json's `{MARK}.sigmas`).")
+        if "sigmas" in hints:
+            sched += " " + sigmas_sentence(hints, "model_index.json")
     else:
         sched = (f"It samples with the teacher's scheduler and step count ({steps} steps); fewer steps run, at a loss "
                  "of fidelity (`wandistiller eval --student-steps` measures it).") if steps else ""
@@ -76,14 +96,17 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
             "and WanPipeline's default (512) pads them further with zeros the student never saw, which can ruin "
             "its images (the tiny shapes teacher draws 8 of 24 shape colours right at 512 instead of 23 of 24)."
             if msl else "")
-    size = (f"It was trained at {hints['height']}x{hints['width']}; other sizes are untested."
+    clip = f" on clips of {hints['num_frames']} frames" if "num_frames" in hints else ""
+    size = (f"It was trained at {hints['height']}x{hints['width']}{clip}; other sizes are untested."
             if "height" in hints else "")
     call = ", ".join(f"{k}={hints[k]!r}" for k in ("num_inference_steps", "height", "width", "max_sequence_length")
                      if k in hints)
     table = "\n".join(f"| {k} | {v} |" for k, v in (
         ("num_inference_steps", steps), ("guidance_scale", g), ("height x width",
                                                                  f"{hints.get('height')} x {hints.get('width')}"),
-        ("max_sequence_length", msl), ("num_frames", 1)))
+        ("max_sequence_length", msl), ("num_frames", hints.get("num_frames", 1))))
+    video, call = draw(hints, f"{g_text}, {call}", wrap=True)
+    passed = f"num_inference_steps, guidance_scale{', num_frames' * bool(video)} and max_sequence_length"
     return f"""# WanDistiller student pipeline
 
 A {student.config.get("num_layers", "?")}-block student ({student.weights} weights) distilled with WanDistiller from teacher
@@ -102,13 +125,12 @@ A {student.config.get("num_layers", "?")}-block student ({student.weights} weigh
 ```python
 import torch
 from diffusers import DiffusionPipeline
-
+{video}
 pipe = DiffusionPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")
-image = pipe("a lighthouse at night", num_frames=1, {g_text}, {call},
-             output_type="pil").frames[0][0]
+{call}
 ```
 
-diffusers takes num_inference_steps, guidance_scale and max_sequence_length from the call, not from the folder,
+diffusers takes {passed} from the call, not from the folder,
 so pass them as above. The same settings are in `model_index.json` under `{MARK}`.
 """
 
@@ -204,14 +226,16 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
     """A compact student's export: the pipeline folder at `out`; returns the summary."""
     own_scheduler = student.distill is not None and own_sampler(student.distill) is not None
     base_model, teacher = hub_card.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
-    card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler)
+    card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler,
+                                  video="num_frames" in hints)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     with building(out) as tmp:
         tmp.mkdir(parents=True)
         _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
     tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
                f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
-               + "".join(f", {k}={hints[k]}" for k in ("num_inference_steps", "max_sequence_length") if k in hints))
+               + "".join(f", {k}={hints[k]}" for k in ("num_inference_steps", "max_sequence_length", "num_frames")
+                         if k in hints))
     return {"out": str(out), **index[MARK]}
 
 

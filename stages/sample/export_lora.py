@@ -24,7 +24,7 @@ from pipeline.hub import is_hub_id
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
-from .export import MARK, building
+from .export import MARK, building, draw, sigmas_sentence
 from .models import Student, read_distill, teacher_dir, teacher_transformer_config
 
 
@@ -74,6 +74,12 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool, wan
     experts = ", ".join(f"`{f}` ({c})" for c, f in lora.files.items())
     roles = dict(zip(lora_experts.COMPONENTS, ("high-noise", "low-noise"))) if len(lora.experts) > 1 else {}
     comfy = ", ".join(f"`{f}` on the {roles.get(c, 'teacher')} model" for c, f in lora.files.items())
+    video, draw_call = draw(hints, f"guidance_scale=1.0, {call}")
+    frames = hints.get("num_frames")
+    length = f", length {frames} (frames)" if frames else ""
+    rows = f"\n| num_frames | {frames} (the clip length it was trained on) |" if frames else ""
+    if "sigmas" in hints:  # a chosen schedule, said as the full export's card says it
+        rows += "\n\n" + sigmas_sentence(hints, "model_index.json" if fused else LORA_JSON, "The LoRA's")
     if fused:
         load = (f'pipe = WanPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")  '
                 "# adapters merged, scheduler included")
@@ -96,19 +102,19 @@ alpha {lora.alpha:g}, on {', '.join(lora.targets)} of every block. Adapters: {ex
 | num_inference_steps | {steps} (the schedule in `scheduler/`: other counts run, off the trained schedule) |
 | guidance_scale | 1.0 (the teacher's CFG at {hints.get('teacher_guidance_scale')} is inside the adapters) |
 | max_sequence_length | {msl} (the text length it was trained on) |
-| height x width | {hints.get('height')} x {hints.get('width')} |
+| height x width | {hints.get('height')} x {hints.get('width')} |{rows}
 
 ```python
 import torch
 from diffusers import UniPCMultistepScheduler, WanPipeline
-
+{video}
 {load}
-image = pipe("a lighthouse at night", num_frames=1, guidance_scale=1.0, {call}, output_type="pil").frames[0][0]
+{draw_call}
 ```
 """ + (f"""
 The files hold the original Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.lora_up`,
 `.alpha`), which `load_lora_weights` above converts on load. ComfyUI: copy them to `models/loras` and apply each with
-a LoraLoaderModelOnly node on its expert's model ({comfy}); {steps} steps at CFG 1 (the schedule: `scheduler/`).
+a LoraLoaderModelOnly node on its expert's model ({comfy}); {steps} steps at CFG 1 (the schedule: `scheduler/`){length}.
 """ if wan else "")
 
 
@@ -135,7 +141,8 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
                         "adapter files; drop one of them")
     base_model, base = hub_card.public_teacher(student.lora.teacher, student.teacher_path, cfg.base_model)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
-                             own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",))
+                             own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",),
+                             video="num_frames" in hints)
             + readme(student, hints, cfg.push_to_hub or out.name, base, cfg.fuse, cfg.lora_format == "wan"))
     lora = replace(student.lora, teacher=base).to_json()
     mark = {**hints, "student_run": student.root.name, "weights": student.weights, "lora": lora,
@@ -162,5 +169,6 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     what = "merged pipeline" if cfg.fuse else "LoRA adapters"
     tqdm.write(f"{what} written to {out} (base {student.lora.teacher}); sample at guidance_scale=1.0, "
                f"num_inference_steps={hints.get('num_inference_steps')}, "
-               f"max_sequence_length={hints.get('max_sequence_length')}")
+               f"max_sequence_length={hints.get('max_sequence_length')}"
+               + (f", num_frames={hints['num_frames']}" if "num_frames" in hints else ""))
     return {"out": str(out), **mark}

@@ -15,7 +15,7 @@ from pipeline.hub import is_hub_id
 
 # The folder name of a Hub snapshot in the local cache: models--NAMESPACE--NAME/snapshots/REVISION.
 _CACHED = re.compile(r"^models--([\w.-]+?)--([\w.-]+)$")
-TAGS = ["wandistiller", "distillation", "wan", "text-to-image"]
+TAGS = ["wandistiller", "distillation", "wan"]  # then the task: text-to-image, or text-to-video (`front_matter`)
 
 
 def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
@@ -73,13 +73,16 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
     return license_ if isinstance(license_, str) and license_ else None
 
 
-def front_matter(license_: str | None, base_model: str | None, few_step: bool, tags: tuple[str, ...] = ()) -> str:
-    """The model card's YAML metadata (what the Hub indexes it by), `tags` after the common ones."""
+def front_matter(license_: str | None, base_model: str | None, few_step: bool, tags: tuple[str, ...] = (),
+                 video: bool = False) -> str:
+    """The model card's YAML metadata (what the Hub indexes it by), `tags` after the common ones; `video`: a student
+    trained on clips (frames > 1), a text-to-video pipeline."""
     from huggingface_hub import ModelCardData
 
-    tags = TAGS + (["few-step"] if few_step else []) + list(tags)
-    data = ModelCardData(license=license_, base_model=base_model, pipeline_tag="text-to-image",
-                         library_name="diffusers", tags=tags)
+    task = "text-to-video" if video else "text-to-image"
+    tags = TAGS + [task] + (["few-step"] if few_step else []) + list(tags)
+    data = ModelCardData(license=license_, base_model=base_model, pipeline_tag=task, library_name="diffusers",
+                         tags=tags)
     return f"---\n{data.to_yaml()}\n---\n"
 
 

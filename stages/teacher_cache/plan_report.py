@@ -12,6 +12,7 @@ import torch
 from cache.records import CacheHeader
 from cache.schema import recorded_steps
 from cache.size import human, project
+from pipeline.cache_status import frames_words
 from pipeline.config import PlanSettings, RunShape, TeacherCacheConfig, TeacherRun
 from pipeline.registries import CHOSEN, StudentSchedule
 from pipeline.sampling import chosen_boundaries, segment_boundaries
@@ -56,15 +57,21 @@ class Plan:
     launch: dict | None = field(default=None)  # the processes of stage one and their commands (launch.py)
     time: dict | None = field(default=None)  # stage one's GPU-hours and wall time (costs.py), with --prompts
     source: str | None = field(default=None)  # where a Hub id's configs were found
+    latent_frames: int | None = field(default=None)  # a video run's (frames > 1), through the teacher's VAE
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        out = asdict(self)
+        if self.latent_frames is None:  # an image run's JSON as it was
+            del out["latent_frames"]
+        return json.dumps(out, indent=2)
 
     def render(self) -> str:
         nodes = self.launch["nodes"] if self.launch else 1
+        tokens = f"{self.tokens_per_sample} tokens per sample, CFG doubles the forward batch"
+        clip = frames_words(vars(self), ", ")  # a video run's frames; an image run's line as it was
+        size = f"{self.height}x{self.width}" + (f"{clip}, {tokens}" if clip else f"x{self.frames} ({tokens})")
         lines = [f"teacher     {self.teacher}" + (f" ({self.source})" if self.source else ""),
-                 f"run         dtype {self.dtype}, batch {self.batch_size} x {self.height}x{self.width}x{self.frames} "
-                 f"({self.tokens_per_sample} tokens per sample, CFG doubles the forward batch)",
+                 f"run         dtype {self.dtype}, batch {self.batch_size} x {size}",
                  f"machine     {f'{nodes} nodes, each: ' if nodes > 1 else ''}{self.inventory['describe']}",
                  f"placement   {self.placement} ({self.expert_order}-major order)"
                  + (", picked by auto" if self.requested == "auto" else ""),
@@ -203,6 +210,8 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     # plan does not print a command the run refuses
     spec = configs_spec(root, teacher)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
+    if cfg.frames > 1:
+        plan.latent_frames = spec.latent_shape(cfg.height, cfg.width, cfg.frames)[1]
     if (keep := _student_keep(settings, spec, cfg)) is not None:
         cfg, given = replace(cfg, keep_steps=keep), (*given, "keep_steps")
     if root != Path(teacher).expanduser():  # a Hub id

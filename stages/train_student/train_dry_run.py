@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from cache.size import human
+from pipeline.cache_status import frames_words
 from pipeline.runtime import print0
 
 from .data import make_loader
@@ -65,7 +66,7 @@ def _report(p: TrainPlan, params: tuple[int, int, int], count: int, took: float,
             "peak_memory_kind": "CUDA allocated" if p.device.type == "cuda" else "peak RSS of the process",
             "global_batch": p.epochs.global_batch * cfg.grad_accum, "step_s": round(took, 4), "warmed_up": timed > 1,
             "samples_per_s": round(rate, 3), "samples_per_s_per_rank": round(rate / env.world_size, 3),
-            "data_wait_frac": round(wait / took, 3), "train_samples": len(p.data.train_rows),
+            "data_wait_frac": round(wait / took, 3), "train_samples": len(p.data.train_rows), **p.manifest.clip(),
             "steps_per_epoch": p.epochs.steps, "total_steps": p.total, "projected_h": round(p.total * took / 3600, 3)}
 
 
@@ -85,6 +86,6 @@ def _lines(r: dict) -> list[str]:
         + (" after a warm-up step" if r["warmed_up"] else " (no warm-up: the epoch has one step)")
         + f" on {r['device']}: {r['samples_per_s']:.1f} samples/s{per}; peak memory {r['peak_memory_gib']:.2f} GiB "
         f"({r['peak_memory_kind']}); {100 * r['data_wait_frac']:.0f}% of the step waiting for data",
-        f"run         {r['train_samples']:,} training samples, {r['steps_per_epoch']:,} steps an epoch, "
-        f"{r['total_steps']:,} steps: {hours} at this rate",
+        f"run         {r['train_samples']:,} training samples{frames_words(r)}, {r['steps_per_epoch']:,} steps an "
+        f"epoch, {r['total_steps']:,} steps: {hours} at this rate",
     ]
