@@ -373,10 +373,10 @@ def test_export_loads_in_diffusers_as_the_sampler_draws_it_and_fused_alike(lora_
 
 
 @pytest.mark.slow
-def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teacher, tiny_cache, tmp_path):
+def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teacher, tiny_video_cache, tmp_path):
     """`export --lora-format wan`: each expert's adapter under the original Wan key names with `.alpha` (what ComfyUI
     loads), no diffusers metadata; `WanPipeline.load_lora_weights` converts it back and draws the diffusers export's
-    frames, decoded (alpha 6 at rank 4: the scale travels in `.alpha`). What it cannot write ends in one line."""
+    frames, decoded: whole clips of a video run (alpha 6 at rank 4: the scale travels in `.alpha`). What it cannot write ends in one line."""
     from click.testing import CliRunner
     from diffusers import WanPipeline
     from safetensors import safe_open
@@ -385,7 +385,7 @@ def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teac
     from test_train_student import train as train_compact
 
     run = tmp_path / "run"
-    lora_train(tiny_cache, tiny_teacher, run, max_steps=3, lora_alpha=6)
+    lora_train(tiny_video_cache, tiny_teacher, run, max_steps=3, lora_alpha=6)
 
     def export(student, *args):
         return CliRunner().invoke(main, ["export", "--student", str(student), *map(str, args)], catch_exceptions=False)
@@ -408,7 +408,7 @@ def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teac
                    "`low_noise_model.safetensors` on the low-noise model", "load_into_transformer_2=True"):
         assert needle in card, needle
 
-    m = load_manifest(tiny_cache)
+    m = load_manifest(tiny_video_cache)
     g = torch.Generator().manual_seed(0)
     init = torch.randn(2, *m.latent_shape, generator=g)
     embeds = torch.randn(2, int(m.max_sequence_length), int(m.text_dim), generator=g)
@@ -420,16 +420,17 @@ def test_an_export_in_wan_key_names_draws_the_diffusers_exports_frames(tiny_teac
             pipe.load_lora_weights(str(folder), weight_name=name, adapter_name=comp,
                                    load_into_transformer_2=comp == "transformer_2")
         return pipe(latents=init.clone(), prompt_embeds=embeds, num_inference_steps=2, guidance_scale=1.0,
-                    height=int(m.height), width=int(m.width), num_frames=1, output_type="np").frames
+                    height=int(m.height), width=int(m.width), num_frames=int(m.frames), output_type="np").frames
 
     want, got = frames(tmp_path / "diffusers"), frames(tmp_path / "wan")
+    assert want.shape[1] == int(m.frames) > 1  # clips, not single frames
     diff = float(abs(got - want).max())
     print(f"max pixel difference, wan vs diffusers key names: {diff:.3g} (of 1; {diff * 255:.3g} of 255)")
     assert diff <= 1e-5 and float(abs(want - frames(None)).max()) > 1e-3  # the same frames, and the adapters matter
 
     compact, odd = tmp_path / "compact", tmp_path / "odd"
-    train_compact(tiny_cache, compact, max_steps=1)
-    lora_train(tiny_cache, tiny_teacher, odd, max_steps=1, lora_targets="to_q,proj_out")
+    train_compact(tiny_video_cache, compact, max_steps=1)
+    lora_train(tiny_video_cache, tiny_teacher, odd, max_steps=1, lora_targets="to_q,proj_out")
     for student, args, needle in (
             (odd, ["--lora-format", "wan"], "the adapter on proj_out has no Wan key name"),
             (run, ["--lora-format", "comfy"], "lora-format must be one of diffusers, wan, got 'comfy'"),
