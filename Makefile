@@ -32,10 +32,10 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo test faults bench gpu-check clean help
+.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo demo-video test faults bench gpu-check clean help
 
 help:
-	@echo "make demo | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
+	@echo "make demo | demo-video | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -141,6 +141,56 @@ demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; the printed table: final-latent error, attribute"
 	@echo "                                  accuracy, time per image of the teacher, the student at $(DEMO_FEW_STEPS) and 8"
 	@echo "                                  steps, the few-step student and the LoRA; images $(DEMO)/eval-attributes.png)"
+
+# The same on video: the tiny video teacher (data/tiny-video-teacher-pretrained: 9-frame 64x64 clips of a moving
+# shape) over the 3,632 clip training captions -> a 4-block velocity student, a DEMO_VIDEO_STEPS-step segment student
+# and a DEMO_VIDEO_STEPS-step per-expert LoRA of the teacher (exported in diffusers' and in Wan's key names) -> sample
+# (frame-strip grid and animated WebPs) -> eval on the 128 held-out clip captions with the motion checker (motion
+# right, motion kept, speed ratio). About 20 minutes on 2 CPU cores; figures: docs/results.md, "Video".
+DEMO_VIDEO ?= $(RUNS)/demo-video
+VIDEO_TEACHER := $(RUNS)/tiny-video-teacher-pretrained
+VIDEO_TEACHER_FILES := $(wildcard data/tiny-video-teacher-pretrained/*/*)
+DEMO_VIDEO_STEPS ?= 4
+DEMO_VIDEO_FEW := $(DEMO_VIDEO)/student-$(DEMO_VIDEO_STEPS)step
+DEMO_VIDEO_LORA := $(DEMO_VIDEO)/lora-$(DEMO_VIDEO_STEPS)step
+# Equal segments: this teacher's 8 steps give its high-noise expert only the first steps (boundary_ratio 0.875), so
+# --student-expert-steps 2,2 leaves the low-noise expert's last segment 3 steps long, and kept less (docs/results.md).
+DEMO_VIDEO_FEW_ARGS ?= --objective segment --student-steps $(DEMO_VIDEO_STEPS) --segment-velocity-weight 1
+DEMO_VIDEO_BASE_ARGS ?= --batch-size 64 --warmup-steps 50 --ema-decay 0.995 --holdout-prompts 64 --val-every 512 \
+	--val-decode --val-max-prompts 8
+DEMO_VIDEO_TRAIN_ARGS ?= $(DEMO_VIDEO_BASE_ARGS) --lr 1e-3 --epochs 2 --init-from-teacher $(VIDEO_TEACHER)
+DEMO_VIDEO_LORA_ARGS ?= $(DEMO_VIDEO_BASE_ARGS) --lr 1e-3 --epochs 1 --lora-of $(VIDEO_TEACHER) --lora-rank 16
+$(VIDEO_TEACHER)/model_index.json: $(VIDEO_TEACHER_FILES) | $(STAMP)
+	$(BIN)/wandistiller tiny-teacher --out $(VIDEO_TEACHER) --variant video-pretrained
+	touch $@
+$(DEMO_VIDEO)/cache.stamp: $(VIDEO_TEACHER_FILES) configs/clips-teacher-cache.toml data/clips-prompts.txt
+	rm -rf $(DEMO_VIDEO)/cache
+	mkdir -p $(DEMO_VIDEO) && touch $@
+demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
+	$(BIN)/wandistiller teacher-cache --teacher $(VIDEO_TEACHER) --config configs/clips-teacher-cache.toml \
+		--prompts data/clips-prompts.txt --out $(DEMO_VIDEO)/cache
+	rm -rf $(DEMO_VIDEO)/student $(DEMO_VIDEO_FEW) $(DEMO_VIDEO_LORA) $(DEMO_VIDEO_LORA)-export $(DEMO_VIDEO_LORA)-wan
+	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO)/student \
+		--student-config configs/student-clips.json $(DEMO_VIDEO_TRAIN_ARGS)
+	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO_FEW) \
+		--student-config configs/student-clips.json $(DEMO_VIDEO_TRAIN_ARGS) $(DEMO_VIDEO_FEW_ARGS)
+	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO_LORA) $(DEMO_VIDEO_LORA_ARGS) \
+		$(DEMO_VIDEO_FEW_ARGS)
+	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA) --out $(DEMO_VIDEO_LORA)-export
+	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA) --out $(DEMO_VIDEO_LORA)-wan --lora-format wan
+	$(BIN)/wandistiller sample --student $(DEMO_VIDEO)/student --compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA) \
+		--teacher $(VIDEO_TEACHER) --prompts data/clips-heldout.txt --out $(DEMO_VIDEO)/grid.png --max-prompts 8
+	$(BIN)/wandistiller eval --student $(DEMO_VIDEO)/student --student-steps $(DEMO_VIDEO_STEPS),8 \
+		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA) --cache $(DEMO_VIDEO)/cache --teacher $(VIDEO_TEACHER) \
+		--report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout.txt --timing-runs 8
+	@echo
+	@echo "demo-video done:"
+	@echo "  cache      $(DEMO_VIDEO)/cache   (wandistiller cache info $(DEMO_VIDEO)/cache: 9 frames, 3 latent)"
+	@echo "  students   $(DEMO_VIDEO)/student (velocity), $(DEMO_VIDEO_FEW) ($(DEMO_VIDEO_STEPS)-step segment)"
+	@echo "  LoRA       $(DEMO_VIDEO_LORA)-export (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names, ComfyUI)"
+	@echo "  grid       $(DEMO_VIDEO)/grid.png (frame strips, teacher | students, same noise) and $(DEMO_VIDEO)/grid-videos/"
+	@echo "  eval       $(DEMO_VIDEO)/eval.json (motion_right, motion_kept, speed_ratio per model; clips"
+	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process), each test file whole on one worker so that a
 # module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 14 min instead of 19-24.
