@@ -13,7 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
@@ -22,26 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.prompts import read_prompt_file  # noqa: E402
 from stages.sample import motion  # noqa: E402
-from stages.sample.attributes import caption_noise  # noqa: E402
+from stages.sample.attributes import draw_clips  # noqa: E402
 
 # (name, steps, scheduler: None = the teacher's own UniPC)
 VARIANTS = [("UniPC, 16 steps", 16, None), ("UniPC, 6 steps", 6, None), ("Euler, 8 steps", 8, "euler"),
             ("UniPC, 4 steps", 4, None), ("Euler, 4 steps", 4, "euler"), ("UniPC, 2 steps", 2, None)]
-
-
-def draw(pipe, captions: list[str], steps: int, settings: dict, batch: int = 32) -> list[np.ndarray]:
-    """uint8 clips of `captions` from eval's noise (seed 0, caption by caption)."""
-    clips = []
-    for s in range(0, len(captions), batch):
-        caps = captions[s:s + batch]
-        latents = caption_noise(pipe, 0, s, len(caps), settings["height"], settings["width"],
-                                (settings["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1)
-        frames = pipe(caps, negative_prompt=[settings["negative_prompt"]] * len(caps), latents=latents,
-                      num_inference_steps=steps, output_type="np",
-                      **{k: v for k, v in settings.items() if k not in ("negative_prompt", "num_inference_steps")}
-                      ).frames
-        clips += list((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
-    return clips
 
 
 def main(argv=None) -> None:
@@ -56,12 +40,12 @@ def main(argv=None) -> None:
     pipe = WanPipeline.from_pretrained(args.teacher, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     own = pipe.scheduler
-    reference = motion.score(draw(pipe, captions, settings["num_inference_steps"], settings), captions)
+    reference = motion.score(draw_clips(pipe, captions, 0, 32, **settings), captions)
     rows = [{"drawn": f"teacher as scored (UniPC, {settings['num_inference_steps']} steps)",
              "all": reference["all"], "kept": 1.0, "speed_ratio": 1.0}]
     for name, steps, kind in VARIANTS:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=own.config.flow_shift) if kind else own
-        got = motion.score(draw(pipe, captions, steps, settings), captions)
+        got = motion.score(draw_clips(pipe, captions, 0, 32, **settings | {"num_inference_steps": steps}), captions)
         rows.append({"drawn": name, "all": got["all"],
                      "kept": motion.kept(reference["clip_reads"], got["clip_reads"]),
                      "speed_ratio": motion.speed_ratio(reference["clip_reads"], got["clip_reads"])})

@@ -151,12 +151,13 @@ def reconstruction_score(vae, seed: int, n: int = 256) -> dict:
 
 
 @torch.no_grad()
-def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 256):
-    """Posterior means [n, 16, 1, 4, 4] and caption embeddings [n, MAX_SEQ, 32] of the first n examples."""
+def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 256, batch=shapes.batch, pixels=to_pixels):
+    """Posterior means [n, 16, T, 4, 4] and caption embeddings [n, MAX_SEQ, 32] of the first n training examples of
+    `batch` (shapes' images, T = 1; the video script passes clips.batch and its clip `pixels`)."""
     lats, embs = [], []
     for start in range(0, n, chunk):
-        u8, caps, _ = shapes.batch(seed, start, min(chunk, n - start), "train")
-        lats.append(vae.encode(to_pixels(u8)).latent_dist.mode())
+        u8, caps, _ = batch(seed, start, min(chunk, n - start), "train")
+        lats.append(vae.encode(pixels(u8)).latent_dist.mode())
         embs.append(text_embeds(pipe, caps))
     return torch.cat(lats), torch.cat(embs)
 

@@ -42,7 +42,6 @@ EXTRA_WORDS = tuple(sorted(({w for d in clips.DIRECTIONS for w in d.split()} | {
                            - {""} - set(_WORDS)))  # ("moving", "quickly", "slowly")
 VAE = {**tt.VAE, "temperal_downsample": [False, True, True]}
 EVAL = {**tt.EVAL, "num_frames": clips.FRAMES}
-LATENT = (16, 1 + (clips.FRAMES - 1) // 4, clips.SIZE // 16, clips.SIZE // 16)  # [C, T, H, W] of one clip
 
 
 def to_pixels(u8: np.ndarray) -> torch.Tensor:
@@ -130,28 +129,11 @@ def reconstruction_score(vae, seed: int, n: int = 128, chunk: int = 32) -> dict:
 
 
 @torch.no_grad()
-def encode_pool(vae, pipe, seed: int, n: int, chunk: int = 64):
-    """Posterior means [n, *LATENT] and caption embeddings [n, MAX_SEQ, 32] of the first n training clips."""
-    lats, embs = [], []
-    for start in range(0, n, chunk):
-        u8, caps, _ = clips.batch(seed, start, min(chunk, n - start), "train")
-        lats.append(vae.encode(to_pixels(u8)).latent_dist.mode())
-        embs.append(tt.text_embeds(pipe, caps))
-    return torch.cat(lats), torch.cat(embs)
-
-
-@torch.no_grad()
 def generate(pipe, captions: list[str], seed: int, batch_size: int = 32, **overrides) -> list[np.ndarray]:
-    """uint8 clips [F, 64, 64, 3] of `captions` at EVAL (+ overrides), caption i from the noise of seed + i."""
-    from stages.sample.sample import initial_latents
+    """uint8 clips [F, 64, 64, 3] of `captions` at EVAL (+ overrides), each from the noise `eval --attributes` uses."""
+    from stages.sample.attributes import draw_clips
 
-    call, out = {**EVAL, **overrides}, []
-    for s in range(0, len(captions), batch_size):
-        caps = captions[s:s + batch_size]
-        lat = torch.stack([initial_latents(seed + s + i, LATENT) for i in range(len(caps))])
-        frames = pipe(prompt=caps, latents=lat, output_type="np", **call).frames
-        out += [(np.clip(f, 0, 1) * 255).round().astype(np.uint8) for f in frames]
-    return out
+    return draw_clips(pipe, captions, seed, batch_size, **{**EVAL, **overrides})
 
 
 def evaluate(pipe, captions: list[str], seed: int = 0, **overrides) -> dict:
@@ -213,7 +195,7 @@ def main(argv=None) -> None:
     tt.log(f"VAE reconstruction of held-out clips, motion score {vae_score}")
 
     t = time.time()
-    lat, emb = encode_pool(vae, base, args.seed, args.pool)
+    lat, emb = tt.encode_pool(vae, base, args.seed, args.pool, 64, clips.batch, to_pixels)
     mean, std = lat.mean(dim=(0, 2, 3, 4)), lat.std(dim=(0, 2, 3, 4))
     vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
                            latents_std=[round(float(v), 5) for v in std])

@@ -102,11 +102,6 @@ def attribute_captions(path: str, max_prompts: int | None, frames: int = 1) -> l
     return captions
 
 
-def first_frames_u8(frames) -> list[np.ndarray]:
-    """WanPipeline 'np' frames [B, F, H, W, 3] in [0, 1] -> first frames as uint8 [H, W, 3]."""
-    return [(np.clip(f[0], 0.0, 1.0) * 255).round().astype(np.uint8) for f in frames]
-
-
 def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int, frames: int = 1):
     """Initial latents [C, frames, h, w] of captions start .. start + n - 1: caption i from seed + i, as sample's."""
     import torch
@@ -118,11 +113,19 @@ def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int, 
     return torch.stack([initial_latents(seed + start + i, shape) for i in range(n)])
 
 
-def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> list[np.ndarray]:
-    """uint8 first frames of `pipe(prompt=..., **call)` (height and width given) on `captions`, from `caption_noise`."""
-    out = []
+def draw_clips(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> list[np.ndarray]:
+    """uint8 clips [F, H, W, 3] of `pipe(prompt=..., **call)` (height and width given; num_frames, else 1) on
+    `captions`, from `caption_noise`."""
+    from .sample import latent_frames, to_clips
+
+    out, frames = [], latent_frames(pipe, call.get("num_frames", 1))
     for s in range(0, len(captions), batch_size):
         caps = captions[s:s + batch_size]
-        lat = caption_noise(pipe, seed, s, len(caps), call["height"], call["width"])
-        out += first_frames_u8(pipe(prompt=caps, latents=lat, output_type="np", **call).frames)
+        lat = caption_noise(pipe, seed, s, len(caps), call["height"], call["width"], frames)
+        out += to_clips(pipe(prompt=caps, latents=lat, output_type="np", **call).frames)
     return out
+
+
+def draw(pipe, captions: list[str], seed: int, batch_size: int = 64, **call) -> list[np.ndarray]:
+    """uint8 first frames [H, W, 3] of `draw_clips`."""
+    return [clip[0] for clip in draw_clips(pipe, captions, seed, batch_size, **call)]

@@ -108,6 +108,11 @@ def initial_latents(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
 
 
+def latent_frames(pipe, frames: int) -> int:
+    """The latent frames `pipe` (a WanPipeline) makes of `frames` decoded ones, by its VAE's temporal factor."""
+    return (frames - 1) // pipe.vae_scale_factor_temporal + 1
+
+
 def to_clips(frames) -> list[np.ndarray]:
     """A WanPipeline 'np' output [B, F, H, W, 3] in [0, 1] -> B uint8 clips [F, H, W, 3]."""
     return list((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
@@ -171,8 +176,7 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
     """Rows of uint8 clips of `frames` frames (the teacher's, then each student's, from the same latents and
     embeddings), seconds a column."""
     tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
-    latent_frames = (frames - 1) // teacher.vae_scale_factor_temporal + 1  # WanPipeline's own count
-    shape = (1, tcfg.in_channels, latent_frames, settings.height // vs, settings.width // vs)
+    shape = (1, tcfg.in_channels, latent_frames(teacher, frames), settings.height // vs, settings.width // vs)
     rows: list[list[np.ndarray]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(progress_bar(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
