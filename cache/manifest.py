@@ -200,7 +200,8 @@ def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
     return {
         "cache": str(cache_dir), "samples": m.samples, "shards": len(m.shards), "prompts": m.prompts,
         "steps": m.steps, "latent_shape": m.latent_shape, **m.clip(), "bytes": m.bytes, "fingerprint": m.fingerprint,
-        "teacher": m.teacher, "dtype": m.dtype, "num_parts": m.num_parts, "seeds_per_prompt": m.seeds_per_prompt,
+        "teacher": m.teacher, "dtype": m.dtype, **({"numerics": m.numerics} if m.numerics else {}),
+        "num_parts": m.num_parts, "seeds_per_prompt": m.seeds_per_prompt,
         "timesteps": m.timesteps, "experts": m.experts, "sample_fields": list(fields),
         # tensor bytes of one sample, and without the recorded teacher features (what they cost)
         "tensor_bytes_per_sample": sample_bytes(m),

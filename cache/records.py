@@ -208,6 +208,8 @@ class CacheHeader(Record):
     record_steps: int | None = optional()
     record_seed: int | None = optional()
     keep_steps: list[int] | None = optional()
+    # the teacher's speed options that can change a target (attention backend, compile, tf32 on CUDA, quantization)
+    numerics: dict | None = optional()
     teacher_identity: dict  # hashes of the teacher's configs and weight files (fingerprinted)
 
     # Fields that say where the teacher was found, not what it is: left out of the fingerprint (its content enters
@@ -229,9 +231,10 @@ class CacheHeader(Record):
 
     @classmethod
     def planned(cls, cfg, teacher, scheduler, schedule, *, dtype: str, prompts: int, prompt_set_sha256: str,
-                identity: dict) -> CacheHeader:
+                identity: dict, numerics: dict | None = None) -> CacheHeader:
         """The header of the cache `cfg` (teacher-cache's settings) writes with `teacher` (a TeacherSpec), its
-        scheduler and `schedule`, at `dtype`, for `prompts` prompts (stage one records it, `plan` projects from it)."""
+        scheduler and `schedule`, at `dtype`, for `prompts` prompts (stage one records it, `plan` projects from it),
+        with the speed options that can change a target (`numerics`)."""
         tcfg, latent = teacher.transformer_config, list(teacher.latent_shape(cfg.height, cfg.width, cfg.frames))
         guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if teacher.boundary_ratio
                                                                          else None)
@@ -247,7 +250,7 @@ class CacheHeader(Record):
             scheduler={k: v for k, v in scheduler.config.items() if not k.startswith("_")}
             | {"_class_name": type(scheduler).__name__},
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
-            **_recorded(cfg), teacher_identity=identity)
+            **_recorded(cfg), numerics=numerics, teacher_identity=identity)
 
 
 def _features(cfg, teacher, latent_shape) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, StudentSchedule,
-    placement_entry,
+    TeacherSpeedSettings, placement_entry,
 )
 from .settings import (
     at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
@@ -100,7 +100,7 @@ class RecordSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TeacherRun(PlacementSettings, RunShape, RecordSettings):
+class TeacherRun(PlacementSettings, TeacherSpeedSettings, RunShape, RecordSettings):
     """The teacher's run as `plan` sizes it and `teacher-cache` runs it."""
 
     teacher: str = setting(check=non_empty, help="Wan pipeline: local diffusers folder or Hub id (e.g. "

@@ -150,6 +150,79 @@ class PlacementSettings:
                                      "cache); auto picks expert when both do not fit.")
 
 
+# -- the teacher's speed options (stages/teacher_cache/speed.py, docs/costs.md "A faster teacher step") -----------
+
+
+@dataclass(frozen=True)
+class QuantCaps:
+    """A `--teacher-quant` choice: torchao's config class that quantizes the blocks' linear layers, and the CUDA
+    compute capability its kernels need (None: any device, the CPU included)."""
+
+    torchao: str | None = None
+    capability: tuple[int, int] | None = None
+
+
+QUANTS = Registry("teacher quantization", caps=QuantCaps())
+QUANTS.declare("none", "the teacher's own weights")
+QUANTS.declare("int8", "int8 weights and activations, CPU or CUDA",
+               caps=QuantCaps("Int8DynamicActivationInt8WeightConfig"))
+QUANTS.declare("fp8", "float8 weights and activations, CUDA of compute capability 8.9+ (Ada, Hopper)",
+               caps=QuantCaps("Float8DynamicActivationFloat8WeightConfig", (8, 9)))
+
+# Cache-skipping accelerators: each reuses an earlier step's residuals or outputs instead of running the teacher (or
+# some of its blocks), so a target at a skipped step is not the teacher's. Stage one refuses every one (caps: the
+# diffusers hook names that give one away on a loaded transformer; TeaCache has no diffusers hook).
+STEP_CACHES = Registry("step cache", caps=())
+STEP_CACHES.declare("none", "every step runs the whole teacher")
+STEP_CACHES.declare("first-block", "diffusers' First-Block Cache", caps=("fbc_leader_block_hook", "fbc_block_hook"))
+STEP_CACHES.declare("mag-cache", "diffusers' MagCache", caps=("mag_cache_leader_block_hook", "mag_cache_block_hook"))
+STEP_CACHES.declare("teacache", "TeaCache")
+STEP_CACHES.declare("taylorseer", "diffusers' TaylorSeer cache", caps=("taylorseer_cache",))
+STEP_CACHES.declare("faster-cache", "diffusers' FasterCache", caps=("faster_cache_denoiser", "faster_cache_block"))
+STEP_CACHES.declare("pyramid-attention-broadcast", "diffusers' Pyramid Attention Broadcast",
+                    caps=("pyramid_attention_broadcast",))
+STEP_CACHES.declare("sea-cache", "diffusers' SeaCache", caps=("sea_cache_root", "sea_cache_leader_block",
+                                                              "sea_cache_block", "sea_cache_post_norm"))
+STEP_CACHE_WHY = ("a cache-skipping hook reuses earlier steps' residuals instead of running the teacher, so the "
+                  "targets stage one would write at the skipped steps are not the teacher's")
+
+
+def _step_cache(name, v) -> None:
+    one_of(STEP_CACHES.names)(name, v)
+    if v != "none":
+        raise ValueError(f"{name} {v} is refused for stage one: {STEP_CACHE_WHY}; leave it out (a few-step student is "
+                         "the fast sampler this project makes)")
+
+
+def _attention_backend(name, v) -> None:
+    """One of diffusers' attention backends (read from diffusers only when the value is not the default)."""
+    if v == "native":
+        return
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    one_of([b.value for b in AttentionBackendName])(name, v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherSpeedSettings:
+    """How fast the teacher's step runs on the same weights: what stage one and `plan --measure` apply to every
+    expert. Recorded in the cache header (`numerics`, fingerprinted) where it can change a target."""
+
+    attention_backend: str = setting(
+        "native", check=_attention_backend,
+        help="The teacher's attention kernel through diffusers' dispatcher: native (torch SDPA), flash, _flash_3_hub, "
+             "sage, ... (diffusers' AttentionBackendName); refused when its package or a GPU it needs is missing.")
+    compile: bool = setting(False, help="Regional torch.compile of the teacher's repeated blocks (diffusers' "
+                                        "compile_repeated_blocks); the warm-up that compiles is not counted as a step.")
+    tf32: bool = setting(False, help="TF32 for float32 matmuls on CUDA (Wan's float32 parts: time embedding, "
+                                     "modulation); nothing on the CPU. docs/costs.md gives its drift.")
+    teacher_quant: str = setting("none", check=one_of(QUANTS.names),
+                                 help=f"Quantize the teacher's block linears through torchao (pip install "
+                                      f"'wandistiller[quant]'); opt-in, the targets drift: {QUANTS.listing()}.")
+    step_cache: str = setting("none", check=_step_cache,
+                              help=f"Refused for stage one, every value but none: {STEP_CACHE_WHY}.")
+
+
 # -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ----------------------------------------------
 
 # Every block's attention (self and cross) and FFN projections (diffusers' names): what Wan's few-step LoRAs train.

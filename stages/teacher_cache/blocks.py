@@ -72,6 +72,12 @@ class StageOneProgress:
         self.bar.set_postfix(post, refresh=False)
         return out
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (a compile warm-up) out of the rates and the ETA."""
+        self.t0 += seconds
+        if hasattr(self.bar, "start_t"):  # (a disabled bar has no clock)
+            self.bar.start_t += seconds
+
     def block(self, samples: int) -> None:
         """A block's samples were packed into the open shard."""
         self.samples_run += samples

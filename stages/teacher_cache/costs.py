@@ -16,6 +16,7 @@ from pipeline.registries import placement_entry
 from pipeline.sampling import model_timestep
 
 from . import placements
+from .speed import TeacherSpeed
 from .teacher import ExpertSet, load_scheduler, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner
 
@@ -102,8 +103,10 @@ def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime
             p = placements.choose_placement(cfg, spec)
         except UserError as e:
             raise UserError(f"--measure runs the step on this machine: {e}") from e
+        speed = TeacherSpeed.of(cfg)
+        speed.check(p)
         t0 = time.perf_counter()
-        experts = ExpertSet(spec, p, log)
+        experts = ExpertSet(spec, p, log, speed.prepare)
         experts.activate((1,))
         load_s = time.perf_counter() - t0
         scheduler = load_scheduler(spec)
@@ -112,11 +115,12 @@ def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime
                                   spec.expand_timesteps, patch=spec.patch_size)
         seconds = _time_step(runner, experts[0], spec, cfg, p.device, p.torch_dtype)
         experts.close()
-    b = cfg.batch_size
+    b, options = cfg.batch_size, speed.numerics(p.device)
+    with_options = ", " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in options.items()) if options else ""
     log(f"measured: one step of {b} trajectories in {seconds:.3f} s with placement {p.name} on {p.device} "
-        f"({p.dtype}; the expert loaded in {load_s:.1f} s)")
+        f"({p.dtype}{with_options}; the expert loaded in {load_s:.1f} s)")
     return StepTime(seconds / b, f"measured here by --measure: {seconds:.3g} s for a batch of {b}, placement "
-                                 f"{p.name} on {p.device}, {p.dtype}")
+                                 f"{p.name} on {p.device}, {p.dtype}{with_options}")
 
 
 @torch.inference_mode()

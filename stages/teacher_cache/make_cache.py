@@ -5,11 +5,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import gc
 import hashlib
+import json
 import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
+from .speed import TeacherSpeed
 from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
@@ -84,7 +86,7 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         if todo:
             if job.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(job.device)
-            experts = load_experts(job.spec, job.placement, log=print0)
+            experts = load_experts(job.spec, job.placement, log=print0, prepare=job.speed.prepare)
             loop_s = _run_blocks(job, prog, experts, todo)
             experts.close()
         prog.complete = True
@@ -97,6 +99,7 @@ class _Part(PartPlan):
     """The part's plan, and what every step of it shares, fixed before any weight loads."""
 
     placement: Placement
+    speed: TeacherSpeed  # the teacher's speed options, checked against the placement
     scheduler: object
     schedule: Schedule
     latent_shape: tuple[int, int, int, int]
@@ -124,10 +127,13 @@ def _setup(plan: PartPlan) -> _Part:
     # The teacher's identity enters through its content (configs, weight samples), not its name or path,
     # so moving the teacher folder does not invalidate a cache. The manifest records it too, so that its
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
+    speed = TeacherSpeed.of(cfg)
+    speed.check(placement)
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
-                                 prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity())
+                                 prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity(),
+                                 numerics=speed.numerics(placement.device))
     out, traj = Path(cfg.out), [(p, s) for p in plan.rows for s in range(cfg.seeds_per_prompt)]
-    return _Part(**vars(plan), placement=placement, scheduler=scheduler, schedule=schedule,
+    return _Part(**vars(plan), placement=placement, speed=speed, scheduler=scheduler, schedule=schedule,
                  latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint(),
                  recorded=recorded_steps(header), out=out, part_dir=out / F.PARTS_DIR / F.part_dirname(plan.part),
                  dtype=F.DTYPES[placement.dtype], device=placement.device,
@@ -186,12 +192,34 @@ def _refuse_other_settings(job: _Part) -> None:
             m = None  # torn or edited by hand: rewritten from the parts' progress records, checked next
         if m is not None and m.fingerprint != job.fingerprint:
             raise UserError(f"{out} holds a cache made with other settings (fingerprint {m.fingerprint[:12]}, "
-                            f"this run {job.fingerprint[:12]}); use a new --out or add --overwrite to replace it")
+                            f"this run {job.fingerprint[:12]}{_changed(m, job.header)}); use a new --out, the same "
+                            "settings, or add --overwrite to replace it")
     check_part_count(out, job.num_parts)
     for p in list_parts(out):
-        if PartProgress.load(out, p).fingerprint != job.fingerprint:
-            raise UserError(f"{out} holds part {p} of a run with other settings; use a new --out or add --overwrite "
-                            "to replace it")
+        other = PartProgress.load(out, p)
+        if other.fingerprint != job.fingerprint:
+            raise UserError(f"{out} holds part {p} of a run with other settings{_changed(other.header, job.header)}; "
+                            "use a new --out, the same settings, or add --overwrite to replace it")
+
+
+def _changed(then: CacheHeader, now: CacheHeader) -> str:
+    """": SETTING X then, Y now; ..." for the fingerprinted settings that differ (a speed option by its flag)."""
+    plain = {f.name: f.default for f in fields(TeacherSpeed)}  # what a header without `numerics` ran with
+
+    def flat(h: dict) -> dict:
+        speed = {f"--{k.replace('_', '-')}": v for k, v in (plain | (h.get("numerics") or {})).items()}
+        return {k: v for k, v in h.items() if k != "numerics"} | speed
+
+    a, b = flat(then.settings()), flat(now.settings())
+    keys = [k for k in sorted(a.keys() | b.keys(), key=lambda k: not k.startswith("--"))
+            if k not in CacheHeader.NOT_FINGERPRINTED and a.get(k) != b.get(k)]
+    shown = [f"{k} {_short(a.get(k))} then, {_short(b.get(k))} now" for k in keys[:3]]
+    return (": " + "; ".join(shown) + (f"; {len(keys) - 3} more" if len(keys) > 3 else "")) if keys else ""
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _encode(job: _Part, prog: PartProgress) -> None:
@@ -247,7 +275,10 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
                               job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
                               patch=job.spec.patch_size, features=features,
                               record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
+    warm = _warm_up(job, runner, experts, todo)  # before the bar: the figures count teacher steps alone
     bar, progress = _progress_bar(job, prog, todo)
+    if warm is not None:  # expert-major: an expert loaded in the loop compiles there, its seconds left out
+        experts.on_load = lambda m: progress.exclude(warm(m))
     sink = BlockSink(job.out, prog, store, cfg.samples_per_shard, job.num_parts, progress)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
     t_loop = time.perf_counter()
@@ -274,6 +305,27 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
         raise signals.Terminated(f"terminated (SIGTERM) with {len(prog.done_blocks)} of {len(job.blocks)} blocks of "
                                  f"part {job.part} cached; rerun the same command to resume")
     return time.perf_counter() - t_loop
+
+
+def _warm_up(job: _Part, runner: TrajectoryRunner, experts: ExpertSet, todo: list[int]):
+    """Under --compile, compile each resident expert now (and return the warm-up for those loaded later): one forward
+    at every batch size of `todo`, its seconds printed, not counted as a step."""
+    if not job.speed.compile:
+        return None
+    batches = [len(job.blocks[b]) for b in todo]
+    context = (job.cfg.max_sequence_length, int(job.spec.transformer_config["text_dim"]))
+
+    def warm(model) -> float:
+        t0 = time.perf_counter()
+        job.speed.warm_up(runner, model, batches, job.latent_shape, context)
+        seconds = time.perf_counter() - t0
+        print0(f"part {job.part}: compiled the teacher's repeated blocks in {seconds:.1f}s (a warm-up, not a step)")
+        return seconds
+
+    for m in experts.models:
+        if m is not None:
+            warm(m)
+    return warm
 
 
 def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm, StageOneProgress]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from cache.manifest import manifest_path
@@ -13,6 +13,7 @@ from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
 from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.registries import TeacherSpeedSettings
 from pipeline.runtime import dist_env, print0
 
 from . import placements
@@ -133,4 +134,9 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
            f"  teacher    {summary['teacher']}\n"
            f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
            f"  --out      {cfg.out}: {summary['out']}")
+    options = [f"--{f.name.replace('_', '-')}" + ("" if v is True else f" {v}") for f in fields(TeacherSpeedSettings)
+               if (v := getattr(cfg, f.name)) != f.default]
+    if options:  # (checked against the machine when the run resolves its placement)
+        summary["speed"] = options
+        print0(f"  speed      {' '.join(options)} (what can change a target enters the cache's fingerprint)")
     return summary

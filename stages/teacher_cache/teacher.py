@@ -219,9 +219,9 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], max_len: int, dt
     return torch.cat([e for _, e, _ in parts]), torch.cat([n for _, _, n in parts])
 
 
-def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSet:
+def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=None) -> ExpertSet:
     """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
-    experts = ExpertSet(spec, placement, log)
+    experts = ExpertSet(spec, placement, log, prepare)
     if not placement.expert_major:
         experts.activate(None)
     return experts
@@ -230,10 +230,12 @@ def load_experts(spec: TeacherSpec, placement: Placement, log=print) -> ExpertSe
 class ExpertSet:
     """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
 
-    def __init__(self, spec: TeacherSpec, placement: Placement, log=print):
+    def __init__(self, spec: TeacherSpec, placement: Placement, log=print, prepare=None):
         self.spec, self.placement, self.log = spec, placement, log
         self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
+        self.prepare = prepare  # the speed options applied to each expert as it loads (speed.TeacherSpeed.prepare)
+        self.on_load = None  # called with each expert once prepared (the compile warm-up of make_cache)
 
     def __len__(self) -> int:
         return len(self.models)
@@ -256,7 +258,10 @@ class ExpertSet:
                 torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
-                self.models[e - 1] = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
+                m = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
+                self.models[e - 1] = m = self.prepare(m) if self.prepare is not None else m
+                if self.on_load is not None:
+                    self.on_load(m)
 
     def close(self) -> None:
         self.activate(())

@@ -1,0 +1,125 @@
+"""The teacher's speed options (`TeacherSpeedSettings`; docs/costs.md, "A faster teacher step"): checked against this
+machine and the placement before a weight loads, applied to each expert as it loads, the compile warm-up run before
+the progress figures start, and what can change a target recorded as the cache header's `numerics` (fingerprinted),
+so a resumed cache never mixes numerics. Cache-skipping hooks are refused wherever they come from."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, fields
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.registries import QUANTS, STEP_CACHE_WHY, STEP_CACHES
+from pipeline.sampling import model_timestep
+
+# Backends of diffusers' dispatcher that run without CUDA; every other one is refused on a CPU run.
+CPU_BACKENDS = ("native", "_native_math")
+
+
+@dataclass(frozen=True)
+class TeacherSpeed:
+    """The chosen options of one run (the fields of TeacherSpeedSettings but the refused `step_cache`)."""
+
+    attention_backend: str = "native"
+    compile: bool = False
+    tf32: bool = False
+    teacher_quant: str = "none"
+
+    @classmethod
+    def of(cls, cfg) -> TeacherSpeed:
+        """The options of a config carrying TeacherSpeedSettings (teacher-cache's, plan's)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def numerics(self, device: torch.device) -> dict | None:
+        """The options that can change a target on `device`, as the header records them (None: the plain teacher, so
+        a cache made before these options existed keeps its fingerprint). TF32 touches only CUDA matmuls."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        if device.type != "cuda":
+            out.pop("tf32", None)
+        return out or None
+
+    def check(self, placement) -> None:
+        """One line naming an option this machine or `placement` (resolved) cannot run, before any weight loads."""
+        device, caps, cuda = placement.device, placement.entry.caps, placement.device.type == "cuda"
+        b = self.attention_backend
+        if b != "native":
+            if not cuda and b not in CPU_BACKENDS:
+                raise UserError(f"--attention-backend {b} runs on CUDA, and this run computes on {device} (placement "
+                                f"{placement.name}); leave it out (native) or run on a GPU")
+            from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+            try:
+                _check_attention_backend_requirements(AttentionBackendName(b))
+            except RuntimeError as e:
+                raise UserError(f"--attention-backend {b} cannot run here: {e}; or leave it out (native)") from None
+        if (self.compile or self.teacher_quant != "none") and (caps.streams or caps.spreads or caps.json_map):
+            chosen = " and ".join(n for n, on in (("--compile", self.compile),
+                                                  (f"--teacher-quant {self.teacher_quant}",
+                                                   self.teacher_quant != "none")) if on)
+            raise UserError(f"{chosen} needs the teacher's weights resident on the device that computes (placement cuda "
+                            f"or cpu); placement {placement.name} moves them while it runs")
+        if self.teacher_quant != "none":
+            q = QUANTS[self.teacher_quant].caps
+            if importlib.util.find_spec("torchao") is None:
+                raise UserError(f"--teacher-quant {self.teacher_quant} quantizes through torchao, which is not "
+                                "installed; pip install 'wandistiller[quant]' (or leave the option out)")
+            if q.capability is not None and not (cuda and torch.cuda.get_device_capability(device) >= q.capability):
+                have = f"{device} of compute capability {torch.cuda.get_device_capability(device)}" if cuda else device
+                raise UserError(f"--teacher-quant {self.teacher_quant} needs a CUDA GPU of compute capability "
+                                f"{'.'.join(map(str, q.capability))} or newer, and this run computes on {have}; use "
+                                "int8 or leave it out")
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Apply the options to one loaded expert (in place) and refuse a cache-skipping hook it carries."""
+        refuse_step_caches(model)
+        if self.tf32:  # process-wide, and only CUDA reads it; the text encoder has already run
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if self.attention_backend != "native":
+            model.set_attention_backend(self.attention_backend)
+        if self.teacher_quant != "none":
+            quantize(model, self.teacher_quant)
+        if self.compile:
+            model.compile_repeated_blocks(fullgraph=True)
+        return model
+
+    @torch.inference_mode()
+    def warm_up(self, runner, model: torch.nn.Module, batches: list[int], latent_shape, context: tuple[int, int]):
+        """Run `model` once at every batch size of the run (zeros), so that compiling happens here and not in a
+        counted step. `context`: (text tokens, text width)."""
+        for b in sorted(set(batches)):
+            latents = torch.zeros(b, *latent_shape, device=runner.device, dtype=runner.dtype)
+            timestep = model_timestep(torch.full((b,), 999.0, device=runner.device), latents.shape[2:],
+                                      runner.expand_timesteps, runner.patch)
+            text = torch.zeros(b * (2 if runner.schedule.cfg else 1), *context, device=runner.device,
+                               dtype=runner.dtype)
+            runner.predict(model, latents, timestep, text, 1.0)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+
+
+def quantize(model: torch.nn.Module, name: str) -> None:
+    """The repeated blocks' linear layers through torchao's config for `name` (embedders and the output projection,
+    small and partly float32, stay as they are)."""
+    for noisy in ("torchao", "torch.utils._pytree"):  # its import warns of CUDA kernels a CPU build cannot load
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    import torchao.quantization as tq
+
+    config = getattr(tq, QUANTS[name].caps.torchao)()
+    tq.quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn.startswith("blocks."))
+
+
+def refuse_step_caches(model: torch.nn.Module) -> None:
+    """A transformer carrying one of diffusers' cache-skipping hooks (applied by a plug-in or a device-map loader)
+    would write targets that are not the teacher's: refused in one line."""
+    hooks = {h: e.name for e in STEP_CACHES.entries() for h in e.caps}
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        found = [hooks[h] for h in getattr(registry, "hooks", {}) if h in hooks]
+        if found:
+            raise UserError(f"the teacher's transformer carries diffusers' {found[0]} hook, refused for stage one: "
+                            f"{STEP_CACHE_WHY}; load it without the hook")
+
