@@ -87,6 +87,16 @@ def test_the_flop_model_predicts_a_second_measured_point(check):
     assert abs(predicted / check.seconds - 1) <= CHECK_TOLERANCE
 
 
+def test_the_flop_model_predicts_a_wan_transformer_timed_here():
+    """bench/teacher_flops.py's recorded run: a 1,536-wide WanTransformer3DModel block on this repo's CPU, the model
+    calibrated at 390 tokens (attention 5% of the FLOPs) and predicting 4,680 (27%)."""
+    rows = json.loads((ROOT / "bench" / "results.json").read_text())
+    row = next(r for r in rows if r["name"] == "teacher_flops_model")
+    assert "attention 5%" in row["note"] and "attention 27%" in row["note"]
+    assert row["ratio"] == pytest.approx(1.055, abs=0.001) and abs(row["ratio"] - 1) <= CHECK_TOLERANCE
+    assert "by tokens alone 6.571 s (-8%)" in row["note"]
+
+
 def test_the_video_table_is_what_plan_prints():
     """docs/costs.md's video table: tokens, FLOP a step, s a step and GPU-hours as `table_step_time` and `project`
     give them (and so `plan`: test_plan_prints_the_flop_models_video_step)."""
