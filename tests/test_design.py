@@ -37,7 +37,9 @@ def test_the_readme_is_a_front_door():
 # +47 for `sample` in frames (clips at the run's frame count, frame strips, animated WebPs, --fps and a mismatched
 # --compare refused) and `tiny-teacher --variant video-pretrained`; +57 for `export` in frames (num_frames, a
 # text-to-video card and call, the LoRA card's sigmas) and frames counted by plan, cache info and the dry run.
-LINE_BOUND = 15_490
+# Issue 45: +38 for the FLOP cost model of stage one's step (costs.step_flops, the table as its calibration, the
+# public check point) and cache info's teacher steps.
+LINE_BOUND = 15_528
 
 
 def test_the_packages_do_not_grow_back():

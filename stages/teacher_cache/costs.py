@@ -1,6 +1,7 @@
 """What stage one costs before it runs: prompts x seeds x steps teacher steps, times one step's seconds: from
-`plan --measure` (one real step here, the first expert standing for both), `--step-time` or `STEP_TABLE`, which
-docs/costs.md shows too (tests/test_costs.py keeps them equal)."""
+`plan --measure` (one real step here, the first expert standing for both), `--step-time` or `STEP_TABLE`'s figure
+carried to the run's tokens by the FLOP model (`step_flops`); docs/costs.md shows the table and the model's figures
+too (tests/test_costs.py keeps them equal)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,25 @@ class StepFigure:
     seconds: float
     gpu: str
     source: str
+    image_tokens: int = 0  # an image-to-video teacher's image tokens, which its cross-attention attends to too
+
+    @property
+    def tokens(self) -> int:
+        """Latent tokens per sequence (Wan's VAE: 4x in time, 16x in space with patch 2)."""
+        return ((self.frames - 1) // 4 + 1) * (self.height // 16) * (self.width // 16)
 
 
 STEP_TABLE = (
     StepFigure((5120, 40, 13824), "Wan2.2-T2V-A14B (one expert; Wan2.1-T2V-14B has the same shape)", 480, 832, 1,
                0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
 )
+# What the FLOP model is checked against (tests/test_costs.py), not calibrated by: public, not measured by this repo.
+CHECKS = (
+    StepFigure((5120, 40, 13824), "Wan2.1-I2V-14B-480P (36 input channels, 257 image tokens)", 480, 832, 81, 9.15,
+               "H200", "issue 45's public figure: 40 CFG steps in 366 s, the whole generation", image_tokens=257),
+)
+PEAK_TFLOPS = {"H100": 989, "H200": 989}  # dense bf16, without sparsity
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -48,24 +62,45 @@ class StepTime:
     source: str
 
 
-def table_step_time(transformer_config: dict, tokens: int, placement: str) -> StepTime | None:
-    """The table's figure for this teacher and placement, scaled by tokens per sample (rough), or None."""
+def step_flops(transformer_config: dict, tokens: int, text_tokens: int = 512, cfg: bool = True,
+               image_tokens: int = 0) -> dict:
+    """FLOPs of one teacher step of one trajectory (2 per multiply-add) over num_layers Wan blocks: `linear` (self-
+    attention's q, k, v, o and cross-attention's q, o on the latent tokens, its k, v on the text and image tokens, the
+    FFN), `self_attention` (QK^T and AV: 2 L^2 dim multiply-adds a block) and `cross_attention` (the same over the
+    text and image tokens); CFG runs two sequences. Not counted: norms, RoPE, modulation, the patch embedding, the
+    head and the embedders (under 0.2% at A14B's width)."""
+    c = transformer_config
+    dim, ctx = c["num_attention_heads"] * c["attention_head_dim"], text_tokens + image_tokens
+    per_block = {"linear": tokens * (6 * dim * dim + 2 * dim * c["ffn_dim"]) + ctx * 2 * dim * dim,
+                 "self_attention": 2 * tokens * tokens * dim, "cross_attention": 2 * tokens * ctx * dim}
+    out = {k: 2 * v * c["num_layers"] * (2 if cfg else 1) for k, v in per_block.items()}
+    return out | {"total": sum(out.values())}
+
+
+def table_step_time(transformer_config: dict, tokens: int, placement: str, text_tokens: int = 512) -> StepTime | None:
+    """The table's figure for this teacher shape and placement, carried to `tokens` by the FLOP model, or None."""
     c = transformer_config
     shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
     fig = next((f for f in STEP_TABLE if f.shape == shape), None)
     speed = placement_entry(placement).caps.speed  # None: not measured at A14B sizes (docs/placements.md)
     if fig is None or speed is None:
         return None
-    base = (fig.frames - 1) // 4 + 1  # the table's latent frames (Wan's VAE: 4x in time, 16x in space with patch 2)
-    table_tokens = base * (fig.height // 16) * (fig.width // 16)
-    seconds = fig.seconds * tokens / table_tokens / speed[0]
-    where = (f"the table of docs/costs.md ({fig.teacher.split(' (')[0]}, {fig.height}x{fig.width}, one {fig.gpu}: "
+    run, base = step_flops(c, tokens, text_tokens), step_flops(c, fig.tokens)["total"]
+    peak = base / fig.seconds / PEAK_TFLOPS[fig.gpu] / 1e12
+    where = (f"the table of docs/costs.md ({fig.teacher.split(' (')[0]}, {fig.height}x{fig.width}x{fig.frames}, "
+             f"{fig.seconds:.2f} s on one {fig.gpu}: {flop(base)} FLOP a step, {peak:.0%} of its bf16 peak; "
              f"{fig.source})")
-    if tokens != table_tokens:
-        where += f", scaled by tokens {tokens}/{table_tokens} (rough)"
+    if run["total"] != base:
+        attention = (run["self_attention"] + run["cross_attention"]) / run["total"]
+        where = (f"FLOP model: {flop(run['total'])} FLOP a step, {run['total'] / base:.1f}x the table's (linear "
+                 f"{1 - attention:.0%}, attention {attention:.0%}); calibrated by {where}")
     if speed[1]:
         where += f"; {speed[1]}"
-    return StepTime(seconds, where)
+    return StepTime(fig.seconds * run["total"] / base / speed[0], where)
+
+
+def flop(x: float) -> str:
+    return f"{x:.2e}".replace("e+", "e")
 
 
 def project(prompts: int, seeds: int, steps: int, step: StepTime, parts: int, gpus_per_part: int) -> dict:

@@ -230,7 +230,8 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     elif settings.measure:  # one step measured here
         step = costs.measure_step(cfg, plan.placement)
     else:  # the table's figure for the teacher's shape
-        step = costs.table_step_time(spec.transformer_config, plan.tokens_per_sample, plan.placement)
+        step = costs.table_step_time(spec.transformer_config, plan.tokens_per_sample, plan.placement,
+                                     cfg.max_sequence_length)
     if step is not None and settings.prompts:
         plan.time = costs.project(settings.prompts, cfg.seeds_per_prompt, cfg.steps, step,
                                   plan.launch["parts"], plan.launch["gpus_per_rank"])
