@@ -120,8 +120,10 @@ def fidelity(device: torch.device, quick: bool, work: Path) -> list[dict]:
     right = _all_right(SHAPES_TEACHER, plain["finals"], captions)
     print(f"plain teacher: {sum(right)}/{len(right)} all right, loop {plain_s:.2f}s", flush=True)
     records = []
-    for name, speed in options(device).items():
-        why = _usable(replace(TeacherSpeed(), **speed), device)
+    # the yardstick: the plain teacher in the other dtype (bf16 on the CPU, whose default is float32; float32 on CUDA)
+    other = "bfloat16" if device.type == "cpu" else "float32"
+    for name, speed in {f"dtype {other} (yardstick)": {"dtype": other}, **options(device)}.items():
+        why = _usable(replace(TeacherSpeed(), **{k: v for k, v in speed.items() if k != "dtype"}), device)
         if why is not None:
             print(f"fidelity {name}: skipped: {why}", flush=True)
             continue
@@ -135,7 +137,7 @@ def fidelity(device: torch.device, quick: bool, work: Path) -> list[dict]:
                 f"{plain_s:.2f}s (compile warm-up not counted); shapes teacher, {len(captions)} held-out captions, "
                 f"configs/shapes-teacher-cache.toml, {device.type}")
         print(f"fidelity {name}: {note}", flush=True)
-        slug = name.split(" ")[0].replace("+", "_").replace("-", "")
+        slug = (other if "dtype" in speed else name.split(" ")[0]).replace("+", "_").replace("-", "")
         records.append(result(f"teacher_fidelity_{slug}_kept", kept, 1.0, "share", None, "info", note=note))
         records.append(result(f"teacher_fidelity_{slug}_target_drift", t_rel, 0.0, "of max |target|", None, "info",
                               ratio=t_rel, note=f"absolute {t_abs:.3g}"))
@@ -162,18 +164,19 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
     t = model_timestep(torch.full((1,), 999.0, device=device), lat.shape[2:], False, (1, 2, 2))
     tokens = (height // 16) * (width // 16)
 
-    def run(speed) -> tuple[float, torch.Tensor]:
+    def run(speed, dt: torch.dtype = dtype) -> tuple[float, torch.Tensor]:
         torch.backends.cuda.matmul.allow_tf32 = False  # each row starts from the plain numerics
-        model = WanTransformer3DModel.from_pretrained(teacher, subfolder="transformer", torch_dtype=dtype)
+        model = WanTransformer3DModel.from_pretrained(teacher, subfolder="transformer", torch_dtype=dt)
         model = speed.prepare(model.to(device).eval().requires_grad_(False))
+        x, ctx, r = lat.to(dt), text.to(dt), replace(runner, dtype=dt)
         with torch.inference_mode():
-            speed.warm_up(runner, model, [1], lat.shape[1:], (512, 4096))  # compiles here, untimed
+            speed.warm_up(r, model, [1], x.shape[1:], (512, 4096))  # compiles here, untimed
             times = []
             for _ in range(reps):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                out = runner.predict(model, lat, t, text, 4.0)[0]
+                out = r.predict(model, x, t, ctx, 4.0)[0]
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
@@ -184,7 +187,13 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
 
     plain_s, plain = run(TeacherSpeed())
     print(f"step plain: {plain_s:.4f}s ({blocks} A14B blocks, {tokens} tokens, CFG, {device})", flush=True)
-    records = []
+    _, exact = run(TeacherSpeed(), torch.float32)  # bf16's own drift: the yardstick of "within bf16 noise"
+    noise = _diff(exact, plain)
+    print(f"step bf16 vs float32 (the yardstick): max |diff| {noise[0]:.3g} ({noise[1]:.2%}), RMS {noise[2]:.2%}",
+          flush=True)
+    records = [result("teacher_step_bf16_noise", noise[2], 0.0, "RMS of the bf16 step's difference from float32's",
+                      None, "info", ratio=noise[2], note=f"max |diff| {noise[0]:.3g} ({noise[1]:.2%} of max); "
+                      f"{blocks} A14B-width blocks at {height}x{width}, CFG")]
     for name, speed in options(device).items():
         chosen = replace(TeacherSpeed(), **speed)
         why = _usable(chosen, device)
@@ -194,7 +203,8 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
         seconds, out = run(chosen)
         d_abs, d_rel, d_rms = _diff(plain, out)
         note = (f"{blocks} A14B-width blocks at {height}x{width} ({tokens} tokens), CFG, bf16, best of {reps}; "
-                f"prediction max |diff| {d_abs:.3g} ({d_rel:.2%} of max, RMS {d_rms:.2%})")
+                f"prediction max |diff| {d_abs:.3g} ({d_rel:.2%} of max, RMS {d_rms:.2%}; bf16 vs float32: RMS "
+                f"{noise[2]:.2%})")
         print(f"step {name}: {seconds:.4f}s vs {plain_s:.4f}s; {note}", flush=True)
         slug = name.split(" ")[0].replace("+", "_").replace("-", "")
         records.append(result(f"teacher_step_{slug}", plain_s / seconds, 1.0, "x plain step speed", None, "info",

@@ -213,8 +213,4 @@ def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
         "fixed_bytes": own.fixed_bytes, "total_bytes": own.total,
         "projected_prompts": projected.prompts, "projected_samples": projected.samples,
         "projected_bytes": projected.total,
-        # every step runs, recorded or not; their time is plan's: the manifest has the teacher's config hashes only
-        "projected_teacher_steps": projected.prompts * m.seeds_per_prompt * m.steps,
-        "projected_teacher_time": "not from the manifest (it keeps no transformer width or depth): `wandistiller "
-                                  "plan --teacher T --prompts N` with the run's sizes (docs/costs.md)",
     }

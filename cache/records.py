@@ -210,11 +210,15 @@ class CacheHeader(Record):
     keep_steps: list[int] | None = optional()
     # the teacher's speed options that can change a target (attention backend, compile, tf32 on CUDA, quantization)
     numerics: dict | None = optional()
+    # the transformer's shape (heads, head dim, blocks, ffn) for `cache info --prompts`'s compute figure; its config's
+    # hash is in `teacher_identity`, so it stays out of the fingerprint (caches made before it keep theirs)
+    teacher_shape: dict | None = optional()
     teacher_identity: dict  # hashes of the teacher's configs and weight files (fingerprinted)
 
     # Fields that say where the teacher was found, not what it is: left out of the fingerprint (its content enters
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
-    NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path")
+    NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path", "teacher_shape")
+    SHAPE_KEYS: ClassVar[tuple[str, ...]] = ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")
 
     def clip(self) -> dict:
         """A video cache's clip length, decoded and in latent frames (`cache info`, `train-student --dry-run`); {} for
@@ -250,7 +254,8 @@ class CacheHeader(Record):
             scheduler={k: v for k, v in scheduler.config.items() if not k.startswith("_")}
             | {"_class_name": type(scheduler).__name__},
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
-            **_recorded(cfg), numerics=numerics, teacher_identity=identity)
+            **_recorded(cfg), numerics=numerics, teacher_shape={k: tcfg[k] for k in cls.SHAPE_KEYS},
+            teacher_identity=identity)
 
 
 def _features(cfg, teacher, latent_shape) -> dict:

@@ -261,6 +261,11 @@ def cache_info_cmd(cache_dir, prompts, as_json):
 
     unfinished = summarize_unfinished(cache_dir)
     info = summarize(cache_dir, prompts) if unfinished is None else unfinished
+    if unfinished is None:  # the teacher's compute for the projected prompts (docs/costs.md)
+        from cache.manifest import load_manifest
+        from stages.teacher_cache.costs import cache_compute
+
+        info |= cache_compute(load_manifest(cache_dir), info["projected_prompts"])
     if as_json or unfinished is not None:
         click.echo(json.dumps(info, indent=2) if as_json else "\n".join(lines(unfinished)))
         return

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # in ~1 minute on an H200); the others are the CPU suite's figures again on CUDA.
 BENCHES = [
     ("placements_a14b", []),
+    ("teacher_speed", []),  # issue 45: each speed option's step at A14B width and its drift, fidelity on shapes
     ("stage_two", []),
     ("real_size", ["--real-size-args=--prompts 2000 --steps 3 --reps 1"]),
     ("stage_one", []),

@@ -15,9 +15,14 @@ from conftest import ROOT
 from hub_cache import A14B_CONFIGS
 from pipeline.cli import main
 from pipeline.errors import UserError
-from stages.teacher_cache.costs import CHECKS, STEP_TABLE, StepTime, flop, project, step_flops, table_step_time
+from stages.teacher_cache.costs import STEP_TABLE, StepFigure, StepTime, flop, project, step_flops, table_step_time
 from stages.teacher_cache.launch import plan_launch, teacher_cache_words
 
+# What the FLOP model is checked against here (docs/costs.md shows it), not calibrated by: public, not measured by this repo.
+CHECKS = (
+    StepFigure((5120, 40, 13824), "Wan2.1-I2V-14B-480P (36 input channels, 257 image tokens)", 480, 832, 81, 9.15,
+               "H200", "issue 45's public figure: 40 CFG steps in 366 s, the whole generation", image_tokens=257),
+)
 A14B_EXPERT = json.loads((A14B_CONFIGS / "transformer" / "config.json").read_text())
 WORDS = teacher_cache_words("Wan-AI/Wan2.2-T2V-A14B-Diffusers", None, "cuda", {"--batch-size": 8})
 
@@ -207,4 +212,18 @@ def test_cache_info_counts_the_teacher_steps_and_says_where_their_time_is(tiny_c
     r = invoke("cache", "info", tiny_cache, "--prompts", "1000", "--json")
     info = json.loads(r.output)
     assert info["projected_teacher_steps"] == 1000 * info["seeds_per_prompt"] * info["steps"]
-    assert "`wandistiller plan --teacher T --prompts N`" in info["projected_teacher_time"]
+    assert "no table figure for this teacher's shape: `wandistiller plan --measure" in info["projected_teacher_time"]
+
+
+@pytest.mark.parametrize("latent, seconds, hours", [([16, 1, 60, 104], 0.20, 44.4), ([16, 21, 60, 104], 7.97, 1772.1)])
+def test_cache_info_gives_a_video_caches_compute_as_plan_does(latent, seconds, hours):
+    """An A14B cache of 81 frames at 480x832 (21 latent frames): the same FLOP-model figure `plan` prints."""
+    from conftest import sample_header
+    from stages.teacher_cache.costs import cache_compute
+
+    shape = {k: A14B_EXPERT[k] for k in ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")}
+    header = sample_header(steps=40, latent_shape=latent, max_sequence_length=512, teacher_shape=shape)
+    got = cache_compute(header, 20_000)
+    assert got["projected_teacher_steps"] == 800_000 and round(got["teacher_step_s"], 2) == seconds
+    assert got["projected_teacher_gpu_hours"] == hours and "docs/costs.md" in got["teacher_step_source"]
+    assert "not recorded" in cache_compute(sample_header(), 10)["projected_teacher_time"]  # an older cache

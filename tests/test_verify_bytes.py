@@ -204,10 +204,10 @@ def test_a_field_edited_in_both_manifest_and_progress_record_names_the_field_set
 
 def test_the_fingerprint_hashes_the_header_less_where_the_teacher_was_found(tiny_cache):
     """The fingerprint is the sha256 of stage one's header (its progress record's, `teacher_identity` included)
-    less the teacher's name, revision and folder; every other field of the manifest is the manifest's own."""
+    less the teacher's name, revision, folder and shape; every other field of the manifest is the manifest's own."""
     m = load_manifest(tiny_cache)
     header = json.loads((tiny_cache / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS).read_text())["header"]
-    not_hashed = ("teacher", "revision", "teacher_path")
+    not_hashed = ("teacher", "revision", "teacher_path", "teacher_shape")  # (the shape's config: teacher_identity)
     assert m.fingerprint == fingerprint({k: v for k, v in header.items() if k not in not_hashed})
     assert set(CacheHeader.NOT_FINGERPRINTED) == set(not_hashed) and m.header().to_json() == header
     own = set(m.to_json()) - set(header)

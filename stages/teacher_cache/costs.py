@@ -46,11 +46,6 @@ STEP_TABLE = (
     StepFigure((5120, 40, 13824), "Wan2.2-T2V-A14B (one expert; Wan2.1-T2V-14B has the same shape)", 480, 832, 1,
                0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
 )
-# What the FLOP model is checked against (tests/test_costs.py), not calibrated by: public, not measured by this repo.
-CHECKS = (
-    StepFigure((5120, 40, 13824), "Wan2.1-I2V-14B-480P (36 input channels, 257 image tokens)", 480, 832, 81, 9.15,
-               "H200", "issue 45's public figure: 40 CFG steps in 366 s, the whole generation", image_tokens=257),
-)
 PEAK_TFLOPS = {"H100": 989, "H200": 989}  # dense bf16, without sparsity
 
 
@@ -97,6 +92,24 @@ def table_step_time(transformer_config: dict, tokens: int, placement: str, text_
     if speed[1]:
         where += f"; {speed[1]}"
     return StepTime(fig.seconds * run["total"] / base / speed[0], where)
+
+
+def cache_compute(header, prompts: int) -> dict:
+    """`cache info --prompts`'s compute figures for `prompts` prompts of a cache like `header`'s (a CacheHeader):
+    its teacher steps (every step runs, recorded or not) and, for a teacher of the table's shape, the FLOP model's
+    seconds a step and GPU-hours on the table's GPU (placement cuda)."""
+    steps = prompts * header.seeds_per_prompt * header.steps
+    out = {"projected_teacher_steps": steps}
+    if header.teacher_shape is None:
+        return out | {"projected_teacher_time": "not recorded by the stage one that made this cache (the teacher's "
+                                                "shape): `wandistiller plan --prompts N` gives it"}
+    (_, f, h, w), (pt, ph, pw) = header.latent_shape, header.patch_size
+    step = table_step_time(header.teacher_shape, (f // pt) * (h // ph) * (w // pw), "cuda", header.max_sequence_length)
+    if step is None:
+        return out | {"projected_teacher_time": "no table figure for this teacher's shape: `wandistiller plan --measure "
+                                                "--prompts N` on the GPU box times a step"}
+    return out | {"teacher_step_s": round(step.seconds, 3), "projected_teacher_gpu_hours": round(
+        steps * step.seconds / 3600, 1), "teacher_step_source": step.source}
 
 
 def flop(x: float) -> str:

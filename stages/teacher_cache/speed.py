@@ -12,26 +12,26 @@ from dataclasses import dataclass, fields
 import torch
 
 from pipeline.errors import UserError
-from pipeline.registries import QUANTS, STEP_CACHE_WHY, STEP_CACHES
+from pipeline.registries import QUANTS, STEP_CACHE_WHY, STEP_CACHES, TeacherSpeedSettings
 from pipeline.sampling import model_timestep
 
 # Backends of diffusers' dispatcher that run without CUDA; every other one is refused on a CPU run.
 CPU_BACKENDS = ("native", "_native_math")
 
 
-@dataclass(frozen=True)
-class TeacherSpeed:
-    """The chosen options of one run (the fields of TeacherSpeedSettings but the refused `step_cache`)."""
+@dataclass(frozen=True, kw_only=True)
+class TeacherSpeed(TeacherSpeedSettings):
+    """The speed options of one run, as TeacherSpeedSettings declares them (a refused `--step-cache` never gets
+    here), and what they do."""
 
-    attention_backend: str = "native"
-    compile: bool = False
-    tf32: bool = False
-    teacher_quant: str = "none"
+    @property
+    def quantizes(self) -> bool:
+        return QUANTS[self.teacher_quant].caps.torchao is not None
 
     @classmethod
     def of(cls, cfg) -> TeacherSpeed:
         """The options of a config carrying TeacherSpeedSettings (teacher-cache's, plan's)."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(TeacherSpeedSettings)})
 
     def numerics(self, device: torch.device) -> dict | None:
         """The options that can change a target on `device`, as the header records them (None: the plain teacher, so
@@ -43,7 +43,8 @@ class TeacherSpeed:
 
     def check(self, placement) -> None:
         """One line naming an option this machine or `placement` (resolved) cannot run, before any weight loads."""
-        device, caps, cuda = placement.device, placement.entry.caps, placement.device.type == "cuda"
+        device, caps = placement.device, placement.entry.caps
+        cuda = device.type == "cuda"
         b = self.attention_backend
         if b != "native":
             if not cuda and b not in CPU_BACKENDS:
@@ -55,13 +56,12 @@ class TeacherSpeed:
                 _check_attention_backend_requirements(AttentionBackendName(b))
             except RuntimeError as e:
                 raise UserError(f"--attention-backend {b} cannot run here: {e}; or leave it out (native)") from None
-        if (self.compile or self.teacher_quant != "none") and (caps.streams or caps.spreads or caps.json_map):
+        if (self.compile or self.quantizes) and (caps.streams or caps.spreads or caps.json_map):
             chosen = " and ".join(n for n, on in (("--compile", self.compile),
-                                                  (f"--teacher-quant {self.teacher_quant}",
-                                                   self.teacher_quant != "none")) if on)
+                                                  (f"--teacher-quant {self.teacher_quant}", self.quantizes)) if on)
             raise UserError(f"{chosen} needs the teacher's weights resident on the device that computes (placement cuda "
                             f"or cpu); placement {placement.name} moves them while it runs")
-        if self.teacher_quant != "none":
+        if self.quantizes:
             q = QUANTS[self.teacher_quant].caps
             if importlib.util.find_spec("torchao") is None:
                 raise UserError(f"--teacher-quant {self.teacher_quant} quantizes through torchao, which is not "
@@ -80,7 +80,7 @@ class TeacherSpeed:
             torch.backends.cudnn.allow_tf32 = True
         if self.attention_backend != "native":
             model.set_attention_backend(self.attention_backend)
-        if self.teacher_quant != "none":
+        if self.quantizes:
             quantize(model, self.teacher_quant)
         if self.compile:
             model.compile_repeated_blocks(fullgraph=True)
