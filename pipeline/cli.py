@@ -35,7 +35,9 @@ def _start(cpu_only: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*upcast_vae.*")
-    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
+    # torchao (the [quant] extra, imported by diffusers' quantizers when installed) warns at import of CUDA kernels a
+    # CPU build cannot load, and torch of its enums' registration: every command would print three such lines.
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
         if name in ("diffusers", "transformers"):
             library = importlib.import_module(f"{name}.utils.logging")

@@ -6,7 +6,6 @@ so a resumed cache never mixes numerics. Cache-skipping hooks are refused wherev
 from __future__ import annotations
 
 import importlib.util
-import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,9 +103,7 @@ class TeacherSpeed(TeacherSpeedSettings):
 def quantize(model: torch.nn.Module, name: str) -> None:
     """The repeated blocks' linear layers through torchao's config for `name` (embedders and the output projection,
     small and partly float32, stay as they are)."""
-    for noisy in ("torchao", "torch.utils._pytree"):  # its import warns of CUDA kernels a CPU build cannot load
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    import torchao.quantization as tq
+    import torchao.quantization as tq  # (its import warnings are quietened by the CLI's _start)
 
     config = getattr(tq, QUANTS[name].caps.torchao)()
     tq.quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn.startswith("blocks."))
