@@ -32,10 +32,10 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo demo-video test faults bench gpu-check clean help
+.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo demo-video one-step test faults bench gpu-check clean help
 
 help:
-	@echo "make demo | demo-video | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
+	@echo "make demo | demo-video | one-step | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -141,6 +141,29 @@ demo: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json $(DEMO)/cache.stamp
 	@echo "  eval       $(DEMO)/eval.json    (plot $(DEMO)/eval.png; the printed table: final-latent error, attribute"
 	@echo "                                  accuracy, time per image of the teacher, the student at $(DEMO_FEW_STEPS) and 8"
 	@echo "                                  steps, the few-step student and the LoRA; images $(DEMO)/eval-attributes.png)"
+
+# A 1-step compact student from make demo's cache (docs/results.md, "One step"; run make demo first): the demo's
+# 2-step segment student trained on at one step with the pseudo-Huber distance (4 epochs), then eval on the held-out
+# captions beside the 1-step segment student trained from the teacher's blocks as the demo trains its students and
+# the demo's 2-step student. About 14 minutes on 2 CPU cores. ONE_STEP_COMPARE: more --compare runs for the eval.
+ONE_STEP ?= $(RUNS)/one-step
+ONE_STEP_BASE_ARGS ?= --cache $(DEMO)/cache --student-config configs/student-shapes.json --batch-size 64 \
+	--warmup-steps 50 --ema-decay 0.995 --holdout-prompts 64 --val-every 0 --objective segment --student-steps 1
+ONE_STEP_ARGS ?= --segment-start-weight 4 --segment-loss pseudo-huber --segment-huber-c 0.01 --lr 3e-4 --epochs 4 \
+	--init-from-teacher $(DEMO_FEW)/student_ema
+ONE_STEP_COMPARE ?=
+one-step: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json
+	@test -f $(DEMO)/cache/manifest.json -a -f $(DEMO_FEW)/student_ema/config.json || { echo "error: make one-step \
+	starts from make demo's cache and its $(DEMO_FEW_STEPS)-step student ($(DEMO_FEW)); run make demo first" >&2; exit 2; }
+	rm -rf $(ONE_STEP)
+	$(BIN)/wandistiller train-student $(ONE_STEP_BASE_ARGS) $(ONE_STEP_ARGS) --out $(ONE_STEP)/student
+	$(BIN)/wandistiller train-student $(ONE_STEP_BASE_ARGS) --lr 1e-3 --epochs 2 \
+		--init-from-teacher $(PRETRAINED_TEACHER) --out $(ONE_STEP)/from-teacher
+	$(BIN)/wandistiller eval --student $(ONE_STEP)/student --compare $(ONE_STEP)/from-teacher --compare $(DEMO_FEW) \
+		$(ONE_STEP_COMPARE) --cache $(DEMO)/cache --teacher $(PRETRAINED_TEACHER) --report $(ONE_STEP)/eval.json \
+		--attributes data/shapes-heldout.txt --timing-runs 8
+	@echo
+	@echo "one-step done: $(ONE_STEP)/student (1 step, from $(DEMO_FEW)); eval $(ONE_STEP)/eval.json (its table above)"
 
 # The same on video: the tiny video teacher (data/tiny-video-teacher-pretrained: 9-frame 64x64 clips of a moving
 # shape) over the 3,632 clip training captions -> a 4-block velocity student, a DEMO_VIDEO_STEPS-step segment student

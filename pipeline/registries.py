@@ -297,6 +297,12 @@ class SegmentSettings(StudentSchedule):
     start_weight: float = setting(1.0, flag="segment-start-weight", check=positive(),
                                   help="segment: weight of the loss at each segment's first state (where the K-step "
                                        "sampler queries the student) against 1 inside a segment.")
+    loss: str = setting("mse", flag="segment-loss", check=one_of(("mse", "pseudo-huber")),
+                        help="segment: the distance per sample: mse, or pseudo-huber, sqrt(mse + c^2) - c (iCT): "
+                             "linear in the RMS error above c, so the samples a small student cannot fit pull no "
+                             "harder than the rest.")
+    huber_c: float = setting(0.01, flag="segment-huber-c", check=positive(),
+                             help="segment --segment-loss pseudo-huber: c, in RMS units of the latent velocity.")
 
 
 @OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "

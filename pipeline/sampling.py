@@ -215,4 +215,9 @@ def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b).pow(2).flatten(1).mean(1)
 
 
+def pseudo_huber(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """Per-sample pseudo-Huber distance in float32, sqrt(mse + c^2) - c: quadratic below c, the RMS error above."""
+    return (mse(a, b) + c * c).sqrt() - c
+
+
 SAMPLERS = {"euler": euler_config}  # an objective's own sampler: the student's scheduler config from the teacher's

@@ -41,8 +41,9 @@ def test_the_readme_is_a_front_door():
 # public check point) and cache info's teacher steps; +294 for the teacher's speed options (speed.py: attention backend,
 # regional compile with its warm-up outside the progress figures, TF32, torchao quantization, cache-skipping hooks
 # refused; their settings and registries, the header's numerics, a refused resume naming the option that differs)
-# and cache info's FLOP-model time from the header's recorded teacher shape.
-LINE_BOUND = 15_825
+# and cache info's FLOP-model time from the header's recorded teacher shape. Issue 44, so far: +12 for the segment
+# objective's pseudo-Huber distance (--segment-loss, --segment-huber-c; the default left unrecorded).
+LINE_BOUND = 15_837
 
 
 def test_the_packages_do_not_grow_back():

@@ -221,3 +221,24 @@ def test_sampler_equals_wan_pipeline_with_cfg(tiny_teacher):
 def test_readme_few_step_recipe_names_real_flags():
     text = (ROOT / "README.md").read_text()
     assert "--objective segment --student-steps" in text
+
+
+def test_segment_pseudo_huber_is_the_rms_error_above_c_and_quadratic_below(tiny_cache):
+    from pipeline.sampling import mse, pseudo_huber
+    from stages.train_student.objective_velocity import Batch, Outputs
+
+    a, b = torch.zeros(3, 256), torch.tensor([1e-4, 0.1, 1.0]).unsqueeze(1).expand(3, 256)
+    got, c = pseudo_huber(a, b, 0.01), 0.01
+    assert torch.allclose(got, (mse(a, b) + c * c).sqrt() - c)
+    assert got[0] == pytest.approx(1e-8 / (2 * c), rel=1e-3)  # quadratic: mse / 2c
+    assert got[2] == pytest.approx(1.0 - c, rel=1e-4)  # linear: the RMS error, less c
+    # mse, the default, is not recorded: a segment run from before the setting resumes and its distill.json is unchanged
+    assert not {"loss", "huber_c"} & Segment({"student_steps": 2, "loss": "mse", "huber_c": 0.01}).settings.keys()
+    m = load_manifest(tiny_cache)
+    seg = Segment({"student_steps": 2, "loss": "pseudo-huber", "huber_c": 0.01})
+    check_cache(seg, m, str(tiny_cache), num_layers=1)
+    target = torch.randn(4, 2, 1, 4, 4)
+    batch = Batch({SEGMENT_VELOCITY: target}, torch.zeros(4), torch.zeros(4, 3, 8), torch.ones(4),
+                  {"step": torch.tensor([0, 1, 2, 3])})
+    out = Outputs(target + 0.5)
+    assert torch.allclose(seg.terms(out, batch, None)["segment"], torch.full((4,), (0.25 + 1e-4) ** 0.5 - 0.01))

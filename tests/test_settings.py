@@ -59,4 +59,5 @@ def test_objective_settings_are_their_own_dataclass():
     assert cfg.objective_settings == R.SegmentSettings(student_steps=2, velocity_weight=0.0, start_weight=2.0)
     assert dataclasses.asdict(cfg.objective_settings) == {"student_steps": 2, "student_timesteps": None,
                                                           "student_shift": None, "student_expert_steps": None,
-                                                          "velocity_weight": 0.0, "start_weight": 2.0}
+                                                          "velocity_weight": 0.0, "start_weight": 2.0,
+                                                          "loss": "mse", "huber_c": 0.01}

@@ -12,6 +12,7 @@ from cache import format as F
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.registries import CHOSEN, FeatureSettings, SegmentSettings, VelocitySettings
+from pipeline.sampling import pseudo_huber
 
 from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
     OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
@@ -43,6 +44,8 @@ class Segment(Objective):
         super().__init__(settings)  # a schedule choice left unset is not recorded (a default run's distill.json)
         self.settings = {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings.items()
                          if v is not None or k not in CHOSEN}
+        if self.settings.get("loss", "mse") == "mse":  # the default distance is not recorded: what ran before it
+            self.settings = {k: v for k, v in self.settings.items() if k not in ("loss", "huber_c")}
         if float(self.settings.get("velocity_weight", 0.0)) > 0:
             self.fields = (F.T_X_T, F.T_TARGET)
         self.end_step: list[int] | None = None
@@ -106,6 +109,8 @@ class Segment(Objective):
         from .data import SEGMENT_VELOCITY
 
         seg = mse(out.prediction, batch.fields[SEGMENT_VELOCITY])
+        if self.settings.get("loss") == "pseudo-huber":  # (mse, the default, is not recorded)
+            seg = pseudo_huber(out.prediction, batch.fields[SEGMENT_VELOCITY], float(self.settings["huber_c"]))
         start_w = float(self.settings.get("start_weight", 1.0))
         if start_w != 1.0:  # the states the K-step sampler starts its steps from weigh start_w, the others 1
             starts = torch.as_tensor(self.settings["boundaries"], device=seg.device)
