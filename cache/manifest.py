@@ -190,9 +190,10 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     return m
 
 
-def summarize(cache_dir: str | os.PathLike, prompts: int | None = None) -> dict:
-    """What `cache info` prints: a finished cache's sizes and settings, its bytes projected for `prompts` prompts."""
-    m = load_manifest(cache_dir)
+def summarize(cache_dir: str | os.PathLike, prompts: int | None = None, m: Manifest | None = None) -> dict:
+    """What `cache info` prints: a finished cache's sizes and settings, its bytes projected for `prompts` prompts
+    (`m`: its manifest, when the caller has loaded it)."""
+    m = m or load_manifest(cache_dir)
     inputs = measured_inputs(cache_dir, m)
     own = project(m, m.prompts, m.num_parts, **inputs)
     projected = own if prompts is None else project(m, prompts, m.num_parts, **inputs)

@@ -218,7 +218,6 @@ class CacheHeader(Record):
     # Fields that say where the teacher was found, not what it is: left out of the fingerprint (its content enters
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
     NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path", "teacher_shape")
-    SHAPE_KEYS: ClassVar[tuple[str, ...]] = ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")
 
     def clip(self) -> dict:
         """A video cache's clip length, decoded and in latent frames (`cache info`, `train-student --dry-run`); {} for
@@ -254,8 +253,8 @@ class CacheHeader(Record):
             scheduler={k: v for k, v in scheduler.config.items() if not k.startswith("_")}
             | {"_class_name": type(scheduler).__name__},
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
-            **_recorded(cfg), numerics=numerics, teacher_shape={k: tcfg[k] for k in cls.SHAPE_KEYS},
-            teacher_identity=identity)
+            **_recorded(cfg), numerics=numerics, teacher_identity=identity, teacher_shape={
+                k: tcfg[k] for k in ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")})
 
 
 def _features(cfg, teacher, latent_shape) -> dict:

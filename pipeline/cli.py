@@ -257,17 +257,16 @@ def cache_info_cmd(cache_dir, prompts, as_json):
 
     Example: wandistiller cache info runs/cache --prompts 100000"""
     _start(cpu_only=True)
-    from cache.manifest import summarize
+    from cache.manifest import load_manifest, summarize
 
     from .cache_status import lines, summarize_unfinished
 
-    unfinished = summarize_unfinished(cache_dir)
-    info = summarize(cache_dir, prompts) if unfinished is None else unfinished
-    if unfinished is None:  # the teacher's compute for the projected prompts (docs/costs.md)
-        from cache.manifest import load_manifest
+    info = unfinished = summarize_unfinished(cache_dir)
+    if unfinished is None:  # with the teacher's compute for the projected prompts (docs/costs.md)
         from stages.teacher_cache.costs import cache_compute
 
-        info |= cache_compute(load_manifest(cache_dir), info["projected_prompts"])
+        m = load_manifest(cache_dir)
+        info = summarize(cache_dir, prompts, m) | cache_compute(m, prompts or m.prompts)
     if as_json or unfinished is not None:
         click.echo(json.dumps(info, indent=2) if as_json else "\n".join(lines(unfinished)))
         return

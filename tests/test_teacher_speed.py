@@ -11,26 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from conftest import TINY_CACHE_ARGS, make_cache, read_all_samples
-from pipeline.cli import main
+from test_refused_inputs import _cli, one_line
 from pipeline.errors import UserError
 from stages.teacher_cache.speed import TeacherSpeed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _cli(*argv):
-    return CliRunner().invoke(main, [str(a) for a in argv], catch_exceptions=False)
-
-
-def one_line(r, *needles: str) -> str:
-    text = r.stdout + r.stderr
-    said = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 2 and len(said) == 1 and "Traceback" not in text, text[-2000:]
-    assert all(n in said[0] for n in needles), (needles, said[0])
-    return said[0]
 
 
 def _stage_one(teacher, prompts, out, *extra):

@@ -17,7 +17,7 @@ from pipeline.registries import placement_entry
 from pipeline.sampling import model_timestep
 
 from . import placements
-from .speed import TeacherSpeed
+from .speed import TeacherSpeed, spelled
 from .teacher import ExpertSet, load_scheduler, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner
 
@@ -164,7 +164,7 @@ def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime
         seconds = _time_step(runner, experts[0], spec, cfg, p.device, p.torch_dtype)
         experts.close()
     b, options = cfg.batch_size, speed.numerics(p.device)
-    with_options = ", " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in options.items()) if options else ""
+    with_options = f", {spelled(options)}" if options else ""
     log(f"measured: one step of {b} trajectories in {seconds:.3f} s with placement {p.name} on {p.device} "
         f"({p.dtype}{with_options}; the expert loaded in {load_s:.1f} s)")
     return StepTime(seconds / b, f"measured here by --measure: {seconds:.3g} s for a batch of {b}, placement "

@@ -42,7 +42,7 @@ from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
 from .placements import Placement
-from .speed import TeacherSpeed
+from .speed import FLAGS, TeacherSpeed
 from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
@@ -207,7 +207,7 @@ def _changed(then: CacheHeader, now: CacheHeader) -> str:
     plain = {f.name: f.default for f in fields(TeacherSpeed)}  # what a header without `numerics` ran with
 
     def flat(h: dict) -> dict:
-        speed = {f"--{k.replace('_', '-')}": v for k, v in (plain | (h.get("numerics") or {})).items()}
+        speed = {FLAGS[k]: v for k, v in (plain | (h.get("numerics") or {})).items()}
         return {k: v for k, v in h.items() if k != "numerics"} | speed
 
     a, b = flat(then.settings()), flat(now.settings())

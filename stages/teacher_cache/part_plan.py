@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from cache.manifest import manifest_path
@@ -13,11 +13,11 @@ from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
 from pipeline.prompts import dedupe, read_prompt_file
-from pipeline.registries import TeacherSpeedSettings
 from pipeline.runtime import dist_env, print0
 
 from . import placements
 from .outdir import refuse_foreign
+from .speed import TeacherSpeed, spelled
 from .teacher import TeacherSpec, configs_spec, resolve_teacher
 
 
@@ -134,9 +134,7 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
            f"  teacher    {summary['teacher']}\n"
            f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
            f"  --out      {cfg.out}: {summary['out']}")
-    options = [f"--{f.name.replace('_', '-')}" + ("" if v is True else f" {v}") for f in fields(TeacherSpeedSettings)
-               if (v := getattr(cfg, f.name)) != f.default]
-    if options:  # (checked against the machine when the run resolves its placement)
-        summary["speed"] = options
-        print0(f"  speed      {' '.join(options)} (what can change a target enters the cache's fingerprint)")
+    if options := TeacherSpeed.of(cfg).numerics(None):  # (checked against the machine when the run resolves it)
+        summary["speed"] = spelled(options)
+        print0(f"  speed      {summary['speed']} (what can change a target enters the cache's fingerprint)")
     return summary

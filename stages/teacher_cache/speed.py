@@ -13,9 +13,14 @@ import torch
 from pipeline.errors import UserError
 from pipeline.registries import QUANTS, STEP_CACHE_WHY, STEP_CACHES, TeacherSpeedSettings
 from pipeline.sampling import model_timestep
+from pipeline.settings import name_of
 
-# Backends of diffusers' dispatcher that run without CUDA; every other one is refused on a CPU run.
-CPU_BACKENDS = ("native", "_native_math")
+FLAGS = {f.name: f"--{name_of(f)}" for f in fields(TeacherSpeedSettings)}  # field -> how the command line spells it
+
+
+def spelled(options: dict) -> str:
+    """Options (field -> value) as the command line gives them: "--compile --teacher-quant int8"."""
+    return " ".join(FLAGS[k] + ("" if v is True else f" {v}") for k, v in options.items())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,13 +37,11 @@ class TeacherSpeed(TeacherSpeedSettings):
         """The options of a config carrying TeacherSpeedSettings (teacher-cache's, plan's)."""
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(TeacherSpeedSettings)})
 
-    def numerics(self, device: torch.device) -> dict | None:
-        """The options that can change a target on `device`, as the header records them (None: the plain teacher, so
-        a cache made before these options existed keeps its fingerprint). TF32 touches only CUDA matmuls."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
-        if device.type != "cuda":
-            out.pop("tf32", None)
-        return out or None
+    def numerics(self, device: torch.device | None) -> dict | None:
+        """The options given that can change a target on `device` (None: not known yet), as the header records them;
+        None for the plain teacher, so older caches keep their fingerprints. TF32 touches only CUDA matmuls."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) != f.default
+                and (f.name != "tf32" or device is None or device.type == "cuda")} or None
 
     def check(self, placement) -> None:
         """One line naming an option this machine or `placement` (resolved) cannot run, before any weight loads."""
@@ -46,7 +49,7 @@ class TeacherSpeed(TeacherSpeedSettings):
         cuda = device.type == "cuda"
         b = self.attention_backend
         if b != "native":
-            if not cuda and b not in CPU_BACKENDS:
+            if not cuda and b != "_native_math":  # (with native, torch's SDPA: the backends that run on a CPU)
                 raise UserError(f"--attention-backend {b} runs on CUDA, and this run computes on {device} (placement "
                                 f"{placement.name}); leave it out (native) or run on a GPU")
             from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements

@@ -234,7 +234,7 @@ class ExpertSet:
         self.spec, self.placement, self.log = spec, placement, log
         self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
-        self.prepare = prepare  # the speed options applied to each expert as it loads (speed.TeacherSpeed.prepare)
+        self.prepare = prepare or (lambda model: model)  # the speed options, as each expert loads (speed.py)
         self.on_load = None  # called with each expert once prepared (the compile warm-up of make_cache)
 
     def __len__(self) -> int:
@@ -258,8 +258,8 @@ class ExpertSet:
                 torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
-                m = self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log)
-                self.models[e - 1] = m = self.prepare(m) if self.prepare is not None else m
+                m = self.prepare(self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log))
+                self.models[e - 1] = m
                 if self.on_load is not None:
                     self.on_load(m)
 

@@ -108,9 +108,9 @@ class Segment(Objective):
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
         from .data import SEGMENT_VELOCITY
 
-        seg = mse(out.prediction, batch.fields[SEGMENT_VELOCITY])
-        if self.settings.get("loss") == "pseudo-huber":  # (mse, the default, is not recorded)
-            seg = pseudo_huber(out.prediction, batch.fields[SEGMENT_VELOCITY], float(self.settings["huber_c"]))
+        pred, target = out.prediction, batch.fields[SEGMENT_VELOCITY]
+        seg = pseudo_huber(pred, target, float(self.settings["huber_c"])) \
+            if self.settings.get("loss") == "pseudo-huber" else mse(pred, target)  # (mse, the default: unrecorded)
         start_w = float(self.settings.get("start_weight", 1.0))
         if start_w != 1.0:  # the states the K-step sampler starts its steps from weigh start_w, the others 1
             starts = torch.as_tensor(self.settings["boundaries"], device=seg.device)
