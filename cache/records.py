@@ -24,6 +24,7 @@ MAX_PARTS, MAX_PROMPTS, MAX_SEEDS, MAX_STEPS = 10**5, 10**8, 100, 1000
 # The format's own upper bounds: the names hold 5 digits of part, 6 of shard, 8 of prompt, 2 of seed and 3 of step
 # (`format.sample_key`, `format.shard_relpath`), so no cache can have more.
 SHARD_RE = re.compile(r"^shards/part-(\d{5})-\d{6}\.tar$")
+TEACHER_SHAPE = ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")  # the header's teacher_shape
 
 
 def _int(lo: int = 0, hi: int | None = None) -> tuple[Callable, str]:
@@ -53,6 +54,8 @@ RANGES = {
     "dtype": ((lambda v: v in F.DTYPES), f"one of {', '.join(F.DTYPES)}"), "max_sequence_length": _int(1),
     "text_dim": _int(1), "num_parts": _int(1, MAX_PARTS), "part": _int(0, MAX_PARTS - 1),
     "crc32c": _int(0, 2**32 - 1), "batch_size": _int(1), "samples_per_shard": _int(1),
+    "patch_size": _list(_int(1), "sizes"), "teacher_shape": ((lambda v: type(v) is dict and sorted(v) == sorted(
+        TEACHER_SHAPE) and all(_int(1)[0](x) for x in v.values())), f"{', '.join(TEACHER_SHAPE)}, whole numbers >= 1"),
 }
 
 
@@ -253,8 +256,8 @@ class CacheHeader(Record):
             scheduler={k: v for k, v in scheduler.config.items() if not k.startswith("_")}
             | {"_class_name": type(scheduler).__name__},
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
-            **_recorded(cfg), numerics=numerics, teacher_identity=identity, teacher_shape={
-                k: tcfg[k] for k in ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim")})
+            **_recorded(cfg), numerics=numerics, teacher_shape={k: tcfg[k] for k in TEACHER_SHAPE},
+            teacher_identity=identity)
 
 
 def _features(cfg, teacher, latent_shape) -> dict:

@@ -196,11 +196,9 @@ def _step_cache(name, v) -> None:
 
 def _attention_backend(name, v) -> None:
     """One of diffusers' attention backends (read from diffusers only when the value is not the default)."""
-    if v == "native":
-        return
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    one_of([b.value for b in AttentionBackendName])(name, v)
+    if v != "native":
+        from diffusers.models.attention_dispatch import AttentionBackendName
+        one_of([b.value for b in AttentionBackendName])(name, v)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -94,6 +94,8 @@ def test_a_billion_parts_are_refused_before_anything_is_counted(cache_copy):
     ("prompts a string", lambda m: m.update({"prompts": "235"}), "'prompts' is '235'"),
     ("shards an object", lambda m: m.update({"shards": {}}), "'shards' is {}"),
     ("latent_shape negative", lambda m: m.update({"latent_shape": [16, -1, 8, 8]}), "'latent_shape'"),
+    ("patch_size zero", lambda m: m.update({"patch_size": [1, 0, 2]}), "'patch_size'"),
+    ("teacher_shape lacking a key", lambda m: m.update({"teacher_shape": {"num_layers": 2}}), "'teacher_shape'"),
     ("a shard of another name", lambda m: m["shards"][0].update({"path": "shards/x.tar"}),
      "not of the form shards/part-PPPPP-SSSSSS.tar"),
 ])

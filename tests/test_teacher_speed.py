@@ -128,3 +128,12 @@ def test_plan_measure_times_the_step_with_the_options_the_run_will_use(tiny_teac
     assert r.exit_code == 0, r.output[-2000:]
     assert "measured here by --measure" in r.output and "teacher-quant int8" in r.output
     assert "--teacher-quant int8" in r.output  # the printed teacher-cache command carries it
+
+
+def test_a_refusal_names_an_option_it_does_not_know_instead_of_failing():
+    """A header from someone else's cache may carry numerics this version never wrote: named as they are."""
+    from conftest import sample_header
+    from stages.teacher_cache.make_cache import _changed
+
+    said = _changed(sample_header(numerics={"evil": True, "compile": True}), sample_header())
+    assert "--compile true then, false now" in said and "evil true then, null now" in said

@@ -98,8 +98,7 @@ def cache_compute(header, prompts: int) -> dict:
     """`cache info --prompts`'s compute figures for `prompts` prompts of a cache like `header`'s (a CacheHeader):
     its teacher steps (every step runs, recorded or not) and, for a teacher of the table's shape, the FLOP model's
     seconds a step and GPU-hours on the table's GPU (placement cuda)."""
-    steps = prompts * header.seeds_per_prompt * header.steps
-    out = {"projected_teacher_steps": steps}
+    out = {"projected_teacher_steps": (steps := prompts * header.seeds_per_prompt * header.steps)}
     if header.teacher_shape is None:
         return out | {"projected_teacher_time": "not recorded by the stage one that made this cache (the teacher's "
                                                 "shape): `wandistiller plan --prompts N` gives it"}

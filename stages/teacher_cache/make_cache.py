@@ -207,7 +207,7 @@ def _changed(then: CacheHeader, now: CacheHeader) -> str:
     plain = {f.name: f.default for f in fields(TeacherSpeed)}  # what a header without `numerics` ran with
 
     def flat(h: dict) -> dict:
-        speed = {FLAGS[k]: v for k, v in (plain | (h.get("numerics") or {})).items()}
+        speed = {FLAGS.get(k, k): v for k, v in (plain | (h.get("numerics") or {})).items()}  # (k: another's)
         return {k: v for k, v in h.items() if k != "numerics"} | speed
 
     a, b = flat(then.settings()), flat(now.settings())
