@@ -12,7 +12,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import Terminated
+from .errors import EXIT_BUG, Terminated, classify
 
 _installed = False
 _requested = False
@@ -39,6 +39,12 @@ def handle_sigterm():
     _installed, _requested, _deferring = True, False, 0
     try:
         yield
+    except Exception as e:
+        # A library that catches everything turns our `Terminated` into its own error (diffusers' weight loader: any
+        # failure becomes "Unable to load weights"): after a SIGTERM an error that is no user's is the SIGTERM's.
+        if _requested and classify(e, "")[0] == EXIT_BUG:
+            raise Terminated() from e
+        raise
     finally:  # (None: a handler installed outside Python, which cannot be put back; the default then)
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         _installed, _requested, _deferring = False, False, 0

@@ -42,8 +42,9 @@ def test_the_readme_is_a_front_door():
 # regional compile with its warm-up outside the progress figures, TF32, torchao quantization, cache-skipping hooks
 # refused; their settings and registries, the header's numerics, a refused resume naming the option that differs)
 # and cache info's FLOP-model time from the header's recorded teacher shape. Issue 44, so far: +12 for the segment
-# objective's pseudo-Huber distance (--segment-loss, --segment-huber-c; the default left unrecorded).
-LINE_BOUND = 15_837
+# objective's pseudo-Huber distance (--segment-loss, --segment-huber-c; the default left unrecorded). CI: +6 for a
+# SIGTERM that a library wrapped in its own error (diffusers' weight loader) still ending as the SIGTERM.
+LINE_BOUND = 15_843
 
 
 def test_the_packages_do_not_grow_back():

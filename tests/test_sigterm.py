@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cache import format as F
+from cache.cache_error import CacheError
 from conftest import TINY_CACHE_ARGS
 from faults.check import compare_caches, read_progress, temp_files
 from faults.proc import cleanup, run_cli
@@ -52,6 +53,31 @@ def test_sigterm_raises_at_once_outside_a_deferred_block_and_only_flags_inside()
             with pytest.raises(signals.Terminated):
                 signals.check()
     assert signal.getsignal(signal.SIGTERM) is before and not signals.requested()
+
+
+def test_a_sigterm_a_library_wraps_in_its_own_error_still_ends_as_terminated():
+    """diffusers' weight loader turns any failure into OSError("Unable to load weights ..."): a SIGTERM arriving while
+    the teacher loads surfaced as that traceback. After a SIGTERM such an error is the SIGTERM's; a user's error
+    (a bad cache, say) is still reported as itself."""
+
+    def load_weights():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except BaseException:
+            raise OSError("Unable to load weights from checkpoint file") from None
+
+    with pytest.raises(signals.Terminated) as got:
+        with signals.handle_sigterm():
+            load_weights()
+    assert isinstance(got.value.__cause__, OSError)
+    with pytest.raises(CacheError, match="bad cache"):
+        with signals.handle_sigterm():
+            with signals.deferred():
+                signal.raise_signal(signal.SIGTERM)
+            raise CacheError("bad cache")
+    with pytest.raises(OSError, match="Unable to load"):  # no SIGTERM: the library's error is what it is
+        with signals.handle_sigterm():
+            raise OSError("Unable to load weights from checkpoint file")
 
 
 # -- stage one -----------------------------------------------------------------------------------------------
