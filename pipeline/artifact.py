@@ -184,6 +184,7 @@ class DistillRecord(Record):
     train_steps: list[int]  # cached step indices trained on
     train_timesteps: list[float]
     heldout_prompts: list[int]
+    train_trajectories: int = 0  # --train-trajectories: trained on the first N trajectories only; 0 = all
     init_seed: int
     init_from_teacher: str | None = None
     student_config: str | None = None

@@ -246,6 +246,10 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
                                                      help="Teacher block for each student block, e.g. 0,4,8.")
     holdout_prompts: int = setting(0, help="Prompts kept out of training; their cached samples give the held-out "
                                            "loss.", check=at_least(0))
+    train_trajectories: int = setting(0, check=at_least(0),
+                                      help="Train only on the first N trajectories (cache, prompt, seed) that are not "
+                                           "held out: what a stage one over fewer prompts would give (a data curve); "
+                                           "0 = all.")
     eval_every: int = setting(100, help="Optimizer steps between held-out evaluations (also at start and end); 0 = "
                                         "ends only.", check=at_least(0))
     log_every: int = setting(10, help="Optimizer steps between metrics.jsonl lines.", check=at_least(1))

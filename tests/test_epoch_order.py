@@ -199,3 +199,20 @@ def test_a_changed_order_is_refused_on_resume(tiny_cache, tmp_path):
     with pytest.raises(UserError, match="another order"):
         train_student.run(TrainStudentConfig(**(common | {"max_steps": 3}), order="shuffle", resume=True))
     train_student.run(TrainStudentConfig(**(common | {"max_steps": 3}), order="grouped", resume=True))
+
+
+def test_train_trajectories_keeps_the_first_trajectories_that_are_not_held_out(tiny_cache):
+    """`--train-trajectories N` trains on what a stage one over fewer prompts would have cached: the first N
+    (cache, prompt, seed) trajectories in order, every step of each, the held-out prompts still held out."""
+    from cache.reader import C_PROMPT
+
+    index = open_index([tiny_cache])  # 7 prompts x 1 seed x 4 steps
+    whole = split(index, None, 2)
+    some = split(index, None, 2, 3)
+    trained = sorted(set(index.table[some.train_rows, C_PROMPT].tolist()))
+    assert trained == sorted(set(index.table[whole.train_rows, C_PROMPT].tolist()))[:3]
+    assert len(some.train_rows) == 3 * 4 and np.array_equal(some.heldout_rows, whole.heldout_rows)
+    assert not set(trained) & set(whole.heldout_prompts.tolist())
+    assert some.digest() != whole.digest()  # a resume with another N is refused (the data selection differs)
+    with pytest.raises(UserError, match=r"--train-trajectories 6: the caches hold 5 trajectories to train on"):
+        split(index, None, 2, 6)

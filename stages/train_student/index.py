@@ -19,7 +19,7 @@ from cache.format import prompt_location
 from cache.manifest import negative_problem
 from cache.prompt_store import REBUILD, ROW_UNREADABLE, PartRows, store_relpath
 from cache.reader import (
-    C_PROMPT, C_STEP, SHARD_OK, CacheIndex, CacheInfo, ShardError, check_complete, empty_table, fill_table,
+    C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, ShardError, check_complete, empty_table, fill_table,
     sample_code, scan_shard, shard_list, shard_problem,
 )
 from cache.store_checks import check_prompt_rows
@@ -145,8 +145,22 @@ class DataSplit:
         return hashlib.sha256(b"".join(codes)).hexdigest()
 
 
-def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
-    """Rows to train on (optionally only some step indices) and the held-out prompts' rows."""
+def first_trajectories(table: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """The `rows` of the first `n` trajectories (cache, prompt, seed) in that order: what a stage one over fewer
+    prompts would have cached, for a data curve (`--train-trajectories`)."""
+    ids = table[rows][:, [C_CACHE, C_PROMPT, C_SEED]]
+    uniq = np.unique(ids, axis=0)  # sorted by cache, then prompt, then seed
+    if n > len(uniq):
+        raise UserError(f"--train-trajectories {n}: the caches hold {len(uniq)} trajectories to train on (after "
+                        f"--holdout-prompts); give at most {len(uniq)}, or 0 for all")
+    first = {tuple(t) for t in uniq[:n].tolist()}
+    return rows[np.fromiter((tuple(t) in first for t in ids.tolist()), dtype=bool, count=len(rows))]
+
+
+def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompts: int,
+          train_trajectories: int = 0) -> DataSplit:
+    """Rows to train on (optionally only some step indices, or the first trajectories) and the held-out prompts'
+    rows."""
     steps_col = index.table[:, C_STEP]
     present = np.unique(steps_col).tolist()
     if train_steps is not None and (missing := sorted(set(train_steps) - set(present))):
@@ -160,17 +174,20 @@ def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompt
     prompts = index.table[:, C_PROMPT]
     held = holdout_set(prompts, holdout_prompts) if holdout_prompts else np.zeros(0, dtype=np.int64)
     is_held = np.isin(prompts, held)
-    return DataSplit(index, np.flatnonzero(keep & ~is_held), np.flatnonzero(keep & is_held), held, use_steps)
+    train = np.flatnonzero(keep & ~is_held)
+    if train_trajectories:
+        train = first_trajectories(index.table, train, train_trajectories)
+    return DataSplit(index, train, np.flatnonzero(keep & is_held), held, use_steps)
 
 
 def prepare(caches: list[CacheInfo], env: DistEnv, device: torch.device, check: str,
-            train_steps: tuple[int, ...] | None, holdout_prompts: int) -> DataSplit:
+            train_steps: tuple[int, ...] | None, holdout_prompts: int, train_trajectories: int = 0) -> DataSplit:
     """Check and index the caches (opened by `cache.reader.open_caches`), then split them into training and
     held-out rows."""
     index = build_index(caches, env, device, check)
     if index.duplicates:
         log.info(f"{index.duplicates} sample(s) appear in more than one cache; each is trained on once")
-    data = split(index, train_steps, holdout_prompts)
+    data = split(index, train_steps, holdout_prompts, train_trajectories)
     if len(data.train_rows) == 0:
         raise UserError(f"no sample left to train on in {', '.join(str(c.path) for c in caches)} after --train-steps / "
                         "--holdout-prompts")

@@ -54,7 +54,8 @@ class RunIdentity:
     """What a checkpoint must match to be resumed (the JSON keys of its trainer state's `extra`)."""
 
     fingerprints: list[str] = _kept("caches", "--cache")
-    data: str = _kept("data selection", "--cache, --train-steps and --holdout-prompts")
+    data: str = _kept("data selection", "--cache, --train-steps, --holdout-prompts and "
+                                                   "--train-trajectories")
     seed: int = _kept("seed", "--seed")
     global_batch: int = _kept("global batch", "--batch-size x ranks")
     grad_accum: int = _kept("gradient accumulation", "--grad-accum")

@@ -63,7 +63,8 @@ def make_plan(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> Tr
     student_cfg = student.config
     check_cache(objective, manifest, str(caches[0].path), int(student_cfg.get("num_layers", 1)))
     # A dry run checks sizes only: the checksum of an A14B cache's shards is hours of reading, not a step's cost.
-    data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, train_steps, cfg.holdout_prompts)
+    data = prepare(caches, env, device, "size" if cfg.dry_run else cfg.verify, train_steps, cfg.holdout_prompts,
+                   cfg.train_trajectories)
     epochs, total = _epochs(cfg, data, env)
     if env.is_main and not cfg.dry_run:
         layout.root.mkdir(parents=True, exist_ok=True)
