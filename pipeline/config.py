@@ -334,7 +334,9 @@ _STUDENT_KINDS = (
     _StudentKind("lora_of", "--lora-of TEACHER", "LoRA adapters on the teacher's own transformers", "lora_of",
                  own=tuple(f.name for f in dataclasses.fields(LoraSettings)),
                  refused=(("init_from_teacher", "the LoRA student is the teacher itself"),
-                          ("teacher_blocks", "the LoRA student keeps every teacher block")),
+                          ("teacher_blocks", "the LoRA student keeps every teacher block"),
+                          ("segment_disc_init", "the adversarial term's discriminator trains beside a compact "
+                                                "student only")),
                  trains=lambda caps: caps.lora, partial="lora_experts", default="all"),
 )
 

@@ -301,6 +301,18 @@ class SegmentSettings(StudentSchedule):
                              "harder than the rest.")
     huber_c: float = setting(0.01, flag="segment-huber-c", check=positive(),
                              help="segment --segment-loss pseudo-huber: c, in RMS units of the latent velocity.")
+    adversarial_weight: float = setting(0.0, flag="segment-adversarial-weight", check=positive(allow_zero=True),
+                                        help="segment: weight of an adversarial term on the final segment's outputs "
+                                             "(a discriminator beside the student, training-only); 0 = off.")
+    disc_init: str | None = setting(None, flag="segment-disc-init", path=True,
+                                    help="segment --segment-adversarial-weight: the velocity student (its student_ema "
+                                         "folder) the discriminator's trunk starts from.")
+    disc_r1: float = setting(1.0, flag="segment-disc-r1", check=positive(allow_zero=True),
+                             help="segment --segment-adversarial-weight: weight of the discriminator's approximate R1 "
+                                  "penalty.")
+    disc_warmup: int = setting(0, flag="segment-disc-warmup", check=at_least(0),
+                               help="segment --segment-adversarial-weight: training batches in which only the "
+                                    "discriminator learns, before the student's adversarial term starts.")
 
 
 @OBJECTIVES.settings("velocity+feature", "velocity plus MSE of learned projections of student blocks to the cached "

@@ -60,4 +60,5 @@ def test_objective_settings_are_their_own_dataclass():
     assert dataclasses.asdict(cfg.objective_settings) == {"student_steps": 2, "student_timesteps": None,
                                                           "student_shift": None, "student_expert_steps": None,
                                                           "velocity_weight": 0.0, "start_weight": 2.0,
-                                                          "loss": "mse", "huber_c": 0.01}
+                                                          "loss": "mse", "huber_c": 0.01, "adversarial_weight": 0.0,
+                                                          "disc_init": None, "disc_r1": 1.0, "disc_warmup": 0}

@@ -4,6 +4,8 @@ micro-batch holds lists of the samples' own tensors, laid out where they are use
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
@@ -177,6 +179,7 @@ def collate(items: list[dict]) -> dict:
         "step": torch.tensor([i["step"] for i in items], dtype=torch.int64),
         "weight": torch.tensor([i["weight"] for i in items], dtype=torch.float32),
         "keys": [i["key"] for i in items if i["weight"] > 0],
+        "sample": torch.tensor([zlib.crc32(i["key"].encode()) for i in items], dtype=torch.int64),  # a noise seed
     }
 
 

@@ -99,7 +99,7 @@ def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: t
     # collate passes the real tokens alone; the padding, zeros as WanPipeline pads, is added here on the device
     # (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
     return Batch(fields, t, padded_context(batch, device), batch["weight"].to(device),
-                 {k: batch[k].to(device) for k in ("timestep", "sigma", "step")})
+                 {k: batch[k].to(device) for k in ("timestep", "sigma", "step", "sample")})
 
 
 def nonfinite_input(b: Batch, keys: list[str]) -> str | None:

@@ -15,10 +15,11 @@ from pipeline.registries import CHOSEN, FeatureSettings, SegmentSettings, Veloci
 from pipeline.sampling import pseudo_huber
 
 from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
-    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
+    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered, student_forward,
 )
 
 log = logging.getLogger(__name__)
+_ADVERSARIAL = ("adversarial_weight", "disc_init", "disc_r1", "disc_warmup")  # SegmentSettings' adversarial term
 
 
 class Velocity(Objective):
@@ -46,6 +47,14 @@ class Segment(Objective):
                          if v is not None or k not in CHOSEN}
         if self.settings.get("loss", "mse") == "mse":  # the default distance is not recorded: what ran before it
             self.settings = {k: v for k, v in self.settings.items() if k not in ("loss", "huber_c")}
+        self.adversarial = None  # off (weight 0): its settings unrecorded, as before the term existed
+        if not float(self.settings.get("adversarial_weight", 0.0)):
+            self.settings = {k: v for k, v in self.settings.items() if k not in _ADVERSARIAL}
+        else:
+            from .adversarial import AdversarialTerm
+
+            s = self.settings
+            self.adversarial = AdversarialTerm(s["adversarial_weight"], s["disc_r1"], s["disc_warmup"])
         if float(self.settings.get("velocity_weight", 0.0)) > 0:
             self.fields = (F.T_X_T, F.T_TARGET)
         self.end_step: list[int] | None = None
@@ -96,6 +105,7 @@ class Segment(Objective):
                         "steps %s, which the %d-step scheduler does not hit exactly", self.k, steps, bounds, self.k)
         ends = bounds[1:] + [steps]
         self.end_step = [next(e for e in ends if e > k) for k in range(steps)]
+        self.sigma_end = [([float(v) for v in sigmas] + [0.0])[e] for e in self.end_step]
         self.settings.update(boundaries=bounds, exact_schedule=exact)
 
     def dataset(self, index, embedding_cache_size: int):
@@ -124,6 +134,29 @@ class Segment(Objective):
 
     def student_steps(self, manifest: dict) -> int | None:
         return self.k
+
+    def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module | None:
+        from .adversarial import build
+
+        return None if self.adversarial is None else build(student_config, self.settings["disc_init"])
+
+    def loss(self, model, batch: Batch, autocast, heads=None):
+        """The segment terms, and in training with --segment-adversarial-weight the discriminator's loss and the
+        student's adversarial term on the samples of the final segment (stages/train_student/adversarial.py)."""
+        if self.adversarial is None or heads is None or not heads.training:
+            return super().loss(model, batch, autocast, heads)
+        from .data import SEGMENT_VELOCITY
+
+        out = student_forward(model, batch, autocast)
+        terms = self.terms(out, batch, heads)
+        sigma_end = torch.tensor(self.sigma_end, device=batch.x_t.device)[batch.meta["step"].to(batch.x_t.device)]
+        span = (sigma_end - batch.meta["sigma"].to(sigma_end.device)).view(-1, *[1] * (batch.x_t.dim() - 1))
+        real = batch.x_t + span * batch.fields[SEGMENT_VELOCITY]  # the cached segment end: the teacher's latent
+        fake = batch.x_t + span * out.prediction.float()  # the student's
+        last = (sigma_end == 0).float()  # the final segment's samples: their ends are clean latents
+        terms |= {k: v * last for k, v in self.adversarial.terms(heads, real, fake, batch, autocast).items()}
+        first, *rest = terms.values()
+        return sum(rest, first), terms
 
 
 def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache: str, sched: dict,
