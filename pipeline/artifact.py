@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cache.records import CacheHeader, Record
+from cache.records import CacheHeader, Record, optional
 
 from .lock import RUN_LOCK, read_head
 
@@ -184,7 +184,7 @@ class DistillRecord(Record):
     train_steps: list[int]  # cached step indices trained on
     train_timesteps: list[float]
     heldout_prompts: list[int]
-    train_trajectories: int = 0  # --train-trajectories: trained on the first N trajectories only; 0 = all
+    train_trajectories: int | None = optional()  # --train-trajectories N: the first N trajectories only; None: all
     init_seed: int
     init_from_teacher: str | None = None
     student_config: str | None = None
