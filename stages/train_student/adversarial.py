@@ -51,10 +51,7 @@ def build(student_config: dict, path: str | None) -> Discriminator:
         raise UserError("--segment-adversarial-weight needs --segment-disc-init PATH: the velocity student (its "
                         "student_ema folder) to start the discriminator's trunk from")
     trunk = build_student(student_config, "--student-config", 0)
-    try:
-        init_from_teacher(trunk, path, None)
-    except UserError as e:
-        raise UserError(f"--segment-disc-init: {e}".replace("--init-from-teacher ", "")) from None
+    init_from_teacher(trunk, path, None, flag="--segment-disc-init")
     return Discriminator(trunk)
 
 

@@ -19,8 +19,8 @@ from cache.format import prompt_location
 from cache.manifest import negative_problem
 from cache.prompt_store import REBUILD, ROW_UNREADABLE, PartRows, store_relpath
 from cache.reader import (
-    C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, ShardError, check_complete, empty_table, fill_table,
-    sample_code, scan_shard, shard_list, shard_problem,
+    C_CACHE, C_PROMPT, C_SEED, C_STEP, SHARD_OK, CacheIndex, CacheInfo, ShardError, check_complete, empty_table,
+    fill_table, sample_code, scan_shard, shard_list, shard_problem,
 )
 from cache.store_checks import check_prompt_rows
 from pipeline.errors import UserError
@@ -148,13 +148,12 @@ class DataSplit:
 def first_trajectories(table: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     """The `rows` of the first `n` trajectories (cache, prompt, seed) in that order: what a stage one over fewer
     prompts would have cached, for a data curve (`--train-trajectories`)."""
-    ids = table[rows][:, [C_CACHE, C_PROMPT, C_SEED]]
-    uniq = np.unique(ids, axis=0)  # sorted by cache, then prompt, then seed
+    # each row's rank among the distinct trajectories, sorted by cache, then prompt, then seed
+    uniq, rank = np.unique(table[rows][:, [C_CACHE, C_PROMPT, C_SEED]], axis=0, return_inverse=True)
     if n > len(uniq):
         raise UserError(f"--train-trajectories {n}: the caches hold {len(uniq)} trajectories to train on (after "
                         f"--holdout-prompts); give at most {len(uniq)}, or 0 for all")
-    first = {tuple(t) for t in uniq[:n].tolist()}
-    return rows[np.fromiter((tuple(t) in first for t in ids.tolist()), dtype=bool, count=len(rows))]
+    return rows[rank.reshape(-1) < n]
 
 
 def split(index: CacheIndex, train_steps: tuple[int, ...] | None, holdout_prompts: int,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import os
 from pathlib import Path
 
@@ -172,35 +171,35 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
 
 
-def _teacher_weights(path: str, revision: str | None = None) -> tuple[list[Path], dict]:
+def _teacher_weights(path: str, revision: str | None = None,
+                     flag: str = "--init-from-teacher") -> tuple[list[Path], dict]:
     """The safetensors files of a teacher transformer and its config (pipeline folder, transformer folder, a single
     .safetensors file, or a Hub id: its first transformer alone is fetched, or found in the local Hub cache)."""
-    p = teacher_folder(path, revision, files=FIRST_TRANSFORMER, flag="--init-from-teacher")
+    p = teacher_folder(path, revision, files=FIRST_TRANSFORMER, flag=flag)
     if (p / "model_index.json").is_file():
         p = p / "transformer"
     single = p.is_file() and p.suffix == ".safetensors"
     if not single and not p.is_dir():
-        raise UserError(f"--init-from-teacher {path} is neither a Wan pipeline folder, a transformer folder nor a "
-                        ".safetensors file")
+        raise UserError(f"{flag} {path} is neither a Wan pipeline folder, a transformer folder nor a .safetensors file")
     if not (files := [p] if single else sorted(p.glob("*.safetensors"))):
-        raise UserError(f"--init-from-teacher {path}: no .safetensors weights in {p}")
+        raise UserError(f"{flag} {path}: no .safetensors weights in {p}")
     cfg_path = (p.parent if single else p) / "config.json"
-    return files, json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return files, read_object(cfg_path, f"{flag} {path}: config") if cfg_path.is_file() else {}
 
 
 def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...] | None,
-                      revision: str | None = None) -> dict:
+                      revision: str | None = None, flag: str = "--init-from-teacher") -> dict:
     """Copy into `model` the teacher tensors whose names and shapes match; student block i takes teacher
     block blocks[i]. Only the needed tensors are read (safetensors `safe_open`, shapes from headers).
     Returns counts of copied and skipped tensors."""
     from safetensors import safe_open
 
-    files, tcfg = _teacher_weights(path, revision)
+    files, tcfg = _teacher_weights(path, revision, flag)
     n_student = len(model.blocks)
     n_teacher = tcfg.get("num_layers")
     if blocks is None:
         if n_teacher is None:
-            raise UserError(f"--init-from-teacher {path} has no config.json giving num_layers; pass --teacher-blocks")
+            raise UserError(f"{flag} {path} has no config.json giving num_layers; pass --teacher-blocks")
         # spread evenly over the teacher's depth, first and last included
         blocks = tuple(round(i * (n_teacher - 1) / max(n_student - 1, 1)) for i in range(n_student))
     if len(blocks) != n_student:
@@ -225,8 +224,8 @@ def init_from_teacher(model: torch.nn.Module, path: str, blocks: tuple[int, ...]
                         state[sname].copy_(f.get_tensor(tname).to(state[sname].dtype))
                         copied.append(sname)
     if not copied:
-        raise UserError(f"--init-from-teacher {path}: no teacher tensor matches the student's names and shapes "
+        raise UserError(f"{flag} {path}: no teacher tensor matches the student's names and shapes "
                         f"({len(shape_mismatch)} differ in shape); use a student as wide as the teacher "
-                        "(same num_attention_heads x attention_head_dim, ffn_dim) or drop --init-from-teacher")
+                        f"(same num_attention_heads x attention_head_dim, ffn_dim) or drop {flag}")
     return {"copied": len(copied), "shape_mismatch": len(shape_mismatch),
             "missing": len(state) - len(copied) - len(shape_mismatch), "teacher_blocks": list(blocks)}

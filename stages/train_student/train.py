@@ -119,7 +119,8 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
         caches=[{"path": str(c.path), "fingerprint": c.fingerprint} for c in data.index.caches],
         fingerprints=sorted({c.fingerprint for c in data.index.caches}), train_steps=steps,
         train_timesteps=[m.timesteps[k] for k in steps], heldout_prompts=data.heldout_prompts.tolist(),
-        train_trajectories=cfg.train_trajectories or None, init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher, student_config=cfg.student_config,
+        train_trajectories=cfg.train_trajectories or None, init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher,
+        student_config=cfg.student_config,
         optimizer_steps=state.step, samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
         objective_settings=objective.record(), student_steps=objective.student_steps(m), lora=p.student.record())
 
