@@ -216,10 +216,11 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process), each test file whole on one worker so that a
-# module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 14 min instead of 19-24.
+# module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 14 min instead of 19-24. The 20
+# slowest tests are listed at the end, so a CI log says where the suite's minutes go.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 # Kills, corrupt caches, full disks, bad input: a table of what was tried and what survived
 # (docs/reliability.md). `make test` runs the same scenarios through tests/test_faults.py.

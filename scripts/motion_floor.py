@@ -21,11 +21,21 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.prompts import read_prompt_file  # noqa: E402
 from stages.sample import motion  # noqa: E402
-from stages.sample.attributes import draw_clips  # noqa: E402
+from stages.sample.attributes import caption_noise, draw_clips  # noqa: E402
+from stages.sample.sample import latent_frames  # noqa: E402
 
 # (name, steps, scheduler: None = the teacher's own UniPC)
 VARIANTS = [("UniPC, 16 steps", 16, None), ("UniPC, 6 steps", 6, None), ("Euler, 8 steps", 8, "euler"),
             ("UniPC, 4 steps", 4, None), ("Euler, 4 steps", 4, "euler"), ("UniPC, 2 steps", 2, None)]
+
+
+def final_latents(pipe, captions: list[str], batch_size: int = 32, **call) -> torch.Tensor:
+    """The final latents draw_clips decodes (same captions, same noise): eval's final-latent MSE is taken on these."""
+    out, frames = [], latent_frames(pipe, call["num_frames"])
+    for s in range(0, len(captions), batch_size):
+        lat = caption_noise(pipe, 0, s, len(captions[s:s + batch_size]), call["height"], call["width"], frames)
+        out.append(pipe(prompt=captions[s:s + batch_size], latents=lat, output_type="latent", **call).frames)
+    return torch.cat(out)
 
 
 def main(argv=None) -> None:
@@ -41,16 +51,20 @@ def main(argv=None) -> None:
     pipe.set_progress_bar_config(disable=True)
     own = pipe.scheduler
     reference = motion.score(draw_clips(pipe, captions, 0, 32, **settings), captions)
+    ref_latents = final_latents(pipe, captions, **settings)
     rows = [{"drawn": f"teacher as scored (UniPC, {settings['num_inference_steps']} steps)",
-             "all": reference["all"], "kept": 1.0, "speed_ratio": 1.0}]
+             "all": reference["all"], "kept": 1.0, "speed_ratio": 1.0, "final_latent_mse": 0.0}]
     for name, steps, kind in VARIANTS:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=own.config.flow_shift) if kind else own
-        got = motion.score(draw_clips(pipe, captions, 0, 32, **settings | {"num_inference_steps": steps}), captions)
+        call = settings | {"num_inference_steps": steps}
+        got = motion.score(draw_clips(pipe, captions, 0, 32, **call), captions)
+        mse = torch.mean((final_latents(pipe, captions, **call) - ref_latents) ** 2).item()
         rows.append({"drawn": name, "all": got["all"],
                      "kept": motion.kept(reference["clip_reads"], got["clip_reads"]),
-                     "speed_ratio": motion.speed_ratio(reference["clip_reads"], got["clip_reads"])})
+                     "speed_ratio": motion.speed_ratio(reference["clip_reads"], got["clip_reads"]),
+                     "final_latent_mse": mse})
         print(f"{name:<22} all right {got['all']:.1%}  kept {rows[-1]['kept']:.1%}  "
-              f"speed ratio {rows[-1]['speed_ratio']:.3f}", flush=True)
+              f"speed ratio {rows[-1]['speed_ratio']:.3f}  final-latent MSE {mse:.4f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"captions": len(captions), "rows": rows}, indent=2) + "\n")
 
