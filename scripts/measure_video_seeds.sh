@@ -2,8 +2,10 @@
 # Issue 43: do two seeds per caption help the video students as they helped the image ones (docs/results.md,
 # "Few-step students")? Stage one over the clip captions with --seeds-per-prompt 2, then make demo-video's three
 # students from it with make demo-video's flags and epochs (so twice its steps), and one `eval` of them beside the
-# demo's one-seed students (same noise, the 128 held-out clip captions, the motion checker). Each training's wall
-# time is in OUT/NAME.log. Run make demo-video first (or pass its folder as DEMO).
+# demo's one-seed students (same noise, the 128 held-out clip captions, the motion checker). Then whether the LoRA
+# gains from longer training or a higher rank (3 epochs at rank 16; 2 epochs at rank 64), in a second eval beside
+# the one-epoch LoRA and the segment student (OUT/eval-lora.json). Each training's wall time is in OUT/NAME.log.
+# Run make demo-video first (or pass its folder as DEMO).
 #   bash scripts/measure_video_seeds.sh [OUT] [DEMO]      # default runs/video-seeds, runs/demo-video
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,3 +36,8 @@ $BIN/wandistiller eval --student "$OUT/velocity-2seeds" --student-steps 4 --comp
     --compare "$OUT/lora4-2seeds" --compare "$DEMO/student-4step" --compare "$DEMO/lora-4step" \
     --cache "$OUT/cache" --teacher $T --report "$OUT/eval.json" \
     --attributes data/clips-heldout.txt --timing-runs 2
+train lora4-r16-e3 --lora-of $T --lora-rank 16 --epochs 3 $FEW
+train lora4-r64-e2 --lora-of $T --lora-rank 64 --epochs 2 $FEW
+$BIN/wandistiller eval --student "$OUT/lora4-2seeds" --compare "$OUT/lora4-r16-e3" --compare "$OUT/lora4-r64-e2" \
+    --compare "$OUT/segment4-2seeds" --cache "$OUT/cache" --teacher $T --report "$OUT/eval-lora.json" \
+    --attributes data/clips-heldout.txt --timing-runs 1
