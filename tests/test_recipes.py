@@ -73,16 +73,24 @@ def follow(repo: Path, recipe) -> set[str]:
     return touched
 
 
-def test_a_toy_objective_reads_a_toy_cache_field(tiny_teacher, prompts_file, tmp_path):
+def test_a_cache_field_recipe_is_recorded_verified_planned_and_read_by_a_toy_objective(tiny_teacher, prompts_file,
+                                                                                        tmp_path):
     repo = _applied(tmp_path, CACHE_FIELD + OBJECTIVE)
     cli = _cli_in(repo)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    flags = [x for k, v in TINY_CACHE_ARGS.items() for x in (f"--{k.replace('_', '-')}", v)]
     cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "cpu",
-        "--record-x0", *flags)
+        "--record-x0", *_tiny_flags())
     manifest = json.loads((cache / "manifest.json").read_text())
     assert "x0" in manifest["sample_fields"] and manifest["record_x0"] is True
     cli("cache", "verify", cache)
+
+    def planned(*extra):  # `plan` counts the field's bytes
+        return json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "cpu", "--prompts", 7,
+                              *_tiny_flags(plan=True), *extra, "--json"))["cache"]
+
+    plain, with_x0 = planned(), planned("--record-x0")
+    c, f, h, w = manifest["latent_shape"]
+    assert with_x0["sample_bytes"] - plain["sample_bytes"] >= c * f * h * w * 4  # one more float32 latent
 
     assert "--x0-weight FLOAT" in cli("train-student", "--help")
     cli("train-student", "--cache", cache, "--student-config", repo / "configs" / "student-tiny.json", "--out", run,
@@ -174,28 +182,6 @@ def test_a_placement_recipe(tiny_teacher, tiny_cache, prompts_file, tmp_path):
     assert {c["where"] for c in plan["components"] if c["name"].startswith("transformer")} == {"cpu (toy)"}
     assert plan["launch"]["gpus_per_rank"] == 0  # the launch read its capabilities: no GPU
     assert "--placement toy" in plan["launch"]["commands"][0]["command"]
-
-
-# --- the cache-field recipe, counted by `plan` ---------------------------------------------------------------------
-
-def test_a_cache_field_recipe(tiny_teacher, prompts_file, tmp_path):
-    repo = _applied(tmp_path, CACHE_FIELD)
-    cli = _cli_in(repo)
-
-    cache = tmp_path / "cache"
-    cli("teacher-cache", "--teacher", tiny_teacher, "--prompts", prompts_file, "--out", cache, "--placement", "cpu",
-        "--record-x0", *_tiny_flags())
-    manifest = json.loads((cache / "manifest.json").read_text())
-    assert "x0" in manifest["sample_fields"] and manifest["record_x0"] is True
-    cli("cache", "verify", cache)
-
-    def planned(*extra):
-        return json.loads(cli("plan", "--teacher", tiny_teacher, "--placement", "cpu", "--prompts", 7,
-                              *_tiny_flags(plan=True), *extra, "--json"))["cache"]
-
-    plain, with_x0 = planned(), planned("--record-x0")
-    c, f, h, w = manifest["latent_shape"]
-    assert with_x0["sample_bytes"] - plain["sample_bytes"] >= c * f * h * w * 4  # one more float32 latent
 
 
 # --- the objective and strategy recipes (docs/architecture.md, "An objective", "A strategy") ----------------
