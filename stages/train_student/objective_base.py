@@ -115,9 +115,16 @@ class Objective:
     def loss(self, model: torch.nn.Module, batch: Batch, autocast: Callable,
              heads: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(per-sample loss [B], its terms)."""
-        terms = self.terms(student_forward(model, batch, autocast, self.blocks()), batch, heads)
+        out = student_forward(model, batch, autocast, self.blocks())
+        terms = self.terms(out, batch, heads) | self.model_terms(out, batch, heads, autocast)
         first, *rest = terms.values()
         return sum(rest, first), terms
+
+    def model_terms(self, out: Outputs, batch: Batch, heads: torch.nn.Module | None,
+                    autocast: Callable) -> dict[str, torch.Tensor]:
+        """Per-sample terms [B] that run a model of the heads' own under `autocast` (the segment objective's
+        discriminator), added after `terms`; none by default."""
+        return {}
 
     def student_steps(self, manifest: dict) -> int | None:
         """Sampling steps the trained student is meant to use; None: the teacher's."""

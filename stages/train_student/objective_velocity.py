@@ -15,7 +15,7 @@ from pipeline.registries import CHOSEN, FeatureSettings, SegmentSettings, Veloci
 from pipeline.sampling import pseudo_huber
 
 from .objective_base import (  # noqa: F401 (OBJECTIVES, check_cache, registered: importable from here, as the rest)
-    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered, student_forward,
+    OBJECTIVES, Batch, Objective, Outputs, block_output, check_cache, mse, registered,
 )
 
 log = logging.getLogger(__name__)
@@ -140,23 +140,19 @@ class Segment(Objective):
 
         return None if self.adversarial is None else build(student_config, self.settings["disc_init"])
 
-    def loss(self, model, batch: Batch, autocast, heads=None):
-        """The segment terms, and in training with --segment-adversarial-weight the discriminator's loss and the
-        student's adversarial term on the samples of the final segment (stages/train_student/adversarial.py)."""
+    def model_terms(self, out, batch: Batch, heads, autocast) -> dict[str, torch.Tensor]:
+        """In training with --segment-adversarial-weight, the discriminator's loss and the student's adversarial term
+        on the samples of the final segment (stages/train_student/adversarial.py)."""
         if self.adversarial is None or heads is None or not heads.training:
-            return super().loss(model, batch, autocast, heads)
+            return {}
         from .data import SEGMENT_VELOCITY
 
-        out = student_forward(model, batch, autocast)
-        terms = self.terms(out, batch, heads)
         sigma_end = torch.tensor(self.sigma_end, device=batch.x_t.device)[batch.meta["step"].to(batch.x_t.device)]
         span = (sigma_end - batch.meta["sigma"].to(sigma_end.device)).view(-1, *[1] * (batch.x_t.dim() - 1))
         real = batch.x_t + span * batch.fields[SEGMENT_VELOCITY]  # the cached segment end: the teacher's latent
         fake = batch.x_t + span * out.prediction.float()  # the student's
         last = (sigma_end == 0).float()  # the final segment's samples: their ends are clean latents
-        terms |= {k: v * last for k, v in self.adversarial.terms(heads, real, fake, batch, autocast).items()}
-        first, *rest = terms.values()
-        return sum(rest, first), terms
+        return {k: v * last for k, v in self.adversarial.terms(heads, real, fake, batch, autocast).items()}
 
 
 def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache: str, sched: dict,
