@@ -21,6 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "tests" / "data" / "byte_identity.json"
+# AVX2 kernels in torch, MKL and oneDNN, whatever the CPU: an AVX-512 machine picks wider ones, which sum in another
+# order (the record was taken with AVX2). Read when torch loads: set for the commands the flows run.
+KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SKIPPED = {"metrics.jsonl", "loss.png", "tensorboard", "checkpoints", "writer.lock", "locks", "progress.json"}
 VOLATILE_KEYS = {"created"}
 PROMPTS = ["a red circle on a blue background", "a small green square in the top left",
@@ -57,8 +60,8 @@ def digest(folder: Path, places: tuple[str, ...]) -> dict[str, str]:
 
 
 def _cli(*args, cwd: Path = ROOT) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")  # (one thread: the sums of a matmul in one order on any machine)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               **KERNELS)  # (one thread and these kernels: the sums of a matmul in one order on any x86 machine)
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=cwd, env=env, text=True,
                        capture_output=True)
     if r.returncode:

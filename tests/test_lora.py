@@ -152,8 +152,8 @@ def test_lora_on_two_ranks_matches_one_process(tiny_teacher, tiny_cache, tmp_pat
     args = ARGS | LORA | {"lora_of": str(tiny_teacher), "lr": 1e-3}
     out2, out1, ranks, one = two_ranks_and_one(tiny_cache, tmp_path, monkeypatch, args)
     assert_ranks_match_one(out2, out1, ranks, one)
-    for name in FILES[::2]:
-        assert max_rel_diff(load_file(out2 / "student" / name), load_file(out1 / "student" / name)) <= 1e-4
+    for name in FILES[::2]:  # (AdamW amplifies the reductions' rounding: up to 1.6e-4 with AVX-512's kernels)
+        assert max_rel_diff(load_file(out2 / "student" / name), load_file(out1 / "student" / name)) <= 2e-4
 
 
 # --strategy fsdp: 7 prompts, 1 held out, steps 0,1,2 -> 18 training samples; batch 1 x 2 ranks x 2 micro-steps, so
@@ -214,14 +214,14 @@ def test_fsdp_lora_on_two_ranks_matches_one_process(fsdp_run, tiny_teacher, tiny
     assert [r["final_latent_mse"] for r in metrics(two, "val")] == pytest.approx(
         [r["final_latent_mse"] for r in metrics(one, "val")], rel=1e-4) and len(metrics(one, "val")) == 3
     # AdamW on a few samples a step amplifies the reductions' float rounding: ddp's two ranks differ from one process
-    # by 1e-4 here too (and fsdp's from ddp's), while the losses agree to 1e-5
+    # by 1e-4 here too (and fsdp's from ddp's; 3.1e-4 with AVX-512's kernels), while the losses agree to 1e-5
     diffs = {}
     for folder in ("student", "student_ema"):
         _same_files(two / folder, one / folder, equal=False)
         for name in FILES[::2]:
             diffs[folder, name] = max_rel_diff(load_file(two / folder / name), load_file(one / folder / name))
     print(f"fsdp LoRA, two ranks vs one process, max relative difference: {max(diffs.values()):.3g}")
-    assert max(diffs.values()) <= 2e-4, diffs
+    assert max(diffs.values()) <= 4e-4, diffs
     # the whole student (base and adapters) is the teacher's base plus the saved adapters, bit for bit
     spec = spec_of(tiny_teacher, tiny_cache)
     assert state_sha(with_adapters(spec, two / "student", seed=3).state_dict()) == debug["param_sha256"]
