@@ -3,6 +3,7 @@ handling of what writers never read again."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -12,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from .format import TMP_SUFFIX
 
@@ -25,23 +27,35 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
-    """Replace `path` with `data` atomically; `before_replace` (fault injection) runs just before the rename."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object],
+                 before_replace: Callable[[], None] | None = None) -> None:
+    """Replace `path` with what `write(f)` writes to a new temporary file beside it (created `O_EXCL | O_NOFOLLOW`:
+    never an existing file or a link planted at its name), fsynced and renamed over `path` (a link at `path` is
+    replaced, never written through); `before_replace` (fault injection) runs just before the rename."""
     path = Path(path)
     # The pid keeps two writers of the same name (e.g. two parts finishing together) off each other's file.
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a killed writer's leftover, or a name planted since: unlinked, never opened
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
+    """Replace `path` with `data` atomically (`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data), before_replace)
 
 
 def umask() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import zarr
+from numcodecs import zstd
 from safetensors.torch import load as st_load
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.codecs import Crc32cCodec, ZstdCodec
@@ -24,12 +26,13 @@ from .atomic import WriteBehind
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
 from .format import (
-    EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
+    DTYPES, EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
     Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,
     Z_TOKEN_START, part_dirname, prompt_location, storage_numpy_dtype, storage_to_torch,
     torch_to_storage,
 )
-from .safe_open import open_fd, read_bytes
+from .records import _short
+from .safe_open import CAPS, open_fd, parse_json, read_bytes
 from .zarr_private import FLAT_KEYS, chunk_file, concurrent_map, default_buffer_prototype
 
 UNWRITTEN_SEQ_LEN = -1
@@ -80,31 +83,157 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
     return g
 
 
+# What stage one writes (`create_prompt_store`), node by node: the codec chain of each array, and the data types a
+# store's zarr.json may declare (`text` strings, the rest one of the number types stage one writes, which
+# `store_checks.store_problem` compares with the manifest's). A store from elsewhere could name any codec or data type
+# zarr and numcodecs have (pickle among them): a node declaring another is refused before a chunk of it is read.
+_PACKED = ("bytes", "zstd", "crc32c")
+_SHARDED = (("sharding_indexed", ("bytes", "crc32c"), ("bytes", "crc32c")),)
+_ARRAYS = {Z_PROMPT_IDX: _PACKED, Z_SEQ_LENS: _PACKED, Z_TOKEN_START: _PACKED, EMBEDS_CRC32C: _PACKED,
+           Z_TEXT: ("vlen-utf8", "zstd", "crc32c"), Z_EMBEDS: _SHARDED, Z_INIT_NOISE: _SHARDED,
+           Z_FINAL_LATENTS: _SHARDED}
+_NUMBERS = ("int32", "int64", *dict.fromkeys(storage_numpy_dtype(d) for d in DTYPES))
+_GROUPS = ("", Z_ROW_CRC32C)
+_META = "zarr.json"
+# No chunk of a packed array decodes to more than a prompt file may hold (CAPS["prompts"]): `text`'s hold prompts of
+# one, and the largest other, `prompt_idx` of a part of 10^8 prompts, is 800 MB.
+_CHUNK_CAP = CAPS["prompts"]
+
+
+def _chain(codecs) -> tuple:
+    """The names of a zarr.json's codecs, a shard's own chains nested (as `_ARRAYS` lists them)."""
+    out = []
+    for c in codecs:
+        name, conf = (c, {}) if isinstance(c, str) else (c["name"], c.get("configuration") or {})
+        out.append((name, _chain(conf["codecs"]), _chain(conf["index_codecs"])) if name == "sharding_indexed" else name)
+    return tuple(out)
+
+
+def _said(chain: tuple) -> str:
+    return ", ".join(c if isinstance(c, str) else f"{c[0]} of {_said(c[1])}" for c in chain)
+
+
+def _frame_size(data: bytes) -> int | None:
+    """The content size a zstd frame's header declares (RFC 8878, 3.1.1.1), None where it declares none."""
+    if len(data) < 6 or data[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = data[4]
+    start = 5 + (not fhd & 0x20) + (0, 1, 2, 4)[fhd & 3]
+    n = (1 if fhd & 0x20 else 0, 2, 4, 8)[fhd >> 6]
+    value = int.from_bytes(data[start:start + n], "little")
+    return None if n == 0 or len(data) < start + n else value + 256 if n == 2 else value
+
+
 class _ReadStore(LocalStore):
     """zarr's LocalStore, read-only, opening every file it reads through `safe_open` from the cache folder down: no
-    link followed out of the cache, no FIFO waited on."""
+    link followed out of the cache, no FIFO waited on. Every zarr.json is checked before zarr reads it (format 3, the
+    data type and codecs stage one writes, `_ARRAYS`), no file is read past what a chunk file of its array holds, and
+    a chunk of the zstd-packed arrays is inflated into a buffer of its chunk's size before zarr decodes it: a 30-byte
+    chunk claiming 2^31 strings, or gigabytes of zeros, is refused, not allocated."""
 
     def __init__(self, path: Path):
         super().__init__(path, read_only=True)
         # a prompt store's own cache folder (CACHE/parts/part-P/prompts.zarr), else the folder holding it
         self.base = path.parents[2] if path.parent.parent.name == PARTS_DIR else path.parent
         self.rel = path.relative_to(self.base).as_posix()
+        self._chunks: dict[str, tuple[int, int, int]] = {}  # array -> (bytes a file may hold, values a chunk, itemsize)
+
+    def _refuse(self, what: str) -> UnsafeFileError:
+        return UnsafeFileError(f"prompt store {self.root}: {what}; nothing of it was decoded (the store was not "
+                               f"written by WanDistiller, or was changed since); {REBUILD}")
+
+    def _node(self, name: str, data: bytes) -> None:
+        """Refuse the zarr.json of node `name` unless it is one stage one writes; note its chunks' bounds."""
+        meta = parse_json(data, self.root / name / _META)
+        kind = "group" if name in _GROUPS else "array" if name in _ARRAYS else None
+        if kind is None or not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != kind:
+            raise self._refuse(f"{name or 'its root'}/{_META} is not a zarr format 3 {kind or 'node'} as stage one "
+                               "writes it")
+        if kind == "group":
+            if meta.get("consolidated_metadata") is not None:
+                raise self._refuse(f"{name or 'its root'}/{_META} holds consolidated metadata, which stage one "
+                                   "never writes")
+            return
+        chain, dtypes = _ARRAYS[name], ("string",) if name == Z_TEXT else _NUMBERS
+        try:
+            found, dtype = _chain(meta["codecs"]), meta["data_type"]
+        except (KeyError, TypeError, AttributeError):
+            found = dtype = None
+        if found != chain or dtype not in dtypes or meta.get("storage_transformers"):
+            codecs = _said(found) if found is not None else "codecs it does not name plainly"
+            raise self._refuse(f"its {name} array declares data type {_short(dtype)} and codecs {codecs}, where "
+                               f"stage one writes {' or '.join(dtypes)} with {_said(chain)}")
+        try:
+            per_file = math.prod(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+            per_chunk = (math.prod(int(d) for d in meta["codecs"][0]["configuration"]["chunk_shape"])
+                         if chain == _SHARDED else per_file)
+        except (KeyError, TypeError, ValueError):
+            raise self._refuse(f"its {name} array declares no chunk shape of whole numbers") from None
+        size = 0 if name == Z_TEXT else np.dtype(dtype).itemsize
+        # a file holds its values, each chunk's crc32c and a shard's index; zstd adds at most 1/128 and a few bytes
+        cap = (_CHUNK_CAP if name == Z_TEXT else per_file * size + (per_file // max(per_chunk, 1) + 1) * 20 + 4
+               if chain == _SHARDED else per_file * size + per_file * size // 128 + 1024)
+        self._chunks[name] = (cap, per_chunk, size)
+
+    def _array(self, key: str) -> str:
+        name = next((n for n in _ARRAYS if key.startswith(n + "/")), None)
+        if name is None:
+            raise self._refuse(f"{key} is no file stage one writes")
+        if name not in self._chunks:  # (zarr reads an array's zarr.json first: this store's copy in another process)
+            self._read(f"{name}/{_META}", default_buffer_prototype(), None)
+        if name not in self._chunks:
+            raise self._refuse(f"{key} is a chunk of an array without its {_META}")
+        return name
+
+    def _inflate(self, name: str, key: str, data: bytes) -> None:
+        """Refuse a chunk of a zstd-packed array that would decode to other than its chunk: its frame must declare
+        the chunk's size (`text`'s: within _CHUNK_CAP), and is inflated into a buffer of that size (a frame claiming
+        more, or a second one, fails), and `text`'s string count must be the chunk's length. A chunk failing its
+        crc32c is damage, not this: zarr's own check names it."""
+        if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+            return
+        _, per_chunk, size = self._chunks[name]
+        declared = _frame_size(data[:-4])
+        n = per_chunk * size if size else declared
+        try:
+            # (no zstd block, 4 bytes at least, decodes to more than 128 KiB: a frame claiming more is not allocated)
+            if n is None or declared != n or not 4 <= n <= min(_CHUNK_CAP, len(data) << 15):
+                raise ValueError(n)
+            out = zstd.decompress(data[:-4], bytearray(n))
+        except Exception:  # what numcodecs raises for a frame larger than the buffer, or not a zstd frame
+            raise self._refuse(f"{key} does not decode to the {per_chunk:,} values of one chunk of its array") from None
+        if not size and (count := int.from_bytes(out[:4], "little")) != per_chunk:
+            raise self._refuse(f"{key} claims {count:,} strings, where a chunk of its array holds {per_chunk:,}")
 
     def _read(self, key: str, prototype, byte_range):
+        node = key[:-len(_META)].rstrip("/") if key == _META or key.endswith("/" + _META) else None
+        array = None if node is not None else self._array(key)
         try:
             fd = open_fd(self.base, f"{self.rel}/{key}")
         except (FileNotFoundError, NotADirectoryError):
+            if node is not None and any((self.root / node / v2).exists() for v2 in (".zgroup", ".zarray")):
+                raise self._refuse(f"{node or 'it'} is a zarr format 2 store (.zgroup, .zarray), where stage one "
+                                   "writes format 3, the only one read") from None
             return None  # (zarr: a chunk never written reads as the fill value)
         with os.fdopen(fd, "rb") as f:
-            start, n = 0, -1  # (no byte_range: the whole file)
+            size = os.fstat(fd).st_size
+            start, n = 0, size  # (no byte_range: the whole file)
             if isinstance(byte_range, RangeByteRequest):
                 start, n = byte_range.start, byte_range.end - byte_range.start
             elif isinstance(byte_range, OffsetByteRequest):
                 start = byte_range.offset
             elif isinstance(byte_range, SuffixByteRequest):
-                start = max(0, os.fstat(fd).st_size - byte_range.suffix)
+                start = max(0, size - byte_range.suffix)
+            cap = CAPS["config"] if array is None else self._chunks[array][0]
+            if min(n, size - start) > cap:
+                raise self._refuse(f"{key} is {size:,} bytes, more than the {cap:,} such a file holds")
             f.seek(start)
-            return prototype.buffer.from_bytes(f.read(n))
+            data = f.read(n if n >= 0 else -1)
+        if node is not None:
+            self._node(node, data)
+        elif byte_range is None and _ARRAYS[array] != _SHARDED:
+            self._inflate(array, key, data)
+        return prototype.buffer.from_bytes(data)
 
     def get_sync(self, key, *, prototype=None, byte_range=None):
         return self._read(key, prototype or default_buffer_prototype(), byte_range)
@@ -118,10 +247,11 @@ class _ReadStore(LocalStore):
 
 
 def open_prompt_store(path: str | os.PathLike, mode: str = "r") -> zarr.Group:
-    """A part's prompt store; read-only (`mode` "r") every file is opened by `safe_open`."""
+    """A part's prompt store, zarr format 3 alone; read-only (`mode` "r") every file is opened by `safe_open` and
+    checked by `_ReadStore` before zarr decodes it."""
     if mode == "r":
-        return zarr.open_group(store=_ReadStore(Path(path)), mode="r")
-    return zarr.open_group(str(path), mode=mode)
+        return zarr.open_group(store=_ReadStore(Path(path)), mode="r", zarr_format=3, use_consolidated=False)
+    return zarr.open_group(str(path), mode=mode, zarr_format=3, use_consolidated=False)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -254,10 +384,11 @@ class RowError(CacheError):
         self.bit, self.detail = bit, detail
 
 
-def _damage(e: Exception) -> str:
-    """How a zarr read that raised `e` failed, in words."""
-    return ("fail their crc32c (changed after stage one wrote them)" if "checksum" in str(e)
-            else f"do not read ({type(e).__name__}: {e})")
+def damage(e: Exception) -> str:
+    """How a zarr read that raised `e` failed, in our words: never zarr's or a codec's own, which may advise a setting
+    that decodes what no cache holds (numcodecs': unpickling)."""
+    return ("fail their crc32c (changed after stage one wrote them)" if "checksum" in str(e) else "are missing"
+            if isinstance(e, (FileNotFoundError, KeyError)) else f"do not decode ({type(e).__name__})")
 
 
 def _values(name: str) -> cached_property:
@@ -297,6 +428,8 @@ class PartRows:
             first, end = lo // per_file * per_file, min(-(-hi // per_file) * per_file, int(arr.shape[0]))
             try:
                 self._file[arr.basename] = held = (first, end, arr[first:end])
+            except UnsafeFileError:
+                raise
             except (ValueError, OSError):  # a damaged file: the rows' own reads say which rows it concerns
                 self._file.pop(arr.basename, None)
                 return arr[lo:hi]
@@ -311,8 +444,10 @@ class PartRows:
             raise self.error(ROW_EMBEDS_MISSING, f"embeds of {self.where(row)} were never written")
         try:
             data = self._read(self.embeds, start, start + seq_len)
+        except UnsafeFileError:
+            raise
         except (ValueError, OSError) as e:  # zarr's check of a chunk's (or a shard index's) crc32c
-            raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} {_damage(e)}") from e
+            raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} {damage(e)}") from e
         digest = int(self.crcs[row])
         if digest < 0:
             raise self.error(ROW_EMBEDS_CHECKSUM, f"embeds of {self.where(row)} have no crc32c recorded")
@@ -339,8 +474,10 @@ class PartRows:
         bit = ROW_FINAL_CHECKSUM if name == Z_FINAL_LATENTS else ROW_NOISE_CHECKSUM
         try:
             return self._read(self._latents[name], row, row + 1)[0]
+        except UnsafeFileError:
+            raise
         except (ValueError, OSError) as e:
-            raise self.error(bit, f"{name} of {self.where(row)} {_damage(e)}") from e
+            raise self.error(bit, f"{name} of {self.where(row)} {damage(e)}") from e
 
     def latent(self, name: str, row: int, seed: int) -> np.ndarray:
         """One trajectory's `name` [C, F, H, W], checked; RowError where it was never written (zeros)."""

@@ -25,7 +25,7 @@ from .cache_error import CacheError, UnsafeFileError
 from .manifest import load_manifest, settings_problem
 from .safe_open import open_fd
 from .schema import SAMPLE_FIELDS, meta_problems, recorded_steps, sample_problems
-from .store_checks import store_problem
+from .store_checks import count_problem, store_problem
 
 # Columns of an index table (int64): one row per sample.
 C_CACHE, C_SHARD, C_PROMPT, C_SEED, C_STEP, C_META_OFF, C_META_LEN, C_TENS_OFF, C_TENS_LEN = range(9)
@@ -75,7 +75,8 @@ class CacheInfo:
 
 def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
     """Load the manifests of `dirs`; refuse missing, empty or duplicated caches, mixed fingerprints, a manifest that
-    does not load, edited settings (`settings_problem`) or a prompt store not of the manifest's (`store_problem`)."""
+    does not load, one claiming more samples than its shards could hold (`count_problem`), edited settings
+    (`settings_problem`) or a prompt store not of the manifest's (`store_problem`)."""
     if not dirs:
         raise CacheError("no cache given; pass --cache CACHE_DIR (made by `wandistiller teacher-cache`)")
     caches, seen = [], {}
@@ -88,6 +89,8 @@ def open_caches(dirs: list[str | os.PathLike]) -> list[CacheInfo]:
         m = load_manifest(path)
         if not m.shards or m.samples <= 0:
             raise CacheError(f"cache {path} holds no samples; rebuild it with `wandistiller teacher-cache`")
+        if problem := count_problem(path, m):  # before anything is allocated per prompt or sample
+            raise CacheError(problem)
         caches.append(CacheInfo(path, m))
     fps = {c.fingerprint for c in caches}
     if len(fps) > 1:

@@ -64,11 +64,11 @@ def optional(default=None):
     return field(default=default, metadata={"optional": True})
 
 
-def _check(f: dataclasses.Field) -> tuple[Callable, str]:
+def _check(f: dataclasses.Field, own: dict) -> tuple[Callable, str]:
     kind = str(f.type).replace(" | None", "")
     # (a nested record, or a list of them: its own `problem` checks its fields)
-    check = RANGES.get(f.name) or _CHECKS.get(kind) or (_list(_OBJECT, "records") if kind.startswith("list[")
-                                                         else _OBJECT)
+    check = own.get(f.name) or RANGES.get(f.name) or _CHECKS.get(kind) or (
+        _list(_OBJECT, "records") if kind.startswith("list[") else _OBJECT)
     return _maybe(check) if str(f.type).endswith("| None") else check
 
 
@@ -96,6 +96,8 @@ class Record:
     FIRST: ClassVar[tuple[str, ...]] = ()  # fields written before the rest (the manifest's own)
     # Fields holding records (or lists of them): field -> (its record type, how its problem names it).
     NESTED: ClassVar[dict[str, tuple[type, str]]] = {}
+    # A record's own ranges, before RANGES (a record outside the cache bounds its fields by what reads them).
+    RANGES: ClassVar[dict[str, tuple[Callable, str]]] = {}
 
     def to_json(self) -> dict:
         return self._json([*self.FIRST, *(f.name for f in fields(self) if f.name not in self.FIRST)])
@@ -123,7 +125,7 @@ class Record:
             if name not in obj:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     return f"{where}lacks the field {name!r}"
-            elif not (check := _check(f))[0](obj[name]):
+            elif not (check := _check(f, cls.RANGES))[0](obj[name]):
                 return f"{where}its field {name!r} is {_short(obj[name])}, expected {check[1]}"
         for name, (kind, label) in cls.NESTED.items():
             found = obj.get(name)  # (an optional one may be null or absent)

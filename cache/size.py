@@ -23,6 +23,7 @@ from .part_progress import PartProgress
 from .records import CacheHeader, Manifest
 from .prompt_store import open_prompt_store, prompt_store_path
 from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
+from .store_checks import count_problem, store_problem
 
 _CRC = 4  # bytes of the crc32c that ends every prompt-store chunk
 # The longest metadata a sample can carry (key digits at their limits, floats at their longest repr): its
@@ -150,8 +151,12 @@ def project(settings: CacheHeader, prompts: int, num_parts: int = 1, *, batch_si
 
 
 def measured_inputs(cache_dir: str | os.PathLike, manifest: Manifest) -> dict:
-    """What `project` takes from a finished cache: mean real tokens, fixed bytes, its batch and shard sizes."""
+    """What `project` takes from a finished cache: mean real tokens, fixed bytes, its batch and shard sizes; the
+    manifest's counts and its stores' shapes checked first (as every reader's: nothing allocated per prompt that the
+    files cannot back)."""
     cache_dir = Path(cache_dir)
+    if problem := count_problem(cache_dir, manifest) or store_problem(cache_dir, manifest):
+        raise CacheError(problem)
     tokens = rows = 0
     for part in range(manifest.num_parts):
         path = prompt_store_path(cache_dir, part)

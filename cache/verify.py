@@ -17,7 +17,7 @@ from .manifest import load_manifest, negative_problem, settings_problem
 from .reader import ShardStream, decode_sample
 from .safe_open import open_fd, read_bytes
 from .schema import recorded_steps, sample_problems
-from .store_checks import prompt_row_problems, store_problem
+from .store_checks import count_problem, prompt_row_problems, store_problem
 
 
 def _check_shard(cache_dir: Path, rec: dict, m: dict, seen: set[str]) -> list[str]:
@@ -68,6 +68,8 @@ def verify_cache(cache_dir: str | os.PathLike, progress: bool = True) -> list[st
         raise  # not a problem of this cache's bytes: another version, or links and FIFOs, refused whole (exit 2)
     except CacheError as e:
         return [str(e)]
+    if problem := count_problem(cache_dir, m):  # nothing of it can be checked against the manifest: refused whole
+        raise CacheError(problem)
     store = store_problem(cache_dir, m)  # (the rows of a store of another shape are not read: terabytes)
     problems = [p for p in [settings_problem(cache_dir, m), store] if p is not None]
     seen: set[str] = set()

@@ -8,14 +8,18 @@ temporary siblings (`<name>.<pid>.tmp`), never into a project folder that happen
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cache.records import CacheHeader, Record, optional
+from cache import safe_open
+from cache.records import MAX_PROMPTS, MAX_STEPS, CacheHeader, Record, _int, _list, _short, optional
 
+from .config import MAX_SEQUENCE_LENGTH
 from .lock import RUN_LOCK, read_head
+from .prompts import MAX_PROMPT_CHARS
+from .registries import MAX_LORA_RANK
 
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
@@ -75,6 +79,7 @@ class RunLayout:
         return found[:limit] + ([f"{len(found) - limit} more"] if len(found) > limit else [])
 
 
+RECORD_FIX = "rerun train-student to rewrite it"  # what a refused record of a run tells the user
 EVAL_REPORT = "eval.json"  # what `eval` writes into the run folder by default (stages/sample/evaluate.py REPORT_NAME)
 # Every name a run folder holds, and whether it is a folder.
 _RUN_ENTRIES = {STUDENT: True, STUDENT_EMA: True, STUDENT_INIT: True, CHECKPOINTS: True, TENSORBOARD: True,
@@ -117,8 +122,8 @@ def _not_ours(entry: Path) -> str | None:
         return None if head[:8] in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
     if base in (RESOLVED_CONFIG, DISTILL, WANDB_RUN, EVAL_REPORT):
         try:
-            obj = json.loads(head)
-        except (ValueError, RecursionError):  # (one past _HEAD_BYTES is cut, so no JSON: not a record of ours)
+            obj = safe_open.parse_json(head, entry)
+        except ValueError:  # (one past _HEAD_BYTES is cut, so no JSON: not a record of ours)
             return " (not readable JSON)"
         if base == RESOLVED_CONFIG and not (isinstance(obj, dict) and _CONFIG_KEYS <= obj.keys()):
             return " (not a train-student config)"
@@ -128,10 +133,36 @@ def _not_ours(entry: Path) -> str | None:
     if base == METRICS:  # one JSON record per line, each with its `type`: the first one tells
         first = head.split(b"\n", 1)[0]
         try:
-            return None if not first.strip() or "type" in json.loads(first) else " (not train-student metrics)"
+            return None if not first.strip() or "type" in safe_open.parse_json(first, entry) else \
+                " (not train-student metrics)"
         except (ValueError, TypeError):
             return " (not train-student metrics)"
     return None
+
+
+# What a Wan teacher draws at most: its rotary table holds 1024 positions per axis (WanRotaryPosEmbed's default, every
+# released Wan config's; stages/teacher_cache/teacher.py ROPE_MAX_SEQ_LEN), each a patch of 2 x 16 pixels (TI2V's VAE;
+# 8 for the others) or of 1 latent frame (4 frames). A record beyond them is no run of a Wan teacher.
+MAX_SIDE, MAX_FRAMES = 1024 * 2 * 16, (1024 - 1) * 4 + 1
+MAX_LORA_TARGETS = 64  # (a block has 10 linear modules)
+_FINITE = (lambda v: type(v) in (int, float) and math.isfinite(v)), "a finite number"
+_SCALE = (lambda v: _FINITE[0](v) and v >= 0), "a finite number >= 0"
+_RATIO = (lambda v: _FINITE[0](v) and 0 <= v <= 1), "a number in 0..1"
+_NAME = (lambda v: isinstance(v, str) and 0 < len(v) <= 4096), "a non-empty string"
+
+
+def _bounded(item: tuple, what: str, lo: int, hi: int) -> tuple:
+    check = _list(item, what)
+    return (lambda v: check[0](v) and lo <= len(v) <= hi), f"{check[1]} ({lo if lo == hi else f'{lo}..{hi}'})"
+
+
+def _experts_list(v) -> bool:
+    """A LoRA record's experts: transformer names, each once, in expert order."""
+    return type(v) is list and bool(v) and v == [c for c in LORA_EXPERT_FILES if c in v]
+
+
+_EXPERTS = _experts_list, f"a list of {' and/or '.join(LORA_EXPERT_FILES)}, in that order"
+_STEP_LIST = _bounded(_FINITE, "finite numbers", 1, MAX_STEPS + 1)  # (a schedule: its end may be listed too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +180,41 @@ class LoraRecord(Record):
     rank: int
     alpha: float
     targets: list[str]
+
+    RANGES = {"teacher": _NAME, "experts": _EXPERTS, "trained": _EXPERTS, "boundary_ratio": _RATIO,
+              "boundary_timestep": _SCALE, "rank": _int(1, MAX_LORA_RANK),
+              "alpha": ((lambda v: _FINITE[0](v) and v > 0), "a finite number > 0"),
+              "targets": _bounded(_NAME, "module names", 1, MAX_LORA_TARGETS)}
+
+    @classmethod
+    def problem(cls, obj, where: str = "") -> str | None:
+        """Record.problem, then: the trained experts are some of its experts, and each one's file is the one name
+        train-student gives it (`lora_file`), never a path."""
+        if (problem := super().problem(obj, where)) is not None:
+            return problem
+        if not set(obj["trained"]) <= set(obj["experts"]):
+            return f"{where}its trained experts {obj['trained']} are not among its experts {obj['experts']}"
+        want = {c: lora_file(c, len(obj["experts"])) for c in obj["trained"]}
+        if obj["files"] != want:
+            return f"{where}its field 'files' is {_short(obj['files'])}, expected {want}"
+        return None
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> LoraRecord:
+        """FOLDER/lora.json (`safe_open.read_json`: no link followed, size and nesting bounded); ValueError naming
+        what is wrong otherwise."""
+        return cls.from_json(safe_open.read_json(folder, LORA_JSON, "record", fix=RECORD_FIX))
+
+
+def tensor_mismatch(found: dict, want: dict) -> str | None:
+    """How the tensors `found` ({name: shape}: a weight file's) differ from those `want`, in words; None where they
+    are the same."""
+    if extra := sorted(found.keys() - want.keys()):
+        return f"it holds {extra[0]!r}, which is not one of the {len(want)} tensors expected"
+    if missing := sorted(want.keys() - found.keys()):
+        return f"it lacks {missing[0]!r} ({len(missing)} of the {len(want)} tensors expected are missing)"
+    bad = next((k for k in sorted(want) if tuple(found[k]) != tuple(want[k])), None)
+    return None if bad is None else f"{bad!r} is {list(found[bad])}, expected {list(want[bad])}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +267,18 @@ class DistillRecord(Record):
     lora: LoraRecord | None = None
 
     NESTED = {"lora": (LoraRecord, "its lora: ")}
+    # Every number sample, eval and export compute with, bounded by what a Wan teacher takes (a billion steps or
+    # frames would run out of memory or abort, not refuse).
+    RANGES = {"teacher": _NAME, "student_steps": _int(1, MAX_STEPS), "frames": _int(1, MAX_FRAMES),
+              "height": _int(1, MAX_SIDE), "width": _int(1, MAX_SIDE),
+              "max_sequence_length": _int(1, MAX_SEQUENCE_LENGTH),
+              "negative_prompt": ((lambda v: isinstance(v, str) and len(v) <= MAX_PROMPT_CHARS),
+                                  f"a string of at most {MAX_PROMPT_CHARS:,} characters"),
+              "latent_shape": _bounded(_int(1, MAX_SIDE), "sizes", 4, 4), "guidance": _SCALE, "guidance_2": _SCALE,
+              "boundary_ratio": _RATIO, "timesteps": _STEP_LIST, "sigmas": _STEP_LIST,
+              "train_steps": _bounded(_int(0, MAX_STEPS - 1), "step numbers", 1, MAX_STEPS),
+              "train_timesteps": _STEP_LIST, "heldout_prompts": _list(_int(0, MAX_PROMPTS - 1), "prompt numbers"),
+              "train_trajectories": _int(1), "init_seed": _int(-2**63, 2**64 - 1)}
 
     @classmethod
     def of_cache(cls, manifest: CacheHeader, **learned) -> DistillRecord:
@@ -222,9 +300,7 @@ class DistillRecord(Record):
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> DistillRecord:
-        """Read distill.json; ValueError with the reason if it is not a record."""
-        try:
-            obj = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not readable JSON ({e})") from e
-        return cls.from_json(obj, path)
+        """Read distill.json (`safe_open.read_json`: no link followed, size and nesting bounded); ValueError with the
+        reason if it is not a record."""
+        path = Path(path)
+        return cls.from_json(safe_open.read_json(path.parent, path.name, "record", fix=RECORD_FIX), path)

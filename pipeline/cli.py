@@ -111,7 +111,8 @@ def _stage_command(name: str, cls, errors: str):
 
 
 @main.command("tiny-teacher")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to write the pipeline to.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the pipeline to: new, empty, or an earlier tiny-teacher output (rebuilt whole).")
 @click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained", "video-pretrained"]),
               default="wan2.2", show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one "
               "transformer; ti2v: expand_timesteps (all three random); pretrained: a Wan 2.2 teacher trained to draw "

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .prompts import MAX_PROMPT_CHARS
 from .registries import (
     FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, StudentSchedule,
     TeacherSpeedSettings, placement_entry,
@@ -35,6 +36,14 @@ _SEQUENCE_LENGTH = int_in(1, MAX_SEQUENCE_LENGTH, f" (Wan's text encoder reads {
 DEFAULT_STEPS = 40
 DEFAULT_GUIDANCE = 4.0
 DEFAULT_FPS = 8  # sample's videos: a 9-frame clip plays in about a second
+
+
+def _prompt_text(name, v) -> None:
+    """A prompt given as a setting is bounded as a prompt file's line is (a megabyte pasted by mistake is refused
+    before the tokenizer sees it); the value is not echoed."""
+    if isinstance(v, str) and len(v) > MAX_PROMPT_CHARS:
+        raise ValueError(f"--{name} is {len(v):,} characters long, more than the {MAX_PROMPT_CHARS:,} a prompt may "
+                         "hold; shorten it")
 
 
 def save_resolved(cfg, path: str | os.PathLike) -> None:
@@ -122,7 +131,7 @@ class TeacherCacheConfig(TeacherRun):
                            check=non_empty, path=True)
     out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
     seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
-    negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty")
+    negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty", check=_prompt_text)
     samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
                                                 "past this many).", check=at_least(1))
     part: int | None = setting(None, help="This process's part (with --num-parts), e.g. one per node.",
@@ -417,7 +426,7 @@ class SampleConfig(_Inference):
                                        check=positive(allow_zero=True), default_text="distill.json's")
     student_guidance: float | None = setting(None, help="The student's CFG scale.", check=positive(allow_zero=True),
                                              default_text="1.0 if the student learned guided targets, else --guidance")
-    negative_prompt: str | None = setting(None, help="Negative prompt for CFG.",
+    negative_prompt: str | None = setting(None, help="Negative prompt for CFG.", check=_prompt_text,
                                           default_text="distill.json's, else empty")
     seed: int = setting(0, help="Noise seed; prompt i starts from seed + i, for teacher and student alike.",
                         check=at_least(0))

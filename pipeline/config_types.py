@@ -5,17 +5,19 @@ true string to Python (docs/reliability.md, "Exit codes")."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
-import tomllib
+import reprlib  # a value in a message is shown short: a config file may hold megabytes of it
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from cache import safe_open
+from cache.cache_error import UnsafeFileError
+
+from .errors import UserError, with_fix
 from .settings import declared, hints, name_of, required
 
 
@@ -61,22 +63,26 @@ def _type_problem(cls, values: dict[str, Any], given: dict[str, Any], toml_path)
     for f in dataclasses.fields(cls):
         if f.name in values and not _fits(values[f.name], types[f.name], seq_as_str=True):
             where = f" (config file {toml_path})" if toml_path and f.name not in given else ""
-            return f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {values[f.name]!r}{where}"
+            got = reprlib.repr(values[f.name])
+            return f"{f.name.replace('_', '-')} must be {_describe(types[f.name])}, got {got}{where}"
     return None
 
 
 def read_object(path: str | os.PathLike, what: str, fix: str = "rewrite it or remove it", fmt: str = "JSON") -> dict:
-    """The table (object) a JSON or TOML file holds, or a UserError naming `what` at `path` and the `fix`."""
+    """The table (object) a JSON or TOML file holds, or a UserError naming `what` at `path` and the `fix`: read by
+    `safe_open` (a FIFO or folder refused, never waited on; at most CAPS["config"] bytes; nesting capped)."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{what} {p} does not exist; {fix}")
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = safe_open.read_named(p, what, safe_open.CAPS["config"])
+        where = f"{what} {p}"
+        data = safe_open.parse_json(raw, where) if fmt == "JSON" else safe_open.parse_toml(raw.decode(), where)
+    except FileNotFoundError:
+        raise UserError(f"{what} {p} does not exist; {fix}") from None
     except OSError as e:  # a file this process may not read (permissions, I/O): named, not a traceback
         raise UserError(f"{what} {p} cannot be read ({e.strerror or e}); {fix}") from e
-    try:
-        data = (tomllib.loads if fmt == "TOML" else json.loads)(text)
-    except (ValueError, UnicodeDecodeError) as e:  # both decode errors are ValueErrors
+    except UnsafeFileError as e:  # a FIFO, a folder, too large, nested too deep, not JSON
+        raise with_fix(e, fix) from None
+    except (ValueError, UnicodeDecodeError) as e:  # TOML's decode errors (JSON's are safe_open's)
         raise UserError(f"{what} {p} is not valid {fmt} ({e}); {fix}") from e
     if not isinstance(data, dict):
         raise UserError(f"{what} {p} must be a {fmt} object, not a {type(data).__name__}; {fix}")
@@ -97,7 +103,8 @@ def load_config(cls, toml_path: str | os.PathLike | None, overrides: dict[str, A
         for k, v in data.items():
             key = k.replace("-", "_")
             if key not in names:
-                raise UserError(f"config file {p}: unknown key {k!r}; valid keys: {', '.join(sorted(names))}")
+                raise UserError(f"config file {p}: unknown key {reprlib.repr(k)}; valid keys: "
+                                f"{', '.join(sorted(names))}")
             values[key] = v
     in_file = set(values)
     given = {k: v for k, v in overrides.items() if v is not None}

@@ -49,6 +49,18 @@ OOM_REMEDIES = {
     "sample": ["lower --height/--width or sample fewer prompts at once", "use a GPU with more free memory"],
 }
 
+# The same for the host's memory (a MemoryError: RAM or the address-space limit, not a GPU's), then for any stage.
+HOST_OOM_REMEDIES = {
+    "teacher-cache": ["use --placement disk (the weights streamed from --offload-dir, not held in RAM); `wandistiller "
+                      "plan` shows what fits", "for a two-expert teacher, --expert-order expert", "lower --batch-size"],
+    "train-student": ["lower --num-workers (each DataLoader worker holds its own buffers)", "lower --batch-size",
+                      "lower --embedding-cache-size (prompt embeddings each reader process keeps)"],
+    "sample": ["sample fewer prompts at once (--max-prompts) or at a lower --height/--width"],
+}
+HOST_OOM_ANY = ["run where the process may use more RAM (a larger node, SLURM's --mem, `ulimit -v`), or stop what "
+                "else uses it", "check the files the command reads: one far larger than its kind (a config, a prompt "
+                "file, a record of the run or cache folder) is not the file it should be"]
+
 # How to pick up where a stage stopped (default: rerun the same command).
 RERUN = {"train-student": "rerun the same command with --resume"}
 
@@ -61,6 +73,13 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def with_fix(e: CacheError, fix: str) -> UserError:
+    """A refusal of `cache.safe_open` (its lines end in "; <remedy>") with the remedy that fits the file the user
+    named (a config, a prompt file) in place of its generic one."""
+    head, sep, _ = str(e).rpartition("; ")
+    return UserError(f"{head if sep else e}; {fix}")
 
 
 def _memory_report() -> list[str]:
@@ -81,9 +100,12 @@ def classify(exc: BaseException, stage: str) -> tuple[int, str]:
     """(exit code, message after `error: `) of an exception that ends `stage`; EXIT_BUG keeps its traceback."""
     # Order matters: torch's OutOfMemoryError and DistError are RuntimeErrors, CacheError a ValueError.
     torch = sys.modules.get("torch")  # (only once imported: a bad flag must not wait seconds for torch to load)
-    if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
-        lines = [f"out of memory in {stage}: {first_line(exc)}", *(f"  memory: {m}" for m in _memory_report())]
-        return EXIT_OOM, "\n".join(lines + ["  remedies:"] + [f"    - {r}" for r in OOM_REMEDIES.get(stage, [])])
+    gpu = torch is not None and isinstance(exc, torch.OutOfMemoryError)
+    if gpu or isinstance(exc, MemoryError):  # the GPU's memory, or the host's: each its own remedies
+        lines = [f"out of {'' if gpu else 'host '}memory in {stage}: {first_line(exc)}",
+                 *(f"  memory: {m}" for m in _memory_report())]
+        remedies = OOM_REMEDIES.get(stage, []) if gpu else [*HOST_OOM_REMEDIES.get(stage, []), *HOST_OOM_ANY]
+        return EXIT_OOM, "\n".join(lines + ["  remedies:"] + [f"    - {r}" for r in remedies])
     if isinstance(exc, UnfinishedCacheError):  # each unfinished part in words, and what finishes them
         from .cache_status import unfinished_problem  # (loads cache/: not at the CLI's load)
 

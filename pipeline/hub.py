@@ -4,14 +4,21 @@ huggingface_hub is imported when a Hub id is resolved, never at load: the CLI im
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
+from cache.cache_error import UnsafeFileError
+from cache.safe_open import CAPS, open_fd, read_bytes
+
 from .errors import UserError, first_line
+from .teacher_files import check_folder
 
 # What each command reads of a diffusers pipeline (huggingface_hub's allow_patterns).
 CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "*/*.safetensors.index.json")
 PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
 FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def is_hub_id(name: str) -> bool:
@@ -30,6 +37,8 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
         if revision is not None:
             raise UserError(f"--revision {revision} applies to a Hub id, and {flag} {name} is a local path; drop "
                             "--revision")
+        if p.is_dir():
+            check_folder(p, f"rerun with {flag} {name}")
         return p
     if not is_hub_id(name):
         raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like "
@@ -38,8 +47,11 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
     from huggingface_hub import errors as hf
 
     at = f" at revision {revision}" if revision else ""
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
+    fix = f"download {name} again (`hf download {name}`, once {repo} is removed)"
+    _check_ref(repo, revision, fix)
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=list(files),
+        snap = Path(snapshot_download(name, revision=revision, allow_patterns=list(files),
                                       local_files_only=recorded_in is not None))
     except hf.RevisionNotFoundError as e:
         raise UserError(f"{flag} {name}: the Hub has no revision {revision!r} of it; pass a branch, tag or commit "
@@ -67,3 +79,28 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
     except OSError as e:  # a cache folder that cannot be written, a full disk
         raise UserError(f"{flag} {name}: fetching it from the Hub failed ({first_line(e)}); free space or fix the "
                         f"permissions of {constants.HF_HUB_CACHE}, or pass a local folder") from e
+    if snap.parent != repo / "snapshots" or not _COMMIT.fullmatch(snap.name):
+        raise UnsafeFileError(f"{flag} {name}: the local Hub cache gave {snap}, not a snapshot folder of {repo}; {fix}")
+    check_folder(snap, fix)
+    return snap
+
+
+def _check_ref(repo: Path, revision: str | None, fix: str) -> None:
+    """Before huggingface_hub opens them: refuse a cached repository's ref of `revision` (refs/main by default) that is
+    no commit hash (huggingface_hub joins it to snapshots/ as a path: `../../..` would name a folder outside the
+    cache), and a ref or tree listing that is a link, a FIFO or too large."""
+    rev = revision or "main"
+    try:
+        commit = rev
+        if not _COMMIT.fullmatch(rev):
+            ref = read_bytes(repo, f"refs/{rev}", 64, fix)
+            if not _COMMIT.fullmatch(commit := ref.decode("ascii", "replace")):
+                raise UnsafeFileError(f"{repo / 'refs' / rev} holds {ref[:50]!r}, not a commit hash; {fix}")
+        fd = open_fd(repo, f"trees/{commit}.json", fix)
+        size = os.fstat(fd).st_size
+        os.close(fd)
+        if size > CAPS["config"]:
+            raise UnsafeFileError(f"{repo / 'trees' / commit}.json is {size:,} bytes, more than a tree listing holds; "
+                                  f"{fix}")
+    except FileNotFoundError:  # not cached (yet): huggingface_hub fetches it, or says it is missing
+        pass

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .artifact import LORA_JSON, LoraRecord
+from cache import safe_open, safe_write
+
+from .artifact import LORA_JSON, LoraRecord, tensor_mismatch
 from .user_error import UserError
 
 COMPONENTS = ("transformer", "transformer_2")  # expert 1 (high noise), expert 2 (low noise)
@@ -147,7 +149,7 @@ class LoraExperts(torch.nn.Module):
                                           weight_name=self.record.files[comp],
                                           transformer_lora_adapter_metadata=metadata)
             _sort_metadata(folder / self.record.files[comp])
-        (folder / LORA_JSON).write_text(json.dumps(self.record.to_json(), indent=1) + "\n")
+        safe_write.write_json(folder / LORA_JSON, self.record.to_json(), indent=1)
 
 
 def wan_state(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
@@ -168,14 +170,31 @@ def wan_state(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.T
 def _sort_metadata(path: Path) -> None:
     """Rewrite the safetensors file `path` with its header's `__metadata__` keys sorted: safetensors (Rust) keeps them
     in a HashMap seeded anew in every process, so their order, and the file's bytes, change from run to run."""
-    raw = path.read_bytes()
+    raw = safe_open.read_bytes(path.parent, path.name)  # (the file diffusers just wrote)
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = safe_open.parse_json(raw[8:8 + n], path)
     if "__metadata__" in header:
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # (safetensors pads the header to 8 bytes with spaces)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    safe_write.write_file(path, len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def check_files(root: Path, folder: str, record: LoraRecord, base: torch.nn.Module) -> None:
+    """Refuse LoRA files (ROOT/FOLDER/each of `record.files`, their headers alone, bounded) that are not what the
+    record says: exactly the lora_A and lora_B of every linear module of `base` (the teacher's transformer, on the meta
+    device) that its `targets` name (peft's rule: the module's name, or its last dotted parts), of its `rank`."""
+    want = {}
+    for name, m in base.named_modules():
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in record.targets):
+            want[f"transformer.{name}.lora_A.weight"] = (record.rank, m.in_features)
+            want[f"transformer.{name}.lora_B.weight"] = (m.out_features, record.rank)
+    for comp, file in record.files.items():
+        rel, fix = f"{folder}/{file}", "rerun the same train-student command, or pass another --student"
+        found = {k: shape for k, (_, shape) in safe_open.safetensors_header(root, rel, fix).items()}
+        if problem := tensor_mismatch(found, want):
+            raise UserError(f"LoRA file {root / rel} is not the rank-{record.rank} adapter of "
+                            f"{', '.join(record.targets)} its {LORA_JSON} describes ({problem}); {fix}")
 
 
 def load(teacher: Path, folder: Path, record: LoraRecord, dtype: torch.dtype, device: torch.device) -> LoraExperts:
@@ -184,10 +203,10 @@ def load(teacher: Path, folder: Path, record: LoraRecord, dtype: torch.dtype, de
 
     experts = {}
     for comp in record.experts:
-        model = WanTransformer3DModel.from_pretrained(teacher / comp, torch_dtype=dtype)
+        model = WanTransformer3DModel.from_pretrained(teacher / comp, torch_dtype=dtype, use_safetensors=True)
         if comp in record.files:
             state, metadata = WanPipeline.lora_state_dict(str(folder), weight_name=record.files[comp],
-                                                          return_lora_metadata=True)
+                                                          use_safetensors=True, return_lora_metadata=True)
             WanPipeline.load_lora_into_transformer(state, transformer=model, adapter_name=ADAPTER, metadata=metadata)
         experts[comp] = model.to(device).eval().requires_grad_(False)
     return LoraExperts(experts, record.boundary_timestep, record).eval()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -10,7 +11,11 @@ import os
 import re
 from pathlib import Path
 
-from .errors import UserError
+from cache import safe_open
+from cache.cache_error import UnsafeFileError
+from cache.safe_open import CAPS
+
+from .errors import UserError, with_fix
 
 # A prompt's length in characters: any real caption many times over, even at config.MAX_SEQUENCE_LENGTH tokens (~4-5
 # characters a token), and still a refusal of a megabyte pasted by mistake (a 10 MB line took 65 s and 6.45 GiB).
@@ -20,6 +25,7 @@ MAX_LINE_BYTES = 1 << 20
 # Unicode's control characters (Cc) but tab, vertical tab and form feed, which the tokenizer reads as a space.
 _CONTROL = re.compile("[\x00-\x08\x0d-\x1f\x7f-\x9f]")
 _CONTROL_NAMES = {"\x00": "NUL", "\r": "CARRIAGE RETURN", "\x1b": "ESCAPE", "\x7f": "DELETE", "\x85": "NEXT LINE"}
+_FIX = "pass a .txt or .jsonl file to --prompts"
 # Files that hold a table, not one prompt a line: their header and columns would become prompts.
 _TABLES = {".csv": "a CSV table", ".tsv": "a TSV table", ".json": "a JSON document", ".parquet": "a Parquet table"}
 
@@ -27,16 +33,25 @@ _TABLES = {".csv": "a CSV table", ".tsv": "a TSV table", ".json": "a JSON docume
 def read_prompt_file(path: str | os.PathLike) -> list[str]:
     """All prompts of a file in order (duplicates kept); UserError with the line number on bad input."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"prompt file {p} does not exist; pass a .txt or .jsonl file to --prompts")
     suffix = p.suffix.lower()
-    if suffix in _TABLES:
+    if suffix in _TABLES and p.is_file():
         raise UserError(f"prompt file {p} is {_TABLES[suffix]} ({suffix}), which would be read as one prompt a line "
                         "(its header too); write the prompts to a .txt file, one a line, or a .jsonl file of "
                         '{"prompt": "..."} lines')
+    try:  # a FIFO or a folder is refused, never waited on
+        fd = safe_open.open_named(p, "prompt file")
+    except FileNotFoundError:
+        raise UserError(f"prompt file {p} does not exist; {_FIX}") from None
+    except UnsafeFileError as e:
+        raise with_fix(e, _FIX) from None
+    except OSError as e:
+        raise UserError(f"prompt file {p} cannot be read ({e.strerror or e}); {_FIX}") from e
     jsonl = suffix == ".jsonl"
     prompts: list[str] = []
-    with open(p, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
+        if (size := os.fstat(fd).st_size) > CAPS["prompts"]:
+            raise UserError(f"prompt file {p} is {size:,} bytes, more than the {CAPS['prompts']:,} a prompt file may "
+                            "hold; split the prompts over several files, or check that it is the prompt file")
         for n, text in _lines(p, f):
             s = text.strip()
             if not s or (not jsonl and s.startswith("#")):
@@ -52,7 +67,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
 
 def _lines(p: Path, f):
     """(line number, decoded line without its ending) of `f`, a line at a time (one past MAX_LINE_BYTES is refused
-    unread). A line ends at `\\n` alone, as an editor numbers them: `str.splitlines` would also split at a form feed."""
+    unread; a UTF-8 byte-order mark before line 1 is dropped). A line ends at `\\n` alone, as an editor numbers
+    them: `str.splitlines` would also split at a form feed."""
     offset = 0
     for n in itertools.count(1):
         raw = f.readline(MAX_LINE_BYTES + 1)
@@ -63,21 +79,23 @@ def _lines(p: Path, f):
                             f"{MAX_PROMPT_CHARS:,} characters); shorten that line, or check that the file is one "
                             "prompt a line")
         body = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
+        bom = 3 if n == 1 and body.startswith(codecs.BOM_UTF8) else 0  # "UTF-8 with BOM": no part of prompt 1
         try:
-            text = body.decode("utf-8")
+            text = body[bom:].decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {p} is not UTF-8 (line {n}, byte {offset + e.start}); re-save it as "
+            raise UserError(f"prompt file {p} is not UTF-8 (line {n}, byte {offset + bom + e.start}); re-save it as "
                             "UTF-8") from e
         offset += len(raw)
         yield n, text
 
 
 def _json_prompt(p: Path, n: int, line: str) -> str:
+    where = f"prompt file {p} line {n}"
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"prompt file {p} line {n}: not valid JSON ({e.msg}); "
-                        'each line must be {"prompt": "..."}') from e
+        obj = safe_open.parse_json(line, where)  # nesting capped: 10^6 brackets are refused, not recursed into
+    except UnsafeFileError as e:  # not JSON, or nested too deep: said as this file's other lines are
+        why = str(with_fix(e, 'each line must be {"prompt": "..."}')).removeprefix(where).removeprefix(" is").strip()
+        raise UserError(f"{where}: {why}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
         raise UserError(f'prompt file {p} line {n}: expected {{"prompt": "<non-empty text>"}}')
     return obj["prompt"].strip()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .settings import at_least, int_list, non_empty, one_of, positive, setting
+from .settings import at_least, int_in, int_list, non_empty, one_of, positive, setting
+
+MAX_LORA_RANK = 4096  # a LoRA's rank: a Wan layer is at most 5120 wide (lora.json is refused past it too)
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ class LoraSettings:
         help="Train LoRA adapters on this teacher's transformer(s) (its folder or Hub id: the teacher the cache was "
              "made with) instead of a --student-config student; the base stays frozen, each Wan 2.2 expert gets its "
              "own adapter and learns only from the samples it produced.")
-    lora_rank: int = setting(16, check=at_least(1), help="--lora-of: the adapters' rank.")
+    lora_rank: int = setting(16, check=int_in(1, MAX_LORA_RANK), help="--lora-of: the adapters' rank.")
     lora_alpha: float | None = setting(None, check=positive(), default_text="--lora-rank",
                                        help="--lora-of: LoRA alpha; the update is scaled by alpha / rank.")
     lora_targets: str = setting(LORA_TARGETS, check=non_empty,

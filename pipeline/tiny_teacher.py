@@ -3,7 +3,6 @@ the real Wan 2.x checkpoints, only small (docs/tiny-teacher.md). Nothing is down
 
 from __future__ import annotations
 
-import shutil
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,16 +141,24 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
 
 def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:
     """Write the tiny pipeline to `out` in diffusers format and return the folder (a RETRAIN variant: a copy of
-    data/'s)."""
+    data/'s). `out` must be new, empty or this command's own earlier output (rebuilt whole: `make` reruns it); the
+    folder is built beside it and swapped in (cache/safe_write.py)."""
+    from cache import safe_write
+    from cache.atomic import honour_umask
+
+    from .teacher_files import copy_tree
+
     out = Path(out)
-    if variant in RETRAIN:
-        committed = {PRETRAINED: PRETRAINED_DIR, VIDEO_PRETRAINED: VIDEO_PRETRAINED_DIR}[variant]
-        if not (committed / "model_index.json").is_file():
-            raise UserError(f"the {variant} tiny teacher is missing from {committed}; restore it with "
-                            f"`git checkout -- data/` or retrain it with `{RETRAIN[variant]}`")
-        shutil.copytree(committed, out, dirs_exist_ok=True)  # creates `out` and its parents
-        return out
-    pipe = build_tiny_pipeline(variant, seed)
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out, safe_serialization=True)
+    committed = {PRETRAINED: PRETRAINED_DIR, VIDEO_PRETRAINED: VIDEO_PRETRAINED_DIR}.get(variant)
+    if committed is not None and not (committed / "model_index.json").is_file():
+        raise UserError(f"the {variant} tiny teacher is missing from {committed}; restore it with "
+                        f"`git checkout -- data/` or retrain it with `{RETRAIN[variant]}`")
+    safe_write.claim_folder(out, "tiny-teacher", replace=True)
+    pipe = build_tiny_pipeline(variant, seed) if committed is None else None
+    with safe_write.building(out, "tiny-teacher") as tmp:
+        if pipe is None:
+            copy_tree(committed, tmp, f"restore {committed} with `git checkout -- data/`")
+        else:
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
     return out

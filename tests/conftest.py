@@ -190,3 +190,12 @@ def assert_recipe_text_encoder(text_encoder, recipe: dict) -> None:
     for k, v in want.items():
         scale = recipe["text_bias_scale"] if "relative_attention_bias" in k else 1.0
         assert torch.equal(got[k], v * scale), k
+
+
+@pytest.fixture
+def home(tmp_path) -> Path:
+    """A victim's files, outside every cache, run and output folder: hostile links and paths point in here."""
+    h = tmp_path / "home"
+    h.mkdir()
+    (h / "thesis.tex").write_text("precious")
+    return h

@@ -172,4 +172,4 @@ def test_a_deleted_record_or_trainer_state_is_damage_not_a_silent_skip(runs, tmp
     msg = str(e.value)
     assert "\n" not in msg
     assert f"{NEWEST} (digests.json: missing)" in msg and f"{OLDER} (trainer_state.json: missing)" in msg
-    assert "step-00000003 (digests.json: unreadable (JSONDecodeError" in msg
+    assert "step-00000003 (digests.json: unreadable (UnsafeFileError: " in msg and "is not valid JSON" in msg

@@ -35,7 +35,7 @@ TABLE = [
     (OSError(errno.EFBIG, "File too large"), 2, "File too large" + DISK),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details"), 3,
      "out of memory in train-student: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    (MemoryError(), 3, "out of memory in train-student: MemoryError"),
+    (MemoryError(), 3, "out of host memory in train-student: MemoryError"),
     (dist.DistError("wait timeout after 600000ms"), 4,
      "lost contact with another rank (wait timeout after 600000ms); the rank that failed first prints why"),
     (dist.DistNetworkError("Connection reset by peer"), 4,
@@ -57,14 +57,25 @@ IDS = [f"{type(e).__name__}-{code}" for e, code, _ in TABLE]
 def test_classify(exc, code, line):
     got_code, message = classify(exc, STAGE)
     assert (got_code, message.splitlines()[0]) == (code, line)
-    if code == errors.EXIT_OOM:  # the report: memory figures, then the stage's remedies
-        assert "  memory: peak host RSS" in message and "    - add --gradient-checkpointing" in message
+    if code == errors.EXIT_OOM:  # the report: memory figures, then the stage's remedies (the GPU's or the host's)
+        gpu = isinstance(exc, torch.OutOfMemoryError)
+        assert "  memory: peak host RSS" in message
+        assert ("    - add --gradient-checkpointing" in message) == gpu, message
+        assert ("    - lower --num-workers" in message) == (not gpu), message
 
 
 def test_oom_remedies_are_the_stages():
-    _, message = classify(MemoryError(), "teacher-cache")
-    assert message.startswith("out of memory in teacher-cache: MemoryError") and "--placement offload" in message
+    _, message = classify(torch.OutOfMemoryError("CUDA out of memory"), "teacher-cache")
+    assert message.startswith("out of memory in teacher-cache: CUDA") and "--placement offload" in message
     assert "--gradient-checkpointing" not in message
+
+
+def test_host_memory_is_not_reported_as_the_gpus():
+    """A MemoryError is the host's RAM (or address-space limit): its remedies are the host's, not a GPU's."""
+    code, message = classify(MemoryError(), "teacher-cache")
+    assert code == errors.EXIT_OOM and message.startswith("out of host memory in teacher-cache: MemoryError")
+    assert "--placement disk" in message and "more RAM" in message and "far larger than its kind" in message
+    assert "--placement offload" not in message and "CUDA" not in message
 
 
 def test_interrupt_without_resume_flag_outside_stage_two():

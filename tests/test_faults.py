@@ -117,6 +117,13 @@ def test_hostile_inputs_run_nothing_touch_nothing_outside_never_hang_and_end_in_
 
 
 @pytest.mark.slow
+def test_hostile_folders_configs_and_weights_cross_one_trust_boundary(ws, survived):
+    rows = SCENARIOS["hostile-folders"](ws, random.Random(0))
+    survived(rows)
+    assert len(rows) >= 10 and sum(r.attempts for r in rows) >= 30
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_failing_rank_ends_every_rank_promptly_with_its_cause_once(ws, survived):
     survived(SCENARIOS["rank-failure"](ws, random.Random(0)))

@@ -23,15 +23,6 @@ pytestmark = pytest.mark.timeout(120)  # a FIFO opened the old way blocks foreve
 
 
 @pytest.fixture
-def home(tmp_path) -> Path:
-    """The victim's files, outside every cache and run folder."""
-    h = tmp_path / "home"
-    h.mkdir()
-    (h / "thesis.tex").write_text("precious")
-    return h
-
-
-@pytest.fixture
 def cache_copy(tiny_cache, tmp_path) -> Path:
     dst = tmp_path / "cache"
     shutil.copytree(tiny_cache, dst)

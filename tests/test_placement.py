@@ -178,7 +178,7 @@ def _write_map(tmp_path, content) -> str:
     ({"": "cpu", "blocks": "disk"}, "overlap"),
     ({"": "gpu"}, "is not a device"),
     (MIXED_MAP | {"scale_shift_table": "disk"}, "is a parameter, not a module"),
-    ("[1, 2]", "must be a non-empty JSON object"),
+    ("[1, 2]", "must be a JSON object, not a list"),
     ("{nope", "is not valid JSON"),
 ])
 def test_bad_device_map_is_one_clear_error(content, needle, spec, tmp_path):

@@ -215,7 +215,7 @@ def test_export_loads_with_from_pretrained_and_matches_the_grid(trained_run, tin
     assert np.abs(student_cell - export_cell).max() <= PIXELS[grid.parent.name]
 
     # --link: the teacher's components symlinked, loading the same way; --overwrite replaces only an earlier export.
-    assert_one_line_error(invoke(["export", "--student", trained_run, "--out", out]), "not empty", "--overwrite")
+    assert_one_line_error(invoke(["export", "--student", trained_run, "--out", out]), "earlier export", "--overwrite")
     r = invoke(["export", "--student", trained_run, "--out", out, "--link", "--overwrite"])
     assert r.exit_code == 0, r.output
     assert all((out / c).is_symlink() for c in ("text_encoder", "tokenizer", "vae", "scheduler"))
@@ -342,7 +342,7 @@ def test_bad_inputs_that_need_a_model(trained_run, narrow_run, tiny_teacher, tin
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
     assert_one_line_error(invoke(["export", "--student", trained_run, "--out", foreign, "--overwrite"]),
-                          "not a WanDistiller export")
+                          "did not write")
     assert (foreign / "keep.txt").read_text() == "mine"
     assert_one_line_error(invoke(["sample", "--student", trained_run, "--prompts", grid_prompts, "--out",
                                   tmp_path / "g.png", "--height", 72]), "--height 72")

@@ -4,12 +4,14 @@ student, the teacher, the trajectories, every check) and what it samples (`Entry
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from cache import format as F
+from cache import safe_write
 from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
 from cache.reader import open_caches
 from pipeline.artifact import EVAL_REPORT as REPORT_NAME, STUDENT, STUDENT_EMA
@@ -155,9 +157,11 @@ def setup(cfg: EvalConfig) -> Setup:
     # figure of the report) and its prompt stores' shapes and dtypes (an edited one would allocate terabytes)
     manifest = open_caches([cache_dir])[0].manifest
     student = find_student(cfg.student, cfg.weights)
-    report_path = Path(cfg.report) if cfg.report else student.root / REPORT_NAME
-    if report_path.is_dir():
+    # (the run folder the user named, a link or not, is where the report goes by default)
+    report_path = Path(cfg.report) if cfg.report else Path(os.path.realpath(student.root)) / REPORT_NAME
+    if report_path.is_dir() and not report_path.is_symlink():
         raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
+    safe_write.ensure_folder(report_path.parent, "the folder of --report")  # (before any model loads)
     _check_against_cache(student, manifest, cache_dir)
     teacher_path = _teacher_path(cfg, manifest, cache_dir)
     captions = (attribute_captions(cfg.attributes, cfg.attribute_max_prompts, manifest.frames)

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from cache.atomic import atomic_write_json
+from cache import safe_write
 from cache.manifest import negative_embeds
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
@@ -74,8 +74,7 @@ def run(cfg: EvalConfig) -> dict:
     }
     report["table"] = few_step_table(report)
     report["wall_s"] = round(time.time() - t_start, 2)
-    su.report_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(su.report_path, report)
+    safe_write.write_json(su.report_path, report)
     plot_path = su.report_path.with_suffix(".png")
     plot_report(report, plot_path)
     tqdm.write(summary_line(report, su.report_path, plot_path))
@@ -193,4 +192,4 @@ def plot_report(report: dict, path: Path) -> None:
     fig.suptitle(f"{report['student']['path']} on {report['cache']['path']}: {report['trajectories']} trajectories "
                  f"({report['selection']['source']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    safe_write.write_file(path, writer=lambda f: fig.savefig(f, format="png"))

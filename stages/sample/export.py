@@ -3,35 +3,36 @@ export_lora.py). The folder's layout, its copies and how it is published: docs/a
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from cache.atomic import publish_dir
-from pipeline.artifact import DISTILL, LORA_JSON
+from cache import safe_write
+from pipeline.artifact import DISTILL
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import chosen_points, own_sampler, student_scheduler
+from pipeline.teacher_files import check_config, copy_tree, read_component, read_index, snapshot_blobs
 
 from . import hub_card
 from .models import BORROWED, Student, check_compatible, find_student, student_teacher, teacher_transformer_config
 
-# model_index key of an export (diffusers ignores keys starting with '_'); also what lets --overwrite replace a folder
+# model_index key of an export's hints (diffusers ignores keys starting with '_'); what lets --overwrite replace a
+# folder is safe_write's marker file, never a key any JSON may hold
 MARK = "_wandistiller"
+STUDENT_FIX = "rerun train-student, or pass another --student"
 
 
 def _sampling_hints(student: Student, tpath: Path) -> dict:
     """What a user of the export should pass: the student's steps, its guidance, the training size (from the latent
     shape and the teacher's VAE when distill.json has none) and text length."""
-    vae_cfg = tpath / "vae" / "config.json"
-    vae_spatial = int(json.loads(vae_cfg.read_text()).get("scale_factor_spatial") or 8) if vae_cfg.is_file() else 8
+    try:
+        vae_spatial = read_component(tpath, "vae").get("scale_factor_spatial") or 8
+    except FileNotFoundError:
+        vae_spatial = 8
     teacher_guidance = student.setting("guidance")
     hints = {"guidance_scale": 1.0 if student.guided else teacher_guidance, "guided_targets": student.guided,
              "teacher_guidance_scale": teacher_guidance}
@@ -135,39 +136,14 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 """
 
 
-def copy_contents(src: Path, dst: Path) -> None:
-    """Copy the folder `src` to `dst`: every file's bytes (a symlink's target's), not their modes as copytree would."""
-    for root, _dirs, files in os.walk(src, followlinks=True):
-        here = dst / Path(root).relative_to(src)
-        here.mkdir(parents=True, exist_ok=True)
-        for name in files:
-            shutil.copyfile(Path(root) / name, here / name)
-
-
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder for the pipeline")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    ours = False
-    for name in ("model_index.json", LORA_JSON):  # a pipeline export, or a LoRA export's adapters
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            ours = ours or MARK in json.loads((out / name).read_text())
-    if not overwrite:
-        raise UserError(f"--out {out} is not empty; choose a new folder"
-                        + (" or add --overwrite to replace this earlier export" if ours else ""))
-    if not ours:
-        raise UserError(f"--out {out} is not a WanDistiller export; --overwrite only replaces earlier exports")
-
-
 def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
     """The teacher's name, folder and model_index, checked to hold what the pipeline borrows and to fit the student."""
     teacher_name, tpath = student_teacher(cfg, student)
-    index = json.loads((tpath / "model_index.json").read_text())
+    index = read_index(tpath)  # (tpath's files checked by pipeline/hub.py: no link out of it, no FIFO, no pickle)
     missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
     if missing:
         raise UserError(f"teacher {teacher_name!r} lacks {', '.join(missing)} in {tpath}; export needs them")
-    tcfg = teacher_transformer_config(tpath)
+    tcfg = check_config("transformer", teacher_transformer_config(tpath), f"the transformer config of {tpath}")
     check_compatible(student, in_channels=int(tcfg["in_channels"]), text_dim=int(tcfg["text_dim"]),
                      latent_hw=None, expand_timesteps=index.get("expand_timesteps", False),
                      against=f"teacher {teacher_name}")
@@ -177,12 +153,12 @@ def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
 def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: dict, hints: dict,
           own_scheduler: bool, teacher: str, card: str) -> None:
     """Write the pipeline folder's content into `tmp`."""
-    copy_contents(student.path, tmp / "transformer")
+    copy_tree(student.path, tmp / "transformer", STUDENT_FIX)
     for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
         if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
             student_scheduler(student.distill).save_pretrained(tmp / comp)
         elif cfg.copy:
-            copy_contents(tpath / comp, tmp / comp)
+            copy_tree(tpath / comp, tmp / comp, blobs=snapshot_blobs(tpath))
         else:
             os.symlink((tpath / comp).resolve(), tmp / comp, target_is_directory=True)
     index.update({
@@ -193,11 +169,11 @@ def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: di
                "components": "copied" if cfg.copy else "symlinked",
                "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
     })
-    (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    safe_write.write_json(tmp / "model_index.json", index)
     hub_card.drop_local_names(tmp)  # (a re-saved teacher's configs name the folder it was loaded from)
     if student.distill is not None:
-        (tmp / DISTILL).write_text(json.dumps(hub_card.public_record(student.distill, teacher), indent=2) + "\n")
-    (tmp / "README.md").write_text(card)
+        safe_write.write_json(tmp / DISTILL, hub_card.public_record(student.distill, teacher))
+    safe_write.write_file(tmp / "README.md", card.encode())
 
 
 def run(cfg: ExportConfig) -> dict:
@@ -211,7 +187,8 @@ def run(cfg: ExportConfig) -> dict:
                         f"(its export is already a standalone pipeline); drop {asked[0]}")
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)
-    _check_out(out, cfg.overwrite)
+    safe_write.claim_folder(out, "export", replace=cfg.overwrite, hint=" or add --overwrite to replace this earlier "
+                            "export")
     hints = _sampling_hints(student, teacher[1])
     # a pipeline folder here; a LoRA run's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
     summary = student.kind.export(cfg, student, hints, out, teacher)
@@ -230,7 +207,6 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
                                   video="num_frames" in hints)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     with building(out) as tmp:
-        tmp.mkdir(parents=True)
         _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
     tqdm.write(f"pipeline written to {out} (student {student.weights} weights, teacher components "
                f"{'copied' if cfg.copy else 'symlinked'}); sample it at guidance_scale={hints['guidance_scale']}"
@@ -239,16 +215,8 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
     return {"out": str(out), **index[MARK]}
 
 
-@contextlib.contextmanager
-def building(out: Path) -> Iterator[Path]:
-    """A temporary folder beside `out` (not yet made) to write the export into; when the block ends it is fsynced
-    and swapped in, so an earlier export at --out stays whole until the new one replaces it; removed on a failure."""
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        yield tmp
-        publish_dir(tmp, out, before_replace=lambda: fault_point("before_dir_rename"),
-                    after_replace=lambda: fault_point("after_dir_rename"))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def building(out: Path):
+    """safe_write.building for an export (a new folder beside `out`, swapped in whole, its marker listing what it
+    holds), with the swap's fault points."""
+    return safe_write.building(out, "export", before_replace=lambda: fault_point("before_dir_rename"),
+                               after_replace=lambda: fault_point("after_dir_rename"))

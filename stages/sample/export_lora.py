@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,19 +11,20 @@ import torch
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
+from cache import safe_open, safe_write
 from cache.atomic import honour_umask
+from cache.cache_error import UnsafeFileError
 from cache.format import DTYPES
 from pipeline import lora_experts
 from pipeline.artifact import DISTILL, LORA_JSON, LoraRecord, RunLayout
 from pipeline.config import ExportConfig
-from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
 from pipeline.sampling import own_sampler, student_scheduler
 
 from . import hub_card
-from .export import MARK, building, draw, sigmas_sentence
-from .models import Student, read_distill, teacher_dir, teacher_transformer_config
+from .export import MARK, STUDENT_FIX, building, draw, sigmas_sentence
+from .models import Student, meta_model, read_distill, teacher_dir, teacher_transformer_config
 
 
 class LoraRun:
@@ -36,7 +35,9 @@ class LoraRun:
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
         try:
-            record = LoraRecord.from_json(read_object(chosen / LORA_JSON, "LoRA description"))
+            record = LoraRecord.read(chosen)  # (bounded, no link followed: a refusal is its own line)
+        except UnsafeFileError:
+            raise
         except ValueError as e:
             raise UserError(f"LoRA description {chosen / LORA_JSON}: {e}; it was not written by this WanDistiller's "
                             "train-student --lora-of: rerun it") from e
@@ -45,7 +46,9 @@ class LoraRun:
             raise UserError(f"{p} holds an incomplete LoRA run ({', '.join(missing) or DISTILL} missing); rerun the "
                             "same train-student command with --resume")
         teacher = teacher_dir(record.teacher, record.revision, recorded_in=str(chosen / LORA_JSON))
-        return Student(root=p, path=chosen, weights=which, config=teacher_transformer_config(teacher), kind=self,
+        config = teacher_transformer_config(teacher)
+        lora_experts.check_files(p, chosen.name, record, meta_model(config, teacher))  # (headers only, bounded)
+        return Student(root=p, path=chosen, weights=which, config=config, kind=self,
                        distill=read_distill(run.distill), lora=record, teacher_path=teacher)
 
     def load(self, student: Student, dtype, device):
@@ -122,8 +125,9 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
     """The teacher pipeline with the adapters merged into its transformers, saved whole into `tmp`."""
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(student.teacher_path, torch_dtype=dtype)
+    pipe = WanPipeline.from_pretrained(student.teacher_path, torch_dtype=dtype, use_safetensors=True)
     for comp, name in student.lora.files.items():  # each expert's adapter, named after it, merged into it
+        _adapter(student, name)  # (checked: a regular file of the run, which diffusers' loader then opens)
         pipe.load_lora_weights(str(student.path), weight_name=name, adapter_name=comp,
                                load_into_transformer_2=comp == "transformer_2")
         pipe.fuse_lora(components=[comp], adapter_names=[comp])
@@ -132,6 +136,11 @@ def _fused(student: Student, tmp: Path, dtype) -> None:
     pipe.save_pretrained(tmp)
     honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
     hub_card.drop_local_names(tmp)  # (each config's _name_or_path: the teacher's folder)
+
+
+def _adapter(student: Student, name: str) -> Path:
+    """The run's adapter file `name`: a regular file inside its student folder, no link (safe_open)."""
+    return safe_open.resolve_inside(student.path, name, STUDENT_FIX)
 
 
 def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
@@ -150,22 +159,21 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
     with building(out) as tmp:
         if cfg.fuse:
             _fused(student, tmp, DTYPES.get(student.setting("dtype"), torch.float32))
-            index = json.loads((tmp / "model_index.json").read_text())
-            (tmp / "model_index.json").write_text(json.dumps(index | {MARK: mark}, indent=2) + "\n")
+            index = safe_open.read_json(tmp, "model_index.json", "config")  # (diffusers' own, just written)
+            safe_write.write_json(tmp / "model_index.json", index | {MARK: mark})
         else:
-            tmp.mkdir(parents=True)
             for name in student.lora.files.values():  # the bytes, not the run's file modes
                 if cfg.lora_format == "wan":  # (no LoraConfig metadata: diffusers would scale by alpha / rank twice)
-                    state = lora_experts.wan_state(load_file(student.path / name), student.lora.alpha)
-                    (tmp / name).write_bytes(save(state))
+                    state = lora_experts.wan_state(load_file(_adapter(student, name)), student.lora.alpha)
+                    safe_write.write_file(tmp / name, save(state))
                 else:
-                    shutil.copyfile(student.path / name, tmp / name)
-            (tmp / LORA_JSON).write_text(json.dumps(lora | {MARK: mark}, indent=1) + "\n")
+                    safe_write.copy_file(_adapter(student, name), tmp / name)
+            safe_write.write_json(tmp / LORA_JSON, lora | {MARK: mark}, indent=1)
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
         public = replace(student.distill.lora, teacher=base).to_json()
         record = hub_card.public_record(student.distill, base) | {"lora": public}
-        (tmp / DISTILL).write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "README.md").write_text(card)
+        safe_write.write_json(tmp / DISTILL, record)
+        safe_write.write_file(tmp / "README.md", card.encode())
     what = "merged pipeline" if cfg.fuse else "LoRA adapters"
     tqdm.write(f"{what} written to {out} (base {student.lora.teacher}); sample at guidance_scale=1.0, "
                f"num_inference_steps={hints.get('num_inference_steps')}, "

@@ -4,14 +4,15 @@ local paths (an absolute path leaks a user name) and the upload: docs/architectu
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
 
+from cache import safe_open, safe_write
 from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id
+from pipeline.teacher_files import snapshot_blobs
 
 # The folder name of a Hub snapshot in the local cache: models--NAMESPACE--NAME/snapshots/REVISION.
 _CACHED = re.compile(r"^models--([\w.-]+?)--([\w.-]+)$")
@@ -38,36 +39,44 @@ def public_record(record: DistillRecord, teacher: str) -> dict:
 
 
 def drop_local_names(folder: Path) -> None:
-    """Remove from every JSON file below `folder` the `_name_or_path` (`name_or_path`) diffusers and transformers save
-    where it is a local path, which says nothing to anyone else (a Hub id stays); symlinked folders are left alone."""
+    """Remove from every JSON file below `folder` (the export being built) the `_name_or_path` (`name_or_path`)
+    diffusers and transformers save where it is a local path, which says nothing to anyone else (a Hub id stays);
+    symlinked folders are left alone, and so is any file larger than a config (a tokenizer's vocabulary)."""
+    cap = safe_open.CAPS["config"]
     for root, _dirs, files in os.walk(folder):
         for name in files:
             path = Path(root) / name
-            if not name.endswith(".json") or path.is_symlink():
+            if not name.endswith(".json") or path.is_symlink() or path.stat().st_size > cap:
                 continue
-            text = path.read_text(errors="replace")
-            if "name_or_path" not in text:
+            data = safe_open.read_bytes(folder, path.relative_to(folder).as_posix(), cap, "export again")
+            if b"name_or_path" not in data:
                 continue
             try:
-                obj = json.loads(text)
+                obj = safe_open.parse_json(data, path)
             except ValueError:
                 continue
             local = [k for k in ("_name_or_path", "name_or_path") if isinstance(obj, dict) and
                      isinstance(obj.get(k), str) and os.path.isabs(os.path.expanduser(obj[k]))]
             if local:
-                path.write_text(json.dumps({k: v for k, v in obj.items() if k not in local}, indent=2) + "\n")
+                safe_write.write_json(path, {k: v for k, v in obj.items() if k not in local})
 
 
 def teacher_license(folder: Path, repo_id: str | None) -> str | None:
     """The license the teacher's own model card declares (in its folder, else its Hub repo's); None when unknown."""
+    import yaml
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.repocard import metadata_load
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
-    card = folder / "README.md"
+    cap = safe_open.CAPS["config"]
     try:
-        if not card.is_file() and repo_id is not None:  # (the snapshot of the teacher's weights leaves its card out)
-            card = Path(hf_hub_download(repo_id, "README.md"))
-        license_ = (metadata_load(card) or {}).get("license") if card.is_file() else None
+        try:  # bounded, a FIFO never waited on, a Hub snapshot's link only into its own blobs/
+            card = safe_open.resolve_inside(folder, "README.md", "remove it", snapshot_blobs(folder))
+        except FileNotFoundError:  # (the snapshot of the teacher's weights leaves its card out)
+            if repo_id is None:
+                return None
+            card = hf_hub_download(repo_id, "README.md")
+        text = safe_open.read_named(card, "the teacher's model card", cap).decode("utf-8-sig")
+        license_ = yaml.safe_load(REGEX_YAML_BLOCK.search(text).group(2)).get("license")  # (metadata_load's parse)
     except Exception:  # offline and not cached, no card, or front matter that is not YAML: the license stays unknown,
         return None  # and the export goes on
     return license_ if isinstance(license_, str) and license_ else None

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, LoraRecord, RunLayout
+from cache import safe_open
+from cache.cache_error import UnsafeFileError
+from pipeline.artifact import (
+    DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, DistillRecord, LoraRecord, RunLayout, tensor_mismatch,
+)
 from pipeline.config_types import read_object
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.hub import teacher_folder
+from pipeline.teacher_files import PICKLED
 
 if TYPE_CHECKING:
     from .export_lora import LoraRun
@@ -26,6 +32,7 @@ TRANSFORMER_CLASS = "WanTransformer3DModel"
 PIPELINE_CLASS = "WanPipeline"
 # Teacher components a student pipeline borrows (everything but the transformers).
 BORROWED = ("tokenizer", "text_encoder", "vae", "scheduler")
+FIX = "rerun train-student, or pass another --student"  # what a refused file of a student folder tells the user
 
 
 @dataclass(frozen=True)
@@ -66,23 +73,60 @@ class Student:
                 "student_steps": self.setting("sampling_steps")}
 
 
-def _transformer_config(folder: Path) -> dict | None:
-    """config.json of a WanTransformer3DModel folder; None if `folder` holds no model config."""
-    cf = folder / "config.json"
-    if not cf.is_file():
+def _transformer_config(folder: Path, run: Path | None = None) -> dict | None:
+    """config.json of a WanTransformer3DModel folder, its weights checked against it (`check_weights`); None if
+    `folder` holds no model config. `run`: the run folder `folder` lies in (then `folder` must not be a link)."""
+    try:
+        cfg = safe_open.read_json(*((run, f"{folder.name}/config.json") if run else (folder, "config.json")),
+                                  "config", fix=FIX)
+    except FileNotFoundError:
         return None
-    cfg = read_object(cf, "model config")
-    if cfg.get("_class_name") != TRANSFORMER_CLASS:
-        raise UserError(f"{folder} holds a {cfg.get('_class_name')!r}, not a {TRANSFORMER_CLASS} student")
-    if not any(folder.glob("*.safetensors")):
+    if not isinstance(cfg, dict) or cfg.get("_class_name") != TRANSFORMER_CLASS:
+        name = cfg.get("_class_name") if isinstance(cfg, dict) else cfg
+        raise UserError(f"{folder} holds a {name!r}, not a {TRANSFORMER_CLASS} student")
+    check_weights(folder, cfg)
+    return cfg
+
+
+def meta_model(config: dict, where: Path):
+    """The WanTransformer3DModel `config` builds, on the meta device (no memory, no weights): its tensors' shapes."""
+    from diffusers import WanTransformer3DModel
+
+    try:
+        with torch.device("meta"):
+            return WanTransformer3DModel.from_config(config)
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, OverflowError) as e:
+        raise UserError(f"{where} does not describe a {TRANSFORMER_CLASS} ({first_line(e)}); {FIX}") from e
+
+
+def check_weights(folder: Path, config: dict) -> None:
+    """Refuse a transformer folder whose weights are not what its config.json builds, before any is read: a pickled
+    weight file (`PICKLED`), no *.safetensors, or tensors (their headers, bounded) of other names or shapes."""
+    files = list(safe_open.walk(folder, FIX))  # (a link or a FIFO anywhere in it: refused)
+    if pickled := [f for f in files if f.endswith(PICKLED)]:
+        raise UserError(f"student folder {folder} holds {pickled[0]}, a pickled weight file, which WanDistiller never "
+                        f"loads (unpickling runs code); a student's weights are *.safetensors: remove it, or {FIX}")
+    found = {}
+    for f in (f for f in files if "/" not in f and f.endswith(".safetensors")):
+        found |= {k: shape for k, (_, shape) in safe_open.safetensors_header(folder, f, FIX).items()}
+    if not found:
         raise UserError(f"student folder {folder} has a config but no *.safetensors weights; "
                         "rerun train-student or point --student at a finished run")
-    return cfg
+    layers = config.get("num_layers", 0)
+    if not (type(layers) is int and 0 < layers <= len(found)):  # (each block holds tensors: none left unbuilt)
+        raise UserError(f"{folder / 'config.json'}: num_layers {layers!r} is not what its {len(found)} weight "
+                        f"tensors hold; {FIX}")
+    model = meta_model(config, folder / "config.json")
+    if problem := tensor_mismatch(found, {k: tuple(v.shape) for k, v in model.state_dict().items()}):
+        raise UserError(f"student folder {folder}: its weights are not what its config.json builds ({problem}); "
+                        f"{FIX}")
 
 
 def read_distill(path: Path) -> DistillRecord:
     try:
         return DistillRecord.read(path)
+    except UnsafeFileError:  # (its line says what to do)
+        raise
     except (ValueError, TypeError) as e:
         raise UserError(f"distill file {e}; rerun train-student to rewrite it, or remove it") from e
 
@@ -98,28 +142,29 @@ def find_student(path: str, weights: str = "auto") -> Student:
     run = RunLayout(p)
     # A train-student OUT holds student/ (and its own config.json, the run's settings); anything else must be
     # a transformer folder itself.
-    if not (run.student.is_dir() or run.student_ema.is_dir() or run.distill.is_file()):
+    if not (run.student.is_dir() or run.student_ema.is_dir() or os.path.lexists(run.distill)):
         bare = _transformer_config(p)
         if bare is None:
             raise UserError(f"{p} holds no student: neither {STUDENT}/ nor a model config.json; pass the --out "
                             "folder of a finished `wandistiller train-student` run")
         # OUT/student given directly: its distill.json is one level up.
         parent = RunLayout(p.parent)
-        distill = (read_distill(parent.distill) if p.name in (STUDENT, STUDENT_EMA) and parent.distill.is_file()
+        distill = (read_distill(parent.distill) if p.name in (STUDENT, STUDENT_EMA) and os.path.lexists(parent.distill)
                    else None)
         return Student(root=p.parent if distill else p, path=p, weights="folder", config=bare, kind=COMPACT,
                        distill=distill)
     if not run.student.is_dir():  # train-student renames student/ into place last: without it the run did not finish
         raise UserError(f"{p} holds no finished student: {STUDENT}/ is missing (train-student was stopped "
                         "before it saved); rerun the same train-student command with --resume to finish it")
-    kind = next((k for k in map(_load, OTHER_KINDS) if (run.student / k.marker).is_file()), COMPACT)
+    # (a marker that is a link or a FIFO is there, to be refused as its kind reads it: never taken for no marker)
+    kind = next((k for k in map(_load, OTHER_KINDS) if os.path.lexists(run.student / k.marker)), COMPACT)
     has_ema = (run.student_ema / kind.marker).is_file()
     if weights == "ema" and not has_ema:
         raise UserError(f"--weights ema: {p} has no {STUDENT_EMA}/ (EMA was off in train-student); "
                         "use --weights raw or auto")
     chosen, which = (run.student_ema, "ema") if weights == "ema" or (weights == "auto" and has_ema) \
         else (run.student, "raw")
-    return kind.find(p, run, chosen, which)
+    return kind.find(p, run, chosen, which)  # (each kind checks its weights against its records as it finds them)
 
 
 class CompactRun:
@@ -129,11 +174,11 @@ class CompactRun:
     adapters = False  # `export --fuse` and `--lora-format` apply to a student with adapters
 
     def find(self, p: Path, run: RunLayout, chosen: Path, which: str) -> Student:
-        cfg = _transformer_config(chosen)
+        cfg = _transformer_config(chosen, run.root)
         if cfg is None:
             raise UserError(f"{p} holds no student: {chosen.name}/config.json is missing; pass the --out folder of "
                             "a finished `wandistiller train-student` run")
-        distill = read_distill(run.distill) if run.distill.is_file() else None
+        distill = read_distill(run.distill) if os.path.lexists(run.distill) else None
         if distill is None:
             log.warning("%s has no %s: assuming the student learned guided targets", p, DISTILL)
         return Student(root=p, path=chosen, weights=which, config=cfg, kind=self, distill=distill)
@@ -142,7 +187,7 @@ class CompactRun:
         from diffusers import WanTransformer3DModel
 
         try:
-            model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype)
+            model = WanTransformer3DModel.from_pretrained(student.path, torch_dtype=dtype, use_safetensors=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(f"cannot load the student from {student.path} ({str(e).splitlines()[0]}); "
                             "rerun train-student or pass another --student") from e
@@ -160,7 +205,8 @@ class CompactRun:
 
         exact = self.init_exact(student, seed)
         if seed is None and _has_init_dir(student):
-            model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype)
+            model = WanTransformer3DModel.from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype,
+                                                          use_safetensors=True)
             how = {"source": f"{STUDENT_INIT}/", "exact": exact}
         else:
             if seed is None:
@@ -202,7 +248,7 @@ def pick_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dty
 
 
 def _has_init_dir(student: Student) -> bool:
-    return _transformer_config(RunLayout(student.root).student_init) is not None
+    return _transformer_config(RunLayout(student.root).student_init, student.root) is not None
 
 
 def check_compatible(student: Student, *, in_channels: int, text_dim: int, latent_hw: tuple[int, int] | None,
@@ -271,7 +317,7 @@ def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: 
     if not vae:
         skip["vae"] = None
     try:
-        pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype, **skip)
+        pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load the teacher from {path} ({str(e).splitlines()[0]})") from e
     pipe.to(device)

@@ -8,8 +8,6 @@ WebP in a folder beside the grid."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
+from cache import safe_write
 from pipeline.config import (
     DEFAULT_FPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH,
     SampleConfig,
@@ -124,16 +123,15 @@ def frame_strip(clip: np.ndarray) -> Image.Image:
 
 
 def write_image(img: Image.Image, out: Path, format: str = "PNG", **save) -> None:
-    """`img.save(out, format, **save)` through a temporary file renamed into place: no half-written file at `out`."""
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    img.save(tmp, format=format, **save)
-    os.replace(tmp, out)
+    """`img.save(out, format, **save)` by `safe_write.write_file`: no half-written file at `out`, a link planted at
+    its name replaced, never written through."""
+    safe_write.write_file(out, writer=lambda f: img.save(f, format=format, **save))
 
 
 def write_videos(folder: Path, names: list[str], clips: list[list[np.ndarray]], fps: int) -> dict[str, list]:
     """Each clip of `clips` (a row per prompt, a clip per name) as a lossless animated WebP `folder/PP-NAME.webp`:
     Pillow writes it with no other dependency (diffusers' export_to_video needs imageio + ffmpeg or OpenCV)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    safe_write.ensure_folder(folder, "the video folder")
     paths: dict[str, list[str]] = {n: [] for n in names}
     for i, row in enumerate(clips):
         for name, clip in zip(names, row):
@@ -204,13 +202,17 @@ def run(cfg: SampleConfig) -> dict:
     prompts, _ = dedupe(read_prompt_file(cfg.prompts))
     prompts = prompts[: cfg.max_prompts]
     out = Path(cfg.out)
-    if out.is_dir():
+    if out.is_dir() and not out.is_symlink():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
+    safe_write.ensure_folder(out.parent, "the folder of --out")  # (now: a typo ends the command before sampling)
     student = find_student(cfg.student, cfg.weights)
     frames = int(student.setting("frames", 1))  # the cache's, as distill.json copied it: > 1 for a video run
     if cfg.fps is not None and frames == 1:
         raise UserError(f"--fps applies only to video students; {cfg.student} was trained on a one-frame (image) "
                         "cache and draws images: drop --fps")
+    folder = out.with_name(f"{out.stem}-videos")
+    if frames > 1:
+        safe_write.ensure_folder(folder, "the video folder")
     teacher_name, teacher_path = student_teacher(cfg, student)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     teacher = load_teacher(teacher_path, dtype, device)
@@ -221,11 +223,9 @@ def run(cfg: SampleConfig) -> dict:
 
     # save: the grid (clips as frame strips), a video run's clips beside it, and next to it how it was made.
     grid = draw_grid(prompts, [[frame_strip(c) for c in row] for row in rows], columns)
-    out.parent.mkdir(parents=True, exist_ok=True)
     write_image(grid, out)
     config, video, fps = dataclasses.asdict(cfg), {}, cfg.fps or DEFAULT_FPS
     if frames > 1:
-        folder = out.with_name(f"{out.stem}-videos")
         video = {"frames": frames, "fps": fps, "videos": write_videos(folder, ["teacher", *drawers], rows, fps)}
     else:
         del config["fps"]  # an image run's summary as before video settings existed
@@ -235,7 +235,7 @@ def run(cfg: SampleConfig) -> dict:
                "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "seconds": {k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(time.time() - t0, 2),
                **video, "config": config}
-    out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=2) + "\n")
+    safe_write.write_json(out.with_name(out.name + ".json"), summary)
     tqdm.write(f"grid of {len(prompts)} prompt(s) x {columns} written to {out} ({grid.size[0]}x{grid.size[1]}); "
                f"teacher {seconds['teacher']:.1f}s at {settings.steps} steps, "
                + ", ".join(f"{n} {seconds[n]:.1f}s at {k} steps" for n, (_, k) in drawers.items())

@@ -4,7 +4,6 @@ one file per block (`disk`), built once per expert from the checkpoint on a meta
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -13,9 +12,11 @@ from pathlib import Path
 import filelock
 import torch
 
+from cache import safe_open, safe_write
+from cache.cache_error import CacheError
 from pipeline import diffusers_private, lock
 from pipeline.errors import UserError
-from pipeline.teacher_files import hash_json, sample_file
+from pipeline.teacher_files import hash_json, sample_file, snapshot_blobs
 
 from .teacher import TeacherSpec
 
@@ -84,17 +85,31 @@ def stream_from_disk(model: torch.nn.Module, device: torch.device, folder: Path)
 
 
 def checkpoint_files(path: Path, comp: str) -> dict[str, Path]:
-    """tensor name -> safetensors file of component `comp` (sharded via its index, or a single file)."""
-    from safetensors import safe_open
+    """tensor name -> safetensors file of component `comp` (sharded via its index, or a single file); the index's
+    files are read from the teacher folder down, as `safe_open` reads it (no link out of it)."""
+    from safetensors import safe_open as open_weights
 
-    folder = Path(path) / comp
+    path = Path(path)
+    folder = path / comp
     index = sorted(folder.glob("*.safetensors.index.json"))
     if index:
-        weight_map = json.loads(index[0].read_text())["weight_map"]
-        return {k: folder / v for k, v in weight_map.items()}
+        links = snapshot_blobs(path)  # (a Hub snapshot's links into its blobs/; any other folder: no link followed)
+        fix = "re-download the teacher"
+        src = safe_open.resolve_inside(path, f"{comp}/{index[0].name}", fix, links)
+        raw = safe_open.parse_json(safe_open.read_named(src, "weight index", safe_open.CAPS["config"]), src)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{src} has no weight_map of tensor names to file names; {fix}")
+        files = {}
+        for v in sorted(set(weight_map.values())):
+            try:
+                files[v] = safe_open.resolve_inside(path, f"{comp}/{v}", fix, links)
+            except FileNotFoundError:
+                raise UserError(f"{src} lists {folder / v}, which is missing; {fix}") from None
+        return {k: files[v] for k, v in weight_map.items()}
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
+        with open_weights(f, framework="pt") as st:
             out.update({k: f for k in st.keys()})
     return out
 
@@ -109,14 +124,31 @@ def expert_fingerprint(spec: TeacherSpec, comp: str, dtype: torch.dtype) -> str:
                        "diffusers": diffusers.__version__})
 
 
-def _folder_ok(folder: Path, fp: str) -> bool:
-    """True if `folder` is a complete folder for fingerprint `fp`: marker matches, every listed file whole."""
+def _marker_files(folder: Path, fp: str | None = None) -> dict[str, int] | None:
+    """The files (name -> bytes) the marker of `folder` lists, where it is a sound marker (of fingerprint `fp`, when
+    given); None for a folder without one, or with a marker this process did not write (a link, a FIFO, not JSON)."""
     try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, json.JSONDecodeError):
+        marker = safe_open.read_json(folder, MARKER, "record", f"delete {folder}")
+    except (OSError, CacheError):
+        return None
+    files = marker.get("files") if isinstance(marker, dict) and fp in (None, marker.get("fingerprint")) else None
+    ok = isinstance(files, dict) and all(type(size) is int for size in files.values())
+    return files if ok else None
+
+
+def _folder_ok(folder: Path, fp: str) -> bool:
+    """True if `folder` is a complete folder for fingerprint `fp`: marker matches, every listed file whole (a regular
+    file of the folder, not a link out of it)."""
+    files = _marker_files(folder, fp)
+    try:
+        return files is not None and all(_size(folder, n) == size for n, size in files.items())
+    except (OSError, CacheError):
         return False
-    return marker.get("fingerprint") == fp and isinstance(marker.get("files"), dict) and all(
-        (folder / n).is_file() and (folder / n).stat().st_size == size for n, size in marker["files"].items())
+
+
+def _size(folder: Path, rel: str) -> int:
+    with os.fdopen(safe_open.open_fd(folder, rel, f"delete {folder}"), "rb") as f:
+        return os.fstat(f.fileno()).st_size
 
 
 def _pid_alive(pid: int) -> bool:
@@ -148,7 +180,7 @@ def _remove_stale(root: Path, comp: str, keep: Path) -> None:
 
 def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device, build: Path) -> dict:
     """Lay the expert's groups out in `build`, one safetensors file per group, reading one group at a time."""
-    from safetensors import safe_open
+    from safetensors import safe_open as open_weights
     from safetensors.torch import save_file
 
     model = hollow_transformer(spec.path, comp, dtype)
@@ -174,7 +206,7 @@ def _write_groups(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torc
                 by_file.setdefault(where[name], []).append((key, name))
         for f, items in by_file.items():
             # Opened per group: the pages read count towards RSS only while the file is mapped.
-            with safe_open(f, framework="pt") as st:
+            with open_weights(f, framework="pt") as st:
                 for key, name in items:
                     tensors[key] = st.get_tensor(name).to(params[name].dtype).contiguous()
         dest = Path(path)
@@ -215,8 +247,8 @@ def prepare_disk_folder(spec: TeacherSpec, comp: str, dtype: torch.dtype, device
         log(f"building the offload folder of {comp} in {folder} (once per weights and dtype)")
         try:
             files = _write_groups(spec, comp, dtype, device, build)
-            (build / MARKER).write_text(json.dumps({"fingerprint": fp, "component": comp, "teacher": spec.name,
-                                                    "dtype": str(dtype), "files": files}, indent=1))
+            safe_write.write_json(build / MARKER, {"fingerprint": fp, "component": comp, "teacher": spec.name,
+                                                   "dtype": str(dtype), "files": files}, indent=1)
             os.rename(build, folder)
         finally:
             shutil.rmtree(build, ignore_errors=True)
@@ -243,7 +275,7 @@ def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: t
     folder = prepare_disk_folder(spec, comp, dtype, device, root, log)
     model = hollow_transformer(spec.path, comp, dtype)
     stream_from_disk(model, device, folder)
-    listed = set(json.loads((folder / MARKER).read_text())["files"])
+    listed = set(_marker_files(folder) or ())  # (checked, or just written, by prepare_disk_folder)
     stray = [g for g, _, path in diffusers_private.disk_groups(model) if Path(path).name not in listed]
     if stray:  # diffusers would have written (empty) files of its own: the layout changed under us
         raise RuntimeError(f"offload folder {folder} lacks groups {[g.group_id for g in stray][:3]}; delete it")
@@ -254,7 +286,7 @@ def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: to
     """Expert `comp` in CPU RAM, streamed layer by layer to a GPU `device` (`offload`: docs/placements.md)."""
     from diffusers import WanTransformer3DModel
 
-    model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype)
+    model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype, use_safetensors=True)
     model.eval().requires_grad_(False)
     if device.type == "cuda":
         model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),

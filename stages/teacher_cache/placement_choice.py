@@ -185,13 +185,13 @@ def teacher_sizes(path: str | os.PathLike, dtype: str) -> TeacherSizes:
         import transformers
 
         cls = getattr(transformers, mi["text_encoder"][1])
-        config = cls.config_class.from_dict(read_json(root / "text_encoder" / "config.json"))
+        config = cls.config_class.from_dict(read_json(root, "text_encoder/config.json"))  # (cls: checked)
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU
             enc = cls(config)
         enc.tie_weights()  # init_empty_weights unties shared embeddings; the loaded model shares them
         width = DTYPE_BYTES["bfloat16" if dtype == "float16" else dtype]  # T5 runs bf16 for fp16
         comps["text_encoder"] = other("text_encoder", enc, width)
-    if isinstance(mi.get("vae"), list) and mi["vae"][0] and (root / "vae" / "config.json").is_file():
+    if isinstance(mi.get("vae"), list) and mi["vae"][0] and spec.configs["vae"]:
         import diffusers
 
         with init_empty_weights(include_buffers=True):  # nothing allocated on the CPU

@@ -3,8 +3,8 @@ stage one runs (where the experts' weights go: placements/) and encode prompts w
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +14,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.progress_bar import progress_bar
-from pipeline.teacher_files import hash_json, sample_file
+from pipeline.teacher_files import brief, hash_json, read_component, read_index, sample_file
 
 if TYPE_CHECKING:
     from .placements import Placement
@@ -94,15 +94,17 @@ class TeacherSpec:
                             for f in sorted((self.path / comp).glob("*.safetensors"))}}
 
 
-def read_json(p: Path) -> dict:
-    """A teacher's JSON config, or a UserError naming the file (missing, or not JSON)."""
+def read_json(root: Path, rel: str) -> dict:
+    """The teacher's JSON config ROOT/`rel`, read bounded and typed (pipeline/teacher_files.py: the run and the dry
+    run check the same), or a UserError naming the file when it is missing."""
     try:
-        return json.loads(p.read_text())
+        if rel == "model_index.json":
+            return read_index(root)
+        comp, name = rel.split("/")
+        return read_component(root, comp, name)
     except FileNotFoundError as e:
-        raise UserError(f"{p} is missing; the planner needs the teacher's model_index.json and component "
+        raise UserError(f"{root / rel} is missing; the planner needs the teacher's model_index.json and component "
                         "configs (weights are optional)") from e
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p} is not valid JSON ({e})") from e
 
 
 def _experts(mi: dict) -> tuple[str, ...]:
@@ -111,33 +113,34 @@ def _experts(mi: dict) -> tuple[str, ...]:
 
 def configs_spec(root: Path, name: str) -> TeacherSpec:
     """The teacher's shapes from its configs alone (no weights, no tokenizer), for `plan` and a Hub id's dry run."""
-    mi = read_json(root / "model_index.json")
+    mi = read_json(root, "model_index.json")
     if mi.get("_class_name") != "WanPipeline":
-        raise UserError(f"{root} is a {mi.get('_class_name')!r}, not a WanPipeline")
+        raise UserError(f"{root} is a {brief(mi.get('_class_name'))}, not a WanPipeline")
     experts = _experts(mi)
     if not experts:
         raise UserError(f"teacher {name!r}: {root / 'model_index.json'} names no transformer; pass a Wan pipeline")
-    configs = {c: read_json(root / c / "config.json") for c in experts}
-    vae = root / "vae" / "config.json"
-    configs["vae"] = read_json(vae) if vae.is_file() else {}  # Wan's factors (8, 4) by default
-    configs["scheduler"] = read_json(root / "scheduler" / "scheduler_config.json")  # (`plan`'s header: its schedule)
+    configs = {c: read_json(root, f"{c}/config.json") for c in experts}
+    try:
+        configs["vae"] = read_component(root, "vae")
+    except FileNotFoundError:
+        configs["vae"] = {}  # Wan's factors (8, 4) by default
+    configs["scheduler"] = read_json(root, "scheduler/scheduler_config.json")  # (`plan`'s header: its schedule)
+    with contextlib.suppress(FileNotFoundError):  # checked as the run checks it (the planner builds it on meta)
+        read_component(root, "text_encoder")
     return TeacherSpec(name=name, path=root, revision=None, model_index=mi, configs=configs, experts=experts)
 
 
 def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
     """Locate the teacher and check it is a Wan pipeline; say what is missing if it is not."""
-    p = teacher_folder(name, revision)
+    p = teacher_folder(name, revision)  # (its files checked: no link out of it, no FIFO, no pickled weights)
     if not p.is_dir():
         raise UserError(f"teacher {name!r} is a file, not a diffusers pipeline folder")
-    mi_path = p / "model_index.json"
-    if not mi_path.is_file():
-        raise UserError(f"teacher {name!r} is not a diffusers pipeline: model_index.json is missing in {p}")
     try:
-        mi = json.loads(mi_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"teacher {name!r}: {mi_path} is not valid JSON ({e})") from e
+        mi = read_index(p)
+    except FileNotFoundError:
+        raise UserError(f"teacher {name!r} is not a diffusers pipeline: model_index.json is missing in {p}") from None
     if mi.get("_class_name") != "WanPipeline":
-        raise UserError(f"teacher {name!r} is a {mi.get('_class_name')!r}, not a WanPipeline (text-to-video "
+        raise UserError(f"teacher {name!r} is a {brief(mi.get('_class_name'))}, not a WanPipeline (text-to-video "
                         "Wan 2.1/2.2 in diffusers format)")
     experts = _experts(mi)
     missing = [c for c in REQUIRED if not (isinstance(mi.get(c), list) and mi[c][0])]
@@ -145,11 +148,13 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         missing.append("transformer")
     configs = {}
     for comp in [c for c in (*REQUIRED, *experts) if c not in missing]:
-        cf = p / comp / CONFIG_FILES[comp]  # the tokenizer: its folder
-        if not (cf.is_dir() if comp == "tokenizer" else cf.is_file()):
+        try:  # the tokenizer: its folder
+            if comp == "tokenizer" and not (p / comp).is_dir():
+                raise FileNotFoundError
+            if comp != "tokenizer":
+                configs[comp] = read_component(p, comp, CONFIG_FILES[comp])
+        except FileNotFoundError:
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
-        elif comp != "tokenizer":
-            configs[comp] = json.loads(cf.read_text())
     missing += [f"{c}/*.safetensors" for c in ("text_encoder", *experts)
                 if c in configs and not any((p / c).glob("*.safetensors"))]
     if missing:
@@ -179,7 +184,8 @@ def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.devic
 
     enc_dtype = torch.bfloat16 if dtype == torch.float16 else dtype
     tokenizer = AutoTokenizer.from_pretrained(spec.path, subfolder="tokenizer")
-    encoder = UMT5EncoderModel.from_pretrained(spec.path, subfolder="text_encoder", dtype=enc_dtype)
+    encoder = UMT5EncoderModel.from_pretrained(spec.path, subfolder="text_encoder", dtype=enc_dtype,
+                                               use_safetensors=True)  # (never a pickle: check_folder refuses them too)
     encoder = encoder.eval().requires_grad_(False)
     if model_offload and device.type == "cuda":
         from accelerate import cpu_offload_with_hook

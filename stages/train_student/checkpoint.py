@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from cache import safe_open
 from cache.atomic import fsync_dir, honour_umask
 from pipeline.artifact import CHECKPOINTS
 from pipeline.errors import UserError
@@ -275,7 +276,7 @@ def read_index(path: Path):
 
     name = f"{SHARDED}/{SHARDED_INDEX}"
     try:
-        with open(path / SHARDED / SHARDED_INDEX, "rb") as f:
+        with os.fdopen(safe_open.open_fd(path, name, _FIX), "rb") as f:
             index = _IndexUnpickler(f).load()
     except Untrusted as e:
         raise untrusted(path, name, str(e), _INDEX_HOLDS) from None
@@ -367,8 +368,13 @@ def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+# What a refusal inside a checkpoint folder tells the user.
+_FIX = "delete that checkpoint folder and rerun with --resume (an earlier checkpoint is used, or step 0)"
+
+
 def read_state(path: Path) -> dict:
-    return json.loads((path / STATE).read_text())
+    """The checkpoint's trainer_state.json (through the trust boundary: no link, bounded, nesting capped)."""
+    return safe_open.read_json(path, STATE, fix=_FIX)
 
 
 def _first_line(e: Exception) -> str:
@@ -379,7 +385,7 @@ def _first_line(e: Exception) -> str:
 def _read_record(path: Path) -> dict[str, dict]:
     """The files of `path`'s digest record; ValueError (its one-line reason) if it does not parse as one."""
     try:
-        record = json.loads((path / DIGESTS).read_bytes())
+        record = safe_open.read_json(path, DIGESTS, fix=_FIX)
     except (ValueError, OSError) as e:
         raise ValueError(f"{DIGESTS}: unreadable ({_first_line(e)})") from e
     files = record.get("files") if isinstance(record, dict) else None
@@ -411,13 +417,14 @@ def check(path: Path) -> str | None:
     try:
         files = _read_record(path)
         for name, want in files.items():  # sizes first: no hashing of a short file
-            if not (path / name).is_file():
+            if not (path / name).is_file() and not (path / name).is_symlink():
                 return f"{name}: missing"
+            os.close(safe_open.open_fd(path, name, _FIX))  # a link or a FIFO: refused as damage, never followed
             if (size := (path / name).stat().st_size) != (n := want["bytes"]):
                 return (f"{name}: empty (0 of {n} bytes)" if size == 0 else f"{name}: truncated ({size} of {n} bytes)"
                         if size < n else f"{name}: {size} bytes, {n} recorded")
         for name, want in files.items():
-            with open(path / name, "rb") as f:
+            with os.fdopen(safe_open.open_fd(path, name, _FIX), "rb") as f:
                 if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
                     return f"{name}: sha256 mismatch"
         try:

@@ -19,9 +19,11 @@ from tqdm.auto import tqdm
 from diffusers.training_utils import EMAModel
 
 from cache import format as F
+from cache import safe_open, safe_write
 from cache.atomic import atomic_write_bytes
+from cache.cache_error import UnsafeFileError
 from pipeline import signals
-from pipeline.artifact import RunLayout
+from pipeline.artifact import METRICS, RunLayout
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
@@ -147,7 +149,7 @@ class Trainer:
         self.params = [p for m in (self.model, self.heads) if m is not None for p in m.parameters() if p.requires_grad]
         self.debug_dir = os.environ.get(DEBUG_DIR_ENV)
         self.trained_keys: list[list[str]] = []
-        self.metrics = open(RunLayout(out).metrics, "a") if self.env.is_main else None
+        self.metrics = safe_write.open_append(RunLayout(out).metrics) if self.env.is_main else None
         self.tracker = tracker or Tracker()
         self.validator = validator  # validation.Validator on rank 0 when --val-every is on, else None
         self.last_eval: float | None = None
@@ -393,10 +395,10 @@ class Trainer:
     def write_debug(self, param_sha: str) -> None:
         if not self.debug_dir:
             return
-        Path(self.debug_dir).mkdir(parents=True, exist_ok=True)
         record = {"rank": self.env.rank, "world": self.env.world_size, "micro_batches": self.trained_keys,
                   "steps": self.state.step, "param_sha256": param_sha}
-        (Path(self.debug_dir) / f"rank-{self.env.rank}.json").write_text(json.dumps(record))
+        safe_write.write_json(safe_write.ensure_folder(self.debug_dir, DEBUG_DIR_ENV) / f"rank-{self.env.rank}.json",
+                              record, indent=None)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -408,35 +410,59 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+METRICS_LINE_BYTES = 1 << 20  # a metrics line is a few hundred bytes; one past this is no line of ours
+
+
+def metric_lines(out: Path) -> list[tuple[str, dict | None]]:
+    """Each line of OUT/metrics.jsonl (opened by `safe_open`: no link followed, CAPS["metrics"] in all, a line at a
+    time) with its record, None where the line is no JSON object (one torn by a crash or a full disk); [] without
+    the file."""
+    fix = f"remove {RunLayout(out).metrics} (a run's metrics are not needed to resume it)"
+    try:
+        fd = safe_open.open_fd(out, METRICS, fix)
+    except FileNotFoundError:
+        return []
+    lines = []
+    with os.fdopen(fd, "rb") as f:
+        if (size := os.fstat(fd).st_size) > safe_open.CAPS["metrics"]:
+            raise UnsafeFileError(f"{RunLayout(out).metrics} is {size:,} bytes, more than a run's metrics hold; {fix}")
+        while raw := f.readline(METRICS_LINE_BYTES + 1):
+            if len(raw) > METRICS_LINE_BYTES:
+                raise UnsafeFileError(f"{RunLayout(out).metrics} holds a line longer than {METRICS_LINE_BYTES:,} "
+                                      f"bytes; {fix}")
+            line = raw.decode(errors="replace").rstrip("\n")
+            try:
+                record = safe_open.parse_json(line, RunLayout(out).metrics)
+            except UnsafeFileError:
+                record = None
+            if line.strip():
+                lines.append((line, record if isinstance(record, dict) else None))
+    return lines
+
+
 def truncate_metrics(out: Path, step: int) -> None:
-    """Drop metrics past `step` (written after the checkpoint a run resumes from)."""
-    path = RunLayout(out).metrics
-    if not path.exists():
+    """Drop metrics past `step` (written after the checkpoint a run resumes from), and torn lines."""
+    if not (lines := metric_lines(out)):
         return
-
-    def step_of(line: str) -> float:
-        try:
-            return json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return math.inf  # a line torn by a crash or a full disk: dropped
-
-    keep = [line for line in path.read_text().splitlines() if line.strip() and step_of(line) <= step]
-    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())  # a kill here must not empty it
+    keep = [line for line, r in lines if r is not None and type(r.get("step")) in (int, float) and r["step"] <= step]
+    atomic_write_bytes(RunLayout(out).metrics, "".join(line + "\n" for line in keep).encode())  # (a kill: not emptied)
 
 
 def plot_losses(out: Path) -> None:
     """OUT/loss.png: training loss per logged step and held-out loss, log scale."""
-    path = RunLayout(out).metrics
-    if not path.exists():
+    records = [r for _, r in metric_lines(out) if r is not None]  # validation records ("val") are skipped
+    if not records:
         return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in path.read_text().splitlines()]  # validation records ("val") are skipped
-    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
-    held = [(r["step"], r["heldout_loss"]) for r in records if r["type"] == "eval"]
+    def points(kind: str, key: str) -> list:
+        return [(r["step"], r[key]) for r in records if r.get("type") == kind
+                and all(type(r.get(k)) in (int, float) for k in ("step", key))]
+
+    train, held = points("train", "loss"), points("eval", "heldout_loss")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*np.asarray(train).T, label="train loss", lw=1)
@@ -446,8 +472,5 @@ def plot_losses(out: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    png = RunLayout(out).loss_png
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp)
+    safe_write.write_file(RunLayout(out).loss_png, writer=lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
-    os.replace(tmp, png)

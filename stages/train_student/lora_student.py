@@ -3,13 +3,13 @@ a peft LoRA adapter; docs/lora.md and docs/architecture.md "The student kind".""
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from cache import safe_open
 from cache.schema import recorded_steps
 from pipeline.artifact import LoraRecord, lora_file
 from pipeline.errors import UserError
@@ -118,7 +118,7 @@ class LoraStudent(StudentKind):
 
         experts = {}
         for i, comp in enumerate(self.trained):
-            model = WanTransformer3DModel.from_pretrained(self.path / comp, torch_dtype=dtype)
+            model = WanTransformer3DModel.from_pretrained(self.path / comp, torch_dtype=dtype, use_safetensors=True)
             torch.manual_seed(seed + i)
             try:
                 add_adapter(model, self.rank, self.alpha, self.targets)
@@ -169,10 +169,15 @@ class LoraStudent(StudentKind):
 
 
 def _read(path: Path, teacher: str) -> dict:
+    """A JSON object of the teacher's folder, bounded (`safe_open.read_named`: a Hub snapshot's links are followed,
+    a FIFO never waited on, its size and nesting capped)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"--lora-of {teacher}: cannot read {path} ({e})") from e
+        obj = safe_open.parse_json(safe_open.read_named(path, f"--lora-of {teacher}:", safe_open.CAPS["config"]), path)
+    except OSError as e:
+        raise UserError(f"--lora-of {teacher}: cannot read {path} ({e.strerror or e})") from e
+    if not isinstance(obj, dict):
+        raise UserError(f"--lora-of {teacher}: {path} is not a JSON object")
+    return obj
 
 
 def _shard_adapters(module: torch.nn.Module, skip: str, kw: dict) -> None:

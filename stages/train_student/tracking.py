@@ -7,13 +7,15 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 
+from cache import safe_open
 from cache.atomic import atomic_write_json
-from pipeline.artifact import RunLayout
+from pipeline.artifact import WANDB_RUN, RunLayout
 from pipeline.errors import UserError, first_line
 from pipeline.registries import TRACKERS
 
@@ -140,8 +142,11 @@ class WandbTracker(Tracker):
         self.wandb = wandb
         run_id = None  # W&B draws one
         if resume_step is not None:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no earlier W&B run, or a torn file
-                run_id = json.loads(layout.wandb_run.read_text())["id"]
+            # No earlier W&B run, or a torn file, a link or a FIFO (never followed or waited on): W&B draws an id.
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                run_id = safe_open.read_json(layout.root, WANDB_RUN, "record", fix="remove it")["id"]
+            if not (isinstance(run_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id)):  # (a path: no id)
+                run_id = None
         try:
             self.run = wandb.init(
                 id=run_id, resume="allow" if run_id else None, config=config, name=layout.root.resolve().name,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from cache import safe_write
 from cache.atomic import atomic_write_json, honour_umask, publish_dir
 from pipeline import lock, signals
 from pipeline.artifact import STUDENT, STUDENT_EMA, DistillRecord
@@ -23,7 +24,7 @@ from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print
 
 from . import checkpoint, train_dry_run
 from .comm import all_gather_bytes
-from .loop import Parts, TrainState, Trainer, make_ema, plot_losses, truncate_metrics
+from .loop import Parts, TrainState, Trainer, make_ema, metric_lines, plot_losses, truncate_metrics
 from .run_identity import check_resumable, length_note
 from .student import init_from_teacher, trained_parameters
 from .tracking import open_tracker, require_backend
@@ -232,7 +233,7 @@ def _start(p: TrainPlan) -> tuple[Parts, TrainState, Path | None] | dict:
     if p.env.is_main:  # only now: a refused --resume leaves the run as it was
         save_resolved(cfg, p.layout.resolved_config)
         if ckpt is None:
-            p.layout.metrics.write_text("")
+            safe_write.write_file(p.layout.metrics, b"")
     if cfg.ema_decay > 0:
         parts.ema = make_ema(parts.model, cfg.ema_decay, ema_state, state.step)
     return parts, state, ckpt
@@ -275,8 +276,7 @@ def _run(cfg: TrainStudentConfig, env: DistEnv, device: torch.device) -> dict:
 
 
 def _summary(p: TrainPlan, state: TrainState, sha: str, ema: bool, t0: float) -> dict:
-    path = p.layout.metrics
-    records = list(map(json.loads, path.read_text().splitlines())) if p.env.is_main and path.exists() else []
+    records = [r for _, r in metric_lines(p.layout.root) if r] if p.env.is_main else []
     train, held = ([r[k] for r in records if r["type"] == t] for t, k in (("train", "loss"), ("eval", "heldout_loss")))
     summary = {"out": str(p.layout.root), "steps": state.step, "epochs": state.epoch, "samples": state.samples,
                "final_loss": (train or [None])[-1], "heldout_loss": (held or [None])[-1],

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import bad_input, concurrent, corrupt, hostile, sigterm, stage_one, stage_two
+from . import bad_input, concurrent, corrupt, hostile, sigterm, stage_one, stage_two, trust
 from .checkpoint import checkpoint_corruption
 from .proc import warm_up
 from .report import FAULT_ROWS, Row, render
@@ -35,6 +35,7 @@ SCENARIOS: dict[str, Callable[[Workspace, random.Random], list[Row]]] = {
     "config-types": lambda ws, rng: [bad_input.config_types(ws)],
     "concurrent": lambda ws, rng: [concurrent.concurrent_writers(ws)],
     "hostile": lambda ws, rng: hostile.hostile_inputs(ws),
+    "hostile-folders": lambda ws, rng: trust.hostile_folders(ws),
 }
 
 

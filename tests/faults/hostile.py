@@ -13,6 +13,7 @@ Every attempt runs one command on such an input and checks four things:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -48,6 +49,7 @@ class Case:
     env: dict = field(default_factory=dict)
     umask: int | None = None
     forbid: tuple[str, ...] = ()  # words the output must not hold ("cache complete", "weights_only=False")
+    mem: int | None = None  # the bytes of address space it may take beyond its start (`prlimit --as`)
 
 
 class _Payload:
@@ -110,6 +112,22 @@ class Hostile:
         path.write_text(json.dumps(d))
 
     # -- training runs ----------------------------------------------------------------------------------------
+    @functools.cached_property
+    def _lora(self) -> Path:
+        out = self.path("lora-run")
+        argv = self.ws.train(out)
+        i = argv.index("--student-config")
+        argv[i:i + 2] = ["--lora-of", self.ws.teacher, "--lora-rank", "4"]
+        argv[argv.index("--max-steps") + 1] = "2"
+        r = run_cli(argv)
+        if r.code != 0:
+            raise RuntimeError(f"the LoRA run failed: {r.describe()}")
+        return out
+
+    def lora_run(self) -> Path:
+        """A 2-step LoRA run of rank 4 (built once; copy it before damaging it)."""
+        return self._lora
+
     def killed_run(self, name: str, **over) -> Path:
         """A run SIGKILLed at its 8th step, with checkpoints at steps 3 and 6."""
         out = self.path(name)
@@ -370,14 +388,7 @@ def user_inputs(h: Hostile) -> list[tuple[str, list[Case]]]:
 def artifacts(h: Hostile) -> list[tuple[str, list[Case]]]:
     ws = h.ws
     # D12: a LoRA run and its export; D13: a cache that names a Hub repo as its teacher
-    lora = h.path("lora-run")
-    argv = ws.train(lora)
-    i = argv.index("--student-config")
-    argv[i:i + 2] = ["--lora-of", ws.teacher, "--lora-rank", "4"]
-    argv[argv.index("--max-steps") + 1] = "2"
-    r = run_cli(argv)
-    if r.code != 0:
-        raise RuntimeError(f"the LoRA run failed: {r.describe()}")
+    lora = h.lora_run()
     lora_export = h.path("lora-export")
     c_hub = h.cache("teacher-hub-id")
     h.edit_json(c_hub / F.MANIFEST, lambda d: d.update(teacher="someone/evil-vae", teacher_path="someone/evil-vae"))
@@ -479,7 +490,7 @@ def _digest(h: Hostile, root: Path) -> str:
 def _attempt(h: Hostile, row: Row, case: Case) -> None:
     protected = [h.home, *case.protect]
     before = {p: _digest(h, p) for p in protected}
-    r = run_cli(case.argv, env=case.env, timeout_s=HANG_S, umask=case.umask)
+    r = run_cli(case.argv, env=case.env, timeout_s=HANG_S, umask=case.umask, mem=case.mem)
     said = r.error_lines
     problems = []
     if r.code is None:
@@ -509,10 +520,10 @@ def _attempt(h: Hostile, row: Row, case: Case) -> None:
     row.record(case.what, problems)
 
 
-def hostile_inputs(ws: Workspace) -> list[Row]:
+def hostile_inputs(ws: Workspace, groups=GROUPS) -> list[Row]:
     h = Hostile(ws)
     rows = []
-    for group in GROUPS:
+    for group in groups:
         t0 = time.perf_counter()
         built = group(h)
         share = (time.perf_counter() - t0) / len(built)  # what building the inputs cost, spread over the rows

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+UNSAFE_PICKLE = "NUMCODECS_ALLOW_UNSAFE_PICKLE_DECODE"
 # Imported once in the server; everything a command needs before its first output.
 PRELOAD = ["torch", "pipeline.cli", "stages.teacher_cache.make_cache", "stages.train_student.train", "stages.sample.sample",
            "stages.sample.export", "stages.sample.evaluate"]
@@ -95,10 +96,19 @@ class Result:
 
 
 def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, fsize: int | None,
-           umask: int | None = None) -> None:
+           umask: int | None = None, mem: int | None = None) -> None:
     for k in FAULT_ENV:
         os.environ.pop(k, None)
     os.environ.update(env)
+    if env.get(UNSAFE_PICKLE) == "1":  # numcodecs < 0.16.6 decoded pickles as this does (read at its import)
+        import numcodecs.pickles
+
+        numcodecs.pickles.ALLOW_UNSAFE_PICKLE_DECODE = True
+    if "HF_HOME" in env:  # huggingface_hub read its cache's place when the server imported it: point it here
+        from huggingface_hub import constants
+
+        constants.HF_HUB_CACHE = os.path.join(env["HF_HOME"], "hub")
+        constants.HF_HUB_OFFLINE = env.get("HF_HUB_OFFLINE") == "1"
     # Ctrl-C as a terminal delivers it, even where the suite itself runs with SIGINT ignored (a background job of
     # a non-interactive shell, `cmd &`, inherits SIG_IGN for SIGINT, and Python then never raises KeyboardInterrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -120,6 +130,10 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
     torch.set_num_threads(1)
     from pipeline.cli import main
 
+    if mem is not None:  # `prlimit --as`: `mem` bytes of address space beyond what the imports already take
+        vm = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (vm + mem, vm + mem))
+
     code = 0
     try:
         main(argv, prog_name="wandistiller", standalone_mode=True)
@@ -135,9 +149,10 @@ def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str, f
 
 def run_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
             kill_after_s: float | None = None, timeout_s: float = 300.0, sig: int = signal.SIGKILL,
-            umask: int | None = None) -> Result:
-    """Run `wandistiller argv...` in a fresh process; send it `sig` (SIGKILL) after `kill_after_s` if given."""
-    return start_cli(argv, env, fsize, umask).wait(timeout_s, kill_after_s, sig)
+            umask: int | None = None, mem: int | None = None) -> Result:
+    """Run `wandistiller argv...` in a fresh process; send it `sig` (SIGKILL) after `kill_after_s` if given; `mem`:
+    the bytes of address space it may take beyond what it starts with."""
+    return start_cli(argv, env, fsize, umask, mem).wait(timeout_s, kill_after_s, sig)
 
 
 @dataclass
@@ -180,7 +195,7 @@ class Running:
 
 
 def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | None = None,
-              umask: int | None = None) -> Running:
+              umask: int | None = None, mem: int | None = None) -> Running:
     """Start `wandistiller argv...` in a fresh process and return at once (`.wait()` for its Result)."""
     ctx = _context()
     argv = [str(a) for a in argv]
@@ -188,7 +203,7 @@ def start_cli(argv: list[str], env: dict[str, str] | None = None, fsize: int | N
     os.close(fd)
     err_path = out_path[:-4] + ".err"
     t0 = time.perf_counter()
-    p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize, umask),
+    p = ctx.Process(target=_child, args=(argv, dict(env or {}), out_path, err_path, fsize, umask, mem),
                     daemon=True)
     p.start()
     return Running(argv, p, out_path, err_path, t0)

@@ -194,7 +194,8 @@ class PlacementKind:
         """Expert `comp`, its weights where the placement keeps them; by default all on the execution device."""
         from diffusers import WanTransformer3DModel
 
-        m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype)
+        m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype,
+                                                     use_safetensors=True)
         return m.to(p.device).eval().requires_grad_(False)
 
     def layout(self, x: PlanInput) -> Layout:

@@ -4,13 +4,14 @@ transformer dispatched at model level, `WanTransformerBlock` never split (docs/p
 
 from __future__ import annotations
 
-import json
+import reprlib
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.runtime import dist_env, print0
 
@@ -40,31 +41,29 @@ def parse_max_memory(text: str | None) -> dict | None:
 def read_device_map(path: str, check_devices: bool = True) -> tuple[dict, str]:
     """A JSON device map -> (accelerate map, main device); `check_devices=False`: planned for another machine."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"device map {p} does not exist; pass a JSON file mapping module prefixes to "
-                        "\"cuda:N\", \"cpu\" or \"disk\" (see docs/placements.md)")
-    try:
-        raw = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"device map {p} is not valid JSON ({e})") from e
+    fix = "pass a JSON file mapping module prefixes to \"cuda:N\", \"cpu\" or \"disk\" (see docs/placements.md)"
+    raw = read_object(p, "device map", fix)  # (a FIFO refused, never waited on; the size and the nesting capped)
     if not isinstance(raw, dict) or not raw:
         raise UserError(f"device map {p} must be a non-empty JSON object {{module prefix: device}}")
     out, gpus = {}, []
     for key, value in raw.items():
-        v = str(value).strip().lower()
+        v = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+        num = v.removeprefix("cuda:")
         if v in ("cpu", "disk"):
             out[key] = v
-        elif v.removeprefix("cuda:").isdigit() and (v.startswith("cuda:") or isinstance(value, int)):
-            idx = int(v.removeprefix("cuda:"))
+        elif num.isascii() and num.isdigit() and len(num) <= 4 and (v.startswith("cuda:") or isinstance(value, int)):
+            idx, key_text = int(num), reprlib.repr(key)
             if check_devices and not torch.cuda.is_available():
-                raise UserError(f"device map {p} puts {key!r} on {value!r} but no CUDA GPU is visible; use cpu "
+                raise UserError(f"device map {p} puts {key_text} on {value!r} but no CUDA GPU is visible; use cpu "
                                 "or disk entries only")
             if check_devices and idx >= torch.cuda.device_count():
-                raise UserError(f"device map {p} puts {key!r} on cuda:{idx}; {torch.cuda.device_count()} GPU(s) visible")
+                raise UserError(f"device map {p} puts {key_text} on cuda:{idx}; {torch.cuda.device_count()} GPU(s) "
+                                "visible")
             out[key] = idx
             gpus.append(idx)
         else:
-            raise UserError(f"device map {p}: {key!r} -> {value!r} is not a device; use \"cuda:N\", \"cpu\" or \"disk\"")
+            raise UserError(f"device map {p}: {reprlib.repr(key)} -> {reprlib.repr(value)} is not a device; use "
+                            "\"cuda:N\", \"cpu\" or \"disk\"")
     return out, (f"cuda:{min(gpus)}" if gpus else "cpu")
 
 
@@ -137,7 +136,7 @@ class _DeviceMapPlacement(PlacementKind):
         with warnings.catch_warnings():  # keys naming loose parameters (scale_shift_table) are fine, not modules
             warnings.filterwarnings("ignore", message="The following device_map keys do not match")
             m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype,
-                                                      device_map=dmap,
+                                                      device_map=dmap, use_safetensors=True,
                                                       offload_folder=None if folder is None else str(folder))
         return m.eval().requires_grad_(False)
 
