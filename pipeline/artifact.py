@@ -81,10 +81,14 @@ class RunLayout:
 
 RECORD_FIX = "rerun train-student to rewrite it"  # what a refused record of a run tells the user
 EVAL_REPORT = "eval.json"  # what `eval` writes into the run folder by default (stages/sample/evaluate.py REPORT_NAME)
+# ... and its plots beside it (the report's name with .png; with --attributes, -attributes.png): a run folder holds
+# them, so that `eval` on a run never blocks its later `train-student --resume`
+EVAL_PLOTS = (Path(EVAL_REPORT).with_suffix(".png").name, f"{Path(EVAL_REPORT).stem}-attributes.png")
+_PNGS = (LOSS_PNG, *EVAL_PLOTS)
 # Every name a run folder holds, and whether it is a folder.
 _RUN_ENTRIES = {STUDENT: True, STUDENT_EMA: True, STUDENT_INIT: True, CHECKPOINTS: True, TENSORBOARD: True,
-                WANDB: True, DISTILL: False, RESOLVED_CONFIG: False, METRICS: False, LOSS_PNG: False,
-                WANDB_RUN: False, RUN_LOCK: False, EVAL_REPORT: False}
+                WANDB: True, DISTILL: False, RESOLVED_CONFIG: False, METRICS: False, WANDB_RUN: False,
+                RUN_LOCK: False, EVAL_REPORT: False, **dict.fromkeys(_PNGS, False)}
 # The settings every resolved train-student config.json holds (pipeline/config.py `save_resolved`).
 _CONFIG_KEYS = {"cache", "out", "resume", "checkpoint_every", "strategy"}
 
@@ -118,7 +122,7 @@ def _not_ours(entry: Path) -> str | None:
     if entry.name != base or entry.is_dir():
         return None  # a temporary sibling, or one of the run's folders
     head = read_head(entry, _HEAD_BYTES)  # (never through a link, never waiting on a FIFO)
-    if base == LOSS_PNG:
+    if base in _PNGS:
         return None if head[:8] in (b"\x89PNG\r\n\x1a\n", b"") else " (not a PNG)"
     if base in (RESOLVED_CONFIG, DISTILL, WANDB_RUN, EVAL_REPORT):
         try:

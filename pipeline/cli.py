@@ -159,7 +159,7 @@ def sample_cmd(config_file, **flags):
     \b
     Example:
       wandistiller sample --student runs/student --teacher runs/tiny-teacher \\
-        --prompts data/prompts.txt --out runs/student/grid.png --max-prompts 4"""
+        --prompts data/prompts.txt --out runs/student-grid.png --max-prompts 4"""
     _run_stage(SampleConfig, config_file, flags, "stages.sample.sample")
 
 

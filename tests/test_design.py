@@ -52,8 +52,8 @@ def test_the_readme_is_a_front_door():
 # and the write side (cache/safe_write.py: O_EXCL|O_NOFOLLOW temp+rename, output folders claimed by a marker), the
 # prompt store's zarr.json/codec/chunk checks and the count bound (+250 in cache/), typed teacher folders
 # (teacher_files.py), ranged run records and weight checks against config.json and lora.json, and every reader and
-# writer moved onto them.
-LINE_BOUND = 17_050
+# writer moved onto them. Issue 54, so far: +4 for eval's plots in the run folder (a later --resume takes it).
+LINE_BOUND = 17_054
 
 
 def test_the_packages_do_not_grow_back():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import TEST_PROMPTS
-from pipeline.artifact import DISTILL, LORA_JSON, METRICS, STUDENT, LoraRecord, lora_file
+from pipeline.artifact import DISTILL, LORA_JSON, METRICS, STUDENT, LoraRecord, RunLayout, lora_file
 from test_sample import assert_one_line_error, invoke, tiny_student, write_run
 
 pytestmark = pytest.mark.timeout(300)  # a FIFO read the old way blocks for ever: fail instead
@@ -171,7 +171,7 @@ def test_metrics_nested_or_linked_neither_recurse_nor_are_followed(tmp_path, hom
 def test_a_resumed_wandb_run_takes_only_an_id_from_its_record(tmp_path, monkeypatch, planted, want):
     import types
 
-    from pipeline.artifact import WANDB_RUN, RunLayout
+    from pipeline.artifact import WANDB_RUN
     from stages.train_student.tracking import WandbTracker
 
     asked = {}
@@ -223,6 +223,8 @@ def test_eval_replaces_links_planted_at_its_report_and_plot(compact_run, tiny_ca
     assert r.exit_code == 0, r.output
     assert sorted(os.listdir(home)) == ["eval.png", "thesis.tex"] and (home / "eval.png").read_text() == "precious"
     assert not (run / "eval.png").is_symlink() and json.loads((run / "eval.json").read_text())["trajectories"] >= 1
+    # what eval leaves in a run folder never blocks its `--resume` (the fixture's own config.json aside)
+    assert not [e for e in RunLayout(run).foreign(limit=99) if e.startswith("eval")]
 
 
 # -- weights that are not what the run's records say ----------------------------------------------------------

@@ -445,6 +445,10 @@ def road(h: Hostile) -> list[tuple[str, list[Case]]]:
     csv.write_text("prompt,seed\na red circle,1\n")
     finished = h.path("finished-run")
     shutil.copytree(ws.ref_run, finished, ignore=shutil.ignore_patterns("debug"))
+    evald = h.path("road-evaluated")  # a finished run that `eval` then wrote its report and plot into
+    shutil.copytree(ws.ref_run, evald, ignore=shutil.ignore_patterns("debug"))
+    ws.must(run_cli(["eval", "--student", evald, "--cache", ws.ref_cache, "--max-prompts", "2",
+                     "--no-teacher-timing"]))
     killed = h.killed_run("road-killed")
     lr, below = h.path("road-lr"), h.path("road-below")
     for copy in (lr, below):
@@ -470,6 +474,8 @@ def road(h: Hostile) -> list[tuple[str, list[Case]]]:
         ("road: resume", [
             Case("--resume of a finished run is a no-op", ws.train(finished) + ["--resume"], expect="ok",
                  check=untouched(finished)),
+            Case("--resume after eval wrote eval.json and eval.png into the run", ws.train(evald) + ["--resume"],
+                 expect="ok", check=untouched(evald)),
             Case("--resume with another --lr", ws.train(lr, lr=5e-4) + ["--resume"], ("--lr",), protect=(lr,)),
             Case("--resume --max-steps below the checkpoint", ws.train(below, max_steps=2) + ["--resume"],
                  ("--max-steps",), protect=(below,)),
