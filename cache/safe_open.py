@@ -119,23 +119,24 @@ def read_bytes(root: str | os.PathLike, rel: str, cap: int | None = None, fix: s
     return _read_fd(open_fd(root, rel, fix), Path(root, rel), cap, fix)
 
 
-def open_named(path: str | os.PathLike, what: str) -> int:
+def open_named(path: str | os.PathLike, what: str, fix: str | None = None) -> int:
     """A read-only descriptor of a file the user named on the command line (`what`: "the prompt file"): a link the
-    user named is followed, but the file must be a regular file, and a FIFO is never waited on."""
+    user named is followed, but the file must be a regular file, and a FIFO is never waited on. `fix`: the end of a
+    refusal's line (default: name a file)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except IsADirectoryError:
-        raise UnsafeFileError(f"{what} {path} is a folder, not a file; name the file") from None
+        raise UnsafeFileError(f"{what} {path} is a folder, not a file; {fix or 'name the file'}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise UnsafeFileError(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file; name a file")
+        raise UnsafeFileError(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file; {fix or 'name a file'}")
     return fd
 
 
-def read_named(path: str | os.PathLike, what: str, cap: int, fix: str = _AS_WRITTEN) -> bytes:
+def read_named(path: str | os.PathLike, what: str, cap: int, fix: str | None = None) -> bytes:
     """The whole of a file the user named (`open_named`), refused above `cap` bytes."""
-    return _read_fd(open_named(path, what), f"{what} {path}", cap, fix)
+    return _read_fd(open_named(path, what, fix), f"{what} {path}", cap, fix or _AS_WRITTEN)
 
 
 _TOO_DEEP = object()  # what a parser's RecursionError stands for
@@ -153,28 +154,31 @@ def _depth_problem(obj) -> bool:
     return False
 
 
-def parse_json(data: bytes | str, where) -> object:
-    """`data` parsed as JSON; UnsafeFileError (naming `where`) where it is not JSON or nests deeper than MAX_DEPTH."""
+def parse_json(data: bytes | str, where, fix: str = _AS_WRITTEN) -> object:
+    """`data` parsed as JSON; UnsafeFileError (naming `where`, ending in `fix`) where it is not JSON or nests deeper
+    than MAX_DEPTH."""
     try:
         obj = json.loads(data)
     except RecursionError:
         obj = _TOO_DEEP
     except (ValueError, UnicodeError) as e:  # JSONDecodeError, bad UTF-8
-        raise UnsafeFileError(f"{where} is not valid JSON ({e}); {_AS_WRITTEN}") from None
+        raise UnsafeFileError(f"{where} is not valid JSON ({e}); {fix}") from None
     if obj is _TOO_DEEP or _depth_problem(obj):
         raise UnsafeFileError(f"{where} nests deeper than the {MAX_DEPTH} levels any record of WanDistiller has; "
-                              f"{_AS_WRITTEN}")
+                              f"{fix}")
     return obj
 
 
-def parse_toml(text: str, where) -> dict:
-    """`text` parsed as TOML; UnsafeFileError where it nests deeper than MAX_DEPTH (tomllib's own errors pass)."""
+def parse_toml(text: str, where, fix: str | None = None) -> dict:
+    """`text` parsed as TOML; UnsafeFileError (ending in `fix`, if given) where it nests deeper than MAX_DEPTH
+    (tomllib's own errors pass)."""
     try:
         obj = tomllib.loads(text)
     except RecursionError:
         obj = _TOO_DEEP
     if obj is _TOO_DEEP or _depth_problem(obj):
-        raise UnsafeFileError(f"{where} nests deeper than the {MAX_DEPTH} levels any config of WanDistiller has")
+        raise UnsafeFileError(f"{where} nests deeper than the {MAX_DEPTH} levels any config of WanDistiller has"
+                              + (f"; {fix}" if fix else ""))
     return obj
 
 

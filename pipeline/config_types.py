@@ -17,7 +17,7 @@ from typing import Any
 from cache import safe_open
 from cache.cache_error import UnsafeFileError
 
-from .errors import UserError, with_fix
+from .errors import UserError
 from .settings import declared, hints, name_of, required
 
 
@@ -73,15 +73,16 @@ def read_object(path: str | os.PathLike, what: str, fix: str = "rewrite it or re
     `safe_open` (a FIFO or folder refused, never waited on; at most CAPS["config"] bytes; nesting capped)."""
     p = Path(path)
     try:
-        raw = safe_open.read_named(p, what, safe_open.CAPS["config"])
+        raw = safe_open.read_named(p, what, safe_open.CAPS["config"], fix)
         where = f"{what} {p}"
-        data = safe_open.parse_json(raw, where) if fmt == "JSON" else safe_open.parse_toml(raw.decode(), where)
+        data = (safe_open.parse_json(raw, where, fix) if fmt == "JSON"
+                else safe_open.parse_toml(raw.decode(), where, fix))
     except FileNotFoundError:
         raise UserError(f"{what} {p} does not exist; {fix}") from None
     except OSError as e:  # a file this process may not read (permissions, I/O): named, not a traceback
         raise UserError(f"{what} {p} cannot be read ({e.strerror or e}); {fix}") from e
-    except UnsafeFileError as e:  # a FIFO, a folder, too large, nested too deep, not JSON
-        raise with_fix(e, fix) from None
+    except UnsafeFileError as e:  # a FIFO, a folder, too large, nested too deep, not JSON (its line ends in `fix`)
+        raise UserError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:  # TOML's decode errors (JSON's are safe_open's)
         raise UserError(f"{what} {p} is not valid {fmt} ({e}); {fix}") from e
     if not isinstance(data, dict):

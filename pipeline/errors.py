@@ -75,13 +75,6 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def with_fix(e: CacheError, fix: str) -> UserError:
-    """A refusal of `cache.safe_open` (its lines end in "; <remedy>") with the remedy that fits the file the user
-    named (a config, a prompt file) in place of its generic one."""
-    head, sep, _ = str(e).rpartition("; ")
-    return UserError(f"{head if sep else e}; {fix}")
-
-
 def _memory_report() -> list[str]:
     """Peak RSS, and each CUDA device's figures when this process uses CUDA (a CPU run's must not initialise it)."""
     lines = [f"peak host RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"]

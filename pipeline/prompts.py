@@ -15,7 +15,7 @@ from cache import safe_open
 from cache.cache_error import UnsafeFileError
 from cache.safe_open import CAPS
 
-from .errors import UserError, with_fix
+from .errors import UserError
 
 # A prompt's length in characters: any real caption many times over, even at config.MAX_SEQUENCE_LENGTH tokens (~4-5
 # characters a token), and still a refusal of a megabyte pasted by mistake (a 10 MB line took 65 s and 6.45 GiB).
@@ -39,11 +39,11 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
                         "(its header too); write the prompts to a .txt file, one a line, or a .jsonl file of "
                         '{"prompt": "..."} lines')
     try:  # a FIFO or a folder is refused, never waited on
-        fd = safe_open.open_named(p, "prompt file")
+        fd = safe_open.open_named(p, "prompt file", _FIX)
     except FileNotFoundError:
         raise UserError(f"prompt file {p} does not exist; {_FIX}") from None
     except UnsafeFileError as e:
-        raise with_fix(e, _FIX) from None
+        raise UserError(str(e)) from None
     except OSError as e:
         raise UserError(f"prompt file {p} cannot be read ({e.strerror or e}); {_FIX}") from e
     jsonl = suffix == ".jsonl"
@@ -92,9 +92,10 @@ def _lines(p: Path, f):
 def _json_prompt(p: Path, n: int, line: str) -> str:
     where = f"prompt file {p} line {n}"
     try:
-        obj = safe_open.parse_json(line, where)  # nesting capped: 10^6 brackets are refused, not recursed into
-    except UnsafeFileError as e:  # not JSON, or nested too deep: said as this file's other lines are
-        why = str(with_fix(e, 'each line must be {"prompt": "..."}')).removeprefix(where).removeprefix(" is").strip()
+        # (nesting capped: 10^6 brackets are refused, not recursed into)
+        obj = safe_open.parse_json(line, where, 'each line must be {"prompt": "..."}')
+    except UnsafeFileError as e:  # not JSON, or nested too deep: said as this file's other lines are ("line N: ...")
+        why = str(e).removeprefix(where).removeprefix(" is").strip()
         raise UserError(f"{where}: {why}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
         raise UserError(f'prompt file {p} line {n}: expected {{"prompt": "<non-empty text>"}}')

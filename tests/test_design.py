@@ -47,13 +47,13 @@ def test_the_readme_is_a_front_door():
 # +24 for --train-trajectories (the first N trajectories of the caches: a smaller stage one's data, the data curve);
 # +148 for the segment objective's adversarial term (adversarial.py: a discriminator from the velocity student among
 # the objective's heads, one backward for both sides, noise per sample so resumes and ranks draw the same; its four
-# settings, unrecorded when off; the LoRA student refusing it). Issue 53: +1,035 for one trust boundary: the read side
+# settings, unrecorded when off; the LoRA student refusing it). Issue 53: +1,023 for one trust boundary: the read side
 # (cache/safe_open.py: any folder, bounded reads, nesting caps, walks, Hub snapshots' blob links, safetensors headers)
 # and the write side (cache/safe_write.py: O_EXCL|O_NOFOLLOW temp+rename, output folders claimed by a marker), the
 # prompt store's zarr.json/codec/chunk checks and the count bound (+250 in cache/), typed teacher folders
 # (teacher_files.py), ranged run records and weight checks against config.json and lora.json, and every reader and
 # writer moved onto them. Issue 54, so far: +4 for eval's plots in the run folder (a later --resume takes it).
-LINE_BOUND = 17_054
+LINE_BOUND = 17_042
 
 
 def test_the_packages_do_not_grow_back():

@@ -148,11 +148,11 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         missing.append("transformer")
     configs = {}
     for comp in [c for c in (*REQUIRED, *experts) if c not in missing]:
-        try:  # the tokenizer: its folder
-            if comp == "tokenizer" and not (p / comp).is_dir():
-                raise FileNotFoundError
+        try:
             if comp != "tokenizer":
                 configs[comp] = read_component(p, comp, CONFIG_FILES[comp])
+            elif not (p / comp).is_dir():  # the tokenizer: its folder
+                raise FileNotFoundError
         except FileNotFoundError:
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
     missing += [f"{c}/*.safetensors" for c in ("text_encoder", *experts)

@@ -417,7 +417,8 @@ def metric_lines(out: Path) -> list[tuple[str, dict | None]]:
     """Each line of OUT/metrics.jsonl (opened by `safe_open`: no link followed, CAPS["metrics"] in all, a line at a
     time) with its record, None where the line is no JSON object (one torn by a crash or a full disk); [] without
     the file."""
-    fix = f"remove {RunLayout(out).metrics} (a run's metrics are not needed to resume it)"
+    path = RunLayout(out).metrics
+    fix = f"remove {path} (a run's metrics are not needed to resume it)"
     try:
         fd = safe_open.open_fd(out, METRICS, fix)
     except FileNotFoundError:
@@ -425,14 +426,13 @@ def metric_lines(out: Path) -> list[tuple[str, dict | None]]:
     lines = []
     with os.fdopen(fd, "rb") as f:
         if (size := os.fstat(fd).st_size) > safe_open.CAPS["metrics"]:
-            raise UnsafeFileError(f"{RunLayout(out).metrics} is {size:,} bytes, more than a run's metrics hold; {fix}")
+            raise UnsafeFileError(f"{path} is {size:,} bytes, more than a run's metrics hold; {fix}")
         while raw := f.readline(METRICS_LINE_BYTES + 1):
             if len(raw) > METRICS_LINE_BYTES:
-                raise UnsafeFileError(f"{RunLayout(out).metrics} holds a line longer than {METRICS_LINE_BYTES:,} "
-                                      f"bytes; {fix}")
+                raise UnsafeFileError(f"{path} holds a line longer than {METRICS_LINE_BYTES:,} bytes; {fix}")
             line = raw.decode(errors="replace").rstrip("\n")
             try:
-                record = safe_open.parse_json(line, RunLayout(out).metrics)
+                record = safe_open.parse_json(line, path)
             except UnsafeFileError:
                 record = None
             if line.strip():

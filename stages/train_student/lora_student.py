@@ -9,13 +9,12 @@ from types import SimpleNamespace
 
 import torch
 
-from cache import safe_open
 from cache.schema import recorded_steps
 from pipeline.artifact import LoraRecord, lora_file
 from pipeline.errors import UserError
 from pipeline.hub import teacher_folder
 from pipeline.lora_experts import ADAPTER, COMPONENTS, LoraExperts, add_adapter
-from pipeline.teacher_files import hash_json, sample_file
+from pipeline.teacher_files import hash_json, read_component, read_index, sample_file
 
 from .student import StudentKind, check_compatible, trained_parameters
 
@@ -36,7 +35,10 @@ class LoraStudent(StudentKind):
 
     def _read_teacher(self, cfg, manifest: dict) -> None:
         path = teacher_folder(cfg.lora_of, cfg.revision, files=_MODEL_FILES, flag="--lora-of")
-        index = _read(path / "model_index.json", cfg.lora_of)
+        try:  # (read and typed as every command reads a teacher's: pipeline/teacher_files.py)
+            index = read_index(path)
+        except FileNotFoundError:
+            index = {}
         experts = tuple(c for c in COMPONENTS if isinstance(index.get(c), list) and index[c][0])
         if not experts or not all((path / c / "config.json").is_file() for c in experts):
             raise UserError(f"--lora-of {cfg.lora_of} is not a Wan pipeline with its transformer folders ({path})")
@@ -46,8 +48,7 @@ class LoraStudent(StudentKind):
                             "--lora-experts all")
         ratio = index.get("boundary_ratio") if len(experts) == 2 else None
         steps = manifest.scheduler.get("num_train_timesteps", 1000)
-        config = {k: v for k, v in _read(path / experts[0] / "config.json", cfg.lora_of).items()
-                  if not k.startswith("_")}
+        config = {k: v for k, v in read_component(path, experts[0]).items() if not k.startswith("_")}
         self.teacher, self.path, self.revision = cfg.lora_of, path, cfg.revision  # teacher: as the user named it
         self.experts, self.trained = experts, trained  # the teacher's transformers in expert order; those adapted
         # expert 1 runs at t >= boundary_timestep (None: one expert)
@@ -97,7 +98,7 @@ class LoraStudent(StudentKind):
         """The base and the adapters, as a resume must find them again."""
         weights = {f"{c}/{f.name}": sample_file(f) for c in self.trained for f in sorted((self.path / c).glob(
             "*.safetensors"))}
-        configs = {c: hash_json(_read(self.path / c / "config.json", self.teacher)) for c in self.trained}
+        configs = {c: hash_json(read_component(self.path, c)) for c in self.trained}
         return {"configs": configs, "weights": weights, "trained": list(self.trained), "rank": self.rank,
                 "alpha": self.alpha, "targets": list(self.targets)}
 
@@ -166,18 +167,6 @@ class LoraStudent(StudentKind):
         """The adapters alone, gathered (the base is the teacher's): what a DDP run saves."""
         states = model.adapter_states()
         return SimpleNamespace(save_pretrained=partial(model.save_pretrained, states=states)) if is_main else None
-
-
-def _read(path: Path, teacher: str) -> dict:
-    """A JSON object of the teacher's folder, bounded (`safe_open.read_named`: a Hub snapshot's links are followed,
-    a FIFO never waited on, its size and nesting capped)."""
-    try:
-        obj = safe_open.parse_json(safe_open.read_named(path, f"--lora-of {teacher}:", safe_open.CAPS["config"]), path)
-    except OSError as e:
-        raise UserError(f"--lora-of {teacher}: cannot read {path} ({e.strerror or e})") from e
-    if not isinstance(obj, dict):
-        raise UserError(f"--lora-of {teacher}: {path} is not a JSON object")
-    return obj
 
 
 def _shard_adapters(module: torch.nn.Module, skip: str, kw: dict) -> None:
