@@ -192,25 +192,33 @@ $(DEMO_VIDEO)/cache.stamp: $(VIDEO_TEACHER_FILES) configs/clips-teacher-cache.to
 demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	$(BIN)/wandistiller teacher-cache --teacher $(VIDEO_TEACHER) --config configs/clips-teacher-cache.toml \
 		--prompts data/clips-prompts.txt --out $(DEMO_VIDEO)/cache
-	rm -rf $(DEMO_VIDEO)/student $(DEMO_VIDEO_FEW) $(DEMO_VIDEO_LORA) $(DEMO_VIDEO_LORA)-export $(DEMO_VIDEO_LORA)-wan
+	rm -rf $(DEMO_VIDEO)/student $(DEMO_VIDEO_FEW) $(DEMO_VIDEO_LORA)-1 $(DEMO_VIDEO_LORA)-2 $(DEMO_VIDEO_LORA)-export \
+		$(DEMO_VIDEO_LORA)-wan
 	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO)/student \
 		--student-config configs/student-clips.json $(DEMO_VIDEO_TRAIN_ARGS)
 	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO_FEW) \
 		--student-config configs/student-clips.json $(DEMO_VIDEO_TRAIN_ARGS) $(DEMO_VIDEO_FEW_ARGS)
-	$(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO_LORA) $(DEMO_VIDEO_LORA_ARGS) \
-		$(DEMO_VIDEO_FEW_ARGS)
-	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA) --out $(DEMO_VIDEO_LORA)-export
-	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA) --out $(DEMO_VIDEO_LORA)-wan --lora-format wan
-	$(BIN)/wandistiller sample --student $(DEMO_VIDEO)/student --compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA) \
-		--teacher $(VIDEO_TEACHER) --prompts data/clips-heldout.txt --out $(DEMO_VIDEO)/grid.png --max-prompts 8
+	# the LoRA as on A14B: one run per expert (validation sampling needs both: off), then one export of the pair
+	for e in 1 2; do $(BIN)/wandistiller train-student --cache $(DEMO_VIDEO)/cache --out $(DEMO_VIDEO_LORA)-$$e \
+		$(DEMO_VIDEO_LORA_ARGS) $(DEMO_VIDEO_FEW_ARGS) --lora-experts $$e --val-every 0 --no-val-decode || exit 1; done
+	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA)-1 --student $(DEMO_VIDEO_LORA)-2 --out $(DEMO_VIDEO_LORA)-export
+	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA)-1 --student $(DEMO_VIDEO_LORA)-2 --out $(DEMO_VIDEO_LORA)-wan \
+		--lora-format wan
+	$(BIN)/wandistiller sample --student $(DEMO_VIDEO)/student --compare $(DEMO_VIDEO_FEW) \
+		--compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --teacher $(VIDEO_TEACHER) --prompts data/clips-heldout.txt \
+		--out $(DEMO_VIDEO)/grid.png --max-prompts 8
 	$(BIN)/wandistiller eval --student $(DEMO_VIDEO)/student --student-steps $(DEMO_VIDEO_STEPS),8 \
-		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA) --cache $(DEMO_VIDEO)/cache --teacher $(VIDEO_TEACHER) \
-		--report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout.txt --timing-runs 8
+		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --cache $(DEMO_VIDEO)/cache \
+		--teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout.txt --timing-runs 8
+	$(BIN)/python scripts/check_lora_export.py --export $(DEMO_VIDEO_LORA)-export --teacher $(VIDEO_TEACHER) \
+		--grid $(DEMO_VIDEO)/grid.png --prompts data/clips-heldout.txt --max-prompts 2
 	@echo
 	@echo "demo-video done:"
 	@echo "  cache      $(DEMO_VIDEO)/cache   (wandistiller cache info $(DEMO_VIDEO)/cache: 9 frames, 3 latent)"
 	@echo "  students   $(DEMO_VIDEO)/student (velocity), $(DEMO_VIDEO_FEW) ($(DEMO_VIDEO_STEPS)-step segment)"
-	@echo "  LoRA       $(DEMO_VIDEO_LORA)-export (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names, ComfyUI)"
+	@echo "  LoRA       $(DEMO_VIDEO_LORA)-1, -2 (one run per expert); the pair exported as $(DEMO_VIDEO_LORA)-export"
+	@echo "             (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names and comfyui-workflow.json, ComfyUI)"
+	@echo "  videos     $(DEMO_VIDEO)/grid-videos/ (animated WebP and H.264 mp4 per clip)"
 	@echo "  grid       $(DEMO_VIDEO)/grid.png (frame strips, teacher | students, same noise) and $(DEMO_VIDEO)/grid-videos/"
 	@echo "  eval       $(DEMO_VIDEO)/eval.json (motion_right, motion_kept, speed_ratio per model; clips"
 	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"

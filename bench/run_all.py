@@ -34,7 +34,7 @@ from bench import common
 from bench.common import ROOT, machine, machine_line, pick_device, result, results_path, table
 
 BENCHES = ("stage_one", "stage_two", "real_size", "online", "placements", "placements_a14b", "teacher_flops",
-           "teacher_speed")
+           "train_flops", "teacher_speed")
 CUDA_ONLY = ("placements_a14b",)  # GPU placements at real A14B widths: skipped (and said so) on the CPU
 # bench/placements.py at sizes that keep it to a few minutes on 2 CPU cores (its own defaults are larger).
 PLACEMENTS_ARGS = "--dim 256 --ffn 1024 --layers 8 --batch-sizes 1,8,32 --steps 2 --repeats 2"
@@ -107,7 +107,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     command = shlex.join(["python", "-m", "bench.run_all", *(sys.argv[1:] if argv is None else argv)])
 
-    from bench import online, placements_a14b, real_size, stage_one, stage_two, teacher_flops, teacher_speed
+    from bench import (
+        online, placements_a14b, real_size, stage_one, stage_two, teacher_flops, teacher_speed, train_flops,
+    )
 
     def flags(name: str) -> list[str]:
         extra = getattr(args, f"{name}_args")
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
 
     runners = {"stage_one": stage_one.main, "stage_two": stage_two.main, "real_size": real_size.main,
                "online": online.main, "placements": placements, "placements_a14b": placements_a14b.main,
-               "teacher_flops": teacher_flops.main, "teacher_speed": teacher_speed.main}
+               "teacher_flops": teacher_flops.main, "train_flops": train_flops.main,
+               "teacher_speed": teacher_speed.main}
     on_cuda = pick_device(args.device).type == "cuda"
     results, failed, took = [], [], {}
     t_all = time.perf_counter()

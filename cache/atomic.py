@@ -71,13 +71,14 @@ def umask() -> int:
 
 
 def honour_umask(path: str | os.PathLike) -> None:
-    """Give the file `path`, or every `*.safetensors` below the folder `path` (not symlinks), the mode open() gives a
-    new file: safetensors creates its files 0600 whatever the umask, shutting colleagues out of shared weights."""
+    """Give the file `path`, or every file below the folder `path` (not symlinks), the mode open() gives a new file:
+    safetensors creates its files 0600 whatever the umask, shutting colleagues out of shared weights."""
     path = Path(path)
     mode = 0o666 & ~umask()
-    files = [path] if not path.is_dir() else [p for p in path.rglob("*.safetensors") if not p.is_symlink()]
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
     for f in files:
-        os.chmod(f, mode)
+        if os.lstat(f).st_mode & 0o777 != mode:
+            os.chmod(f, mode)
 
 
 def atomic_write_json(path: str | os.PathLike, obj, before_replace: Callable[[], None] | None = None) -> None:
@@ -205,8 +206,10 @@ def publish_dir(tmp: str | os.PathLike, dest: str | os.PathLike, before_replace:
                 after_replace: Callable[[], None] | None = None) -> None:
     """Make the complete folder `tmp` appear as `dest`, fsynced, in one rename (an existing `dest` swapped out in one
     step where the filesystem can, else renamed aside first: docs/reliability.md, "What is atomic").
-    `before_replace` and `after_replace` (fault injection) run just before the rename and before the old copy goes."""
+    `before_replace` and `after_replace` (fault injection) run just before the rename and before the old copy goes.
+    Every file in it is given the umask's mode first (`honour_umask`), whichever library wrote it."""
     tmp, dest = Path(tmp), Path(dest)
+    honour_umask(tmp)
     fsync_paths([tmp])
     if before_replace is not None:
         before_replace()

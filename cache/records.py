@@ -213,6 +213,7 @@ class CacheHeader(Record):
     record_steps: int | None = optional()
     record_seed: int | None = optional()
     keep_steps: list[int] | None = optional()
+    for_students: list[str] | None = optional()  # --for-students: the grids whose boundaries keep_steps holds
     # the teacher's speed options that can change a target (attention backend, compile, tf32 on CUDA, quantization)
     numerics: dict | None = optional()
     # the transformer's shape (heads, head dim, blocks, ffn) for `cache info --prompts`'s compute figure; its config's
@@ -283,8 +284,9 @@ def _recorded(cfg) -> dict:
     steps = choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ())
     if len(steps) == cfg.steps:
         return {}
+    grids = {"for_students": list(cfg.for_students)} if getattr(cfg, "for_students", None) else {}
     return dict(recorded_steps=steps, record_steps=cfg.record_steps, record_seed=seed,
-                keep_steps=sorted(cfg.keep_steps or ()))
+                keep_steps=sorted(cfg.keep_steps or ()), **grids)
 
 
 def choose_recorded_steps(steps: int, record_steps: int | None, seed: int, keep=()) -> list[int]:

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .flops import DEFAULT_GPU, GPUS, gpu_name
 from .prompts import MAX_PROMPT_CHARS
 from .registries import (
-    FEATURE_POOLS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings, StudentSchedule,
-    TeacherSpeedSettings, placement_entry,
+    FEATURE_POOLS, GRID_FORMS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings,
+    StudentSchedule, TeacherSpeedSettings, placement_entry, student_grids,
 )
 from .settings import (
     at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
@@ -23,6 +24,7 @@ from .settings import (
 )
 
 DTYPES = one_of(("float32", "bfloat16", "float16"))
+GPU_NAMES = tuple(g.name for g in GPUS)  # --gpu's choices (pipeline/flops.py)
 DTYPE_DEFAULT = "bfloat16 on CUDA, float32 on CPU"
 
 # WanPipeline's own defaults: stage one's for a new cache, the inference commands' when distill.json records none.
@@ -106,6 +108,11 @@ class RecordSettings:
     keep_steps: tuple[int, ...] | None = setting(
         None, parse=int_list, help="Steps --record-steps always records besides 0, e.g. the boundaries a "
                                    "`--objective segment --student-steps K` student needs (0,20 for K=2 of 40 steps).")
+    for_students: tuple[str, ...] | None = setting(
+        None, parse=student_grids, default_text="none: --keep-steps alone",
+        help=f"Student grids the cache is made for, each {GRID_FORMS}: it records the union of their boundaries (the "
+             "teacher steps nearest their sigmas; the dry run prints each grid's steps, experts and distance), plus "
+             "--record-steps' drawn extras; without --record-steps those boundaries alone.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +250,8 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
                                       check=_workers, default_text="CPU cores per rank - 2, at most 4")
     seed: int = setting(0, help="Student init and epoch order seed (the order is a function of seed and epoch).",
                         check=at_least(0))
-    checkpoint_every: int = setting(500, help="Optimizer steps between checkpoints; 0 = none.", check=at_least(0))
+    checkpoint_every: int = setting(500, help="Optimizer steps between checkpoints (and one at the last step); "
+                                    "0 = none.", check=at_least(0))
     keep_checkpoints: int = setting(2, help="Newest complete checkpoints kept.", check=at_least(1))
     resume: bool = setting(False, help="Continue from the newest complete checkpoint in --out.")
     train_steps: tuple[int, ...] | None = setting(None, parse=int_list, default_text="all",
@@ -290,6 +298,9 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
     dry_run: bool = setting(False, help="Time one training step (after a warm-up step) on this machine and report the "
                                         "student's parameters, memory per GPU, samples/s and the run's projected time, "
                                         "then exit: nothing is written to --out, shards are checked by size only.")
+    gpu: str | None = setting(None, parse=gpu_name, default_text="this machine's CUDA GPU when it is one of them, "
+                              f"else {DEFAULT_GPU}", help="--dry-run: the GPU the run's GPU-hours are priced on by the "
+                                                          f"FLOP model (docs/costs.md): {', '.join(GPU_NAMES)}.")
 
     cpu_only = property(_asks_cpu)
 
@@ -396,7 +407,8 @@ def _compare(help: str):
 
 @dataclass(frozen=True, kw_only=True)
 class _Inference:
-    student: str = _student()
+    student: str = _student("train-student --out folder (student/, distill.json) or a student model folder; "
+                            "RUN1+RUN2: the --lora-experts 1 and 2 runs of one cache, as one LoRA.")
     weights: str = _weights()
     device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_DEVICE)
     dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
@@ -439,9 +451,9 @@ class SampleConfig(_Inference):
     max_prompts: int = setting(8, help="Use the first K prompts of the file (one grid row each).", check=at_least(1))
     student_steps: int | None = setting(None, help="The student's sampling steps.", check=at_least(1),
                                         default_text="distill.json's: a few-step student's K, else --steps")
-    compare: tuple[str, ...] = _compare("Another train-student OUT drawn beside the student at its own steps "
-                                        "(repeatable).")
-    fps: int | None = setting(None, help="Frames per second of a video run's animated WebPs (video students "
+    compare: tuple[str, ...] = _compare("Another train-student OUT (or a LoRA pair, RUN1+RUN2) drawn beside the "
+                                        "student at its own steps (repeatable).")
+    fps: int | None = setting(None, help="Frames per second of a video run's animated WebPs and mp4s (video students "
                               "only).", check=at_least(1), default_text=str(DEFAULT_FPS))
 
 
@@ -451,7 +463,12 @@ class ExportConfig:
 
     TOML_SECTION = "export"
 
-    student: str = _student()
+    student: tuple[str, ...] = setting(help="train-student --out folder (student/, distill.json) or a student model "
+                                       "folder; twice (or RUN1+RUN2): the --lora-experts 1 and 2 runs of one cache, "
+                                       "exported as one LoRA.", parse=str_tuple, path=True, multiple=True,
+                                       check=must(lambda v: 1 <= len(v) <= 2 and all(isinstance(s, str) and s
+                                                                                    for s in v),
+                                                  "name one student folder, or the two runs of a LoRA pair"))
     weights: str = _weights()
     teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.",
                                   default_text="the teacher named in distill.json")
@@ -517,8 +534,9 @@ class EvalConfig(_Inference):
         None, parse=int_list, check=must(lambda v: min(v) >= 1, "list integers >= 1"),
         help="Sample the student with each of these step counts, e.g. 1,2,4.",
         default_text="its own: distill.json's student_steps, else the teacher's steps")
-    compare: tuple[str, ...] = _compare("Another train-student OUT sampled at its own steps from the same noise "
-                                        "(repeatable); the report's table lines them up with the teacher.")
+    compare: tuple[str, ...] = _compare("Another train-student OUT (or a LoRA pair, RUN1+RUN2) sampled at its own "
+                                        "steps from the same noise (repeatable); the report's table lines them up "
+                                        "with the teacher.")
 
 
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------
@@ -539,8 +557,14 @@ class PlanSettings(StudentSchedule):
                                       "80GiB,40GiB or none (instead of --gpus-per-node and --gpu-memory).")
     assume_ram: str | None = setting(None, check=byte_size, help="Available RAM of a node (e.g. 256GiB).",
                                      default_text="this machine's")
-    assume_disk: str | None = setting(None, check=byte_size, help="Free disk under --offload-dir (e.g. 2TiB).",
+    assume_disk: str | None = setting(None, check=byte_size, help="Free disk under --offload-dir (e.g. 2TiB); "
+                                      "without --offload-dir the offload folder is inside CACHE_DIR, so the cache's "
+                                      "disk too (unless --out is given: measured there).",
                                       default_text="this machine's")
+    out: str | None = setting(None, path=True, help="CACHE_DIR of the printed command: the free space of its "
+                              "filesystem (measured there, or at its nearest existing folder) is set beside the "
+                              "cache's bytes, and a cache that does not fit is refused.",
+                              default_text="the placeholder CACHE_DIR: the disk is --assume-disk's, else unchecked")
     ranks_per_node: int | None = setting(None, check=at_least(1), help="torchrun processes per node.",
                                          default_text="one per GPU when a replica fits one GPU, else 1")
     prompts: int | None = setting(None, check=at_least(1), help="Prompt count: the cache's bytes, and stage one's "
@@ -550,6 +574,19 @@ class PlanSettings(StudentSchedule):
                                       default_text="--measure's, else the measured table of docs/costs.md")
     measure: bool = setting(False, help="Load the teacher's weights and time one real step with the chosen placement "
                                         "on this machine (plan on the machine that will run it).")
+    gpu: str | None = setting(None, parse=gpu_name, default_text=DEFAULT_GPU,
+                              help=f"The GPU both stages' times are priced on by the FLOP model, its dense bf16 peak "
+                                   f"at the efficiency measured on H100 (docs/costs.md): {', '.join(GPU_NAMES)}.")
+    gpu_tflops: float | None = setting(None, check=positive(), help="Dense bf16 TFLOPS (no sparsity) of a GPU "
+                                                                    "--gpu does not name, instead of it.")
+    student_config: str | None = setting(None, check=non_empty, path=True, default_text="a LoRA of the teacher's "
+                                         "experts", help="Stage two's student, for its GPU-hours: a compact "
+                                                         "student's JSON (configs/student-*.json).")
+    train_epochs: int = setting(1, check=at_least(1), help="Stage two's passes over the cache, for its GPU-hours "
+                                                           "(docs/lora.md's recipe trains 2).")
+    gradient_checkpointing: bool = setting(True, help="Stage two recomputes each block's forward in the backward "
+                                                      "(train-student --gradient-checkpointing, the recipe's): one "
+                                                      "more forward a sample.")
 
     def __post_init__(self):
         check_settings(self)
@@ -558,3 +595,8 @@ class PlanSettings(StudentSchedule):
                              "--gpu-memory, not both")
         if self.measure and self.step_time is not None:
             raise ValueError("step-time and measure both give the step time: drop one")
+        if self.gpu is not None and self.gpu_tflops is not None:
+            raise ValueError("gpu and gpu-tflops both name the GPU: drop one")
+        if self.measure and (self.gpu is not None or self.gpu_tflops is not None):
+            raise ValueError(f"measure times a step on this machine's own GPU, and --gpu"
+                             f"{'-tflops' if self.gpu is None else ''} prices another: drop one")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from fnmatch import fnmatch
 from pathlib import Path
 
 from cache.cache_error import UnsafeFileError
@@ -19,6 +20,10 @@ CONFIGS = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json
 PIPELINE = ("*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*/*")
 FIRST_TRANSFORMER = ("model_index.json", "transformer/*.json", "transformer/*.safetensors")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# Wan's own releases in their original layout (no model_index.json: not diffusers) -> the diffusers copy of each
+DIFFUSERS_COPIES = {f"wan-ai/{n.lower()}": f"Wan-AI/{n}-Diffusers" for n in (
+    "Wan2.1-T2V-1.3B", "Wan2.1-T2V-14B", "Wan2.1-I2V-14B-480P", "Wan2.1-I2V-14B-720P", "Wan2.2-T2V-A14B",
+    "Wan2.2-I2V-A14B", "Wan2.2-TI2V-5B")}
 
 
 def is_hub_id(name: str) -> bool:
@@ -43,11 +48,13 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
     if not is_hub_id(name):
         raise UserError(f"{flag} {name} does not exist; pass a diffusers folder or a Hub id like "
                         "Wan-AI/Wan2.2-T2V-A14B-Diffusers (build a tiny one with `wandistiller tiny-teacher`)")
+    if (copy := DIFFUSERS_COPIES.get(name.lower())) is not None:  # (before anything is fetched: ~100 GB of it)
+        raise _not_diffusers(flag, name, copy)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
     at = f" at revision {revision}" if revision else ""
-    repo = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
+    repo = _cached_repo(name)
     fix = f"download {name} again (`hf download {name}`, once {repo} is removed)"
     _check_ref(repo, revision, fix)
     try:
@@ -63,6 +70,8 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
         raise UserError(f"{flag} {name}{at}: the cached copy is incomplete and the Hub cannot be reached "
                         f"({first_line(e)}); rerun where the Hub is reachable, or pass a local folder") from e
     except hf.LocalEntryNotFoundError as e:  # neither the Hub nor a cached copy
+        if (copy := _cached_copy(name)) is not None:
+            raise _not_diffusers(flag, name, copy) from e
         if recorded_in is not None:
             raise UserError(f"{recorded_in} names the teacher {name}{at}, a Hub id that is not in the local Hub cache "
                             f"({constants.HF_HUB_CACHE}); nothing is downloaded because a file says so: pass "
@@ -81,8 +90,39 @@ def teacher_folder(name: str, revision: str | None = None, *, files: tuple[str, 
                         f"permissions of {constants.HF_HUB_CACHE}, or pass a local folder") from e
     if snap.parent != repo / "snapshots" or not _COMMIT.fullmatch(snap.name):
         raise UnsafeFileError(f"{flag} {name}: the local Hub cache gave {snap}, not a snapshot folder of {repo}; {fix}")
+    if any(fnmatch("model_index.json", f) for f in files) and not (snap / "model_index.json").exists() and (
+            copy := _cached_copy(name)) is not None:
+        raise _not_diffusers(flag, name, copy)
     check_folder(snap, fix)
     return snap
+
+
+def offline() -> bool:
+    """True where huggingface_hub fetches nothing (HF_HUB_OFFLINE): a Hub id is what the local Hub cache holds."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_repo(name: str) -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
+
+
+def _cached_copy(name: str) -> str | None:
+    """`name`-Diffusers where the local Hub cache holds a diffusers pipeline of that name (a snapshot with a
+    model_index.json), and `name` is not such a copy itself."""
+    copy = f"{name}-Diffusers"
+    snaps = _cached_repo(copy) / "snapshots"
+    found = not name.lower().endswith("-diffusers") and snaps.is_dir() and any(
+        (s / "model_index.json").exists() for s in snaps.iterdir())
+    return copy if found else None
+
+
+def _not_diffusers(flag: str, name: str, copy: str) -> UserError:
+    return UserError(f"{flag} {name} is not a diffusers pipeline (it has no model_index.json); did you mean {flag} "
+                     f"{copy}?")
 
 
 def _check_ref(repo: Path, revision: str | None, fix: str) -> None:

@@ -197,15 +197,18 @@ def check_files(root: Path, folder: str, record: LoraRecord, base: torch.nn.Modu
                             f"{', '.join(record.targets)} its {LORA_JSON} describes ({problem}); {fix}")
 
 
-def load(teacher: Path, folder: Path, record: LoraRecord, dtype: torch.dtype, device: torch.device) -> LoraExperts:
-    """A trained LoRA student for inference: the teacher's experts, adapters from `folder` by diffusers' loader."""
+def load(teacher: Path, folder: Path | dict[str, Path], record: LoraRecord, dtype: torch.dtype,
+         device: torch.device) -> LoraExperts:
+    """A trained LoRA student for inference: the teacher's experts, adapters from `folder` (or each expert's from its
+    own folder: a pair of one-expert runs) by diffusers' loader."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     experts = {}
     for comp in record.experts:
         model = WanTransformer3DModel.from_pretrained(teacher / comp, torch_dtype=dtype, use_safetensors=True)
         if comp in record.files:
-            state, metadata = WanPipeline.lora_state_dict(str(folder), weight_name=record.files[comp],
+            where = folder[comp] if isinstance(folder, dict) else folder
+            state, metadata = WanPipeline.lora_state_dict(str(where), weight_name=record.files[comp],
                                                           use_safetensors=True, return_lora_metadata=True)
             WanPipeline.load_lora_into_transformer(state, transformer=model, adapter_name=ADAPTER, metadata=metadata)
         experts[comp] = model.to(device).eval().requires_grad_(False)

@@ -5,6 +5,7 @@ reads them without importing torch or a stage; an entry names its implementation
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 
 from .settings import at_least, int_in, int_list, non_empty, one_of, positive, setting
@@ -285,6 +286,43 @@ class StudentSchedule:
 
 
 CHOSEN = ("student_timesteps", "student_shift", "student_expert_steps")  # a schedule other than equal segments
+_GRID = re.compile(r"([0-9]+)(?:@shift([0-9]+(?:\.[0-9]+)?))?(?::([0-9]+)\+([0-9]+))?")
+GRID_FORMS = "K (equal segments), K@shiftS, K:H+L or K@shiftS:H+L (e.g. 4@shift5:2+2, Wan2.2-Lightning's)"
+
+
+def grid_choice(spec: str) -> dict:
+    """A student grid's spelling (teacher-cache --for-students) as the StudentSchedule settings it stands for: K steps,
+    S the shift of their flow schedule, H+L the steps each expert takes (ValueError, one line, otherwise)."""
+    m = _GRID.fullmatch(spec.strip())
+    if m is None:
+        raise ValueError(f"for-students: {spec.strip()!r} is not a student grid; spell each as {GRID_FORMS}")
+    k, shift, h, low = m.groups()
+    if int(k) < 1 or (h is not None and (int(h) < 1 or int(low) < 1 or int(h) + int(low) != int(k))):
+        raise ValueError(f"for-students: {spec.strip()!r}: K is at least 1, and H+L two counts of at least 1 that add "
+                         "up to K")
+    if shift is not None and float(shift) <= 0:
+        raise ValueError(f"for-students: {spec.strip()!r}: the shift must be positive")
+    return {"student_steps": int(k), "student_timesteps": None, "student_shift": None if shift is None else
+            float(shift), "student_expert_steps": None if h is None else (int(h), int(low))}
+
+
+def grid_spec(choice) -> str | None:
+    """The --for-students spelling of a student's schedule settings (None: explicit --student-timesteps)."""
+    k, explicit, shift, split = (choice.get(key) for key in ("student_steps", *CHOSEN))
+    if explicit is not None:
+        return None
+    k = k if k is not None else sum(split)
+    return (f"{k}" + (f"@shift{float(shift):g}" if shift is not None else "")
+            + (f":{split[0]}+{split[1]}" if split is not None else ""))
+
+
+def student_grids(name: str, value) -> tuple[str, ...]:
+    """'4@shift5:2+2,4@shift12' (or a list) -> their spellings, each checked, in order, once each (a `parse`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    out = tuple(dict.fromkeys(grid_spec(grid_choice(str(v))) for v in items if str(v).strip()))
+    if not out:
+        raise ValueError(f"{name} names no student grid; spell each as {GRID_FORMS}")
+    return out
 
 
 @OBJECTIVES.settings("segment", "K-step student (--student-steps K): at each cached state, MSE to the average "

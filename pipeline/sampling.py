@@ -5,6 +5,7 @@ docs/architecture.md, "Sampling a student"."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ import torch
 from cache.records import Manifest
 
 from .artifact import DistillRecord
-from .registries import CHOSEN
+from .registries import CHOSEN, grid_spec
 
 UNIPC = "UniPCMultistepScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
@@ -83,45 +84,114 @@ def segment_boundaries(config: Mapping, steps: int, student_steps: int,
     return bounds, exact
 
 
-def chosen_boundaries(header, choice: Mapping, recorded) -> list[int]:
-    """The boundary steps a segment student chose (`choice`: its settings) on the schedule of `header`, each a
-    `recorded` step: `student_timesteps`; else in each part (the whole, or each expert's by `student_expert_steps`)
-    its steps cut equally, or a flow schedule shifted by `student_shift` over its sigmas, at the nearest recorded
-    steps. ValueError, one line, for a choice the cache cannot train."""
+@dataclass(frozen=True)
+class StudentGrid:
+    """A segment student's K boundaries on a teacher's N-step schedule (`student_grid`): the teacher steps they are,
+    the sigma each boundary asked for, the sigma and timestep of the step it is, and the expert that runs it."""
+
+    spec: str | None  # its --for-students spelling (None: explicit --student-timesteps)
+    bounds: list[int]
+    wanted: list[float]
+    sigmas: list[float]
+    timesteps: list[int]
+    experts: list[int]
+
+    @property
+    def off(self) -> float:
+        """How far (in sigma) the farthest boundary lies from the point it asked for: 0 when the grid is the
+        teacher's steps, else the teacher's steps fall between the grid's points."""
+        return max(abs(w - s) for w, s in zip(self.wanted, self.sigmas))
+
+    def split(self) -> str:
+        return "+".join(str(self.experts.count(e)) for e in sorted(set(self.experts)))
+
+    def describe(self) -> str:
+        """One line: the steps, their timesteps and experts, and the distance to the grid's own sigmas."""
+        near = ("on the grid's sigmas" if self.off <= 1e-4 else
+                f"the grid's sigmas {','.join(f'{w:.4g}' for w in self.wanted)} fall between the teacher's steps: "
+                f"off by up to {self.off:.4f} in sigma ({1000 * self.off:.1f} timesteps)")
+        experts = (f", experts {','.join(map(str, self.experts))} ({self.split()})" if len(set(self.experts)) > 1
+                   else "")
+        return (f"steps {','.join(map(str, self.bounds))} (t {','.join(map(str, self.timesteps))}){experts}; "
+                f"{near}")
+
+
+def student_grid(header, choice: Mapping) -> StudentGrid:
+    """The boundaries the segment student `choice` (its StudentSchedule settings) takes on the schedule of `header`
+    (steps, sigmas, timesteps, experts, scheduler), over every step: equal segments (--student-steps K), the K points
+    of a flow schedule shifted by S from sigma 1 (--student-shift: Wan2.2-Lightning's and ComfyUI's ModelSamplingSD3
+    grid; with --student-expert-steps H,L the split it must give at the teacher's expert boundary), each expert's
+    steps cut equally (--student-expert-steps alone), or the timesteps named (--student-timesteps). Each boundary is
+    the step nearest its sigma. ValueError, one line, for a grid the schedule cannot hold."""
     n, sig, ts = int(header.steps), [float(v) for v in header.sigmas], [int(t) for t in header.timesteps]
-    rec, (k, explicit, shift, split) = sorted(recorded), (choice.get(key) for key in ("student_steps", *CHOSEN))
-    listed = lambda steps: ",".join(str(ts[s]) for s in steps)  # noqa: E731
+    experts = [int(e) for e in header.experts]
+    k, explicit, shift, split = (choice.get(key) for key in ("student_steps", *CHOSEN))
+    near = lambda w, pool: min(pool, key=lambda s: (abs(sig[s] - w), s))  # noqa: E731
     if explicit is not None:
         step = {t: s for s, t in enumerate(ts)}
         if shift is not None or split is not None:
             raise ValueError("--student-timesteps names the boundaries: drop --student-shift, --student-expert-steps")
-        if missing := [t for t in explicit if step.get(t) not in rec]:
-            raise ValueError(f"--student-timesteps {','.join(map(str, missing))}: not steps the cache recorded; choose "
-                             f"from its recorded timesteps {listed(rec)}")
+        if missing := [t for t in explicit if t not in step]:
+            raise ValueError(f"--student-timesteps {','.join(map(str, missing))}: not steps of the teacher's schedule; "
+                             f"choose from its timesteps {','.join(map(str, ts))}")
         if (bounds := [step[t] for t in explicit])[0] != 0 or bounds != sorted(set(bounds)):
             raise ValueError(f"--student-timesteps must fall from the first step's {ts[0]}, got {list(explicit)}")
+        wanted = [sig[b] for b in bounds]
+    elif shift is not None:
+        m = k if k is not None else sum(split)
+        if split is not None and sum(split) != m:
+            raise ValueError(f"--student-steps {m}, but --student-expert-steps {split[0]},{split[1]} are "
+                             f"{sum(split)}; drop --student-steps")
+        u = [1 - j / m for j in range(m)]
+        wanted = [sig[0] * shift * v / (1 + (shift - 1) * v) for v in u]
+        if len(set(bounds := [near(w, range(n)) for w in wanted])) < m:
+            raise ValueError(f"--student-shift: the {m} points of the shift-{shift:g} grid meet on the teacher's {n} "
+                             "steps; choose fewer")
+        got = [sum(experts[b] == e for b in bounds) for e in (1, 2)]
+        if split is not None and tuple(got) != tuple(split):
+            if set(experts) == {experts[0]}:
+                raise ValueError("--student-expert-steps H,L splits a two-expert teacher's steps; this teacher runs "
+                                 "one: drop it")
+            raise ValueError(f"--student-expert-steps {split[0]},{split[1]}: the {m}-step shift-{shift:g} grid gives the "
+                             f"high-noise expert {got[0]} of its steps and the low-noise one {got[1]} at the teacher's "
+                             f"boundary (t {ts[experts.index(2)] if 2 in experts else '-'}); ask for {got[0]},{got[1]}, "
+                             "or another --student-shift")
+    elif split is not None:
+        b = next((s for s in range(n) if experts[s] != experts[0]), n)
+        if len(split) != 2 or 0 in split or b == n:
+            raise ValueError("--student-expert-steps H,L gives each of the teacher's two experts at least 1 step; the "
+                             "cache's " + (f"{n} steps are {b} high-noise, {n - b} low" if b < n else "teacher runs one"))
+        bounds = []
+        for a, e, m, whose in ((0, b, split[0], "high"), (b, n, split[1], "low")):
+            if m > e - a:
+                raise ValueError(f"--student-expert-steps: {m} boundaries in the {e - a} steps of the {whose}-noise "
+                                 "expert meet; choose fewer")
+            bounds += [a + round(j * (e - a) / m) for j in range(m)]
+        wanted = [sig[s] for s in bounds]
     else:
-        parts, flag, bounds = [(0, n, k, "")], "--student-expert-steps" if split else "--student-shift", []
-        if split is not None:
-            b = next((s for s in range(n) if header.experts[s] != header.experts[0]), n)
-            if len(split) != 2 or 0 in split or b == n:
-                raise ValueError(f"{flag} H,L gives each of the teacher's two experts at least 1 step; the cache's "
-                                 + (f"{n} steps are {b} high-noise, {n - b} low" if b < n else "teacher runs one"))
-            parts = [(0, b, split[0], " of the high-noise expert"), (b, n, split[1], " of the low-noise expert")]
-        for a, e, m, whose in parts:
-            end = sig[e] if e < n else 0.0
-            want = [sig[a + round(j * (e - a) / m)] if shift is None else
-                    end + (sig[a] - end) * shift * (1 - j / m) / (1 + (shift - 1) * (1 - j / m)) for j in range(m)]
-            near = lambda pool: [min(pool, key=lambda s: (abs(sig[s] - w), s)) for w in want]  # noqa: E731
-            if len(set(ideal := near(range(a, e)))) < m:
-                raise ValueError(f"{flag}: {m} boundaries in the {e - a} steps{whose} meet; choose fewer")
-            if len(set(got := near([s for s in rec if a <= s < e] or [a]))) < m:
-                raise ValueError(f"{flag}: the cache records too few of the steps{whose} ({listed(range(a, e))}) for "
-                                 f"{m} boundaries; rebuild it with --keep-steps {','.join(map(str, ideal))}")
-            bounds += got
+        if k is None:
+            raise ValueError("--objective segment needs --student-steps K")
+        bounds, _ = segment_boundaries(header.scheduler, n, int(k), sig)
+        wanted = schedule_sigmas(euler_config(header.scheduler), int(k))[:len(bounds)]
     if k is not None and len(bounds) != k:
         raise ValueError(f"--student-steps {k}, but the chosen schedule has {len(bounds)} steps; drop --student-steps")
-    return bounds
+    return StudentGrid(grid_spec(choice), bounds, wanted, [sig[s] for s in bounds], [ts[s] for s in bounds],
+                       [experts[s] for s in bounds])
+
+
+def chosen_boundaries(header, choice: Mapping, recorded) -> list[int]:
+    """The boundary steps of `student_grid`, each of which the cache must have `recorded`: never another step in
+    its place (ValueError, one line, naming the steps missing and the --for-students that records them)."""
+    grid, rec = student_grid(header, choice), set(recorded)
+    if missing := [s for s in grid.bounds if s not in rec]:
+        ts = [int(t) for t in header.timesteps]
+        made = list(getattr(header, "for_students", None) or [])  # the grids it was made for, and this one
+        remake = (f"--for-students {','.join([*made, grid.spec])}" if grid.spec else
+                  f"--keep-steps {','.join(map(str, grid.bounds))}")
+        raise ValueError(f"its boundaries are the teacher's steps {','.join(map(str, grid.bounds))} and the cache does "
+                         f"not record steps {','.join(map(str, missing))} (t {','.join(str(ts[s]) for s in missing)}; "
+                         f"it records {','.join(map(str, sorted(rec)))}); rebuild it with {remake}")
+    return grid.bounds
 
 
 def chosen_points(source) -> np.ndarray | None:

@@ -157,6 +157,32 @@ def check_config(comp: str, cfg: dict, where) -> dict:
     return cfg
 
 
+def missing_weights(folder: Path, comp: str, fix: str = FIX) -> list[str]:
+    """The weight files of component `comp` that FOLDER lacks, none of them read: each file its
+    `*.safetensors.index.json` names (a regular file past its 8-byte header length; together at least the index's
+    total_size), else a `*.safetensors` at all. What a configs-only or half-downloaded Hub snapshot misses."""
+    index = sorted((folder / comp).glob("*.safetensors.index.json"))
+    if not index:
+        return [] if any((folder / comp).glob("*.safetensors")) else [f"{comp}/*.safetensors"]
+    raw = read_config(folder, f"{comp}/{index[0].name}", fix)
+    names, meta = raw.get("weight_map"), raw.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+        raise UserError(f"{folder / comp / index[0].name} has no weight_map of tensor names to file names; {fix}")
+    missing, size, blobs = [], 0, snapshot_blobs(folder)
+    for name in sorted(set(names.values())):
+        try:  # (a Hub snapshot's link only into its own blobs/)
+            size += (n := os.stat(safe_open.resolve_inside(folder, f"{comp}/{name}", fix, blobs)).st_size)
+        except FileNotFoundError:
+            missing.append(f"{comp}/{name}")
+            continue
+        if n <= 8:
+            missing.append(f"{comp}/{name} (empty)")
+    if not missing and type(total) is int and size < total:
+        missing.append(f"{comp}/ weights ({size:,} of the {total:,} bytes its index names: a file cut short)")
+    return missing
+
+
 def read_index(folder: Path, fix: str = FIX) -> dict:
     """The teacher's model_index.json, read and checked (`check_index`); FileNotFoundError where it is absent."""
     return check_index(read_config(folder, "model_index.json", fix), folder / "model_index.json")

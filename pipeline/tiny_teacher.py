@@ -144,7 +144,6 @@ def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) 
     data/'s). `out` must be new, empty or this command's own earlier output (rebuilt whole: `make` reruns it); the
     folder is built beside it and swapped in (cache/safe_write.py)."""
     from cache import safe_write
-    from cache.atomic import honour_umask
 
     from .teacher_files import copy_tree
 
@@ -159,6 +158,5 @@ def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) 
         if pipe is None:
             copy_tree(committed, tmp, f"restore {committed} with `git checkout -- data/`")
         else:
-            pipe.save_pretrained(tmp, safe_serialization=True)
-            honour_umask(tmp)  # (safetensors writes 0600 whatever the umask)
+            pipe.save_pretrained(tmp, safe_serialization=True)  # (0600 weights: published with the umask's modes)
     return out

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from conftest import ROOT
 from hub_cache import A14B_CONFIGS
+from pipeline import flops
 from pipeline.cli import main
 from pipeline.errors import UserError
 from stages.teacher_cache.costs import STEP_TABLE, StepFigure, StepTime, flop, project, step_flops, table_step_time
@@ -63,6 +64,18 @@ def test_the_table_figure_by_shape_size_and_placement():
     assert video.seconds == pytest.approx(7.97, abs=0.01) and video.source.startswith(
         "FLOP model: 3.36e15 FLOP a step, 39.9x the table's (linear 47%, attention 53%); calibrated by the table")
     assert table_step_time(A14B_EXPERT, 32760, "offload").seconds == pytest.approx(video.seconds / 0.71)
+
+
+def test_the_table_figure_on_another_gpu_is_scaled_by_its_peak():
+    rtx = table_step_time(A14B_EXPERT, 32760, "cuda", on=flops.gpu("RTX 4090"))
+    assert rtx.seconds == pytest.approx(table_step_time(A14B_EXPERT, 32760, "cuda").seconds * 989 / 165)
+    assert "; on RTX 4090: 165 TFLOPS dense bf16 (Ada Lovelace whitepaper" in rtx.source
+    assert "x 43% (the efficiency the table of docs/costs.md reaches on H100's 989), 5.99x the H100's time" in \
+        rtx.source
+    h100 = table_step_time(A14B_EXPERT, 1560, "cuda", on=flops.gpu("h100"))
+    assert h100 == table_step_time(A14B_EXPERT, 1560, "cuda")
+    offload = table_step_time(A14B_EXPERT, 1560, "offload", on=flops.gpu(tflops=494.5))
+    assert offload.seconds == pytest.approx(0.40 / 0.71) and "a 494.5-TFLOPS GPU: 494.5 TFLOPS" in offload.source
 
 
 def test_the_flop_model_counts_a14b_as_docs_costs_does():

@@ -37,3 +37,20 @@ def test_a_dry_run_on_a_video_cache_counts_its_frames(tiny_video_cache, tmp_path
                tmp_path / "never", "--batch-size", "4", "--num-workers", "0", "--device", "cpu", "--dry-run")
     assert r.exit_code == 0, r.output
     assert "run         8 training samples of 5 frames (2 latent), 2 steps an epoch" in r.output
+
+
+def test_teacher_cache_notes_a_one_frame_cache_of_a_video_teacher(tiny_teacher, prompts_file, tmp_path):
+    """Every Wan VAE compresses time: a frames-1 cache of one trains an image student, which the dry run, the run
+    and plan say in a note (not an error); a video run says nothing."""
+    from test_teacher_cache_cli import _args
+
+    note = "frames 1: this cache trains an image student or LoRA of a video teacher (it samples single frames)"
+    r = invoke(*_args(tiny_teacher, prompts_file, tmp_path / "c"), "--dry-run")
+    assert r.exit_code == 0 and f"  note       {note}; pass --frames 4k+1" in r.output, r.output
+    assert re.search(r"  disk       [\d.]+ KiB more to write \(\d+ samples at float32: ", r.output)
+    r = invoke(*_args(tiny_teacher, prompts_file, tmp_path / "c", frames=5, height=32, width=32), "--dry-run")
+    assert r.exit_code == 0 and "frames 1:" not in r.output, r.output
+    r = invoke(*_args(tiny_teacher, prompts_file, tmp_path / "c", steps=2))
+    assert r.exit_code == 0 and f"note: {note}" in r.output, r.output
+    r = invoke("plan", "--teacher", tiny_teacher, "--assume-gpus", "none", "--height", "64", "--width", "64")
+    assert r.exit_code == 0 and f"  - {note}" in r.output, r.output

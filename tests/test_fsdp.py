@@ -98,14 +98,14 @@ def test_two_processes_fsdp_equal_one_process_and_checkpoints_are_sharded(fsdp_t
 
     # checkpoints: torch.distributed.checkpoint folders, one shard file per rank, every file in the digest record
     names = sorted(p.name for p in (out2 / "checkpoints").iterdir())
-    assert names == ["step-00000006", "step-00000009"]  # the newest two kept
+    assert names == ["step-00000009", "step-00000010"]  # the newest two kept (10: the last step's)
     ckpt = out2 / "checkpoints" / names[-1]
     assert sorted(p.name for p in ckpt.iterdir()) == ["digests.json", "sharded", "trainer_state.json"]
     assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     files = json.loads((ckpt / "digests.json").read_text())["files"]
     assert sorted(files) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "trainer_state.json"]
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["strategy"] == "fsdp" and state["world_size"] == 2 and state["step"] == 9
+    assert state["strategy"] == "fsdp" and state["world_size"] == 2 and state["step"] == 10
     assert checkpoint.sharded_keys(ckpt) == {"model", "optimizer", "ema"}
     assert checkpoint.pick(out2) == (ckpt, [])  # verified and trusted like a whole checkpoint
 

@@ -179,3 +179,77 @@ def test_sizes_and_gpus_parse():
     assert placement_choice._parse_gpus("4x24GiB") == (24 * GiB,) * 4
     assert placement_choice._parse_gpus("80GiB,40GiB") == (80 * GiB, 40 * GiB)
     assert placement_choice._parse_gpus("none") == ()
+
+
+# -- a layout that does not fit prints no command; a smaller batch before streaming ---------------------------------
+
+TI2V_5B = Path(__file__).parent / "data" / "wan22-ti2v-5b-configs"  # Wan2.2-TI2V-5B-Diffusers' configs, no weights
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def _plan(*args):
+    return CliRunner().invoke(main, ["plan", *map(str, args)], catch_exceptions=False)
+
+
+def test_auto_takes_a_smaller_batch_on_cuda_before_streaming():
+    """TI2V-5B at 704x1280x121 on one 24 GiB GPU: batch 4's activations (27 GiB) fit no placement there, batch 1
+    fits whole on cuda: plan's command says --batch-size 1; a run's auto keeps the user's batch and names it."""
+    ti2v = placement_choice.teacher_sizes(TI2V_5B, "bfloat16")
+    shape = RunShape(height=704, width=1280, frames=121, batch_size=4)
+    needs = Needs.of(ti2v, placement_choice.activation_bytes(ti2v, shape), 4)
+    inv = _inv([24], 64, 2000)
+    d = decide(needs, inv, smaller_batches=True)
+    assert (d.placement, d.batch_size) == ("cuda", 1), d.reasons
+    assert "batch 4 fits no placement on this GPU (20.58 GiB usable): batch 1 does on cuda" in d.reasons[-1]
+    with pytest.raises(UserError, match="fits nowhere.*--batch-size 1 fits on placement cuda"):
+        decide(needs, inv)  # (the run: its --batch-size is the user's)
+    r = _plan("--teacher", TI2V_5B, "--assume-gpus", "1x24GiB", "--assume-ram", "64GiB", "--height", "704",
+              "--width", "1280", "--frames", "121")
+    assert r.exit_code == 0, r.output
+    assert "batch 1 x 704x1280, 121 frames (31 latent), 27280 tokens per sample" in r.output
+    assert "the command uses --batch-size 1" in r.output and "--placement cuda" in r.output
+    assert "--frames 121 --batch-size 1" in r.output
+    # A14B on a 32 GiB card: batch 4 fits only streamed (offload); one expert + batch 2's activations fit cuda
+    a14b = placement_choice.teacher_sizes(A14B, "bfloat16")
+    d = decide(Needs.of(a14b, placement_choice.activation_bytes(a14b, RunShape()), 4), _inv([32], 256, 2000), True)
+    assert (d.placement, d.expert_order, d.batch_size) == ("cuda", "expert", 2), d.reasons
+    assert "batch 4 fits only with the weights streamed (offload): batch 2 does on cuda" in d.reasons[-1]
+
+
+def test_a_layout_that_does_not_fit_prints_no_command():
+    """An explicit placement is held to the bounds auto keeps: disk at batch 4 needs 27.9 GiB of the 24 GiB GPU
+    (two blocks + activations): no command, exit 2, the figures and the batch that fits; JSON says "fits": false."""
+    args = ["--teacher", TI2V_5B, "--assume-gpus", "1x24GiB", "--assume-ram", "64GiB", "--height", "704", "--width",
+            "1280", "--frames", "121", "--placement", "disk"]
+    r = _plan(*args)
+    assert r.exit_code == 2
+    first = r.output.splitlines()[0]
+    assert first.startswith("error: placement disk at batch 4: 27.94 GiB does not fit cuda:0 (20.58 GiB usable); "
+                            "--batch-size 2 fits it; no command printed"), first
+    assert "stage one   no command: placement disk at batch 4" in r.output and "teacher-cache" not in r.output
+    assert "resident during the trajectory loop: disk 9.33 GiB; cpu 0.49 GiB; cuda:0 27.94 GiB" in r.output
+    p = json.loads(_plan(*args, "--json").stdout)
+    assert p["fits"] is False and p["unfit"] and p["placement"] == "disk"
+    assert _plan(*args, "--batch-size", "2").exit_code == 0
+    # an image run's JSON that fits keeps its keys as they were
+    p = json.loads(_plan("--teacher", A14B, "--assume-gpus", "1x80GiB", "--assume-ram", "256GiB", "--json").stdout)
+    assert "unfit" not in p and "fits" not in p
+
+
+@pytest.mark.parametrize("config, teacher, tokens", [
+    ("wan2.2-t2v-a14b-video.toml", A14B, ["batch 1 x 480x832, 81 frames (21 latent), 32760 tokens per sample",
+                                          "40 steps", "--config configs/wan2.2-t2v-a14b-video.toml"]),
+    ("wan2.2-ti2v-5b.toml", TI2V_5B, ["batch 1 x 704x1280, 121 frames (31 latent), 27280 tokens per sample",
+                                      "50 steps", "--config configs/wan2.2-ti2v-5b.toml"]),
+    ("wan2.2-t2v-a14b.toml", A14B, ["batch 4 x 480x832x1 (1560 tokens per sample", "40 steps",
+                                    "frames 1: this cache trains an image student or LoRA of a video teacher",
+                                    "pass --frames 81 (or configs/wan2.2-t2v-a14b-video.toml) for a video one"]),
+])
+def test_the_real_teachers_configs_plan(config, teacher, tokens, monkeypatch):
+    monkeypatch.chdir(CONFIGS.parent)  # the printed command names the file as given
+    r = _plan("--config", f"configs/{config}", "--teacher", teacher, "--gpus-per-node", "8", "--gpu-memory", "80GiB",
+              "--prompts", "1000", "--step-time", "1")
+    assert r.exit_code == 0, r.output
+    for token in tokens:
+        assert token in r.output, token
+    assert ("frames 1:" in r.output) == (config == "wan2.2-t2v-a14b.toml")  # the note: one-frame caches alone

@@ -118,7 +118,8 @@ def test_segment_student_needs_its_boundaries_recorded(caches):
         check_cache(Segment({"student_steps": 4, "velocity_weight": 0.0}), m2, str(caches["n2"]), num_layers=1)
     msg = str(e.value)
     assert "\n" not in msg and "records only steps 0,4" in msg and "not 2,6" in msg
-    assert "--record-steps 2" in msg and "--keep-steps 0,2,4,6" in msg and "--student-steps 1,2" in msg
+    assert "--record-steps 2" in msg and "--for-students 4" in msg and "--student-steps 1,2" in msg
+    assert "GPU-hours" in msg  # what the rebuild would cost
 
 
 def test_velocity_student_trains_from_a_record_steps_cache(caches, tmp_path):

@@ -50,24 +50,29 @@ def test_a14b_boundaries_equal_explicit_shift_and_per_expert():
     shift5 = chosen_boundaries(h, {"student_shift": 5.0, "student_steps": 4}, every)
     assert _timesteps(h, shift5) == [999, 936, 837, 633]
     assert chosen_boundaries(h, {"student_timesteps": (999, 936, 837, 633)}, every) == [0, 18, 28, 35]
-    # two steps each: the 26 high-noise steps and the 14 low-noise ones cut equally (or shifted over each part)
+    # two steps each: the 26 high-noise steps and the 14 low-noise ones cut equally
     assert _timesteps(h, chosen_boundaries(h, {"student_expert_steps": (2, 2)}, every)) == [999, 961, 866, 719]
     assert _timesteps(h, chosen_boundaries(h, {"student_expert_steps": (1, 3)}, every)) == [999, 866, 777, 633]
+    # with a shift, the split is the one Lightning's grid gives at the teacher's boundary (ComfyUI's switch step)
     assert _timesteps(h, chosen_boundaries(h, {"student_expert_steps": (2, 2), "student_shift": 5.0}, every)) == \
-        [999, 976, 866, 719]
+        [999, 936, 837, 633]
 
 
 @pytest.mark.parametrize("choice, recorded, match", [
-    ({"student_timesteps": (999, 937)}, range(40), r"student-timesteps 937: not steps the cache recorded; choose "
-                                                   r"from its recorded timesteps 999,997,"),
-    ({"student_timesteps": (999, 936)}, [0, 5], r"timesteps 936: .* recorded timesteps 999,988$"),
+    ({"student_timesteps": (999, 937)}, range(40), r"student-timesteps 937: not steps of the teacher's schedule; "
+                                                   r"choose from its timesteps 999,997,"),
+    ({"student_timesteps": (999, 936)}, [0, 5], r"does not record steps 18 \(t 936; it records 0,5\); rebuild it "
+                                                r"with --keep-steps 0,18$"),
     ({"student_timesteps": (936, 999)}, range(40), "must fall from the first step.s 999"),
     ({"student_timesteps": (999,), "student_shift": 5.0}, range(40), "drop --student-shift"),
-    ({"student_expert_steps": (2, 2)}, [0, 5, 13, 30], r"records too few of the steps of the low-noise "
-                                                        r"expert \(866,.*,242\) for 2 .*--keep-steps 26,33$"),
+    ({"student_expert_steps": (2, 2)}, [0, 5, 13, 30], r"steps 0,13,26,33 and the cache does not record steps 26,33 "
+                                                        r"\(t 866,719;.*--for-students 4:2\+2$"),
     ({"student_expert_steps": (4,)}, range(40), "40 steps are 26 high-noise, 14 low"),
     ({"student_expert_steps": (2, 15)}, range(40), "15 boundaries in the 14 steps of the low-noise expert"),
-    ({"student_shift": 5.0, "student_steps": 4}, [0, 1, 2, 3], r"--student-shift: .*--keep-steps 0,18,28,35"),
+    ({"student_shift": 5.0, "student_steps": 4}, [0, 1, 2, 3], r"steps 0,18,28,35 and the cache does not record "
+                                                               r"steps 18,28,35 .*--for-students 4@shift5$"),
+    ({"student_shift": 12.0, "student_expert_steps": (2, 2)}, range(40), r"the 4-step shift-12 grid gives the "
+                                                                          r"high-noise expert 3 .*ask for 3,1"),
     ({"student_expert_steps": (2, 2), "student_steps": 3}, range(40), "student-steps 3, but"),
 ])
 def test_a_schedule_the_cache_cannot_train_is_refused_in_one_line(choice, recorded, match):

@@ -203,7 +203,7 @@ def test_cli_end_to_end_writes_a_loadable_student(tiny_cache, tiny_teacher, tmp_
     assert [r["step"] for r in train] == list(range(1, 8)) and all(r["loss"] > 0 for r in train)
     assert [r["step"] for r in metrics(out, "eval")] == [0, 3, 6, 7]
     assert (out / "loss.png").stat().st_size > 1000
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000006", "step-00000007"]  # (last)
     # 6 prompts x 3 steps = 18 samples, batch 4 -> 5 steps per epoch: step 7 is in the second epoch
     assert train[-1]["epoch"] == 1 and train[4]["samples"] == 18
     again = invoke("--config", str(toml), "--out", str(out), "--max-steps", "7")

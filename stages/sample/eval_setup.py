@@ -14,14 +14,14 @@ from cache import format as F
 from cache import safe_write
 from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
 from cache.reader import open_caches
-from pipeline.artifact import EVAL_REPORT as REPORT_NAME, STUDENT, STUDENT_EMA
+from pipeline.artifact import EVAL_REPORT as REPORT_NAME
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
-from .models import Student, check_compatible, find_student, named_teacher, pick_device
+from .models import Student, check_compatible, find_student, model_name, named_teacher, pick_device
 from .sample import student_sampler
 
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
@@ -157,8 +157,10 @@ def setup(cfg: EvalConfig) -> Setup:
     # figure of the report) and its prompt stores' shapes and dtypes (an edited one would allocate terabytes)
     manifest = open_caches([cache_dir])[0].manifest
     student = find_student(cfg.student, cfg.weights)
-    # (the run folder the user named, a link or not, is where the report goes by default)
-    report_path = Path(cfg.report) if cfg.report else Path(os.path.realpath(student.root)) / REPORT_NAME
+    # (the run folder the user named, a link or not, is where the report goes by default; a pair's, beside its runs)
+    home = Path(os.path.realpath(student.root))
+    report_path = Path(cfg.report) if cfg.report else (
+        home.with_name(f"{student.name}-{REPORT_NAME}") if student.members else home / REPORT_NAME)
     if report_path.is_dir() and not report_path.is_symlink():
         raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
     safe_write.ensure_folder(report_path.parent, "the folder of --report")  # (before any model loads)
@@ -197,8 +199,7 @@ def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
             seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
             if seen:
                 su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
-        p = Path(path)
-        name = p.parent.name if p.name in (STUDENT, STUDENT_EMA) else p.name
+        name = model_name(path)
         label, i = name, 2
         while label in taken:  # two runs' student/ folders, or a run named like an entry
             label, i = f"{name}-{i}", i + 1

@@ -18,7 +18,9 @@ from pipeline.sampling import chosen_points, own_sampler, student_scheduler
 from pipeline.teacher_files import check_config, copy_tree, read_component, read_index, snapshot_blobs
 
 from . import hub_card
-from .models import BORROWED, Student, check_compatible, find_student, student_teacher, teacher_transformer_config
+from .models import (
+    BORROWED, Student, check_compatible, find_pair, find_student, student_teacher, teacher_transformer_config,
+)
 
 # model_index key of an export's hints (diffusers ignores keys starting with '_'); what lets --overwrite replace a
 # folder is safe_write's marker file, never a key any JSON may hold
@@ -164,7 +166,7 @@ def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: di
     index.update({
         "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
         "boundary_ratio": None, "expand_timesteps": bool(index.get("expand_timesteps", False)),
-        MARK: {**hints, "student_run": student.root.name, "weights": student.weights,
+        MARK: {**hints, "student_run": student.name, "weights": student.weights,
                "teacher": teacher, "cache_fingerprints": student.fingerprints,
                "components": "copied" if cfg.copy else "symlinked",
                "scheduler": "the student's own (Euler on the teacher's sigmas)" if own_scheduler else "the teacher's"},
@@ -180,10 +182,12 @@ def run(cfg: ExportConfig) -> dict:
     """Write the pipeline folder (and upload it with --push-to-hub); returns the summary."""
     if cfg.push_to_hub:
         hub_card.check_online(cfg.push_to_hub)
-    student = find_student(cfg.student, cfg.weights)
+    # one folder, or RUN1+RUN2 (--student twice): the two one-expert LoRA runs of a pair, as one student
+    student = find_student(*cfg.student, cfg.weights) if len(cfg.student) == 1 else find_pair(list(cfg.student),
+                                                                                             cfg.weights)
     asked = [flag for flag, on in (("--fuse", cfg.fuse), ("--lora-format", cfg.lora_format != "diffusers")) if on]
     if asked and not student.kind.adapters:
-        raise UserError(f"{asked[0]} applies to a LoRA run's adapter files, and {cfg.student} is a compact student "
+        raise UserError(f"{asked[0]} applies to a LoRA run's adapter files, and {cfg.student[0]} is a compact student "
                         f"(its export is already a standalone pipeline); drop {asked[0]}")
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)

@@ -33,6 +33,7 @@ PIPELINE_CLASS = "WanPipeline"
 # Teacher components a student pipeline borrows (everything but the transformers).
 BORROWED = ("tokenizer", "text_encoder", "vae", "scheduler")
 FIX = "rerun train-student, or pass another --student"  # what a refused file of a student folder tells the user
+PAIR = "+"  # RUN1+RUN2: two one-expert LoRA runs taken as one student (export_lora.py `LoraRun.pair`)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,16 @@ class Student:
     distill: DistillRecord | None = None  # distill.json; None for a bare student folder
     lora: LoraRecord | None = None  # a LoRA run's lora.json; None for a compact student
     teacher_path: Path | None = None  # a LoRA run's teacher folder (the base its adapters load into)
+    members: tuple[Student, ...] = ()  # a LoRA pair (RUN1+RUN2, export_lora.py): its two runs, in expert order
+
+    @property
+    def name(self) -> str:
+        """What it is called in summaries: its run folder's name, a pair's two joined by PAIR."""
+        return PAIR.join(m.root.name for m in self.members) if self.members else self.root.name
+
+    def adapter_folder(self, comp: str) -> Path:
+        """The folder holding expert `comp`'s LoRA file: its own, or that of the pair's run that trained `comp`."""
+        return next((m.path for m in self.members if comp in m.lora.trained), self.path)
 
     @property
     def guided(self) -> bool:
@@ -68,7 +79,8 @@ class Student:
         return tuple(self.config.get("patch_size", (1, 2, 2)))
 
     def describe(self) -> dict:
-        return {"path": str(self.path), "weights": self.weights, "distill_json": self.distill is not None,
+        path = PAIR.join(str(m.path) for m in self.members) if self.members else str(self.path)
+        return {"path": path, "weights": self.weights, "distill_json": self.distill is not None,
                 "guided_targets": self.guided, "objective": self.setting("objective"),
                 "student_steps": self.setting("sampling_steps")}
 
@@ -131,8 +143,33 @@ def read_distill(path: Path) -> DistillRecord:
         raise UserError(f"distill file {e}; rerun train-student to rewrite it, or remove it") from e
 
 
+def split_pair(path: str) -> list[str]:
+    """The runs `path` names: itself, or where nothing of that name exists, the RUN1+RUN2 it spells (PAIR)."""
+    return [path] if PAIR not in path or os.path.lexists(Path(path).expanduser()) else path.split(PAIR)
+
+
+def model_name(path: str) -> str:
+    """A --student or --compare folder's name in a table: a run's (OUT/student given: OUT's), a pair's joined."""
+    names = [p.parent.name if p.name in (STUDENT, STUDENT_EMA) else p.name for p in map(Path, split_pair(path))]
+    return PAIR.join(names)
+
+
+def find_pair(paths: list[str], weights: str = "auto") -> Student:
+    """Two one-expert LoRA runs of one teacher and cache as one student (their kind's `pair`), refused in one line
+    else."""
+    if len(paths) != 2 or not all(paths):
+        raise UserError(f"{PAIR.join(paths)} names {len(paths)} runs; a pair is two, RUN1{PAIR}RUN2 (the train-student "
+                        "--lora-experts 1 and --lora-experts 2 runs of one cache), and a folder of that name does not "
+                        "exist")
+    members = [find_student(p, weights) for p in paths]
+    return members[0].kind.pair(members, paths)
+
+
 def find_student(path: str, weights: str = "auto") -> Student:
-    """Locate the student: OUT of train-student (the run artifact of pipeline/artifact.py) or a bare folder."""
+    """Locate the student: OUT of train-student (the run artifact of pipeline/artifact.py) or a bare folder; RUN1+RUN2:
+    a LoRA pair (`find_pair`)."""
+    if len(parts := split_pair(path)) > 1:
+        return find_pair(parts, weights)
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"student {p} does not exist; pass the --out folder of `wandistiller train-student` "
@@ -220,6 +257,10 @@ class CompactRun:
     def export(self, cfg, student: Student, hints: dict, out: Path, teacher: tuple) -> dict:
         return _load("stages.sample.export:write_pipeline")(cfg, student, hints, out, *teacher)
 
+    def pair(self, members: list[Student], names: list[str]) -> Student:
+        raise UserError(f"{PAIR.join(names)}: {names[0]} is a compact student, and a pair joins two LoRA runs of one "
+                        "teacher, one per expert (train-student --lora-of TEACHER --lora-experts 1, and 2)")
+
 
 COMPACT = CompactRun()
 # The other kinds, declared by import path as the registries declare implementations (each builds on this module).
@@ -284,8 +325,8 @@ def student_teacher(cfg, student: Student) -> tuple[str, Path]:
     """The name and folder of the teacher `sample` and `export` run: --teacher, else the one distill.json names."""
     name = cfg.teacher or student.setting("teacher")
     if name is None:
-        raise UserError(f"no teacher: {cfg.student} has no distill.json naming one; pass --teacher")
-    return name, named_teacher(cfg, name, student.setting("revision"), f"{cfg.student}'s distill.json")
+        raise UserError(f"no teacher: {student.root} has no distill.json naming one; pass --teacher")
+    return name, named_teacher(cfg, name, student.setting("revision"), f"{student.root}'s distill.json")
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:

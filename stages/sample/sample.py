@@ -3,7 +3,7 @@ left, a labelled column per model), every column from the same prompt embeddings
 columns differ only by the denoiser and its schedule: the teacher runs as diffusers' WanPipeline, each student
 through the one sampler (pipeline/sampling.py), decoded by the teacher's VAE. A video run (distill.json's frames
 > 1) draws whole clips at its frame count: the grid's cells are frame strips, and each clip is also an animated
-WebP in a folder beside the grid."""
+WebP and an mp4 in a folder beside the grid. A LoRA pair (RUN1+RUN2) is one column, each expert its run's adapter."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from pipeline.sampling import decode_latents
 from pipeline.prompts import dedupe, read_prompt_file
 
 from .models import (
-    Student, check_compatible, find_student, load_teacher, pick_device, student_teacher,
+    Student, check_compatible, find_student, load_teacher, model_name, pick_device, student_teacher,
 )
+from .video_file import write_mp4
 
 
 @dataclass(frozen=True)
@@ -128,18 +129,20 @@ def write_image(img: Image.Image, out: Path, format: str = "PNG", **save) -> Non
     safe_write.write_file(out, writer=lambda f: img.save(f, format=format, **save))
 
 
-def write_videos(folder: Path, names: list[str], clips: list[list[np.ndarray]], fps: int) -> dict[str, list]:
-    """Each clip of `clips` (a row per prompt, a clip per name) as a lossless animated WebP `folder/PP-NAME.webp`:
-    Pillow writes it with no other dependency (diffusers' export_to_video needs imageio + ffmpeg or OpenCV)."""
+def write_videos(folder: Path, names: list[str], clips: list[list[np.ndarray]], fps: int) -> dict[str, dict]:
+    """Each clip of `clips` (a row per prompt, a clip per name) as a lossless animated WebP `folder/PP-NAME.webp`
+    (Pillow's: the frames exactly) and beside it an H.264 mp4 `folder/PP-NAME.mp4` (video_file.py: what players
+    open); {"videos": {name: WebPs}, "mp4": {name: mp4s}}."""
     safe_write.ensure_folder(folder, "the video folder")
-    paths: dict[str, list[str]] = {n: [] for n in names}
+    paths: dict[str, dict[str, list[str]]] = {"videos": {n: [] for n in names}, "mp4": {n: [] for n in names}}
     for i, row in enumerate(clips):
         for name, clip in zip(names, row):
             first, *rest = [Image.fromarray(f) for f in clip]
             path = folder / f"{i:02d}-{name}.webp"
             write_image(first, path, "WEBP", save_all=True, append_images=rest, duration=round(1000 / fps), loop=0,
                         lossless=True)
-            paths[name].append(str(path))
+            paths["videos"][name].append(str(path))
+            paths["mp4"][name].append(str(write_mp4(path.with_suffix(".mp4"), clip, fps)))
     return paths
 
 
@@ -158,7 +161,7 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
                                 "one: a grid compares students of one frame count; sample them in separate grids")
             own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
                                       student_guidance=1.0 if one.guided else settings.guidance)
-            name = Path(path).name if Path(path).name not in drawers else f"{Path(path).name}-{len(drawers)}"
+            name = model_name(path) if model_name(path) not in drawers else f"{model_name(path)}-{len(drawers)}"
         check_compatible(one, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
                          latent_hw=(settings.height // vs, settings.width // vs),
                          expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
@@ -226,7 +229,7 @@ def run(cfg: SampleConfig) -> dict:
     write_image(grid, out)
     config, video, fps = dataclasses.asdict(cfg), {}, cfg.fps or DEFAULT_FPS
     if frames > 1:
-        video = {"frames": frames, "fps": fps, "videos": write_videos(folder, ["teacher", *drawers], rows, fps)}
+        video = {"frames": frames, "fps": fps, **write_videos(folder, ["teacher", *drawers], rows, fps)}
     else:
         del config["fps"]  # an image run's summary as before video settings existed
     summary = {"grid": str(out), "rows": len(prompts), "size": list(grid.size), "prompts": prompts,
@@ -240,7 +243,7 @@ def run(cfg: SampleConfig) -> dict:
                f"teacher {seconds['teacher']:.1f}s at {settings.steps} steps, "
                + ", ".join(f"{n} {seconds[n]:.1f}s at {k} steps" for n, (_, k) in drawers.items())
                + (f"; {len(rows) * len(columns)} clip(s) of {frames} frames (animated WebP, {fps} fps) written to "
-                  f"{folder}" if video else ""))
+                  f"{folder}, each also as an H.264 mp4" if video else ""))
     return summary
 
 

@@ -1,52 +1,32 @@
-"""What stage one costs before it runs: prompts x seeds x steps teacher steps, times one step's seconds: from
-`plan --measure` (one real step here, the first expert standing for both), `--step-time` or `STEP_TABLE`'s figure
-carried to the run's tokens by the FLOP model (`step_flops`); docs/costs.md shows the table and the model's figures
-too (tests/test_costs.py keeps them equal)."""
+"""What the two stages cost before they run. Stage one: prompts x seeds x steps teacher steps, times one step's
+seconds: from `plan --measure` (one real step here, the first expert standing for both), `--step-time` or
+`STEP_TABLE`'s figure carried to the run's tokens by the FLOP model and to `--gpu`'s peak (pipeline/flops.py). Stage
+two: the samples of its epochs times one training sample's FLOPs at `--gpu`'s speed; docs/costs.md shows the table and
+the model's figures too (tests/test_costs.py keeps them equal)."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import tempfile
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from cache.records import TEACHER_SHAPE
+from pipeline import flops
 from pipeline.config import DEFAULT_GUIDANCE, TeacherCacheConfig
+from pipeline.config_types import read_object
 from pipeline.errors import UserError
-from pipeline.registries import placement_entry
+from pipeline.flops import STEP_TABLE, StepFigure, flop, step_flops  # noqa: F401 (StepFigure: importable from here)
+from pipeline.registries import LoraSettings, placement_entry
 from pipeline.sampling import model_timestep
 
 from . import placements
 from .speed import TeacherSpeed, spelled
 from .teacher import ExpertSet, load_scheduler, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner
-
-
-@dataclass(frozen=True)
-class StepFigure:
-    """A measured teacher step: one denoising step of one trajectory, CFG on (two sequences in one forward), bf16."""
-
-    shape: tuple[int, int, int]  # (dim, num_layers, ffn_dim) of the transformer that ran it
-    teacher: str
-    height: int
-    width: int
-    frames: int
-    seconds: float
-    gpu: str
-    source: str
-    image_tokens: int = 0  # an image-to-video teacher's image tokens, which its cross-attention attends to too
-
-    @property
-    def tokens(self) -> int:
-        """Latent tokens per sequence (Wan's VAE: 4x in time, 16x in space with patch 2)."""
-        return ((self.frames - 1) // 4 + 1) * (self.height // 16) * (self.width // 16)
-
-
-STEP_TABLE = (
-    StepFigure((5120, 40, 13824), "Wan2.2-T2V-A14B (one expert; Wan2.1-T2V-14B has the same shape)", 480, 832, 1,
-               0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
-)
-PEAK_TFLOPS = {"H100": 989, "H200": 989}  # dense bf16, without sparsity
 
 
 @dataclass(frozen=True)
@@ -57,23 +37,10 @@ class StepTime:
     source: str
 
 
-def step_flops(transformer_config: dict, tokens: int, text_tokens: int = 512, cfg: bool = True,
-               image_tokens: int = 0) -> dict:
-    """FLOPs of one teacher step of one trajectory (2 per multiply-add) over num_layers Wan blocks: `linear` (self-
-    attention's q, k, v, o and cross-attention's q, o on the latent tokens, its k, v on the text and image tokens, the
-    FFN), `self_attention` (QK^T and AV: 2 L^2 dim multiply-adds a block) and `cross_attention` (the same over the
-    text and image tokens); CFG runs two sequences. Not counted: norms, RoPE, modulation, the patch embedding, the
-    head and the embedders (under 0.2% at A14B's width)."""
-    c = transformer_config
-    dim, ctx = c["num_attention_heads"] * c["attention_head_dim"], text_tokens + image_tokens
-    per_block = {"linear": tokens * (6 * dim * dim + 2 * dim * c["ffn_dim"]) + ctx * 2 * dim * dim,
-                 "self_attention": 2 * tokens * tokens * dim, "cross_attention": 2 * tokens * ctx * dim}
-    out = {k: 2 * v * c["num_layers"] * (2 if cfg else 1) for k, v in per_block.items()}
-    return out | {"total": sum(out.values())}
-
-
-def table_step_time(transformer_config: dict, tokens: int, placement: str, text_tokens: int = 512) -> StepTime | None:
-    """The table's figure for this teacher shape and placement, carried to `tokens` by the FLOP model, or None."""
+def table_step_time(transformer_config: dict, tokens: int, placement: str, text_tokens: int = 512,
+                    on: flops.Gpu | None = None) -> StepTime | None:
+    """The table's figure for this teacher shape and placement, carried to `tokens` by the FLOP model and to the peak
+    of `on` (the table's own GPU when None), or None."""
     c = transformer_config
     shape = (c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["ffn_dim"])
     fig = next((f for f in STEP_TABLE if f.shape == shape), None)
@@ -81,17 +48,20 @@ def table_step_time(transformer_config: dict, tokens: int, placement: str, text_
     if fig is None or speed is None:
         return None
     run, base = step_flops(c, tokens, text_tokens), step_flops(c, fig.tokens)["total"]
-    peak = base / fig.seconds / PEAK_TFLOPS[fig.gpu] / 1e12
     where = (f"the table of docs/costs.md ({fig.teacher.split(' (')[0]}, {fig.height}x{fig.width}x{fig.frames}, "
-             f"{fig.seconds:.2f} s on one {fig.gpu}: {flop(base)} FLOP a step, {peak:.0%} of its bf16 peak; "
-             f"{fig.source})")
+             f"{fig.seconds:.2f} s on one {fig.gpu}: {flop(base)} FLOP a step, {flops.EFFICIENCY:.0%} of its bf16 "
+             f"peak; {fig.source})")
     if run["total"] != base:
         attention = (run["self_attention"] + run["cross_attention"]) / run["total"]
         where = (f"FLOP model: {flop(run['total'])} FLOP a step, {run['total'] / base:.1f}x the table's (linear "
                  f"{1 - attention:.0%}, attention {attention:.0%}); calibrated by {where}")
+    slower = 1.0
+    if on is not None and on.name != fig.gpu:  # the same efficiency at another peak
+        slower = flops.gpu(fig.gpu).tflops / on.tflops
+        where += f"; on {flops.speed_words(on)}"
     if speed[1]:
         where += f"; {speed[1]}"
-    return StepTime(fig.seconds * run["total"] / base / speed[0], where)
+    return StepTime(fig.seconds * run["total"] / base / speed[0] * slower, where)
 
 
 def cache_compute(header, prompts: int) -> dict:
@@ -111,10 +81,6 @@ def cache_compute(header, prompts: int) -> dict:
         steps * step.seconds / 3600, 1), "teacher_step_source": step.source}
 
 
-def flop(x: float) -> str:
-    return f"{x:.2e}".replace("e+", "e")
-
-
 def project(prompts: int, seeds: int, steps: int, step: StepTime, parts: int, gpus_per_part: int) -> dict:
     """Stage one's teacher compute for `prompts`: `parts` processes at once, each holding `gpus_per_part` GPUs."""
     step_count = prompts * seeds * steps
@@ -132,6 +98,62 @@ def render(c: dict, prompts: int, seeds: int, steps: int) -> list[str]:
             f"            step time: {c['step_source']}",
             "            (the teacher's compute alone: loading the weights and encoding the prompts add minutes per "
             "process)"]
+
+
+def train_projection(student: dict, what: str, tokens: int, text_tokens: int, samples: int, epochs: int, gpus: int,
+                     on: flops.Gpu, checkpointing: bool, adapter_rank: int = 0,
+                     adapter_targets: tuple[str, ...] = ()) -> dict:
+    """Stage two's compute, `plan --prompts`' figure: `epochs` passes over the cache's `samples`, each one training
+    sample of the transformer `student` (its config; `what` names it) by the FLOP model at the speed of `on`, over
+    `gpus` GPUs training data-parallel (assumed to scale linearly; none: one)."""
+    f = flops.train_flops(student, tokens, text_tokens, adapter_rank=adapter_rank, adapter_targets=adapter_targets,
+                          checkpointing=checkpointing)
+    sample_s = flops.seconds(f["total"], on)
+    busy_h = samples * epochs * sample_s / 3600
+    return {"student": what, "gradient_checkpointing": checkpointing, "samples_per_epoch": samples, "epochs": epochs,
+            "flops_per_sample": f, "sample_s": sample_s, "gpu": on.name, "gpu_tflops": on.tflops,
+            "efficiency": round(flops.EFFICIENCY, 4), "gpu_hours": busy_h, "gpus": max(gpus, 1),
+            "wall_h": busy_h / max(gpus, 1), "source": flops.speed_words(on) + flops.width_note(student)}
+
+
+def stage_two(settings, teacher: dict, plan, gpus: int, on: flops.Gpu | None) -> dict:
+    """`train_projection` for `plan` (its cache's samples and tokens) and the student its `settings` (PlanSettings)
+    describe: --student-config's compact student, else a LoRA of the teacher's experts with train-student's default
+    rank and targets; `teacher`: the teacher's transformer config."""
+    samples = plan.cache["prompts"] * plan.cache["seeds_per_prompt"] * plan.cache["recorded_steps"]
+    tokens, text, on = plan.tokens_per_sample, plan.cache["max_sequence_length"], on or flops.gpu()
+    common = (text, samples, settings.train_epochs, gpus, on, settings.gradient_checkpointing)
+    if settings.student_config is None:
+        adapter, experts = LoraSettings(), sum(c["name"].startswith("transformer") for c in plan.components)
+        targets = tuple(t.strip() for t in adapter.lora_targets.split(","))
+        whose = f"{experts} experts (each sample through its own expert)" if experts > 1 else "transformer"
+        what = f"a rank-{adapter.lora_rank} LoRA of the teacher's {whose}"
+        return train_projection(teacher, what, tokens, *common, adapter.lora_rank, targets)
+    from diffusers import WanTransformer3DModel
+
+    defaults = {k: v.default for k, v in inspect.signature(WanTransformer3DModel.__init__).parameters.items()}
+    student = defaults | read_object(settings.student_config, "student config", "pass a JSON file of "
+                                     "WanTransformer3DModel arguments like configs/student-1.3b.json")
+    if bad := [k for k in TEACHER_SHAPE if not (type(student.get(k)) is int and student[k] >= 1)]:
+        raise UserError(f"student config {settings.student_config}: {', '.join(bad)} must each be a whole number >= 1 "
+                        "(the FLOP model reads them); give them as configs/student-1.3b.json does")
+    patch = lambda c: math.prod(c.get("patch_size") or (1, 2, 2))  # noqa: E731 (WanTransformer3DModel's default)
+    what = f"the compact student {settings.student_config}"
+    return train_projection(student, what, tokens * patch(teacher) // patch(student), *common)
+
+
+def render_train(t: dict) -> list[str]:
+    """`plan`'s stage-two lines (`train_projection`'s figures)."""
+    f, gpus = t["flops_per_sample"], f"{t['gpus']} GPU{'s' if t['gpus'] != 1 else ''}"
+    passes = "forward + backward" + (" + the recompute of gradient checkpointing"
+                                     if t["gradient_checkpointing"] else "")
+    return [f"stage two   {t['student']}: {t['samples_per_epoch']:,} samples x {t['epochs']} epoch(s) x "
+            f"{flop(f['total'])} FLOP ({passes}) = {t['sample_s']:.3g} s a sample = {t['gpu_hours']:,.1f} GPU-hours; "
+            f"{_duration(t['wall_h'])} wall on {gpus}",
+            f"            sample time: FLOP model (forward {flop(f['forward'])}, backward {flop(f['backward'])}"
+            + (f", recompute {flop(f['recompute'])}" if f["recompute"] else "") + f" FLOP, one sequence: no CFG) at "
+            f"{t['source']}"] + [line for c in t.get("commands", ()) for line in
+                                 [f"  {c['when']}:", *("    " + w for w in c["command"].splitlines())]]
 
 
 def _duration(hours: float) -> str:

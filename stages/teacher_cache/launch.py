@@ -108,12 +108,44 @@ def render(launch: Launch) -> list[str]:
     return lines
 
 
-def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict) -> list[str]:
-    """`wandistiller teacher-cache` with placeholders, the placement and the settings `plan` was given."""
+def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict,
+                        out: str | None = None) -> list[str]:
+    """`wandistiller teacher-cache` with placeholders (or plan's --out), the placement and the settings `plan` was
+    given."""
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]
-    words += [w for name, value in PLACEHOLDERS.items() for w in (f"--{name}", value)] + ["--placement", placement]
+    named = PLACEHOLDERS | ({"out": out} if out else {})
+    words += [w for name, value in named.items() for w in (f"--{name}", value)] + ["--placement", placement]
     for flag, value in given.items():  # a switch: value None
         words += [flag] if value is None else [flag, str(value)]
     return words
+
+
+def stage_two_words(teacher: str, revision: str | None, cache: str | None, schedule: dict, epochs: int,
+                    checkpointing: bool, student_config: str | None, experts: int, gpus: int,
+                    video: bool = False) -> list[dict]:
+    """Stage two's commands for the cache `plan` prints: a segment student of `schedule` (its train-student flags)
+    trained from CACHE_DIR (or plan's --out), a LoRA of the teacher as one run per expert (each on the node's GPUs)
+    and one export of the pair; or --student-config's compact student. A `video` cache's sample is thousands of
+    tokens: batch 1 a GPU (docs/lora.md's memory arithmetic; the dry run measures it)."""
+    base = ["wandistiller", "train-student", "--cache", cache or PLACEHOLDERS["out"]]
+    run = ["--objective", "segment", *(w for k, v in schedule.items() for w in (k, v)), "--mixed-precision", "bf16",
+           "--epochs", str(epochs)] + (["--gradient-checkpointing"] if checkpointing else []) + \
+        (["--batch-size", "1"] if video else [])
+    head = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), "--no-python"] if gpus > 1 else []
+    if student_config is not None or experts < 2:
+        kind = ["--student-config", student_config] if student_config else \
+            ["--lora-of", teacher, *(["--revision", revision] if revision else []), "--lora-rank", "16"]
+        argv = head + base + kind + run + ["--out", "RUN"]
+        return [{"when": "the student (--dry-run first: memory and time on the GPU)", "argv": argv,
+                 "command": _line(argv)},
+                {"when": "its export", "argv": (e := ["wandistiller", "export", "--student", "RUN", "--out", "EXPORT"]),
+                 "command": _line(e)}]
+    lora = ["--lora-of", teacher, *(["--revision", revision] if revision else []), "--lora-rank", "16"]
+    out = [{"when": f"expert {e}'s LoRA, one run each (--dry-run first: memory and time on the GPU)",
+            "argv": (argv := head + base + lora + ["--lora-experts", str(e)] + run + ["--out", f"RUN_{e}"]),
+            "command": _line(argv)} for e in (1, 2)]
+    pair = ["wandistiller", "export", "--student", "RUN_1", "--student", "RUN_2", "--out", "EXPORT"]
+    return out + [{"when": "one export of the pair (add --lora-format wan for ComfyUI's key names)", "argv": pair,
+                   "command": _line(pair)}]

@@ -40,7 +40,7 @@ from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardo
 
 from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
-from .part_plan import PartPlan, check_part_count, check_resume, plan_part, resolve_parts
+from .part_plan import PartPlan, check_part_count, check_resume, one_frame_note, plan_part, resolve_parts
 from .placements import Placement
 from .speed import FLAGS, TeacherSpeed
 from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
@@ -76,6 +76,8 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
     plan = plan_part(cfg, part, num_parts, torchrun)
     if plan.dropped:
         print0(f"dropped {plan.dropped} duplicate prompt(s); {len(plan.prompts)} unique")
+    if note := one_frame_note(plan.spec, cfg.frames):
+        print0(f"note: {note}")
     job = _setup(plan)
     prog = _open_part(job)
     loop_s = 0.0
@@ -158,8 +160,7 @@ def _open_part(job: _Part) -> PartProgress:
     prog = PartProgress.load(out, part)
     if prog is not None:
         check_resume(prog, cfg, out)
-    outdir.check_free(job.out, job.header, [job.prompts[i] for i in job.rows], job.blocks, prog, cfg.samples_per_shard,
-                      job.torchrun)
+    outdir.check_free(out, job.header, job.prompts, job.num_parts, cfg.batch_size, cfg.samples_per_shard)
     save_resolved(cfg, job.part_dir / F.RESOLVED_CONFIG)  # only now: a refused run leaves the cache as it was
     if prog is None:
         prog = PartProgress(part=part, num_parts=job.num_parts, fingerprint=job.fingerprint, prompts=len(job.rows),

@@ -9,19 +9,25 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from cache import format as F
 from cache.format import LOCKS_DIR
 from cache.manifest import manifest_path
-from cache.part_progress import PartProgress
+from cache.part_progress import PartProgress, list_parts
+from cache.records import CacheHeader
 from cache.safe_open import file_kind
 from cache.schema import recorded_steps
-from cache.size import embed_tokens_bound, human, latent_bytes, prompt_bytes, sample_disk_bytes, shard_bytes
+from cache.size import (
+    embed_tokens_bound, human, latent_bytes, part_blocks, prompt_bytes, sample_disk_bytes, shard_bytes,
+)
 from pipeline.errors import UserError
 from pipeline.lock import UnsafeFile, open_regular, read_head
 from pipeline.runtime import print0
+
+from .placement_choice import free_space
 
 OFFLOAD_DIR = "offload"  # --placement disk's default --offload-dir (placements/base.py)
 # What a cache directory may hold: anything else means --out is someone else's folder.
@@ -264,31 +270,72 @@ def next_shard_index(prog: PartProgress) -> int:
     return 1 + max((int(Path(s.path).stem.rsplit("-", 1)[1]) for s in prog.shards), default=-1)
 
 
-def check_free(out: Path, header: dict, texts: list[str], blocks: list[list], prog: PartProgress | None,
-               samples_per_shard: int, torchrun: bool) -> None:
-    """Print what the part will still write (embeddings at their text's bound), and refuse (UserError, one line)
-    when it exceeds the free disk."""
-    done = set(prog.done_blocks) if prog is not None else set()
-    todo = [len(b) for i, b in enumerate(blocks) if i not in done]
-    recorded, steps = len(recorded_steps(header)), int(header.steps)
-    shards = shard_bytes([n * recorded for n in todo], samples_per_shard, sample_disk_bytes(header))
-    if prog is None or not prog.encoded:
-        tokens = sum(embed_tokens_bound(t, header) for t in texts) / max(len(texts), 1)
-        store = round(len(texts) * prompt_bytes(header, tokens))
-    else:
-        store = sum(todo) * latent_bytes(header)  # the final latents still to come
-    samples = sum(todo) * recorded
-    need = shards + store
-    if need == 0:
-        return
-    sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if torchrun else 1
-    free = shutil.disk_usage(out).free
-    ranks = f" x {sharing} ranks of this node" if sharing > 1 else ""
-    print0(f"projected: {human(need)} more to write{ranks} ({samples} samples, {human(shards)} of shards + "
-           f"{human(store)} of prompt store); {human(free)} free at {out}")
-    if need * sharing <= free:
-        return
-    raise UserError(f"--out {out} has {human(free)} free, and this run would write {human(need * sharing)} more "
-                    f"({samples} samples{ranks}: {human(shards)} of shards, {human(store)} of prompt store); free "
-                    f"space, record fewer steps per trajectory with --record-steps N (now {recorded} of {steps}; each "
-                    f"step costs ~{human(shards / recorded * sharing)} here), or pass another --out")
+@dataclass(frozen=True)
+class Writes:
+    """What the cache in --out still has to write, every part of it (they all write into --out)."""
+
+    shards: int  # bytes of the shards still to come
+    store: int  # bytes of the prompt stores (a part not encoded yet: its embeddings at their text's bound)
+    samples: int
+    recorded: int  # steps each trajectory records
+    steps: int
+
+    @property
+    def total(self) -> int:
+        return self.shards + self.store
+
+    def words(self) -> str:
+        return f"{self.samples} samples, {human(self.shards)} of shards + {human(self.store)} of prompt store"
+
+
+def still_to_write(out: Path, header: CacheHeader, texts: list[str], num_parts: int, batch_size: int,
+                   samples_per_shard: int, cleared: Collection[int] = ()) -> Writes:
+    """The bytes the `num_parts` parts of the cache of `texts` still write into `out`: a part's finished blocks
+    (its progress record's) are counted as written, but for the parts in `cleared` (--overwrite's, not cleared
+    yet: a dry run's count)."""
+    recorded, per_sample, latent = len(recorded_steps(header)), sample_disk_bytes(header), latent_bytes(header)
+    records = {part: PartProgress.load(out, part) for part in list_parts(out) if part not in cleared}
+    shards = store = samples = 0
+    for part in range(num_parts):
+        rows, prog = texts[part::num_parts], records.get(part)
+        blocks = part_blocks(len(rows) * header.seeds_per_prompt, prog.batch_size if prog else batch_size)
+        done = set(prog.done_blocks) if prog is not None else set()
+        todo = [n for i, n in enumerate(blocks) if i not in done]
+        shards += shard_bytes([n * recorded for n in todo], samples_per_shard, per_sample)
+        if prog is None or not prog.encoded:
+            tokens = sum(embed_tokens_bound(t, header) for t in rows) / max(len(rows), 1)
+            store += round(len(rows) * prompt_bytes(header, tokens))
+        else:
+            store += sum(todo) * latent  # the final latents still to come
+        samples += sum(todo) * recorded
+    return Writes(shards, store, samples, recorded, int(header.steps))
+
+
+def listed_shard_bytes(out: Path, parts: list[int] | None = None) -> int:
+    """Bytes of the shards the progress records of `out` list (of `parts`, default every part): what is written."""
+    return sum(s.bytes for part in (list_parts(out) if parts is None else parts)
+               if (prog := PartProgress.load(out, part)) is not None for s in prog.shards)
+
+
+def disk_refusal(out, free: int, need: int, what: str, w: Writes) -> UserError:
+    """The one line of a cache that does not fit the free space of --out's filesystem."""
+    return UserError(f"--out {out} has {human(free)} free, and this cache would write {human(need)} more ({what}); "
+                     f"free space, record fewer steps per trajectory with --record-steps N (now {w.recorded} of "
+                     f"{w.steps}; each step costs ~{human(w.shards / max(w.recorded, 1))} here), or pass another --out")
+
+
+def check_free(out: Path, header: CacheHeader, texts: list[str], num_parts: int, batch_size: int,
+               samples_per_shard: int, *, cleared: Collection[int] = (), freed: int = 0, quiet: bool = False) -> dict:
+    """What the cache still writes into --out (all its parts: embeddings at their text's bound) beside the free
+    space of its filesystem (measured at --out, or its nearest existing parent), printed unless `quiet`; a UserError
+    (one line) when it exceeds it. `freed`: bytes --overwrite would delete first (a dry run's count)."""
+    w = still_to_write(out, header, texts, num_parts, batch_size, samples_per_shard, cleared)
+    free, where = free_space(out)
+    free += freed
+    what = f"{w.words()}" + (f"; every one of the {num_parts} parts writes into --out" if num_parts > 1 else "")
+    if w.total and not quiet:
+        print0(f"projected: {human(w.total)} more to write ({what}); {human(free)} free at {where}")
+    if w.total > free:
+        raise disk_refusal(out, free, w.total, what, w)
+    return {"bytes_to_write": w.total, "samples": w.samples, "shard_bytes": w.shards, "store_bytes": w.store,
+            "free_bytes": free, "measured_at": str(where)}

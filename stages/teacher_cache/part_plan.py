@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from cache.manifest import manifest_path
 from cache.part_progress import PartProgress, list_parts
-from cache.records import choose_recorded_steps
+from cache.records import CacheHeader, choose_recorded_steps
+from cache.size import human
 from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
-from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, teacher_folder
+from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, offline, teacher_folder
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.runtime import dist_env, print0
 
-from . import placements
-from .outdir import refuse_foreign
+from . import placements, student_grids
+from .outdir import check_free, listed_shard_bytes, refuse_foreign
+from .placements.base import default_dtype
 from .speed import TeacherSpeed, spelled
-from .teacher import TeacherSpec, configs_spec, resolve_teacher
+from .teacher import TeacherSpec, configs_spec, load_scheduler, resolve_teacher
+from .trajectory import Schedule
 
 
 @dataclass
@@ -34,6 +39,7 @@ class PartPlan:
     rows: list[int]  # this part's prompt_idx (idx % num_parts == part), in row order of its prompt store
     spec: TeacherSpec
     hub_configs: bool = False  # a dry run of a Hub id: its configs alone were fetched
+    grids: list = field(default_factory=list)  # --for-students: each student grid's boundaries (StudentGrid)
 
     @property
     def trajectories(self) -> int:
@@ -59,14 +65,16 @@ def plan_part(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool
     if not rows:
         raise UserError(f"part {part} of {num_parts} gets no prompt: the file has only {len(prompts)}; "
                         "use fewer parts")
-    hub = dry and not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher)
+    # a dry run of a Hub id fetches its configs alone, but offline checks what the run will find: nothing is fetched
+    hub = dry and not Path(cfg.teacher).expanduser().exists() and is_hub_id(cfg.teacher) and not offline()
     spec = configs_spec(teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE), cfg.teacher) \
         if hub else resolve_teacher(cfg.teacher, cfg.revision)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
     placements.get(cfg.placement).check(cfg, spec)
-    return PartPlan(cfg, part, num_parts, torchrun, prompts, dropped, rows, spec, hub)
+    cfg, grids = student_grids.resolve(cfg, spec)  # --for-students: the steps their boundaries need
+    return PartPlan(cfg, part, num_parts, torchrun, prompts, dropped, rows, spec, hub, grids)
 
 
 def check_part_count(out: Path, num_parts: int) -> None:
@@ -114,6 +122,7 @@ def _out_state(plan: PartPlan) -> str:
 def dry_run(cfg: TeacherCacheConfig) -> dict:
     """Check the command `cfg` came from and print what it would do; raises the UserError the run would raise."""
     plan = plan_part(cfg, *resolve_parts(cfg, dry=True), dry=True)
+    cfg = plan.cfg  # (with --for-students' steps)
     spec, part, num_parts = plan.spec, plan.part, plan.num_parts
     seed = cfg.seed if cfg.record_seed is None else cfg.record_seed
     steps = len(choose_recorded_steps(cfg.steps, cfg.record_steps, seed, cfg.keep_steps or ()))
@@ -127,14 +136,72 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
         "teacher": f"{cfg.teacher} ({len(spec.experts)} expert(s), latent {c}x{f}x{h}x{w}; {what})",
         "placement": cfg.placement, "out": _out_state(plan),
     }
+    summary["disk"] = _disk(plan)  # (refused here as the run refuses it)
     print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
            f"  prompts    {len(plan.prompts)} unique ({plan.dropped} duplicates dropped); part {part} of {num_parts}: "
            f"{len(plan.rows)} prompts, {plan.trajectories} trajectories in {summary['blocks']} blocks of "
            f"{cfg.batch_size}, {summary['samples']} samples ({steps} of {cfg.steps} steps recorded)\n"
            f"  teacher    {summary['teacher']}\n"
            f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
-           f"  --out      {cfg.out}: {summary['out']}")
+           f"  --out      {cfg.out}: {summary['out']}\n"
+           f"  disk       {_disk_words(summary['disk'])}")
+    if note := one_frame_note(spec, cfg.frames):
+        summary["note"] = note
+        print0(f"  note       {note}")
+    if plan.grids:
+        summary["students"] = {g.spec: {"steps": g.bounds, "timesteps": g.timesteps, "experts": g.experts,
+                                        "off_sigma": round(g.off, 6)} for g in plan.grids}
+        print0("\n".join(student_grids.render(plan.grids, cfg)))
     if options := TeacherSpeed.of(cfg).numerics(None):  # (checked against the machine when the run resolves it)
         summary["speed"] = spelled(options)
         print0(f"  speed      {summary['speed']} (what can change a target enters the cache's fingerprint)")
     return summary
+
+
+def sizing_header(cfg: TeacherCacheConfig, spec: TeacherSpec, dtype: str, prompts: int) -> CacheHeader:
+    """Stage one's header as far as the cache's bytes go (no weight file read: no identity, no prompt-set hash)."""
+    scheduler = load_scheduler(spec)
+    schedule = Schedule.build(scheduler, cfg.steps, spec.boundary_ratio, cfg.guidance, cfg.guidance_2)
+    return CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=dtype, prompts=prompts, prompt_set_sha256="",
+                               identity={})
+
+
+def _disk(plan: PartPlan) -> dict:
+    """What the cache still writes into --out beside its free space (`check_free`, the run's own check), at the dtype
+    the run would take; --overwrite counts every block of the parts it clears, and their shards as freed."""
+    cfg, out = plan.cfg, Path(plan.cfg.out)
+    uses_gpu = placements.get(cfg.placement).uses_rank_gpu()  # (a device count: CUDA not initialised)
+    dtype = cfg.dtype or default_dtype(torch.device("cuda" if uses_gpu else "cpu"))
+    header = sizing_header(cfg, plan.spec, dtype, len(plan.prompts))
+    owner = plan.torchrun and plan.part == 0 or plan.num_parts == 1
+    cleared = (range(plan.num_parts) if owner else [plan.part]) if cfg.overwrite and out.is_dir() else ()
+    return check_free(out, header, plan.prompts, plan.num_parts, cfg.batch_size, cfg.samples_per_shard,
+                      cleared=cleared, freed=listed_shard_bytes(out, list(cleared)) if cleared else 0,
+                      quiet=True) | {"dtype": dtype}
+
+
+def _disk_words(d: dict) -> str:
+    if not d["bytes_to_write"]:
+        return f"nothing more to write; {human(d['free_bytes'])} free at {d['measured_at']} (measured)"
+    return (f"{human(d['bytes_to_write'])} more to write ({d['samples']} samples at {d['dtype']}: "
+            f"{human(d['shard_bytes'])} of shards + {human(d['store_bytes'])} of prompt store); "
+            f"{human(d['free_bytes'])} free at {d['measured_at']} (measured): it fits")
+
+
+# The video settings of the released teachers the project ships a config for, by their transformer's shape.
+_VIDEO_CONFIGS = {(2, 40, 5120): "81 (or configs/wan2.2-t2v-a14b-video.toml)",
+                  (1, 30, 3072): "121 (or configs/wan2.2-ti2v-5b.toml)"}
+
+
+def one_frame_note(spec: TeacherSpec, frames: int) -> str | None:
+    """A note (not an error) for a one-frame cache of a video teacher: one whose VAE compresses time (Wan's
+    AutoencoderKLWan spells it `temperal_downsample`; every Wan 2.x VAE does), as the teacher-cache run, its dry
+    run and `plan` print it."""
+    vae = spec.configs.get("vae") or {}
+    if frames != 1 or not any(vae.get("temperal_downsample", (False, True, True))):
+        return None
+    t = spec.transformer_config
+    shape = (len(spec.experts), t.get("num_layers"), t.get("num_attention_heads", 0) * t.get("attention_head_dim", 0))
+    frames = _VIDEO_CONFIGS.get(shape, "4k+1 (81 for the released Wan models)")
+    return (f"frames 1: this cache trains an image student or LoRA of a video teacher (it samples single frames); "
+            f"pass --frames {frames} for a video one")

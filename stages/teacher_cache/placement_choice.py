@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,8 @@ class Inventory:
     disk: int = 0  # free bytes under the offload directory
     ranks_per_node: int = 1  # torchrun processes on this node (they share its RAM and disk)
     source: str = "measured"
+    assumed: tuple[str, ...] = ()  # of "gpus", "ram", "disk": the figures given (--assume-*), not measured here
+    disk_at: str = ""  # the folder whose filesystem `disk` was measured on
 
     @classmethod
     def measure(cls, offload_dir: str | os.PathLike | None = None, ranks_per_node: int = 1,
@@ -64,8 +66,9 @@ class Inventory:
         run that computes on the CPU must never do (in a process forked after CUDA started it raises)."""
         info = [torch.cuda.mem_get_info(d) for d in range(torch.cuda.device_count())] \
             if gpus and torch.cuda.is_available() else []
-        return cls(tuple(int(f) for f, _ in info), tuple(int(t) for _, t in info), _available_ram(),
-                   _free_disk(offload_dir), ranks_per_node)
+        free, where = free_space(offload_dir or ".")
+        return cls(tuple(int(f) for f, _ in info), tuple(int(t) for _, t in info), _available_ram(), free,
+                   ranks_per_node, disk_at=str(where))
 
     @classmethod
     def assume(cls, gpus: str | None, ram: str | None, disk: str | None, ranks_per_node: int = 1,
@@ -73,8 +76,9 @@ class Inventory:
         """A made-up machine for `plan`: gpus '4x24GiB' or '80GiB,40GiB' or 'none'; unset parts are measured."""
         base = measured or cls.measure(gpus=gpus is None)
         g, t = (_parse_gpus(gpus),) * 2 if gpus is not None else (base.gpus, base.gpu_total)
+        assumed = tuple(name for name, v in (("gpus", gpus), ("ram", ram), ("disk", disk)) if v)
         return cls(g, t, parse_size(ram) if ram else base.ram, parse_size(disk) if disk else base.disk,
-                   ranks_per_node, "assumed" if (gpus or ram or disk) else base.source)
+                   ranks_per_node, "assumed" if assumed else base.source, assumed, "" if disk else base.disk_at)
 
     def usable_gpu(self, i: int) -> int:
         total = self.gpu_total[i] if i < len(self.gpu_total) else self.gpus[i]
@@ -90,9 +94,15 @@ class Inventory:
         return int(self.disk * 0.95) // max(self.ranks_per_node, 1)
 
     def describe(self) -> str:
+        """Each figure with where it came from: an --assume-* figure is "assumed", the rest measured here."""
+        def how(name: str) -> str:
+            return "assumed" if name in self.assumed or self.source == "assumed" and not self.assumed else "measured"
+
         gpus = ", ".join(gib(f) for f in self.gpus) if self.gpus else "none"
         ranks = f"; {self.ranks_per_node} ranks per node" if self.ranks_per_node > 1 else ""
-        return f"GPUs free: {gpus}; RAM available {gib(self.ram)}; disk free {gib(self.disk)}{ranks} ({self.source})"
+        disk = f"measured at {self.disk_at}" if how("disk") == "measured" and self.disk_at else how("disk")
+        return (f"GPUs free: {gpus} ({how('gpus')}); RAM available {gib(self.ram)} ({how('ram')}); disk free "
+                f"{gib(self.disk)} for the offload folder ({disk}){ranks}")
 
 
 def _available_ram() -> int:
@@ -106,11 +116,13 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _free_disk(path: str | os.PathLike | None) -> int:
-    p = Path(path or ".").resolve()
-    while not p.exists() and p != p.parent:
+def free_space(path: str | os.PathLike) -> tuple[int, Path]:
+    """Free bytes of the filesystem `path` is (or will be) on, and the folder measured: `path`, or its nearest
+    existing parent (a folder not made yet lands on its parent's filesystem)."""
+    p = Path(path).expanduser().absolute()
+    while not p.is_dir() and p != p.parent:
         p = p.parent
-    return shutil.disk_usage(p).free
+    return shutil.disk_usage(p).free, p
 
 
 @dataclass(frozen=True)
@@ -230,27 +242,37 @@ class Needs:
     layer: int  # the largest layer leaf-level offloading moves at once
     activations: int  # one forward of the batch
     text_encoder: int = 0
+    batch: int = 1  # the trajectories of that forward (--batch-size)
 
     @classmethod
-    def of(cls, sizes: TeacherSizes, activations: int) -> Needs:
+    def of(cls, sizes: TeacherSizes, activations: int, batch: int = 1) -> Needs:
         ex = [sizes.components[e] for e in sizes.experts]
         enc = sizes.components.get("text_encoder")
         return cls(tuple(e.bytes for e in ex), max(e.blocks for e in ex), max(e.block_bytes for e in ex),
                    max(e.bytes - e.blocks * e.block_bytes for e in ex), max(e.layer_bytes for e in ex), activations,
-                   enc.bytes if enc else 0)
+                   enc.bytes if enc else 0, batch)
+
+    def at_batch(self, batch: int) -> Needs:
+        """The same teacher for `batch` trajectories a forward (`activation_bytes` is linear in the batch)."""
+        return replace(self, activations=-(-self.activations * batch // self.batch), batch=batch)
 
     @property
     def layer_streaming_gpu(self) -> int:
         """GPU bytes of `offload`: the layer computing, the next one prefetched and the activations."""
         return 2 * self.layer + self.activations
 
+    @property
+    def block_streaming_gpu(self) -> int:
+        """GPU bytes of `disk` on a GPU: the block computing, the next one, the rest of the expert, activations."""
+        return 2 * self.block + self.other + self.activations
+
 
 class FitsNowhere(UserError):
     """`decide` found no placement: the one line, with what it was asked to place where (for `plan`'s report)."""
 
-    def __init__(self, line: str, needs: Needs, inv: Inventory):
+    def __init__(self, line: str, needs: Needs, inv: Inventory, reasons: list[str] | None = None):
         super().__init__(f"{line}; `wandistiller plan` shows the sizes and the machines that would fit")
-        self.line, self.needs, self.inv = line, needs, inv
+        self.line, self.needs, self.inv, self.reasons = line, needs, inv, reasons or []
 
 
 def machines_that_fit(needs: Needs, ranks_per_node: int = 1) -> list[str]:
@@ -275,6 +297,7 @@ class Decision:
     placement: str  # a placement's name
     expert_order: str  # step | expert
     reasons: list[str] = field(default_factory=list)
+    batch_size: int | None = None  # a smaller batch than the one asked for, that this placement fits (plan's)
 
 
 def fits_across(weights: list[int], capacities: list[int]) -> bool:
@@ -293,8 +316,52 @@ def expert_pieces(needs: Needs, n_experts: int) -> list[int]:
     return ([needs.other] + [needs.block] * needs.blocks) * n_experts
 
 
-def decide(needs: Needs, inv: Inventory) -> Decision:
-    """Pick a placement and an expert order for `needs` on the machine `inv` (pure: no device is touched)."""
+def decide(needs: Needs, inv: Inventory, smaller_batches: bool = False) -> Decision:
+    """Pick a placement and an expert order for `needs` on the machine `inv` (pure: no device is touched).
+
+    On a GPU a smaller batch that fits it whole (`cuda`: nothing streamed) beats streaming the weights at this
+    batch, and any batch that fits beats none: with `smaller_batches` (`plan`, which prints the command) the
+    decision takes the largest such batch (`Decision.batch_size`); without (a run, whose --batch-size is the
+    user's) it keeps the batch, or refuses it, and names the one that fits."""
+    first = _attempt(needs, inv)
+    if inv.gpus and needs.batch > 1 and (isinstance(first, FitsNowhere) or not _whole(first)):
+        found = [(b, d) for b in range(needs.batch - 1, 0, -1)
+                 if isinstance(d := _attempt(needs.at_batch(b), inv), Decision)]
+        best = next(((b, d) for b, d in found if _whole(d)), None)
+        if best is None and isinstance(first, FitsNowhere) and found:
+            best = found[0]
+        if best is not None:
+            b, d = best
+            gpu = gib(min(inv.usable_gpu(i) for i in range(len(inv.gpus))))
+            said = f"batch {needs.batch} " + (f"fits no placement on this GPU ({gpu} usable)"
+                                              if isinstance(first, FitsNowhere)
+                                              else f"fits only with the weights streamed ({first.placement})")
+            if smaller_batches:
+                return Decision(d.placement, d.expert_order, [*first.reasons, f"{said}: batch {b} does on "
+                                f"{d.placement}, {d.reasons[-1]}; the command uses --batch-size {b}"], b)
+            hint = f"--batch-size {b} fits on placement {d.placement}"
+            if isinstance(first, FitsNowhere):
+                raise FitsNowhere(f"{first.line}; {hint}", needs, inv, first.reasons)
+            return replace(first, reasons=[*first.reasons, f"{hint} (nothing streamed)"])
+    if isinstance(first, FitsNowhere):
+        raise first
+    return first
+
+
+def _whole(d: Decision) -> bool:
+    """Whether the decision keeps a replica whole on each GPU (nothing streamed, every GPU computing)."""
+    return PLACEMENTS[d.placement].caps.replica_per_gpu
+
+
+def _attempt(needs: Needs, inv: Inventory) -> Decision | FitsNowhere:
+    try:
+        return _rules(needs, inv)
+    except FitsNowhere as e:
+        return e
+
+
+def _rules(needs: Needs, inv: Inventory) -> Decision:
+    """docs/placements.md's rules, in order, for this batch; the first that fits wins."""
     both, one, two = sum(needs.experts), max(needs.experts), len(needs.experts) > 1
     act, ram, why = needs.activations, inv.usable_ram, []
     if inv.gpus:
@@ -342,9 +409,12 @@ def decide(needs: Needs, inv: Inventory) -> Decision:
                        f"both {gib(both)} do not: expert-major order")
             return Decision(pick(gpu="no"), "expert", why)
         why.append(f"no GPU, and the weights ({gib(both)}) + activations do not fit in RAM ({gib(ram)} usable)")
-    if both <= inv.usable_disk:
+    # disk on a GPU computes there: two blocks, the rest of the expert and the activations
+    disk_gpu = needs.block_streaming_gpu if inv.gpus else 0
+    if both <= inv.usable_disk and (not inv.gpus or disk_gpu <= gpu):
         why.append(f"weights streamed from the offload folder ({gib(both)} of {gib(inv.usable_disk)} free disk); "
                    "RAM holds one block at a time")
         return Decision(pick(streams="disk"), "step", why)
-    raise FitsNowhere("the teacher fits nowhere on this machine: " + "; ".join(why) +
-                      f"; the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)", needs, inv)
+    tail = (f"streaming from the offload folder would need {gib(disk_gpu)} of the GPU" if inv.gpus and disk_gpu > gpu
+            else f"the offload folder would need {gib(both)} of disk ({gib(inv.usable_disk)} free)")
+    raise FitsNowhere("the teacher fits nowhere on this machine: " + "; ".join(why) + f"; {tail}", needs, inv, why)

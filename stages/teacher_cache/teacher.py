@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.errors import UserError
-from pipeline.hub import is_hub_id, teacher_folder
+from pipeline.hub import is_hub_id, offline, teacher_folder
 from pipeline.progress_bar import progress_bar
-from pipeline.teacher_files import brief, hash_json, read_component, read_index, sample_file
+from pipeline.teacher_files import brief, hash_json, missing_weights, read_component, read_index, sample_file
 
 if TYPE_CHECKING:
     from .placements import Placement
@@ -155,12 +155,12 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
                 raise FileNotFoundError
         except FileNotFoundError:
             missing.append(f"{comp}/{CONFIG_FILES[comp]}")
-    missing += [f"{c}/*.safetensors" for c in ("text_encoder", *experts)
-                if c in configs and not any((p / c).glob("*.safetensors"))]
+    missing += [f for c in ("text_encoder", *experts) if c in configs for f in missing_weights(p, c)]
     if missing:
         # Offline, a Hub id resolves to whatever the local Hub cache holds, maybe only the configs `plan` fetched
         hint = (f"; the local Hub cache holds only part of it: download the rest where the Hub is reachable (`hf "
-                f"download {name}`)" if is_hub_id(name) and not Path(name).exists() else "")
+                f"download {name}`)" + (", or unset HF_HUB_OFFLINE for the run to fetch it" if offline() else "")
+                if is_hub_id(name) and not Path(name).exists() else "")
         raise UserError(f"teacher {name!r} is not a complete Wan pipeline: missing {', '.join(missing)} in {p}{hint}")
     if len(experts) == 2 and mi.get("boundary_ratio") is None:
         raise UserError(f"teacher {name!r} has two transformers but no boundary_ratio in model_index.json")

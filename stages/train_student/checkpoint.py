@@ -161,7 +161,6 @@ def save(out: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor]
             if tensors is not None:
                 with os_errors(tmp / name):
                     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / name)
-                honour_umask(tmp / name)  # (safetensors writes 0600: colleagues could not read the checkpoint)
                 pending[name] = pool.submit(_fsync_and_digest, tmp / name)
             if name == MODEL:
                 fault_point("in_checkpoint")
@@ -181,6 +180,7 @@ def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], 
     files[STATE] = _fsync_and_digest(tmp / STATE)
     (tmp / DIGESTS).write_text(json.dumps({"format": DIGESTS_FORMAT, "files": files}, indent=1) + "\n")
     _fsync_and_digest(tmp / DIGESTS)
+    honour_umask(tmp)  # (safetensors writes 0600 whatever the umask: colleagues could not read the checkpoint)
     fsync_dir(tmp)
     fault_point("before_checkpoint_rename")
     if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged

@@ -309,8 +309,11 @@ class Trainer:
         return loss, float(grad_norm), count, terms
 
     def fit(self) -> TrainState:
-        """Train from the current state to `total` steps; a fresh run evaluates and validates first, every run last."""
+        """Train from the current state to `total` steps; a fresh run evaluates and validates first, every run last,
+        then checkpoints its last step (with checkpoints on), so that `--resume` of it finds the run finished, or,
+        given more steps, goes on from there. Resumed from that checkpoint, nothing is left but the saving."""
         st = self.state
+        ended = st.step >= self.total  # resumed from the last step's checkpoint (its student/ not yet in place)
         if st.step == 0:
             self.log_eval()
             self.validate()
@@ -326,9 +329,12 @@ class Trainer:
             raise
         bar.close()
         try:
-            self.log_eval()
-            if self.cfg.val_every:
-                self.validate()
+            if not ended:  # (as at every step boundary: evaluation, validation, then the checkpoint)
+                self.log_eval()
+                if self.cfg.val_every:
+                    self.validate()
+                if self.cfg.checkpoint_every and self.checkpointed != st.step:
+                    self.save_checkpoint()
         finally:
             self.close_logs()
         return st

@@ -58,6 +58,7 @@ class Segment(Objective):
         if float(self.settings.get("velocity_weight", 0.0)) > 0:
             self.fields = (F.T_X_T, F.T_TARGET)
         self.end_step: list[int] | None = None
+        self.grid = None  # the boundaries on the cache's schedule (pipeline.sampling.StudentGrid), once checked
 
     @classmethod
     def from_config(cls, cfg) -> Objective:
@@ -72,7 +73,7 @@ class Segment(Objective):
         return int(self.settings["student_steps"])
 
     def check(self, manifest: dict, cache: str) -> None:
-        from pipeline.sampling import chosen_boundaries, is_flow_matching, segment_boundaries
+        from pipeline.sampling import chosen_boundaries, is_flow_matching, segment_boundaries, student_grid
 
         steps = int(manifest.steps)
         sigmas, sched = manifest.sigmas, manifest.scheduler
@@ -91,8 +92,14 @@ class Segment(Objective):
             try:
                 bounds, exact = chosen_boundaries(manifest, self.settings, recorded_steps(manifest)), True
             except ValueError as e:
-                raise UserError(f"--objective segment on the cache {cache}: {e}") from None
+                raise UserError(f"--objective segment on the cache {cache}: {e}{rebuild_cost(manifest)}") from None
             self.settings["student_steps"] = len(bounds)
+            self.grid = student_grid(manifest, self.settings)
+            if self.grid.off > 1e-4:  # never a silent snap: the student trains and samples at the teacher's sigmas
+                log.warning("the %s grid falls between the teacher's steps: the student trains and samples at the "
+                            "teacher's sigmas %s, up to %.4f from the grid's %s", self.grid.spec or "chosen",
+                            ",".join(f"{v:.4g}" for v in self.grid.sigmas), self.grid.off,
+                            ",".join(f"{v:.4g}" for v in self.grid.wanted))
         else:
             bounds, exact = segment_boundaries(sched, steps, self.k, [float(v) for v in sigmas])
         if len(bounds) != self.k:
@@ -100,6 +107,7 @@ class Segment(Objective):
                             f"step schedule of the cache {cache}; choose a divisor of {steps}")
         if not chosen:
             _check_boundaries_recorded(self.k, bounds, manifest, cache, sched, [float(v) for v in sigmas])
+            self.grid = student_grid(manifest, self.settings)
         if not exact:
             log.warning("--student-steps %d does not divide the cache's %d steps: segments end at the nearest cached "
                         "steps %s, which the %d-step scheduler does not hit exactly", self.k, steps, bounds, self.k)
@@ -172,8 +180,26 @@ def _check_boundaries_recorded(k: int, bounds: list[int], manifest: dict, cache:
             + (f" --keep-steps {','.join(map(str, manifest.keep_steps))}" if manifest.keep_steps else ""))
     raise UserError(f"--student-steps {k} starts its segments at steps {','.join(map(str, bounds))} of the cache "
                     f"{cache}, which records only steps {','.join(map(str, recorded))} ({made}), not "
-                    f"{','.join(map(str, missing))}; rebuild it adding --keep-steps {','.join(map(str, bounds))} (or "
-                    f"without --record-steps), or choose --student-steps {','.join(map(str, usable))}")
+                    f"{','.join(map(str, missing))}; rebuild it with --for-students "
+                    f"{','.join([*(manifest.for_students or []), str(k)])} (or without "
+                    f"--record-steps), or choose --student-steps {','.join(map(str, usable))}{rebuild_cost(manifest)}")
+
+
+def rebuild_cost(manifest) -> str:
+    """What making the cache again costs (every teacher step runs again, recorded or not), from the FLOP model on
+    an H100 (pipeline/flops.py); '' for a cache that did not record the teacher's shape."""
+    from pipeline.flops import teacher_step_seconds
+
+    if manifest.teacher_shape is None:
+        return ""
+    (_, f, h, w), (pt, ph, pw) = manifest.latent_shape, manifest.patch_size
+    seconds, _ = teacher_step_seconds(manifest.teacher_shape, (f // pt) * (h // ph) * (w // pw),
+                                      manifest.max_sequence_length)
+    steps = manifest.prompts * manifest.seeds_per_prompt * manifest.steps
+    hours = steps * seconds / 3600
+    return (f" (a rebuild runs its {steps:,} teacher steps again: about {hours:,.1f}" if hours >= 0.1 else
+            f" (a rebuild runs its {steps:,} teacher steps again: about {hours:.2g}") + (" GPU-hours on an "
+            "H100, the FLOP model's; `wandistiller plan --gpu NAME` prices another GPU)")
 
 
 def parse_pairs(text) -> tuple[tuple[int, int], ...]:

@@ -210,4 +210,4 @@ def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inve
     """What the teacher needs at `dtype` for this run's batch, and what this machine has (GPUs only if asked)."""
     sizes = placement_choice.teacher_sizes(spec.path, dtype)
     act = placement_choice.activation_bytes(sizes, cfg)
-    return Needs.of(sizes, act), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)
+    return Needs.of(sizes, act, cfg.batch_size), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)
