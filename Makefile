@@ -211,7 +211,7 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --cache $(DEMO_VIDEO)/cache \
 		--teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout.txt --timing-runs 8
 	$(BIN)/python scripts/check_lora_export.py --export $(DEMO_VIDEO_LORA)-export --teacher $(VIDEO_TEACHER) \
-		--grid $(DEMO_VIDEO)/grid.png --prompts data/clips-heldout.txt --max-prompts 2
+		--grid $(DEMO_VIDEO)/grid.png --max-prompts 2
 	@echo
 	@echo "demo-video done:"
 	@echo "  cache      $(DEMO_VIDEO)/cache   (wandistiller cache info $(DEMO_VIDEO)/cache: 9 frames, 3 latent)"
