@@ -60,10 +60,10 @@ class Online:
     def __init__(self, teacher: str, prompts: str, student: str, device: torch.device, steps: int, size: int,
                  max_len: int, batch_size: int, seed: int = 0):
         from stages.teacher_cache.teacher import encode_prompts
-        from stages.teacher_cache.placements import Placement, default_dtype
-        from stages.teacher_cache.teacher import load_experts, load_scheduler, load_text_encoder, resolve_teacher
+        from stages.teacher_cache.placements import Placement, default_dtype, load_experts
+        from stages.teacher_cache.teacher import load_scheduler, load_text_encoder, resolve_teacher
         from stages.teacher_cache.trajectory import Schedule
-        from stages.train_student.student import build_student, load_student_config
+        from stages.students.compact import build_student, load_student_config
         from stages.train_student.train_plan import MIXED, mixed_mode
         from pipeline.prompts import read_prompt_file
 
@@ -98,6 +98,7 @@ class Online:
 
     def step(self) -> None:
         from cache import format as F
+        from pipeline.model_call import Inputs, predict
         from stages.train_student.objective_velocity import Batch, Velocity
 
         b, dev = self.batch_size, self.device
@@ -111,11 +112,8 @@ class Online:
         timestep = torch.full((b,), t, device=dev)
         with torch.no_grad():
             x_in = x_t.to(self.dtype)
-            out = self.experts[self.schedule.experts[k] - 1](
-                hidden_states=torch.cat([x_in, x_in]), timestep=torch.cat([timestep, timestep]),
-                encoder_hidden_states=torch.cat([cond, self.uncond.expand(b, -1, -1)]), return_dict=False)[0]
-            c, u = out.float().chunk(2)
-            target = u + self.schedule.guidance[k] * (c - u)
+            target = predict(self.experts[self.schedule.experts[k] - 1], Inputs(x_in, timestep, cond, self.uncond),
+                             self.schedule.guidance[k], batched=True).guided.float()
         inputs = Batch({F.T_X_T: x_t, F.T_TARGET: target}, timestep, cond.float(), torch.ones(b, device=dev))
         Velocity().loss(self.student, inputs, self.autocast)[0].mean().backward()
         torch.nn.utils.clip_grad_norm_(list(self.student.parameters()), self.max_grad_norm)

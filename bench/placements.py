@@ -67,8 +67,8 @@ def throughput_child(args: dict) -> dict:
     import torch
 
     torch.set_num_threads(args["threads"])
-    from stages.teacher_cache.placements import Placement
-    from stages.teacher_cache.teacher import load_experts, load_scheduler, resolve_teacher
+    from stages.teacher_cache.placements import Placement, load_experts
+    from stages.teacher_cache.teacher import load_scheduler, resolve_teacher
     from stages.teacher_cache.trajectory import Schedule, TrajectoryRunner
 
     spec = resolve_teacher(args["teacher"])
@@ -77,8 +77,7 @@ def throughput_child(args: dict) -> dict:
     schedule = Schedule.build(scheduler, steps, spec.boundary_ratio, 4.0, 3.0)
     dev, dtype = torch.device("cpu"), torch.float32
     p = Placement(args["placement"], dev, "float32", offload_dir=Path(args["work"]) / "offload")
-    runner = TrajectoryRunner(load_experts(spec, p, log=lambda m: None), scheduler, schedule, steps,
-                              dtype, dev, False)
+    runner = TrajectoryRunner(load_experts(spec, p, log=lambda m: None), scheduler, schedule, steps, dtype, dev)
     text_dim = spec.transformer_config["text_dim"]
     out = {}
     for bs in args["batch_sizes"]:

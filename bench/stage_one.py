@@ -30,8 +30,9 @@ from safetensors.torch import load_file
 from pipeline.config import TeacherCacheConfig
 from pipeline.tiny_teacher import write_tiny_teacher
 from stages import teacher_cache
-from stages.teacher_cache.placements import Placement
-from stages.teacher_cache.teacher import load_experts, load_scheduler, resolve_teacher
+from stages.teacher_cache.placements import Placement, load_experts
+from stages.teacher_cache.teacher import load_scheduler, resolve_teacher
+from pipeline.model_call import InputRule
 from stages.teacher_cache.trajectory import Schedule, TrajectoryRunner, initial_noise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def _compute_only(teacher: Path, cache: Path, args) -> float:
     sched = load_scheduler(spec)
     schedule = Schedule.build(sched, args.steps, spec.boundary_ratio, m.guidance, m.guidance_2)
     experts = load_experts(spec, Placement("cpu" if dev.type == "cpu" else "cuda", dev, m.dtype))
-    runner = TrajectoryRunner(experts, sched, schedule, args.steps, dtype, dev, spec.expand_timesteps)
+    runner = TrajectoryRunner(experts, sched, schedule, args.steps, dtype, dev, InputRule.of(spec))
     emb = EmbeddingCache(cache, m.num_parts, m.prompts)
     neg = load_file(cache / F.NEGATIVE)[F.NEG_EMBEDS].unsqueeze(0)
     n = m.prompts

@@ -60,7 +60,7 @@ class StepBench:
         from stages.train_student.epoch import EpochPlan, RankBatches
         from stages.train_student.index import prepare
         from stages.train_student.objective_velocity import Velocity
-        from stages.train_student.student import student_kind
+        from stages.students.student_kind import student_kind
         from stages.train_student.strategy import get_strategy
         from stages.train_student.train_plan import MIXED, TrainPlan, mixed_mode
         from pipeline.artifact import RunLayout
@@ -92,8 +92,8 @@ class StepBench:
         # The bare step's inputs: the first batches of epoch 0, collated once and moved to the device.
         sampler = RankBatches(self.plan, data.train_rows, 0, 0, 0)
         ds = D.SampleDataset(data.index, self.cfg.embedding_cache_size)
-        self.memory = [L.to_batch(collate([ds[i] for i in items]), device, self.trainer.expand_timesteps,
-                                   self.trainer.patch) for items in itertools.islice(iter(sampler), 4)]
+        self.memory = [L.to_batch(collate([ds[i] for i in items]), device, self.trainer.rule)
+                       for items in itertools.islice(iter(sampler), 4)]
         self._m = 0
 
     @property

@@ -51,6 +51,8 @@ def main(argv=None) -> list[dict]:
             5, 64, 64), 64, 1
     from diffusers import WanTransformer3DModel
 
+    from pipeline.model_call import Inputs, predict
+
     device = pick_device(args.device)
     torch.manual_seed(0)
     config = {"num_attention_heads": args.dim // HEAD_DIM, "attention_head_dim": HEAD_DIM, "ffn_dim": args.ffn,
@@ -65,7 +67,7 @@ def main(argv=None) -> list[dict]:
 
         def run():
             with torch.inference_mode():
-                model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+                predict(model, Inputs(x, t, text))
         return run
 
     sizes = {"small": args.small, "large": args.large}

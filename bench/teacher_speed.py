@@ -154,7 +154,7 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
     from diffusers import WanTransformer3DModel
 
     from bench.a14b_teacher import write_a14b_teacher
-    from pipeline.sampling import model_timestep
+    from pipeline.model_call import Inputs, predict
     from stages.teacher_cache.speed import TeacherSpeed
     from stages.teacher_cache.trajectory import Schedule, TrajectoryRunner
 
@@ -164,8 +164,8 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
     g = torch.Generator().manual_seed(0)
     lat = torch.randn(1, 16, 1, height // 8, width // 8, generator=g).to(device, dtype)
     text = (torch.randn(2, 512, 4096, generator=g) * 0.1).to(device, dtype)
-    runner = TrajectoryRunner([], None, Schedule([999.0], [1.0], [1], [4.0], True), 1, dtype, device, False)
-    t = model_timestep(torch.full((1,), 999.0, device=device), lat.shape[2:], False, (1, 2, 2))
+    runner = TrajectoryRunner([], None, Schedule([999.0], [1.0], [1], [4.0], True), 1, dtype, device)
+    t = torch.full((1,), 999.0, device=device)
     tokens = (height // 16) * (width // 16)
 
     def run(speed, dt: torch.dtype = dtype) -> tuple[float, torch.Tensor]:
@@ -180,7 +180,7 @@ def step(device: torch.device, quick: bool, work: Path, blocks: int, height: int
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                out = r.predict(model, x, t, ctx, 4.0)[0]
+                out = predict(model, Inputs(x, t, ctx[:1], ctx[1:]), 4.0, r.rule, batched=True).guided
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)

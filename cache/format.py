@@ -34,6 +34,7 @@ Z_TOKEN_START = "token_start"  # where each row's tokens begin in `embeds` (int6
 Z_SEQ_LENS = "seq_lens"
 Z_INIT_NOISE = "init_noise"
 Z_FINAL_LATENTS = "final_latents"
+Z_CONDITION = "condition"  # image-to-video: each trajectory's condition latent (schema.py TRAJECTORY_FIELDS)
 # Group of per-row checksums: `row_crc32c/embeds` is the crc32c of each row's real tokens (int64; -1: none), so that a
 # chunk or file of them that is gone (zarr reads it as zeros) is an error; every chunk also ends in its own crc32c.
 Z_ROW_CRC32C = "row_crc32c"
@@ -54,6 +55,10 @@ T_TARGET = "target"
 T_TARGET_COND = "target_cond"
 T_TARGET_UNCOND = "target_uncond"
 T_FEATURES = "features"  # the teacher's hidden states after chosen blocks, projected to feature_dim (schema.py)
+T_CONDITION = "condition"  # a batch's per-trajectory condition latent (image-to-video), from the prompt store
+# How a cache's condition latent enters the transformer (the header's `condition`; pipeline/model_call.py lays each out)
+NO_CONDITION, CONCAT, FIRST_FRAME = "none", "concat", "first_frame"
+CONDITIONS = (NO_CONDITION, CONCAT, FIRST_FRAME)
 M_PROMPT_IDX = "prompt_idx"
 M_SEED_IDX = "seed_idx"
 M_STEP = "step"

@@ -204,12 +204,13 @@ def summarize(cache_dir: str | os.PathLike, prompts: int | None = None, m: Manif
         "teacher": m.teacher, "dtype": m.dtype, **({"numerics": m.numerics} if m.numerics else {}),
         "num_parts": m.num_parts, "seeds_per_prompt": m.seeds_per_prompt,
         "timesteps": m.timesteps, "experts": m.experts, "sample_fields": list(fields),
+        **({"condition": f"{m.condition}, {m.condition_shape} per trajectory"} if m.condition_shape else {}),
         # tensor bytes of one sample, and without the recorded teacher features (what they cost)
         "tensor_bytes_per_sample": sample_bytes(m),
         "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in fields if f != T_FEATURES]),
         "recorded_steps": list(recorded_steps(m)),
         # on disk: a sample in its shard (tar and safetensors headers included), a prompt in its prompt store
-        # (embedding chunks + initial noise + final latents), and the files of neither (manifest, metadata)
+        # (embedding chunks + its trajectories' arrays), and the files of neither (manifest, metadata)
         "bytes_per_sample": own.sample_bytes, "bytes_per_prompt": round(own.prompt_bytes),
         "fixed_bytes": own.fixed_bytes, "total_bytes": own.total,
         "projected_prompts": projected.prompts, "projected_samples": projected.samples,

@@ -1,5 +1,6 @@
 """Per-part prompt store (zarr v3 arrays `parts/part-P/prompts.zarr`): prompt text, text embeddings (real tokens
-packed end to end), initial noise and final latents; rows never written read as the fill value (`seq_lens` -1).
+packed end to end) and the per-trajectory arrays schema.py declares (initial noise, final latents, an image-to-video
+condition); rows never written read as the fill value (`seq_lens` -1).
 Layout and checks: docs/architecture.md, "The cache"."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -26,13 +28,14 @@ from .atomic import WriteBehind
 from .checksum import crc32c
 from .cache_error import CacheError, UnsafeFileError
 from .format import (
-    DTYPES, EMBED_CHUNK_TOKENS, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
+    DTYPES, EMBED_CHUNK_TOKENS, NO_CONDITION, NEG_EMBEDS, NEGATIVE, PARTS_DIR, PROMPTS_ZARR, ROWS_PER_FILE, TOKENS_PER_FILE,
     Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_ROW_CRC32C, Z_SEQ_LENS, Z_TEXT,
     Z_TOKEN_START, part_dirname, prompt_location, storage_numpy_dtype, storage_to_torch,
     torch_to_storage,
 )
 from .records import _short
 from .safe_open import CAPS, open_fd, parse_json, read_bytes
+from .schema import TRAJECTORY_FIELDS, trajectory_fields
 from .zarr_private import FLAT_KEYS, chunk_file, concurrent_map, default_buffer_prototype
 
 UNWRITTEN_SEQ_LEN = -1
@@ -55,9 +58,11 @@ def store_relpath(part: int) -> str:
     return f"{PARTS_DIR}/{part_dirname(part)}/{PROMPTS_ZARR}"
 
 
-def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int, dtype_name: str,
-                        seeds: int, latent_shape: tuple[int, ...]) -> zarr.Group:
-    """Create (or truncate) the store of one part holding `n` prompts."""
+def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int, dtype_name: str, seeds: int,
+                        latent_shape: tuple[int, ...], condition: str = NO_CONDITION,
+                        condition_shape: tuple[int, ...] | None = None) -> zarr.Group:
+    """Create (or truncate) the store of one part holding `n` prompts, with the per-trajectory arrays the schema
+    declares for these settings (the header's of the same names)."""
     g = zarr.open_group(str(path), mode="w")
     packed = (ZstdCodec(level=0, checksum=False), Crc32cCodec())  # zarr's default compressor, then the crc32c
     g.create_array(Z_PROMPT_IDX, shape=(n,), dtype="int64", chunks=(max(n, 1),), fill_value=-1, compressors=packed)
@@ -75,11 +80,12 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
                          chunks=(EMBED_CHUNK_TOKENS, dim), shards=(TOKENS_PER_FILE, dim), fill_value=0,
                          compressors=Crc32cCodec(), chunk_key_encoding=FLAT_KEYS)
     emb.attrs[Z_ATTR_TORCH_DTYPE] = dtype_name
-    rows = max(1, min(n, ROWS_PER_FILE))
-    for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
-        g.create_array(name, shape=(n, seeds, *latent_shape), dtype="float32", chunks=(1, seeds, *latent_shape),
-                       shards=(rows, seeds, *latent_shape), fill_value=0.0, compressors=Crc32cCodec(),
-                       chunk_key_encoding=FLAT_KEYS)
+    rows, settings = max(1, min(n, ROWS_PER_FILE)), SimpleNamespace(
+        latent_shape=latent_shape, condition=condition, condition_shape=condition_shape)
+    for f in trajectory_fields(settings):
+        one = (seeds, *f.shape(settings))
+        g.create_array(f.name, shape=(n, *one), dtype=f.dtype, chunks=(1, *one), shards=(rows, *one), fill_value=0.0,
+                       compressors=Crc32cCodec(), chunk_key_encoding=FLAT_KEYS)
     return g
 
 
@@ -90,8 +96,7 @@ def create_prompt_store(path: str | os.PathLike, n: int, max_len: int, dim: int,
 _PACKED = ("bytes", "zstd", "crc32c")
 _SHARDED = (("sharding_indexed", ("bytes", "crc32c"), ("bytes", "crc32c")),)
 _ARRAYS = {Z_PROMPT_IDX: _PACKED, Z_SEQ_LENS: _PACKED, Z_TOKEN_START: _PACKED, EMBEDS_CRC32C: _PACKED,
-           Z_TEXT: ("vlen-utf8", "zstd", "crc32c"), Z_EMBEDS: _SHARDED, Z_INIT_NOISE: _SHARDED,
-           Z_FINAL_LATENTS: _SHARDED}
+           Z_TEXT: ("vlen-utf8", "zstd", "crc32c"), Z_EMBEDS: _SHARDED} | dict.fromkeys(TRAJECTORY_FIELDS, _SHARDED)
 _NUMBERS = ("int32", "int64", *dict.fromkeys(storage_numpy_dtype(d) for d in DTYPES))
 _GROUPS = ("", Z_ROW_CRC32C)
 _META = "zarr.json"
@@ -359,7 +364,7 @@ def _drop(g: zarr.Group, files, behind: WriteBehind | None = None) -> list[Path]
 ROW_EMBEDS_MISSING = 1  # the row, or a chunk of its real tokens, was never written (it would read as zeros)
 ROW_EMBEDS_CHECKSUM = 2  # the row's real tokens (or a chunk of them) fail their crc32c
 ROW_FINAL_CHECKSUM = 4  # the row's final latents fail their chunk's crc32c
-ROW_NOISE_CHECKSUM = 8  # the row's initial noise fails its chunk's crc32c
+ROW_NOISE_CHECKSUM = 8  # the row's initial noise (or condition) fails its chunk's crc32c
 ROW_LATENT_UNWRITTEN = 16  # a trajectory's initial noise or final latent was never written (zeros)
 ROW_UNREADABLE = 32  # the row's store or arrays do not open or read
 
@@ -416,7 +421,8 @@ class PartRows:
     embeds: zarr.Array = cached_property(lambda self: self.g[Z_EMBEDS])
     dtype_name: str = cached_property(lambda self: self.embeds.attrs[Z_ATTR_TORCH_DTYPE])
     max_len: int = cached_property(lambda self: int(self.embeds.shape[0]) // max(1, len(self.seq_lens)))
-    _latents: dict = cached_property(lambda self: {name: self.g[name] for name in (Z_INIT_NOISE, Z_FINAL_LATENTS)})
+    # the per-trajectory arrays the store holds (`store_checks.store_problem` checks them against the manifest)
+    _latents: dict = cached_property(lambda self: {n: a for n in TRAJECTORY_FIELDS if (a := self.g.get(n)) is not None})
 
     def _read(self, arr: zarr.Array, lo: int, hi: int) -> np.ndarray:
         """arr[lo:hi] (entries along the first axis), from the whole file(s) holding them where `whole_files`."""
@@ -469,8 +475,8 @@ class PartRows:
         return None
 
     def latents(self, name: str, row: int) -> np.ndarray:
-        """Every seed of the row's `name` (init_noise or final_latents), float32 [seeds, C, F, H, W], checked against
-        its chunk's crc32c (RowError); a seed never written reads as zeros (the caller decides)."""
+        """Every seed of the row's per-trajectory array `name` (schema.TRAJECTORY_FIELDS), float32 [seeds, *shape],
+        checked against its chunk's crc32c (RowError); a seed never written reads as zeros (the caller decides)."""
         bit = ROW_FINAL_CHECKSUM if name == Z_FINAL_LATENTS else ROW_NOISE_CHECKSUM
         try:
             return self._read(self._latents[name], row, row + 1)[0]
@@ -514,12 +520,12 @@ class PartRows:
         return None
 
     def problems(self, row: int, rel: str, prompt: int) -> list[str]:
-        """Everything wrong with a written row (`cache verify`): its tokens, and every trajectory's initial noise and
-        final latent read, checked and written."""
+        """Everything wrong with a written row (`cache verify`): its tokens, and every trajectory's arrays read,
+        checked and written."""
         try:
             self.trimmed(row)
             out = []
-            for name in (Z_INIT_NOISE, Z_FINAL_LATENTS):
+            for name in self._latents:
                 values = self.latents(name, row)
                 unwritten = [s for s in range(len(values)) if not values[s].any()]
                 if len(unwritten) == len(values):
@@ -548,18 +554,19 @@ def prompt_texts(cache_dir: str | os.PathLike, num_parts: int) -> dict[int, str]
     return dict(sorted(out.items()))
 
 
-def read_latents(cache_dir: str | os.PathLike, num_parts: int,
-                 trajectories: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(initial noise, final latents) of (prompt_idx, seed_idx) pairs, each [N, C, F, H, W], checked (RowError)."""
-    init, final = [], []
+def read_latents(cache_dir: str | os.PathLike, num_parts: int, trajectories: list[tuple[int, int]],
+                 names: tuple[str, ...] = (Z_INIT_NOISE, Z_FINAL_LATENTS)) -> tuple[torch.Tensor, ...]:
+    """The per-trajectory arrays `names` (default: initial noise, final latents) of (prompt_idx, seed_idx) pairs,
+    each [N, *shape], checked (RowError)."""
+    out: list[list[np.ndarray]] = [[] for _ in names]
     stores: dict[int, PartRows] = {}
     for prompt_idx, seed_idx in trajectories:
         part, row = prompt_location(prompt_idx, num_parts)
         if part not in stores:
             stores[part] = PartRows(cache_dir, part, num_parts)
-        init.append(stores[part].latent(Z_INIT_NOISE, row, seed_idx))
-        final.append(stores[part].latent(Z_FINAL_LATENTS, row, seed_idx))
-    return torch.from_numpy(np.stack(init)), torch.from_numpy(np.stack(final))
+        for values, name in zip(out, names):
+            values.append(stores[part].latent(name, row, seed_idx))
+    return tuple(torch.from_numpy(np.stack(values)) for values in out)
 
 
 def part_negative(cache_dir: str | os.PathLike, part: int, sha256: str) -> torch.Tensor:

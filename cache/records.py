@@ -52,15 +52,16 @@ RANGES = {
     "prompts": _int(1, MAX_PROMPTS), "seeds_per_prompt": _int(1, MAX_SEEDS), "steps": _int(1, MAX_STEPS),
     "recorded_steps": _list(_int(0, MAX_STEPS - 1), "step numbers"), "latent_shape": _list(_int(1), "sizes"),
     "dtype": ((lambda v: v in F.DTYPES), f"one of {', '.join(F.DTYPES)}"), "max_sequence_length": _int(1),
-    "text_dim": _int(1), "num_parts": _int(1, MAX_PARTS), "part": _int(0, MAX_PARTS - 1),
-    "crc32c": _int(0, 2**32 - 1), "batch_size": _int(1), "samples_per_shard": _int(1),
+    "text_dim": _int(1), "num_parts": _int(1, MAX_PARTS), "condition_shape": _list(_int(1), "sizes"),
+    "condition": ((lambda v: v in F.CONDITIONS), f"one of {', '.join(F.CONDITIONS)}"),
+    "part": _int(0, MAX_PARTS - 1), "crc32c": _int(0, 2**32 - 1), "batch_size": _int(1), "samples_per_shard": _int(1),
     "patch_size": _list(_int(1), "sizes"), "teacher_shape": ((lambda v: type(v) is dict and sorted(v) == sorted(
         TEACHER_SHAPE) and all(_int(1)[0](x) for x in v.values())), f"{', '.join(TEACHER_SHAPE)}, whole numbers >= 1"),
 }
 
 
 def optional(default=None):
-    """A field written only when it is not None (settings whose absence keeps older fingerprints)."""
+    """A field written only when it is not `default` (settings whose absence keeps older fingerprints)."""
     return field(default=default, metadata={"optional": True})
 
 
@@ -106,7 +107,7 @@ class Record:
         out = {}
         for name in names:
             v = getattr(self, name)
-            if v is None and self.__dataclass_fields__[name].metadata.get("optional"):
+            if (f := self.__dataclass_fields__[name]).metadata.get("optional") and v == f.default:
                 continue
             out[name] = v.to_json() if isinstance(v, Record) else [x.to_json() for x in v] \
                 if isinstance(v, list) and v and isinstance(v[0], Record) else v
@@ -219,11 +220,23 @@ class CacheHeader(Record):
     # the transformer's shape (heads, head dim, blocks, ffn) for `cache info --prompts`'s compute figure; its config's
     # hash is in `teacher_identity`, so it stays out of the fingerprint (caches made before it keep theirs)
     teacher_shape: dict | None = optional()
+    # image-to-video: how each trajectory's condition latent (the prompt store's `condition`, [*condition_shape])
+    # enters the transformer, "none" (text-to-video), "concat" or "first_frame" (pipeline/model_call.py InputRule)
+    condition: str = optional(F.NO_CONDITION)
+    condition_shape: list[int] | None = optional()
     teacher_identity: dict  # hashes of the teacher's configs and weight files (fingerprinted)
 
     # Fields that say where the teacher was found, not what it is: left out of the fingerprint (its content enters
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
     NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path", "teacher_shape")
+
+    @classmethod
+    def problem(cls, obj, where: str = "") -> str | None:
+        problem = super().problem(obj, where)
+        plain = obj.get("condition", F.NO_CONDITION) == F.NO_CONDITION if problem is None else None
+        if problem is None and plain != (obj.get("condition_shape") is None):
+            return f"{where}its fields 'condition' and 'condition_shape' disagree (a condition has a shape, none none)"
+        return problem
 
     def clip(self) -> dict:
         """A video cache's clip length, decoded and in latent frames (`cache info`, `train-student --dry-run`); {} for
@@ -259,8 +272,18 @@ class CacheHeader(Record):
             scheduler={k: v for k, v in scheduler.config.items() if not k.startswith("_")}
             | {"_class_name": type(scheduler).__name__},
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
+            **_condition(cfg, teacher),
             **_recorded(cfg), numerics=numerics, teacher_shape={k: tcfg[k] for k in TEACHER_SHAPE},
             teacher_identity=identity)
+
+
+def _condition(cfg, teacher) -> dict:
+    """Image-to-video (--images): how the teacher takes each trajectory's condition latent, and its shape."""
+    images = getattr(cfg, "images", None) or getattr(cfg, "images_from", None)
+    if not (images or teacher.image_to_video):  # (`plan` of an I2V teacher: always one)
+        return {}
+    return dict(condition=teacher.condition_for(True), condition_shape=teacher.condition_shape(cfg.height, cfg.width,
+                                                                                           cfg.frames))
 
 
 def _features(cfg, teacher, latent_shape) -> dict:

@@ -1,6 +1,6 @@
-"""The declared sample schema: every tensor and metadata field a cached sample may carry (docs/architecture.md,
-"The cache"; adding a field: "Extension points"). Every setting that turns a field on is in stage one's header, so
-in the fingerprint: a cache with a field and one without are never mixed in training."""
+"""The declared schema: every tensor and metadata field a cached sample may carry, and the prompt stores' arrays of
+one row per trajectory (docs/architecture.md, "The cache"; adding one: "Extension points"). Every setting that turns
+one on is in stage one's header, so in the fingerprint: caches with a field and without are never mixed in training."""
 
 from __future__ import annotations
 
@@ -61,6 +61,35 @@ SAMPLE_FIELDS: dict[str, SampleField] = {f.name: f for f in (
                 "expert that ran the step), times the cache's fixed projection: [blocks, tokens or 1, feature_dim]",
                 _features, when="record_features", recorded_by="teacher-cache --record-features BLOCKS"),
 )}
+
+
+@dataclass(frozen=True)
+class TrajectoryField:
+    """One per-trajectory array of a part's prompt store, [rows, seeds, *shape]: what the store creates, its checks
+    compare, the size arithmetic counts and the readers read (`prompt_store.PartRows.latents`)."""
+
+    name: str  # its zarr array
+    doc: str
+    shape: Callable[[CacheHeader], tuple[int, ...]]  # one trajectory's, from the header
+    when: Callable[[CacheHeader], bool] | None = None  # whether the header's settings make a store hold it; None: all
+    dtype: str = "float32"
+
+    def present(self, header: CacheHeader) -> bool:
+        return self.when is None or self.when(header)
+
+
+TRAJECTORY_FIELDS: dict[str, TrajectoryField] = {f.name: f for f in (
+    TrajectoryField(F.Z_INIT_NOISE, "the noise the trajectory starts from", _latent),
+    TrajectoryField(F.Z_FINAL_LATENTS, "the latent the teacher's sampler ended in", _latent),
+    TrajectoryField(F.Z_CONDITION, "the image-to-video condition latent the trajectory was sampled with",
+                    lambda m: tuple(m.condition_shape), when=lambda m: m.condition != F.NO_CONDITION),
+)}
+
+
+def trajectory_fields(header: CacheHeader) -> list[TrajectoryField]:
+    """The per-trajectory arrays the prompt stores of a cache of these settings hold."""
+    return [f for f in TRAJECTORY_FIELDS.values() if f.present(header)]
+
 
 META_FIELDS: dict[str, MetaField] = {f.name: f for f in (
     MetaField(F.M_PROMPT_IDX, "global prompt index (order of first appearance in the prompt file)", int),

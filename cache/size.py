@@ -22,7 +22,7 @@ from .cache_error import CacheError, UnsafeFileError
 from .part_progress import PartProgress
 from .records import CacheHeader, Manifest
 from .prompt_store import open_prompt_store, prompt_store_path
-from .schema import SAMPLE_FIELDS, recorded_steps, sample_fields
+from .schema import SAMPLE_FIELDS, TRAJECTORY_FIELDS, recorded_steps, sample_fields, trajectory_fields
 from .store_checks import count_problem, store_problem
 
 _CRC = 4  # bytes of the crc32c that ends every prompt-store chunk
@@ -87,22 +87,27 @@ def latent_bytes(settings: CacheHeader) -> int:
     return math.prod(settings.latent_shape) * 4
 
 
+def _trajectory_chunks(settings: CacheHeader) -> list[int]:
+    """Bytes of one prompt's chunk (every seed, its crc32c) of each per-trajectory array (schema.TRAJECTORY_FIELDS)."""
+    return [settings.seeds_per_prompt * math.prod(f.shape(settings)) * np.dtype(f.dtype).itemsize + _CRC
+            for f in trajectory_fields(settings)]
+
+
 def _latents_bytes(settings: CacheHeader, rows: int) -> int:
-    """Bytes of a part's initial noise and final latents for `rows` prompts: a chunk per prompt (every seed), each
-    ending in its crc32c, and per file of ROWS_PER_FILE rows its index."""
+    """Bytes of a part's per-trajectory arrays for `rows` prompts: a chunk per prompt, and per file of ROWS_PER_FILE
+    rows its index."""
     if rows <= 0:
         return 0
     per_file = min(rows, F.ROWS_PER_FILE)
-    chunk = settings.seeds_per_prompt * latent_bytes(settings) + _CRC
-    return 2 * (rows * chunk + math.ceil(rows / per_file) * (16 * per_file + _CRC))
+    index = math.ceil(rows / per_file) * (16 * per_file + _CRC)
+    return sum(rows * chunk + index for chunk in _trajectory_chunks(settings))
 
 
 def prompt_bytes(settings: CacheHeader, embed_tokens: float | None = None) -> float:
     """Prompt-store bytes of one prompt whose embedding has `embed_tokens` real tokens (default: the bound,
-    max_sequence_length), and its seeds' latents (the files' indexes and last chunk's padding left out)."""
+    max_sequence_length), and its trajectories' arrays (the files' indexes and last chunk's padding left out)."""
     tokens = settings.max_sequence_length if embed_tokens is None else embed_tokens
-    embed = tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS)
-    return embed + 2 * (settings.seeds_per_prompt * latent_bytes(settings) + _CRC)
+    return tokens * (_token_bytes(settings) + _CRC / F.EMBED_CHUNK_TOKENS) + sum(_trajectory_chunks(settings))
 
 
 def part_blocks(trajectories: int, batch_size: int) -> list[int]:
@@ -177,7 +182,7 @@ def measured_inputs(cache_dir: str | os.PathLike, manifest: Manifest) -> dict:
 
 
 # Prompt-store arrays that grow with the prompts (counted by `prompt_bytes`); the rest of a store is metadata.
-_PER_PROMPT_ARRAYS = (F.Z_EMBEDS, F.Z_INIT_NOISE, F.Z_FINAL_LATENTS)
+_PER_PROMPT_ARRAYS = (F.Z_EMBEDS, *TRAJECTORY_FIELDS)
 
 
 def fixed_bytes(cache_dir: Path) -> int:

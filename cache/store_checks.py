@@ -11,15 +11,15 @@ from tqdm.auto import tqdm
 
 from .cache_error import CacheError, UnsafeFileError
 from .format import (
-    MANIFEST, TOKENS_PER_FILE, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_FINAL_LATENTS, Z_INIT_NOISE, Z_PROMPT_IDX, Z_SEQ_LENS,
-    Z_TEXT, Z_TOKEN_START, part_prompts, storage_numpy_dtype,
+    MANIFEST, TOKENS_PER_FILE, Z_ATTR_TORCH_DTYPE, Z_EMBEDS, Z_PROMPT_IDX, Z_SEQ_LENS, Z_TEXT, Z_TOKEN_START,
+    part_prompts, storage_numpy_dtype,
 )
 from .prompt_store import (
     EMBEDS_CRC32C, REBUILD, PartRows, damage, open_prompt_store, prompt_store_path, store_relpath,
 )
 from .records import Manifest
 from .safe_open import open_fd
-from .schema import recorded_steps
+from .schema import recorded_steps, trajectory_fields
 
 # The fewest bytes a sample takes in its shard: its two tar members, each behind a 512-byte header.
 MIN_SAMPLE_BYTES = 1024
@@ -101,9 +101,8 @@ def store_problem(cache_dir: str | os.PathLike, manifest: Manifest) -> str | Non
         rows = len(part_prompts(part, m.prompts, m.num_parts))
         want = {Z_PROMPT_IDX: ((rows,), "int64"), Z_SEQ_LENS: ((rows,), "int32"), Z_TOKEN_START: ((rows,), "int64"),
                 EMBEDS_CRC32C: ((rows,), "int64"), Z_TEXT: ((rows,), "string"),
-                Z_EMBEDS: ((max(1, rows * m.max_sequence_length), m.text_dim), storage_numpy_dtype(dtype)),
-                Z_INIT_NOISE: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32"),
-                Z_FINAL_LATENTS: ((rows, m.seeds_per_prompt, *m.latent_shape), "float32")}
+                Z_EMBEDS: ((max(1, rows * m.max_sequence_length), m.text_dim), storage_numpy_dtype(dtype))} | {
+                f.name: ((rows, m.seeds_per_prompt, *f.shape(m)), f.dtype) for f in trajectory_fields(m)}
         where = f"prompt store {Path(cache_dir) / store_relpath(part)}"
         try:
             g = open_prompt_store(prompt_store_path(cache_dir, part))

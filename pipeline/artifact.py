@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from cache import format as F
 from cache import safe_open
 from cache.records import MAX_PROMPTS, MAX_STEPS, CacheHeader, Record, _int, _list, _short, optional
 
@@ -172,7 +173,7 @@ _STEP_LIST = _bounded(_FINITE, "finite numbers", 1, MAX_STEPS + 1)  # (a schedul
 @dataclass(frozen=True, kw_only=True)
 class LoraRecord(Record):
     """A LoRA run's lora.json (and distill.json's `lora`): the teacher it adapts and its adapters, what `sample`,
-    `eval` and `export` rebuild the student from (stages/train_student/lora_student.py writes it)."""
+    `eval` and `export` rebuild the student from (stages/students/lora.py writes it)."""
 
     teacher: str  # as given to --lora-of (an export's copy: its public name)
     revision: str | None
@@ -242,6 +243,7 @@ class DistillRecord(Record):
     negative_prompt: str
     max_sequence_length: int  # the text length of the cache's embeddings: sample with it
     expand_timesteps: bool
+    condition: str = optional(F.NO_CONDITION)  # image-to-video: how the cache's condition latent enters (model_call)
     latent_shape: list[int]
     height: int
     width: int

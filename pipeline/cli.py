@@ -114,9 +114,11 @@ def _stage_command(name: str, cls, errors: str):
 @main.command("tiny-teacher")
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Folder to write the pipeline to: new, empty, or an earlier tiny-teacher output (rebuilt whole).")
-@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "pretrained", "video-pretrained"]),
+@click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "i2v", "ti2v-i2v", "pretrained",
+                                              "video-pretrained"]),
               default="wan2.2", show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one "
-              "transformer; ti2v: expand_timesteps (all three random); pretrained: a Wan 2.2 teacher trained to draw "
+              "transformer; ti2v: expand_timesteps; i2v: image-to-video as Wan2.2-I2V-A14B (two experts, 36 input "
+              "channels); ti2v-i2v: ti2v's image mode (all five random); pretrained: a Wan 2.2 teacher trained to draw "
               "shapes captions (data/tiny-teacher-pretrained); video-pretrained: one trained to draw 9-frame 64x64 "
               "clips of a shape moving (data/tiny-video-teacher-pretrained; teacher-cache --frames 9).")
 @click.option("--seed", type=int, default=0, show_default=True,

@@ -8,15 +8,13 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .flops import DEFAULT_GPU, GPUS, gpu_name
 from .prompts import MAX_PROMPT_CHARS
 from .registries import (
-    FEATURE_POOLS, GRID_FORMS, OBJECTIVES, PLACEMENTS, STRATEGIES, TRACKERS, LoraSettings, PlacementSettings,
-    StudentSchedule, TeacherSpeedSettings, placement_entry, student_grids,
+    FEATURE_POOLS, GRID_FORMS, OBJECTIVES, PLACEMENTS, STRATEGIES, STUDENTS, TRACKERS, LoraSettings,
+    PlacementSettings, StudentSchedule, TeacherSpeedSettings, placement_entry, student_grids,
 )
 from .settings import (
     at_least, byte_size, check_settings, gpu_sizes, in_range, int_in, int_list, merged, must, non_empty, one_of,
@@ -134,8 +132,15 @@ class TeacherCacheConfig(TeacherRun):
 
     TOML_SECTION = "teacher_cache"
 
-    prompts: str = setting(help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a line).",
-                           check=non_empty, path=True)
+    prompts: str | None = setting(None, path=True, default_text="none: --images gives them",
+                                  help="Prompt file: .txt (one a line, # comments) or .jsonl ({\"prompt\": ...} a "
+                                       "line).")
+    images: str | None = setting(None, path=True, help="Image-to-video: a file of <image path><TAB><prompt> lines "
+                                 "(paths relative to it), the first frame of each prompt's trajectories, instead of "
+                                 "--prompts; for a WanImageToVideoPipeline teacher or TI2V's image mode.")
+    images_from: str | None = setting(None, path=True, help="Image-to-video without an image set: a finished "
+                                      "text-to-video CACHE's prompts, each with the first frame of its seed-0 "
+                                      "trajectory decoded (its teacher's VAE), instead of --prompts/--images.")
     out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
     seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
     negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty", check=_prompt_text)
@@ -156,6 +161,9 @@ class TeacherCacheConfig(TeacherRun):
 
     def __post_init__(self):
         check_settings(self)
+        if sum(v is not None for v in (self.prompts, self.images, self.images_from)) != 1:
+            raise ValueError("give one of --prompts FILE (text-to-video), --images FILE or --images-from CACHE "
+                             "(image-to-video)")
         _check_record_steps(self)
         if self.record_features is not None and len(set(self.record_features)) != len(self.record_features):
             raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
@@ -321,7 +329,7 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
             raise ValueError(f"mixed-precision fp16 does not go with strategy {self.strategy} (its loss scaler would "
                              "see only this rank's shard of the gradients and ranks could disagree on skipping a "
                              "step); use --mixed-precision bf16")
-        if self.revision is not None and all(getattr(self, k.teacher) is None for k in _STUDENT_KINDS):
+        if self.revision is not None and all(getattr(self, k.caps.teacher) is None for k in STUDENTS.entries()):
             raise ValueError("revision is the Hub revision of --init-from-teacher or --lora-of: give one of them too")
         if self.teacher_blocks is not None and self.init_from_teacher is None:
             raise ValueError("teacher-blocks needs --init-from-teacher (the teacher to read the blocks from)")
@@ -333,56 +341,30 @@ class TrainStudentConfig(LoraSettings, _ObjectiveSettings):
             raise ValueError("val-decode logs an image grid to the tracker: use --report-to tensorboard or wandb")
 
 
-@dataclass(frozen=True)
-class _StudentKind:
-    """A kind of student as its settings know it (its code: stages/train_student/student.py's StudentKind)."""
-
-    chosen_by: str  # the setting that chooses it
-    flag: str  # how a refusal names it
-    what: str
-    teacher: str  # the setting that names a teacher (whose Hub revision is --revision)
-    own: tuple[str, ...] = ()  # its own settings, refused with the other kind
-    refused: tuple[tuple[str, str], ...] = ()  # settings that do not go with it, and why
-    trains: Callable[[Any], bool] = lambda caps: True  # whether an objective (its declared caps) can train it
-    partial: str | None = None  # a setting that, away from its default, loads part of it (--val-every needs it whole)
-    default: Any = None  # that setting's default
-
-
-# The two kinds, each chosen by its own flag; their settings are refused rather than ignored with the other.
-_STUDENT_KINDS = (
-    _StudentKind("student_config", "--student-config", "a compact student", "init_from_teacher"),
-    _StudentKind("lora_of", "--lora-of TEACHER", "LoRA adapters on the teacher's own transformers", "lora_of",
-                 own=tuple(f.name for f in dataclasses.fields(LoraSettings)),
-                 refused=(("init_from_teacher", "the LoRA student is the teacher itself"),
-                          ("teacher_blocks", "the LoRA student keeps every teacher block"),
-                          ("segment_disc_init", "the adversarial term's discriminator trains beside a compact "
-                                                "student only")),
-                 trains=lambda caps: caps.lora, partial="lora_experts", default="all"),
-)
-
-
 def _check_student_kind(cfg: TrainStudentConfig) -> None:
-    """Exactly one student kind, with its own settings and none of another's."""
-    chosen = [k for k in _STUDENT_KINDS if getattr(cfg, k.chosen_by) is not None]
+    """Exactly one student kind (registries.STUDENTS), with its own settings and none of another's."""
+    kinds = STUDENTS.entries()
+    chosen = [k for k in kinds if getattr(cfg, k.caps.chosen_by) is not None]
     if len(chosen) != 1:
-        raise ValueError("give " + " or ".join(f"{k.flag} ({k.what})" for k in _STUDENT_KINDS) + ", "
+        raise ValueError("give " + " or ".join(f"{k.caps.flag} ({k.help})" for k in kinds) + ", "
                          + ("not both" if chosen else "one of them"))
-    kind = chosen[0]
-    for other in (k for k in _STUDENT_KINDS if k is not kind):
-        changed = [f.name for f in dataclasses.fields(cfg)
-                   if f.name in other.own and getattr(cfg, f.name) != f.default]
+    kind, caps = chosen[0], chosen[0].caps
+    for other in (k for k in kinds if k is not kind and k.settings is not None):
+        own = {f.name for f in dataclasses.fields(other.settings)}
+        changed = [f.name for f in dataclasses.fields(cfg) if f.name in own and getattr(cfg, f.name) != f.default]
         if changed:
-            raise ValueError(f"{changed[0].replace('_', '-')} applies to {other.flag.split()[0]} runs only: give "
-                             f"{other.flag} or drop it")
-    for name, why in kind.refused:
+            raise ValueError(f"{changed[0].replace('_', '-')} applies to {other.caps.flag.split()[0]} runs only: give "
+                             f"{other.caps.flag} or drop it")
+    for name, why in caps.refused:
         if getattr(cfg, name) is not None:
-            raise ValueError(f"{name.replace('_', '-')} does not go with {kind.flag.split()[0]}: {why}")
-    if cfg.objective in OBJECTIVES and not kind.trains(OBJECTIVES[cfg.objective].caps):
-        fit = [e.name for e in OBJECTIVES.entries() if kind.trains(e.caps)]
-        raise ValueError(f"--objective {cfg.objective} does not go with {kind.flag.split()[0]}; use {' or '.join(fit)}")
-    if kind.partial and getattr(cfg, kind.partial) != kind.default and cfg.val_every:
+            raise ValueError(f"{name.replace('_', '-')} does not go with {caps.flag.split()[0]}: {why}")
+    if cfg.objective in OBJECTIVES and not caps.trains(OBJECTIVES[cfg.objective].caps):
+        fit = [e.name for e in OBJECTIVES.entries() if caps.trains(e.caps)]
+        raise ValueError(f"--objective {cfg.objective} does not go with {caps.flag.split()[0]}; use {' or '.join(fit)}")
+    part = caps.partial
+    if part and getattr(cfg, part) != cfg.__dataclass_fields__[part].default and cfg.val_every:
         raise ValueError(f"val-every samples whole trajectories, which need both experts, and "
-                         f"--{kind.partial.replace('_', '-')} {getattr(cfg, kind.partial)} loads one; drop --val-every "
+                         f"--{part.replace('_', '-')} {getattr(cfg, part)} loads one; drop --val-every "
                          "(and sample or eval the run afterwards)")
 
 
@@ -428,7 +410,10 @@ class SampleConfig(_Inference):
     teacher: str | None = setting(None, help="Wan pipeline folder or Hub id.", default_text="the teacher named in "
                                                                                           "distill.json")
     revision: str | None = _revision(default_text="distill.json's, for its teacher")
-    prompts: str = setting(help="Prompt file (.txt or .jsonl); one grid row per prompt.", check=non_empty, path=True)
+    prompts: str | None = setting(None, path=True, default_text="none: --images gives them", check=non_empty,
+                                  help="Prompt file (.txt or .jsonl); one grid row per prompt.")
+    images: str | None = setting(None, path=True, check=non_empty, help="Image-to-video students: a file of <image path><TAB><prompt> "
+                                 "lines (teacher-cache --images' format), one grid row each, instead of --prompts.")
     out: str = setting(help="PNG grid to write; the settings used go to OUT.json.", check=non_empty, path=True)
     steps: int | None = setting(None, help="Denoising steps for both.", check=at_least(1),
                                 default_text=f"distill.json's, else {DEFAULT_STEPS}")
@@ -455,6 +440,11 @@ class SampleConfig(_Inference):
                                         "student at its own steps (repeatable).")
     fps: int | None = setting(None, help="Frames per second of a video run's animated WebPs and mp4s (video students "
                               "only).", check=at_least(1), default_text=str(DEFAULT_FPS))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.prompts is None) == (self.images is None):
+            raise ValueError("give one of --prompts FILE (a text-to-video student) or --images FILE (image-to-video)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ class StepFigure:
 
 STEP_TABLE = (
     StepFigure((5120, 40, 13824), "Wan2.2-T2V-A14B (one expert; Wan2.1-T2V-14B has the same shape)", 480, 832, 1,
-               0.20, "H100", "issue 35's figure, not measured by this repo; a FLOP count agrees"),
+               0.20, "H100", "a reported figure, not measured by this repo; a FLOP count agrees"),
 )
 
 

@@ -12,6 +12,7 @@ import torch
 from cache import safe_open, safe_write
 
 from .artifact import LORA_JSON, LoraRecord, tensor_mismatch
+from .model_call import forward
 from .user_error import UserError
 
 COMPONENTS = ("transformer", "transformer_2")  # expert 1 (high noise), expert 2 (low noise)
@@ -60,7 +61,7 @@ class LoraExperts(torch.nn.Module):
         """(expert, the batch rows it runs, None for all of them) for each expert with rows."""
         if self.boundary_timestep is None:
             return [(next(iter(self.experts)), None)]
-        t = timestep if timestep.ndim == 1 else timestep[:, 0]  # (per-token timesteps: the first token's)
+        t = timestep if timestep.ndim == 1 else timestep[:, -1]  # (per token: the last's; frame 0's may be at 0)
         high = t >= self.boundary_timestep
         if bool(high.all()) or not bool(high.any()):
             return [(COMPONENTS[0] if bool(high.all()) else COMPONENTS[1], None)]
@@ -89,9 +90,8 @@ class LoraExperts(torch.nn.Module):
         """Expert `comp` on the batch `rows` (None: all of them)."""
         hidden_states, timestep, encoder_hidden_states, attention_kwargs = inputs
         pick = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))  # noqa: E731
-        return self.experts[comp](hidden_states=pick(hidden_states), timestep=pick(timestep),
-                                  encoder_hidden_states=pick(encoder_hidden_states),
-                                  attention_kwargs=attention_kwargs, return_dict=False)[0]
+        return forward(self.experts[comp], pick(hidden_states), pick(timestep), pick(encoder_hidden_states),
+                       attention_kwargs=attention_kwargs)
 
     @staticmethod
     def _merge(groups: list, outs: list[torch.Tensor], n: int) -> torch.Tensor:

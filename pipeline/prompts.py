@@ -38,34 +38,40 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
         raise UserError(f"prompt file {p} is {_TABLES[suffix]} ({suffix}), which would be read as one prompt a line "
                         "(its header too); write the prompts to a .txt file, one a line, or a .jsonl file of "
                         '{"prompt": "..."} lines')
-    try:  # a FIFO or a folder is refused, never waited on
-        fd = safe_open.open_named(p, "prompt file", _FIX)
-    except FileNotFoundError:
-        raise UserError(f"prompt file {p} does not exist; {_FIX}") from None
-    except UnsafeFileError as e:
-        raise UserError(str(e)) from None
-    except OSError as e:
-        raise UserError(f"prompt file {p} cannot be read ({e.strerror or e}); {_FIX}") from e
     jsonl = suffix == ".jsonl"
     prompts: list[str] = []
-    with os.fdopen(fd, "rb") as f:
-        if (size := os.fstat(fd).st_size) > CAPS["prompts"]:
-            raise UserError(f"prompt file {p} is {size:,} bytes, more than the {CAPS['prompts']:,} a prompt file may "
-                            "hold; split the prompts over several files, or check that it is the prompt file")
-        for n, text in _lines(p, f):
-            s = text.strip()
-            if not s or (not jsonl and s.startswith("#")):
-                continue
-            if jsonl:
-                s = _json_prompt(p, n, s)
-            _check_prompt(p, n, s)
-            prompts.append(s)
+    for n, text in file_lines(p):
+        s = text.strip()
+        if not s or (not jsonl and s.startswith("#")):
+            continue
+        if jsonl:
+            s = _json_prompt(p, n, s)
+        check_prompt(p, n, s)
+        prompts.append(s)
     if not prompts:
         raise UserError(f"prompt file {p} holds no prompts (only blank or comment lines); add one prompt per line")
     return prompts
 
 
-def _lines(p: Path, f):
+def file_lines(p: Path, what: str = "prompt file", fix: str = _FIX):
+    """(line number, line) of the file a user named, a prompt file or another of one entry a line (`what`): opened
+    through safe_open (a FIFO or a folder is refused, never waited on), capped (CAPS["prompts"]), read by `_lines`."""
+    try:
+        fd = safe_open.open_named(p, what, fix)
+    except FileNotFoundError:
+        raise UserError(f"{what} {p} does not exist; {fix}") from None
+    except UnsafeFileError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"{what} {p} cannot be read ({e.strerror or e}); {fix}") from e
+    with os.fdopen(fd, "rb") as f:
+        if (size := os.fstat(fd).st_size) > CAPS["prompts"]:
+            raise UserError(f"{what} {p} is {size:,} bytes, more than the {CAPS['prompts']:,} a {what} may hold; "
+                            f"split the prompts over several files, or check that it is the {what}")
+        yield from _lines(p, f, what)
+
+
+def _lines(p: Path, f, what: str):
     """(line number, decoded line without its ending) of `f`, a line at a time (one past MAX_LINE_BYTES is refused
     unread; a UTF-8 byte-order mark before line 1 is dropped). A line ends at `\\n` alone, as an editor numbers
     them: `str.splitlines` would also split at a form feed."""
@@ -75,7 +81,7 @@ def _lines(p: Path, f):
         if not raw:
             return
         if len(raw) > MAX_LINE_BYTES:
-            raise UserError(f"prompt file {p} line {n} is longer than {MAX_LINE_BYTES:,} bytes (a prompt holds at most "
+            raise UserError(f"{what} {p} line {n} is longer than {MAX_LINE_BYTES:,} bytes (a prompt holds at most "
                             f"{MAX_PROMPT_CHARS:,} characters); shorten that line, or check that the file is one "
                             "prompt a line")
         body = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
@@ -83,7 +89,7 @@ def _lines(p: Path, f):
         try:
             text = body[bom:].decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {p} is not UTF-8 (line {n}, byte {offset + bom + e.start}); re-save it as "
+            raise UserError(f"{what} {p} is not UTF-8 (line {n}, byte {offset + bom + e.start}); re-save it as "
                             "UTF-8") from e
         offset += len(raw)
         yield n, text
@@ -102,19 +108,19 @@ def _json_prompt(p: Path, n: int, line: str) -> str:
     return obj["prompt"].strip()
 
 
-def _check_prompt(p: Path, n: int, s: str) -> None:
+def check_prompt(p: Path, n: int, s: str, what: str = "prompt file") -> None:
     """A prompt is text of at most MAX_PROMPT_CHARS characters, without control characters (_CONTROL)."""
     if len(s) > MAX_PROMPT_CHARS:
-        raise UserError(f"prompt file {p} line {n}: the prompt is {len(s):,} characters long, more than the "
+        raise UserError(f"{what} {p} line {n}: the prompt is {len(s):,} characters long, more than the "
                         f"{MAX_PROMPT_CHARS:,} a prompt may hold; shorten it (the text encoder reads at most "
                         "--max-sequence-length tokens of it anyway)")
     bad = _CONTROL.search(s)
     if bad is not None:
         ch = bad.group()
-        what = _CONTROL_NAMES.get(ch, "a control character")
+        name = _CONTROL_NAMES.get(ch, "a control character")
         fix = ("save the file with \\n (or \\r\\n) line endings: a lone carriage return ends no line"
                if ch == "\r" else "remove it: a prompt is text")
-        raise UserError(f"prompt file {p} line {n} holds the control character U+{ord(ch):04X} ({what}); {fix}")
+        raise UserError(f"{what} {p} line {n} holds the control character U+{ord(ch):04X} ({name}); {fix}")
 
 
 def dedupe(prompts: list[str]) -> tuple[list[str], int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .settings import at_least, int_in, int_list, non_empty, one_of, positive, setting
@@ -224,7 +225,24 @@ class TeacherSpeedSettings:
                               help=f"Refused for stage one, every value but none: {STEP_CACHE_WHY}.")
 
 
-# -- LoRA students (stages/train_student/lora_student.py, docs/lora.md) ----------------------------------------------
+# -- student kinds (stages/students/; the LoRA student: docs/lora.md) ------------------------------------------------
+
+@dataclass(frozen=True)
+class StudentCaps:
+    """A student kind as the settings know it: config.py's checks read these, never its name."""
+
+    chosen_by: str  # the setting that chooses it
+    flag: str  # how a refusal names it
+    teacher: str  # the setting that names a teacher (whose Hub revision is --revision)
+    refused: tuple[tuple[str, str], ...] = ()  # settings that do not go with it, and why
+    trains: Callable[[ObjectiveCaps], bool] = lambda caps: True  # whether an objective (its caps) can train it
+    partial: str | None = None  # a setting that, away from its default, loads part of it (--val-every needs it whole)
+
+
+# The kinds, each chosen by its own flag; their own settings (the entry's) are refused with another kind.
+STUDENTS = Registry("student kind")
+STUDENTS.declare("compact", "a compact student", impl="stages.students.compact:CompactStudent",
+                 caps=StudentCaps("student_config", "--student-config", "init_from_teacher"))
 
 # Every block's attention (self and cross) and FFN projections (diffusers' names): what Wan's few-step LoRAs train.
 LORA_TARGETS = "to_q,to_k,to_v,to_out.0,ffn.net.0.proj,ffn.net.2"
@@ -249,6 +267,16 @@ class LoraSettings:
                                 help="--lora-of on a two-expert teacher: train both experts' adapters (all), or only "
                                      "expert 1 (transformer, high noise) or 2 (transformer_2, low noise) on its own "
                                      "samples, with only that expert in memory.")
+
+
+STUDENTS.declare("lora", "LoRA adapters on the teacher's own transformers", LoraSettings,
+                 caps=StudentCaps("lora_of", "--lora-of TEACHER", "lora_of",
+                                  refused=(("init_from_teacher", "the LoRA student is the teacher itself"),
+                                           ("teacher_blocks", "the LoRA student keeps every teacher block"),
+                                           ("segment_disc_init", "the adversarial term's discriminator trains beside "
+                                                                 "a compact student only")),
+                                  trains=lambda caps: caps.lora, partial="lora_experts"),
+                 impl="stages.students.lora:LoraStudent")
 
 
 # -- objectives (stages/train_student/objective_*.py) ------------------------------------------------------------

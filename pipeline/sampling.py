@@ -1,6 +1,5 @@
 """The one teacher-free sampler of a trained student (`sample`, `eval`, `export` and stage two's validation all use
-it), the schedule it samples with, and the timestep input of a Wan transformer that every stage must build alike:
-docs/architecture.md, "Sampling a student"."""
+it) and the schedule it samples with: docs/architecture.md, "Sampling a student"."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 from cache.records import Manifest
 
 from .artifact import DistillRecord
+from .model_call import PLAIN, InputRule, Inputs, predict
 from .registries import CHOSEN, grid_spec
 
 UNIPC = "UniPCMultistepScheduler"
@@ -230,43 +230,27 @@ def student_steps(source) -> int:
     return record.sampling_steps if isinstance(record, DistillRecord) else record.steps
 
 
-def model_timestep(t: torch.Tensor, latent_fhw: tuple[int, int, int], expand: bool,
-                   patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
-    """Timestep input for per-sample timesteps `t` [B]: `t`, or with `expand` (TI2V) one per token, as WanPipeline."""
-    if not expand:
-        return t
-    f, h, w = (int(v) for v in latent_fhw)
-    tokens = f * len(range(0, h, int(patch[1]))) * len(range(0, w, int(patch[2])))
-    return t[:, None].expand(-1, tokens)
-
-
 @torch.no_grad()
 def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embeds: torch.Tensor, steps: int,
-                   guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *,
-                   expand_timesteps: bool = False, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+                   guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *, rule: InputRule = PLAIN,
+                   condition: torch.Tensor | None = None) -> torch.Tensor:
     """Final latents [B, C, F, H, W] (float32) of `steps` denoising steps of `transformer` from `init_noise`, op for op
-    as WanPipeline; `negative_embeds` [B or 1, L, D] is needed when `guidance` > 1 (CFG, two forwards per step)."""
+    as WanPipeline (WanImageToVideoPipeline with a `condition` latent); `negative_embeds` [B or 1, L, D] is needed when
+    `guidance` > 1 (CFG, two forwards per step)."""
     device = next(transformer.parameters()).device
     dtype = transformer.dtype
-    cfg = guidance > 1.0
-    if cfg and negative_embeds is None:
-        raise ValueError("guidance > 1 needs negative_embeds (classifier-free guidance)")
     embeds = prompt_embeds.to(device).to(dtype)
-    neg = negative_embeds.to(device).to(dtype).expand(embeds.shape[0], -1, -1) if cfg else None
+    neg = negative_embeds.to(device).to(dtype) if guidance > 1.0 and negative_embeds is not None else None
+    cond = None if condition is None else condition.to(device=device, dtype=torch.float32)
     scheduler.set_timesteps(steps, device=device)
     scheduler.set_begin_index(0)
     latents = init_noise.to(device=device, dtype=torch.float32)
     for t in scheduler.timesteps:
-        x = latents.to(dtype)
-        timestep = model_timestep(t.expand(latents.shape[0]), latents.shape[2:], expand_timesteps, patch)
-        pred = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds, attention_kwargs=None,
-                           return_dict=False)[0]
-        if cfg:
-            uncond = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=neg, attention_kwargs=None,
-                                 return_dict=False)[0]
-            pred = uncond + guidance * (pred - uncond)
+        inputs = Inputs(latents.to(dtype), t.expand(latents.shape[0]), embeds, neg,
+                        None if cond is None else cond.to(dtype))
+        pred = predict(transformer, inputs, guidance, rule, attention_kwargs=None).guided
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-    return latents
+    return rule.finish(latents, cond)
 
 
 @torch.no_grad()

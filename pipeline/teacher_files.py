@@ -16,6 +16,9 @@ from cache import safe_open
 
 from .user_error import UserError
 
+T2V_PIPELINE, I2V_PIPELINE = "WanPipeline", "WanImageToVideoPipeline"  # the diffusers classes of a Wan teacher
+PIPELINES = (T2V_PIPELINE, I2V_PIPELINE)
+
 SAMPLE_BYTES = 1 << 16  # bytes read at each end of a weight file for its identity
 FIX = "rerun with a complete teacher folder (or download the teacher again)"
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # weights only unpickling reads: unpickling can run code

@@ -11,7 +11,8 @@ import torch
 
 from .errors import UserError
 
-VARIANTS = ("wan2.2", "wan2.1", "ti2v")
+VARIANTS = ("wan2.2", "wan2.1", "ti2v")  # WanPipeline folders (text-to-video)
+I2V_VARIANTS = ("i2v", "ti2v-i2v")  # WanImageToVideoPipeline folders (image-to-video)
 # Tiny Wan 2.2 teachers whose weights are trained and committed, not built: `write_tiny_teacher(out, variant)` copies
 # them. PRETRAINED draws the shapes of pipeline/shapes.py (scripts/train_tiny_teacher.py, docs/tiny-teacher.md);
 # VIDEO_PRETRAINED 9-frame clips of a shape moving (pipeline/clips.py; scripts/train_tiny_video_teacher.py,
@@ -52,12 +53,16 @@ class TinySpec:
     vae_spatial: int
     flow_shift: float
     boundary_ratio: float | None
+    image: bool = False  # a WanImageToVideoPipeline: without expand_timesteps, mask + image latent on the channels
 
 
 SPECS = {
     "wan2.2": TinySpec(True, False, 16, 8, 3.0, 0.875),  # Wan2.2-T2V-A14B: two experts, switch at boundary_ratio * 1000
     "wan2.1": TinySpec(False, False, 16, 8, 3.0, None),  # Wan2.1-T2V: one transformer
     "ti2v": TinySpec(False, True, 48, 16, 5.0, None),  # Wan2.2-TI2V-5B: per-token timesteps, 48-channel VAE, 16x
+    # Wan2.2-I2V-A14B: two experts taking 16 noisy + 4 mask + 16 image-latent channels; no CLIP image encoder
+    "i2v": TinySpec(True, False, 16, 8, 5.0, 0.9, image=True),
+    "ti2v-i2v": TinySpec(False, True, 48, 16, 5.0, None, image=True),  # TI2V-5B's image mode: ti2v's weights
 }
 
 TEXT_DIM = 32
@@ -110,18 +115,22 @@ def _vae(spec: TinySpec):
 def _transformer(spec: TinySpec):
     from diffusers import WanTransformer3DModel
 
+    # Wan2.x-I2V's input: the noisy latent, then the mask's 4 channels (the VAE's temporal factor) and the image latent
+    extra = 4 + spec.z_dim if spec.image and not spec.expand_timesteps else 0
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=spec.z_dim,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=spec.z_dim + extra,
         out_channels=spec.z_dim, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 
 
 def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
-    """Build the tiny `WanPipeline` of `variant` with weights drawn from `seed` (CPU, float32)."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
+    """Build the tiny `WanPipeline` (an I2V_VARIANTS one: `WanImageToVideoPipeline`, no image encoder, as Wan2.2
+    ships) of `variant` with weights drawn from `seed` (CPU, float32)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
 
     if variant not in SPECS:
-        raise ValueError(f"unknown tiny-teacher variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown tiny-teacher variant {variant!r}; choose one of "
+                         f"{', '.join(VARIANTS + I2V_VARIANTS)}")
     spec = SPECS[variant]
     def seeded(k: int, make):  # each component draws from its own seeded stream: adding one changes no other
         torch.manual_seed(seed + k)
@@ -134,9 +143,9 @@ def build_tiny_pipeline(variant: str = "wan2.2", seed: int = 0):
     transformer_2 = seeded(4, lambda: _transformer(spec)).eval() if spec.two_experts else None
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=spec.flow_shift)
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=transformer_2,
-                       boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.expand_timesteps)
+    return (WanImageToVideoPipeline if spec.image else WanPipeline)(  # (I2V: image_encoder, image_processor None)
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer,
+        transformer_2=transformer_2, boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.expand_timesteps)
 
 
 def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) -> Path:

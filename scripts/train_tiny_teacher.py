@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline import shapes  # noqa: E402
+from pipeline.model_call import Inputs, predict  # noqa: E402
 from pipeline.prompts import read_prompt_file  # noqa: E402
 from pipeline.tiny_teacher import build_tiny_pipeline  # noqa: E402
 
@@ -202,7 +203,7 @@ class FlowMatching:
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        pred = self.model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=e, return_dict=False)[0]
+        pred = predict(self.model, Inputs(xt, sigma * 1000, e)).guided
         loss = (pred - (noise - x0)).pow(2).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

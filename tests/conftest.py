@@ -104,7 +104,7 @@ def make_cache(teacher: Path, prompts: Path, out: Path, **overrides):
     from pipeline.config import TeacherCacheConfig
     from stages import teacher_cache
 
-    args = dict(TINY_CACHE_ARGS, teacher=str(teacher), prompts=str(prompts), out=str(out), placement="cpu")
+    args = dict(TINY_CACHE_ARGS, teacher=str(teacher), prompts=prompts and str(prompts), out=str(out), placement="cpu")
     args.update(overrides)
     teacher_cache.run(TeacherCacheConfig(**args))
     return out

@@ -4,8 +4,9 @@ tests/test_design.py holds each to its bound.
 - lines: `wc -l` of pipeline/ cache/ stages/ (*.py)
 - record lookups: subscripts and `.get(...)` keyed by a record's field name, on something named as a record
   (manifest, header, distill, progress, ...), outside the modules that define the records
-- name comparisons: a registry entry's name (a placement, objective or strategy) compared with `==`, `!=` or `in`
-  to something that holds a chosen component, or a table keyed by entries' names, outside pipeline/registries.py
+- name comparisons: a registry entry's name (a placement, objective, strategy or student kind) compared with `==`,
+  `!=` or `in` to something that holds a chosen component, or a table keyed by entries' names, outside
+  pipeline/registries.py
 - student-kind branches: an `if` (or conditional expression) that asks whether the student is a LoRA one, outside
   the student-kind modules
 - repeated file names: basenames (other than `__init__.py`) used more than once
@@ -25,7 +26,8 @@ PACKAGES = ("pipeline", "cache", "stages")
 RECORD_MODULES = {"cache/format.py", "cache/records.py", "cache/part_progress.py", "cache/schema.py",
                   "pipeline/artifact.py"}
 # The student-kind modules: the only ones that know compact from LoRA.
-STUDENT_KIND_MODULES = {"stages/train_student/student.py", "stages/train_student/lora_student.py",
+# (stages/students/: the kinds; pipeline/lora_experts.py: the LoRA student as one model; export_lora.py: its export)
+STUDENT_KIND_MODULES = {"stages/students/student_kind.py", "stages/students/compact.py", "stages/students/lora.py",
                         "pipeline/lora_experts.py", "stages/sample/export_lora.py"}
 REGISTRY_MODULE = "pipeline/registries.py"
 COMPONENT_WORDS = ("placement", "objective", "strategy", "name", "kind")
@@ -84,8 +86,8 @@ def _entry_names() -> set[str]:
     sys.path.insert(0, str(ROOT))
     from pipeline import registries
 
-    return {e.name for r in (registries.PLACEMENTS, registries.OBJECTIVES, registries.STRATEGIES)
-            for e in r.entries()}
+    return {e.name for r in (registries.PLACEMENTS, registries.OBJECTIVES, registries.STRATEGIES,
+                              registries.STUDENTS) for e in r.entries()}
 
 
 def _strings(node: ast.AST) -> set[str]:

@@ -15,7 +15,7 @@ from pipeline.errors import UserError
 from stages.train_student.adversarial import AdversarialTerm, build
 from stages.train_student.checkpoint import HEADS
 from stages.train_student.objective_base import Batch
-from stages.train_student.student import build_student, load_student_config
+from stages.students.compact import build_student, load_student_config
 from test_train_student import TINY, assert_same_students, max_rel_diff, metrics, train, weights
 
 ADV = dict(objective="segment", student_steps=1, segment_adversarial_weight=0.5, segment_disc_warmup=1)

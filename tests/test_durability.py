@@ -171,7 +171,7 @@ def test_prompt_store_is_fsynced_before_progress_records_it(tiny_teacher, prompt
 # --- the artifacts: a SIGKILL while each is published ----------------------------------------------------------
 
 def _student_folder(path: Path, seed: int) -> Path:
-    from stages.train_student.student import build_student, load_student_config
+    from stages.students.compact import build_student, load_student_config
 
     build_student(load_student_config(str(TINY)), str(TINY), seed).save_pretrained(path, safe_serialization=True)
     return path
@@ -228,7 +228,7 @@ def test_a_killed_student_save_leaves_no_half_folder(tmp_path, monkeypatch):
     run_mod = importlib.import_module("stages.train_student.train")  # (the package's `run` is the function)
     dest = _student_folder(tmp_path / "student", 0)
     old = tree(dest)
-    from stages.train_student.student import build_student, load_student_config
+    from stages.students.compact import build_student, load_student_config
 
     model = build_student(load_student_config(str(TINY)), str(TINY), 1)
 

@@ -170,7 +170,7 @@ def test_a_10_mb_negative_prompt_is_refused_as_a_prompt_line_is(tiny_teacher, pr
 def test_host_memory_running_out_is_said_as_the_hosts(tiny_teacher, prompts_file, tmp_path, monkeypatch):
     from pipeline import prompts
 
-    def exhausted(p, f):
+    def exhausted(*_):
         raise MemoryError()  # as reading a foreign file larger than the memory left would end
 
     monkeypatch.setattr(prompts, "_lines", exhausted)

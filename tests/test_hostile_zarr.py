@@ -58,7 +58,7 @@ def unsafe(monkeypatch):
 
 @pytest.fixture(scope="module")
 def student(tmp_path_factory) -> Path:
-    from stages.train_student.student import build_student, load_student_config
+    from stages.students.compact import build_student, load_student_config
 
     tiny = str(ROOT / "configs" / "student-tiny.json")
     out = tmp_path_factory.mktemp("student") / "student"

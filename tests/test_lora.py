@@ -16,7 +16,8 @@ from cache.manifest import load_manifest
 from conftest import read_all_samples
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
-from stages.train_student import checkpoint, lora_student
+from stages.students import lora as lora_student
+from stages.train_student import checkpoint
 from stages.train_student.strategy import state_sha
 from test_train_student import invoke, metrics, train
 

@@ -21,8 +21,8 @@ def test_a_missing_required_setting_is_named_in_words(tmp_path):
     r = invoke(["teacher-cache", "--teacher", tmp_path, "--out", tmp_path / "cache"])
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
-    assert lines == ["error: --prompts is required (Prompt file: .txt (one a line, # comments) or .jsonl "
-                     "({\"prompt\": ...} a line)); give it on the command line or as prompts in a --config TOML file"]
+    assert lines == ["error: give one of --prompts FILE (text-to-video), --images FILE or --images-from CACHE "
+                     "(image-to-video)"]
     r = invoke(["train-student", "--out", tmp_path / "run"])
     assert r.exit_code == 2 and "error: --cache is required" in r.output
     assert "__init__" not in r.output and "keyword" not in r.output
@@ -38,7 +38,7 @@ def test_a_required_setting_in_the_config_file_is_enough(tmp_path):
     assert r.exit_code == 2 and "is required" not in r.output and "none.txt" in r.output
 
 
-@pytest.mark.parametrize("command, flags", [("teacher-cache", ["--teacher", "--prompts", "--out"]),
+@pytest.mark.parametrize("command, flags", [("teacher-cache", ["--teacher", "--out"]),  # (--prompts or --images)
                                             ("train-student", ["--cache", "--out"]),
                                             ("export", ["--student", "--out"])])
 def test_help_marks_the_required_settings(command, flags):

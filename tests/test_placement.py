@@ -21,8 +21,9 @@ from conftest import ROOT, TINY_CACHE_ARGS, make_cache, read_all_samples
 from pipeline.cli import main
 from pipeline.errors import UserError
 from stages.teacher_cache import blocks, group_offload, placements
+from stages.teacher_cache.placements import ExpertSet
 from stages.teacher_cache.placements.device_map import check_device_map, parse_max_memory, read_device_map
-from stages.teacher_cache.teacher import ExpertSet, resolve_teacher
+from stages.teacher_cache.teacher import resolve_teacher
 
 # Every module of the tiny teacher's transformer, split between RAM and the offload folder.
 MIXED_MAP = {"rope": "cpu", "patch_embedding": "disk", "condition_embedder": "cpu", "blocks.0": "disk",

@@ -295,3 +295,53 @@ def test_a_setting_recipe(tiny_cache, tmp_path):
     assert torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"][0]["eps"] == 0.001  # honoured
     refusal = run_cli(repo, "train-student", *args, "--max-steps", 3, "--resume", "--toy-adam-eps", 0.01, code=2)
     assert "--toy-adam-eps 0.001 then, 0.01 now" in refusal  # in the resume identity
+
+
+# The condition recipe (docs/architecture.md, "A condition"): a toy image-to-video condition, TI2V's image as the
+# clip's last latent frame instead of its first: its name, its layout, the teachers that take it, how its latent is
+# made. Stage one stores it, the loader, the student's loss and validation pass it on through Inputs.condition.
+CONDITION = [
+    ("cache/format.py", "CONDITIONS = (NO_CONDITION, CONCAT, FIRST_FRAME)\n",
+     'CONDITIONS = (*CONDITIONS, "last_frame")  # toy\n'),
+    ("pipeline/model_call.py",
+     "LAYOUTS = {NONE: Layout(), CONCAT: Layout(channels=True), FIRST_FRAME: Layout(frames=slice(0, 1))}\n",
+     'LAYOUTS["last_frame"] = Layout(frames=slice(-1, None))  # toy\n'),
+    ("stages/teacher_cache/teacher.py", "        if not images:\n            return NONE\n",
+     '        if self.expand_timesteps:\n            return "last_frame"  # toy: TI2V\'s image, last\n'),
+    ("pipeline/image_condition.py", "    if rule.condition == FIRST_FRAME:\n        return latent\n",
+     '    if rule.condition == "last_frame":\n        return latent  # toy: the image alone, as first_frame\'s\n'),
+]
+
+
+def test_a_condition_recipe(tiny_teacher_factory, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    repo = _applied(tmp_path, CONDITION)
+    cli = _cli_in(repo)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        lines.append(f"{i}.png\ttoy prompt {i}")
+    (tmp_path / "images.tsv").write_text("\n".join(lines) + "\n")
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    cli("teacher-cache", "--teacher", tiny_teacher_factory("ti2v"), "--images", tmp_path / "images.tsv", "--out",
+        cache, "--placement", "cpu", "--height", 64, "--width", 64, "--frames", 9, "--steps", 4,
+        "--max-sequence-length", 16)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["condition"] == "last_frame" and manifest["condition_shape"] == [48, 1, 4, 4]
+    cli("cache", "verify", cache)
+    import zarr
+
+    store = zarr.open_group(str(cache / "parts" / "part-00000" / "prompts.zarr"), mode="r")
+    final, condition = store["final_latents"][:], store["condition"][:]
+    np.testing.assert_array_equal(final[:, :, :, -1:], condition)  # the last frame re-imposed, as the layout says
+    assert not np.array_equal(final[:, :, :, :1], condition)
+    teacher = json.loads((tiny_teacher_factory("ti2v") / "transformer" / "config.json").read_text())
+    student = {k: v for k, v in teacher.items() if not k.startswith("_")} | {"num_layers": 1}
+    (tmp_path / "student.json").write_text(json.dumps(student))
+    cli("train-student", "--cache", cache, "--student-config", tmp_path / "student.json", "--out", run, "--max-steps", 2, "--batch-size", 4, "--num-workers", 0, "--warmup-steps", 0, "--checkpoint-every", 0,
+        "--log-every", 1, "--device", "cpu", "--report-to", "none")
+    losses = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["loss"] < float("inf") for r in losses if r["type"] == "train")

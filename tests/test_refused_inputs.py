@@ -257,7 +257,7 @@ def test_part_negative_is_checked_against_its_sha256(cache_copy):
 
 
 def test_eval_refuses_a_manifest_edited_after_stage_one(cache_copy, tmp_path):
-    from stages.train_student.student import build_student, load_student_config
+    from stages.students.compact import build_student, load_student_config
 
     build_student(load_student_config(TINY), TINY, 0).save_pretrained(tmp_path / "student")
     m = json.loads((cache_copy / F.MANIFEST).read_text())

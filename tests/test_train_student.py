@@ -122,7 +122,7 @@ def test_bad_inputs_end_in_one_line_and_exit_2(tiny_cache, corrupt_cache, tmp_pa
 # -- student init from the teacher -------------------------------------------------------------------
 
 def test_init_from_teacher_copies_the_chosen_blocks(tiny_teacher):
-    from stages.train_student.student import build_student, init_from_teacher, load_student_config
+    from stages.students.compact import build_student, init_from_teacher, load_student_config
 
     cfg = dict(load_student_config(TINY), num_layers=2)  # as deep as the teacher, to map both blocks
     model = build_student(cfg, TINY, seed=5)

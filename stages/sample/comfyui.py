@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipeline.artifact import DistillRecord
 from pipeline.lora_experts import COMPONENTS
+from pipeline.model_call import CONCAT, InputRule
 from pipeline.sampling import FLOW_EULER, own_sampler, student_scheduler
 
 WORKFLOW = "comfyui-workflow.json"
@@ -17,6 +18,9 @@ KNOWN = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (("wan2.2_t2v_high_noise_14B_fp16.safetensors",
                                           "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
                                          "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors"),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": (("wan2.2_i2v_high_noise_14B_fp16.safetensors",
+                                          "wan2.2_i2v_low_noise_14B_fp16.safetensors"),
+                                         "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors"),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (("wan2.2_ti2v_5B_fp16.safetensors",), "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
                                         "wan2.2_vae.safetensors"),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": (("wan2.1_t2v_14B_fp16.safetensors",), "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
@@ -25,6 +29,7 @@ KNOWN = {
                                          "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors"),
 }
 ROLES = dict(zip(COMPONENTS, ("high-noise", "low-noise")))
+FIRST_FRAME_FILE = "first_frame.png"  # an image-to-video workflow's LoadImage (ComfyUI's input folder)
 # Below this, ComfyUI's schedule and the student's visit the same points (float32 rounding, and ComfyUI's table of
 # 1000 sigmas against UniPC's endpoint 1 - 1/1000)
 SAME = 2e-3
@@ -94,10 +99,11 @@ def model_files(base_model: str | None, experts: int, teacher: str) -> tuple[tup
 
 
 def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hints: dict, files: tuple,
-             expand_timesteps: bool, prompt: str = "a lighthouse at night") -> dict:
+             rule: InputRule, prompt: str = "a lighthouse at night") -> dict:
     """The API-format workflow (node id -> class_type, inputs, links as [node id, output]): each expert's model
     through its LoraLoaderModelOnly (strength 1) and ModelSamplingSD3, a KSamplerAdvanced per expert (the
-    high-noise one's leftover noise handed to the low-noise one at the switch step), decoded and saved."""
+    high-noise one's leftover noise handed to the low-noise one at the switch step), decoded and saved; an
+    image-to-video student's (hints' `condition`) from a loaded first frame, as ComfyUI's Wan templates take it."""
     models, clip, vae, _ = files
     nodes: dict[str, dict] = {}
 
@@ -111,8 +117,15 @@ def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hint
     negative = add("CLIPTextEncode", "Negative prompt (unused at CFG 1)",
                    text="" if hints.get("guidance_scale", 1.0) == 1.0 else hints.get("negative_prompt", ""), clip=text)
     size = dict(width=hints.get("width"), height=hints.get("height"), length=hints.get("num_frames", 1), batch_size=1)
-    latent = (add("Wan22ImageToVideoLatent", "Empty latent video", vae=vae_node, **size) if expand_timesteps
-              else add("EmptyHunyuanLatentVideo", "Empty latent video", **size))
+    condition = hints.get("condition")
+    image = {"start_image": add("LoadImage", "First frame", image=FIRST_FRAME_FILE)} if condition else {}
+    if condition == CONCAT:  # Wan2.2-I2V: the image latent and mask on the conditioning, the latent empty
+        i2v = add("WanImageToVideo", "Image to video", positive=positive, negative=negative, vae=vae_node, **size,
+                  **image)
+        positive, negative, latent = i2v, [i2v[0], 1], [i2v[0], 2]
+    else:  # (TI2V: the image in latent frame 0)
+        latent = (add("Wan22ImageToVideoLatent", "Empty latent video", vae=vae_node, **size, **image)
+                  if rule.per_token else add("EmptyHunyuanLatentVideo", "Empty latent video", **size))
     spans = dict(zip(experts, [(0, sched.switch), (sched.switch, sched.steps)]))  # (one expert: all K steps)
     for comp in (c for c in experts if spans[c][0] < spans[c][1]):  # (an expert of no step is left out)
         role = ROLES[comp] if len(experts) > 1 else "the"
@@ -160,7 +173,13 @@ def card(sched: Schedule, experts: list[str], adapters: dict[str, str], boundary
              f"`{teacher}` has no ComfyUI files that this export knows of: the loaders name "
              f"{', '.join(f'`{m}`' for m in (*models, clip, vae))}, which stand for your own conversions of its "
              "experts, text encoder and VAE; point them at your files.")
-    keys = ("The adapter files hold the original Wan key names, which ComfyUI's LoRA loader reads: copy them to "
+    if hints.get("condition"):
+        node = "WanImageToVideo" if hints["condition"] == CONCAT else "Wan22ImageToVideoLatent"
+        keys = (f"The clip starts from `{FIRST_FRAME_FILE}` (a LoadImage: put your image in ComfyUI's `input` folder), "
+                f"passed to {node} as its start_image. ")
+    else:
+        keys = ""
+    keys += ("The adapter files hold the original Wan key names, which ComfyUI's LoRA loader reads: copy them to "
             "`models/loras`." if wan else "These adapter files hold diffusers' key names; ComfyUI reads the "
             "original Wan key names, which `wandistiller export --lora-format wan` writes (the same workflow "
             "loads them): copy those to `models/loras`.")

@@ -17,6 +17,7 @@ from cache.reader import open_caches
 from pipeline.artifact import EVAL_REPORT as REPORT_NAME
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
+from pipeline.model_call import NONE, InputRule
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
@@ -63,10 +64,18 @@ class Setup:
         """Initial noise and the teacher's final latents of `trajs`, each [N, C, F, H, W] float32."""
         return read_latents(self.cache_dir, int(self.manifest.num_parts), [(t.prompt_idx, t.seed_idx) for t in trajs])
 
+    def conditions(self, trajs: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The condition latents [N, *condition_shape] of (prompt_idx, seed_idx) pairs on an image-to-video cache (what
+        the teacher's trajectory was sampled with, and so the student's), else None."""
+        if self.manifest.condition == NONE:
+            return None
+        return read_latents(self.cache_dir, int(self.manifest.num_parts), trajs, names=(F.Z_CONDITION,))[0]
+
 
 @dataclasses.dataclass
 class Entry:
-    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds)` -> final latents, at `steps`."""
+    """One student sampled one way: `draw(prompt_embeds, latents, negative_embeds, condition=None)` -> final latents,
+    at `steps`."""
 
     label: str
     student: Student
@@ -85,7 +94,7 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
     steps = steps or student.setting("sampling_steps") or int(manifest.steps)
     guidance = 1.0 if student.guided else float(manifest.guidance)
     draw = student_sampler(student, model, steps, guidance, scheduler_from_config(manifest.scheduler),
-                           manifest.expand_timesteps)
+                           InputRule.of(manifest))
     return Entry(label, student, model, steps, guidance, draw)
 
 
@@ -134,9 +143,9 @@ def _select(cache_dir: Path, manifest: dict, heldout: str | None, max_prompts: i
 
 def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> None:
     shape = manifest.latent_shape
-    check_compatible(student, in_channels=manifest.in_channels,
+    check_compatible(student, in_channels=manifest.in_channels, out_channels=int(shape[0]),
                      text_dim=int(manifest.text_dim), latent_hw=(shape[2], shape[3]),
-                     expand_timesteps=manifest.expand_timesteps, against=f"cache {cache_dir}")
+                     rule=InputRule.of(manifest), against=f"cache {cache_dir}")
 
 
 def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | None:
@@ -165,7 +174,11 @@ def setup(cfg: EvalConfig) -> Setup:
         raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
     safe_write.ensure_folder(report_path.parent, "the folder of --report")  # (before any model loads)
     _check_against_cache(student, manifest, cache_dir)
-    teacher_path = _teacher_path(cfg, manifest, cache_dir)
+    image = manifest.condition != NONE  # an image-to-video cache: the teacher's runs need the images, not recorded
+    if image and cfg.attributes:
+        raise UserError(f"--attributes scores text-to-video captions, and the cache {cache_dir} is image-to-video; "
+                        "drop --attributes")
+    teacher_path = None if image else _teacher_path(cfg, manifest, cache_dir)
     captions = (attribute_captions(cfg.attributes, cfg.attribute_max_prompts, manifest.frames)
                 if cfg.attributes else None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
@@ -174,6 +187,8 @@ def setup(cfg: EvalConfig) -> Setup:
     trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     warnings = _settings_warnings(student, manifest)
+    if image and cfg.teacher_timing:
+        warnings.append("teacher timing re-runs a text-to-video teacher: skipped on this image-to-video cache")
     if in_training:
         seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
         if seen:

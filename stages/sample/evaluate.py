@@ -28,8 +28,9 @@ COLORS = {"student": "tab:blue", "untrained": "tab:gray", "teacher re-run": "tab
 
 
 def _against_teacher(cfg: EvalConfig, su: Setup, entries: list[Entry], neg) -> tuple[dict | None, dict | None]:
-    """(timing, attributes), None where not asked; the teacher loaded once (whole with --attributes: timed too)."""
-    if not (cfg.teacher_timing or su.captions is not None):
+    """(timing, attributes), None where not asked (or not run: an image-to-video cache's); the teacher loaded once
+    (whole with --attributes: timed too)."""
+    if su.teacher_path is None:
         return None, None
     teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
                            vae=su.captions is not None)
@@ -83,8 +84,11 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def few_step_table(report: dict) -> list[dict]:
-    """One row for the teacher and one per entry: steps, final-latent MSE, attribute scores, times and speed-ups."""
+    """One row for the teacher and one per entry: steps, final-latent MSE, an image-to-video cache's first-frame MSE,
+    attribute scores, times and speed-ups."""
     attrs, timing = report["attributes"], report["timing"]
+    first = report["final_latent_mse"].get("first_frame")
+    image = lambda name: {"first_frame_mse": first[name]} if first else {}  # noqa: E731
 
     def attr(name: str) -> dict:
         if not attrs:
@@ -108,11 +112,11 @@ def few_step_table(report: dict) -> list[dict]:
                                       "speedup_pipeline") if k in t}
 
     rows = [{"label": "teacher", "objective": None, "steps": int(report["cache"]["steps"]),
-             "guidance": float(report["cache"]["guidance"]), "final_latent_mse": 0.0, **attr("teacher"),
-             **times("teacher")}]
+             "guidance": float(report["cache"]["guidance"]), "final_latent_mse": 0.0, **image("teacher"),
+             **attr("teacher"), **times("teacher")}]
     for e in report["entries"]:
-        rows.append({**e, "final_latent_mse": report["final_latent_mse"][e["label"]], **attr(e["label"]),
-                     **times(e["label"])})
+        rows.append({**e, "final_latent_mse": report["final_latent_mse"][e["label"]], **image(e["label"]),
+                     **attr(e["label"]), **times(e["label"])})
     return rows
 
 
@@ -122,12 +126,15 @@ def format_table(rows: list[dict]) -> str:
         return "-" if v is None else format(v, spec)
 
     video = any("speed_ratio" in r for r in rows)  # the motion columns only for a video eval
-    lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} {'attr acc':>8} {'all right':>9} {'kept':>6} "
+    image = any("first_frame_mse" in r for r in rows)  # and the first frame's only for an image-to-video one
+    lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} " + (f"{'frame 0 MSE':>11} " if image else "")
+             + f"{'attr acc':>8} {'all right':>9} {'kept':>6} "
              + (f"{'motion kept':>11} {'speed x':>7} " if video else "")
              + f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
     for r in rows:
         lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
-                     f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
+                     + (f"{f(r.get('first_frame_mse'), '.4g'):>11} " if image else "")
+                     + f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
                      f"{f(r.get('kept_all_right'), '.0%'):>6} "
                      + (f"{f(r.get('motion_kept'), '.0%'):>11} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
                      + f"{f(r.get('denoise_s_per_image'), '.4f'):>9} "
@@ -143,7 +150,9 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
     speed = (f"; {timing['speedup']:.2f}x faster than the teacher ({timing['student_s_per_image']:.3f}s at "
              f"{finals['student_steps']} steps vs {timing['teacher_s_per_image']:.3f}s at {timing['steps']} steps "
              "per image)") if timing else ""
-    kept = ""
+    kept, first = "", finals.get("first_frame")
+    frame0 = (f"; frame-0 latent MSE against the image {first[report['entries'][0]['label']]:.4g} (teacher "
+              f"{first['teacher']:.4g}, untrained {first['untrained']:.4g})") if first else ""
     if attrs and "motion_right" in attrs["teacher"]:
         t, s = attrs["teacher"], attrs["student"]
         share = ("n/a (the teacher drew no clip all right)" if s["motion_kept"] is None
@@ -160,7 +169,7 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
                 f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {share}; grid {attrs['grid']}")
     return (f"eval of {report['trajectories']} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
             f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
-            f"(untrained {finals['untrained']:.4g}){speed}{kept}; report {report_path}, plot {plot_path}")
+            f"(untrained {finals['untrained']:.4g}){frame0}{speed}{kept}; report {report_path}, plot {plot_path}")
 
 
 def plot_report(report: dict, path: Path) -> None:

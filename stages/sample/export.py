@@ -12,25 +12,20 @@ from cache import safe_write
 from pipeline.artifact import DISTILL
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
-from pipeline.faults import fault_point
+from pipeline.model_call import NONE, InputRule
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import chosen_points, own_sampler, student_scheduler
 from pipeline.teacher_files import check_config, copy_tree, read_component, read_index, snapshot_blobs
+from stages.students.student_kind import FIX, teacher_transformer_config
 
-from . import hub_card
-from .models import (
-    BORROWED, Student, check_compatible, find_pair, find_student, student_teacher, teacher_transformer_config,
-)
-
-# model_index key of an export's hints (diffusers ignores keys starting with '_'); what lets --overwrite replace a
-# folder is safe_write's marker file, never a key any JSON may hold
-MARK = "_wandistiller"
-STUDENT_FIX = "rerun train-student, or pass another --student"
+from . import export_lora, hub_card
+from .hub_card import MARK, building, draw, sigmas_sentence
+from .models import BORROWED, Student, check_compatible, find_pair, find_student, student_teacher
 
 
-def _sampling_hints(student: Student, tpath: Path) -> dict:
+def _sampling_hints(student: Student, tpath: Path, condition: str) -> dict:
     """What a user of the export should pass: the student's steps, its guidance, the training size (from the latent
-    shape and the teacher's VAE when distill.json has none) and text length."""
+    shape and the teacher's VAE when distill.json has none), text length and, drawing from an image, its condition."""
     try:
         vae_spatial = read_component(tpath, "vae").get("scale_factor_spatial") or 8
     except FileNotFoundError:
@@ -47,30 +42,12 @@ def _sampling_hints(student: Student, tpath: Path) -> dict:
         hints["sigmas"] = [float(v) for v in points]  # its scheduler's `sigmas=`: the boundaries it chose
     if student.setting("frames", 1) > 1:  # a video student: its clip length (an image one's hints as before)
         hints["num_frames"] = student.setting("frames")
+    if condition != NONE:  # an image-to-video student: called as WanImageToVideoPipeline (hub_card.draw)
+        hints["condition"] = condition
     shape = hints.get("latent_shape")
     if "height" not in hints and isinstance(shape, list) and len(shape) == 4:
         hints["height"], hints["width"] = shape[2] * vae_spatial, shape[3] * vae_spatial
     return hints
-
-
-def sigmas_sentence(hints: dict, where: str, whose: str = "Its") -> str:
-    """How a card's reader passes a chosen schedule (train-student --student-timesteps, --student-shift, ...): the
-    boundaries `hints` holds, which `where` (the file holding MARK) records too."""
-    return (f"{whose} boundaries are its own choice, which the scheduler's config cannot hold: before calling, "
-            "`pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
-            f"sigmas=numpy.array({hints['sigmas']}))` ({where}'s `{MARK}.sigmas`).")
-
-
-def draw(hints: dict, args: str, wrap: bool = False) -> tuple[str, str]:
-    """(an import, the call) of a card's python snippet, `args` after the prompt and num_frames (`wrap`: the output
-    type on a line of its own): a video student's frames written as an mp4 through diffusers' export_to_video."""
-    frames = hints.get("num_frames", 1)
-    lhs = "image" if frames == 1 else "frames"
-    sep = "\n" + " " * len(f"{lhs} = pipe(") if wrap else " "
-    call = f'{lhs} = pipe("a lighthouse at night", num_frames={frames}, {args},{sep}output_type="pil").frames[0]'
-    if frames == 1:
-        return "", call + "[0]"
-    return "from diffusers.utils import export_to_video\n", f'{call}\nexport_to_video(frames, "student.mp4", fps=16)'
 
 
 def _readme(name: str, hints: dict, student: Student, teacher: str, own_scheduler: bool) -> str:
@@ -83,7 +60,7 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
            if student.guided else
            "The student learned the teacher's conditional predictions: sample with classifier-free guidance "
            "at the teacher's scale.")
-    steps = hints.get("num_inference_steps")
+    steps, pipeline = hints.get("num_inference_steps"), hub_card.pipeline_class(hints, "DiffusionPipeline")
     if own_scheduler:
         sched = (f"It is a **{steps}-step** student (objective `{hints.get('objective')}`): `scheduler/` holds its own "
                  f"schedule, the teacher's flow-matching sigmas walked with {steps} first-order (Euler) steps, which "
@@ -127,9 +104,9 @@ A {student.config.get("num_layers", "?")}-block student ({student.weights} weigh
 
 ```python
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import {pipeline}
 {video}
-pipe = DiffusionPipeline.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")
+pipe = {pipeline}.from_pretrained("{name}", torch_dtype=torch.bfloat16).to("cuda")
 {call}
 ```
 
@@ -138,24 +115,26 @@ so pass them as above. The same settings are in `model_index.json` under `{MARK}
 """
 
 
-def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict]:
-    """The teacher's name, folder and model_index, checked to hold what the pipeline borrows and to fit the student."""
+def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict, InputRule]:
+    """The teacher's name, folder, model_index and input rule (drawing from an image when the student learned to),
+    checked to hold what the pipeline borrows and to fit the student."""
     teacher_name, tpath = student_teacher(cfg, student)
     index = read_index(tpath)  # (tpath's files checked by pipeline/hub.py: no link out of it, no FIFO, no pickle)
     missing = [c for c in BORROWED if not (isinstance(index.get(c), list) and index[c][0] and (tpath / c).is_dir())]
     if missing:
         raise UserError(f"teacher {teacher_name!r} lacks {', '.join(missing)} in {tpath}; export needs them")
     tcfg = check_config("transformer", teacher_transformer_config(tpath), f"the transformer config of {tpath}")
+    rule = InputRule.of_teacher(index, tcfg, student.setting("condition", NONE) != NONE)
     check_compatible(student, in_channels=int(tcfg["in_channels"]), text_dim=int(tcfg["text_dim"]),
-                     latent_hw=None, expand_timesteps=index.get("expand_timesteps", False),
+                     out_channels=tcfg.get("out_channels"), latent_hw=None, rule=rule,
                      against=f"teacher {teacher_name}")
-    return teacher_name, tpath, index
+    return teacher_name, tpath, index, rule
 
 
 def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: dict, hints: dict,
           own_scheduler: bool, teacher: str, card: str) -> None:
     """Write the pipeline folder's content into `tmp`."""
-    copy_tree(student.path, tmp / "transformer", STUDENT_FIX)
+    copy_tree(student.path, tmp / "transformer", FIX)
     for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
         if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
             student_scheduler(student.distill).save_pretrained(tmp / comp)
@@ -193,9 +172,10 @@ def run(cfg: ExportConfig) -> dict:
     out = Path(cfg.out)
     safe_write.claim_folder(out, "export", replace=cfg.overwrite, hint=" or add --overwrite to replace this earlier "
                             "export")
-    hints = _sampling_hints(student, teacher[1])
-    # a pipeline folder here; a LoRA run's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
-    summary = student.kind.export(cfg, student, hints, out, teacher)
+    hints = _sampling_hints(student, teacher[1], teacher[3].condition)
+    # a pipeline folder here; a student's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
+    summary = (export_lora.run(cfg, student, hints, out) if student.kind.adapters
+               else write_pipeline(cfg, student, hints, out, *teacher[:3]))
     if cfg.push_to_hub:
         summary["hub"] = hub_card.push(out, cfg.push_to_hub, cfg.private)
         tqdm.write(f"pushed to the Hub: {summary['hub']}")
@@ -208,7 +188,7 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
     own_scheduler = student.distill is not None and own_sampler(student.distill) is not None
     base_model, teacher = hub_card.public_teacher(teacher_name, tpath, cfg.base_model)  # a Hub id, else a name
     card = (hub_card.front_matter(hub_card.teacher_license(tpath, base_model), base_model, own_scheduler,
-                                  video="num_frames" in hints)
+                                  video="num_frames" in hints, image="condition" in hints)
             + _readme(cfg.push_to_hub or out.name, hints, student, teacher, own_scheduler))
     with building(out) as tmp:
         _fill(tmp, cfg, student, tpath, index, hints, own_scheduler, teacher, card)
@@ -217,10 +197,3 @@ def write_pipeline(cfg: ExportConfig, student: Student, hints: dict, out: Path, 
                + "".join(f", {k}={hints[k]}" for k in ("num_inference_steps", "max_sequence_length", "num_frames")
                          if k in hints))
     return {"out": str(out), **index[MARK]}
-
-
-def building(out: Path):
-    """safe_write.building for an export (a new folder beside `out`, swapped in whole, its marker listing what it
-    holds), with the swap's fault points."""
-    return safe_write.building(out, "export", before_replace=lambda: fault_point("before_dir_rename"),
-                               after_replace=lambda: fault_point("after_dir_rename"))

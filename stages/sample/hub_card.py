@@ -1,5 +1,6 @@
-"""What makes an export ready for the Hugging Face Hub through huggingface_hub: the card's metadata, names without
-local paths (an absolute path leaks a user name) and the upload: docs/architecture.md, "The export"."""
+"""What every export shares (its folder swapped in whole, its hints under `MARK`, the card's snippets) and what makes
+it ready for the Hugging Face Hub through huggingface_hub: the card's metadata, names without local paths (an
+absolute path leaks a user name) and the upload: docs/architecture.md, "The export"."""
 
 from __future__ import annotations
 
@@ -11,12 +12,55 @@ from pathlib import Path
 from cache import safe_open, safe_write
 from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError
+from pipeline.faults import fault_point
 from pipeline.hub import is_hub_id
-from pipeline.teacher_files import snapshot_blobs
+from pipeline.teacher_files import I2V_PIPELINE, snapshot_blobs
+
 
 # The folder name of a Hub snapshot in the local cache: models--NAMESPACE--NAME/snapshots/REVISION.
 _CACHED = re.compile(r"^models--([\w.-]+?)--([\w.-]+)$")
-TAGS = ["wandistiller", "distillation", "wan"]  # then the task: text-to-image, or text-to-video (`front_matter`)
+TAGS = ["wandistiller", "distillation", "wan"]  # then the task: text-to-image, -to-video, image-to-video
+# model_index key of an export's hints (diffusers ignores keys starting with '_'); what lets --overwrite replace a
+# folder is safe_write's marker file, never a key any JSON may hold
+MARK = "_wandistiller"
+
+
+def building(out: Path):
+    """safe_write.building for an export (a new folder beside `out`, swapped in whole, its marker listing what it
+    holds), with the swap's fault points."""
+    return safe_write.building(out, "export", before_replace=lambda: fault_point("before_dir_rename"),
+                               after_replace=lambda: fault_point("after_dir_rename"))
+
+
+def sigmas_sentence(hints: dict, where: str, whose: str = "Its") -> str:
+    """How a card's reader passes a chosen schedule (train-student --student-timesteps, --student-shift, ...): the
+    boundaries `hints` holds, which `where` (the file holding MARK) records too."""
+    return (f"{whose} boundaries are its own choice, which the scheduler's config cannot hold: before calling, "
+            "`pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+            f"sigmas=numpy.array({hints['sigmas']}))` ({where}'s `{MARK}.sigmas`).")
+
+
+def pipeline_class(hints: dict, default: str) -> str:
+    """The diffusers class a card loads the export with: WanImageToVideoPipeline for an image-to-video student (TI2V's
+    WanPipeline folder loads as one too), else `default`."""
+    return I2V_PIPELINE if "condition" in hints else default
+
+
+def draw(hints: dict, args: str, wrap: bool = False) -> tuple[str, str]:
+    """(an import, the call) of a card's python snippet, `args` after the prompt and num_frames (`wrap`: the output
+    type on a line of its own): a video student's frames written as an mp4 through diffusers' export_to_video; an
+    image-to-video student's drawn from the image diffusers' load_image reads."""
+    frames, image = hints.get("num_frames", 1), "condition" in hints
+    still = frames == 1 and not image
+    lhs = "image" if still else "frames"
+    sep = "\n" + " " * len(f"{lhs} = pipe(") if wrap else " "
+    prompt = 'image=load_image("first_frame.png"), prompt="a lighthouse at night"' if image else \
+        '"a lighthouse at night"'
+    call = f'{lhs} = pipe({prompt}, num_frames={frames}, {args},{sep}output_type="pil").frames[0]'
+    if still:
+        return "", call + "[0]"
+    return (f"from diffusers.utils import export_to_video{', load_image' * image}\n",
+            f'{call}\nexport_to_video(frames, "student.mp4", fps=16)')
 
 
 def public_teacher(teacher: str, folder: Path | None, base_model: str | None = None) -> tuple[str | None, str]:
@@ -83,12 +127,12 @@ def teacher_license(folder: Path, repo_id: str | None) -> str | None:
 
 
 def front_matter(license_: str | None, base_model: str | None, few_step: bool, tags: tuple[str, ...] = (),
-                 video: bool = False) -> str:
+                 video: bool = False, image: bool = False) -> str:
     """The model card's YAML metadata (what the Hub indexes it by), `tags` after the common ones; `video`: a student
-    trained on clips (frames > 1), a text-to-video pipeline."""
+    trained on clips (frames > 1), a text-to-video pipeline; `image`: one that draws from an image, image-to-video."""
     from huggingface_hub import ModelCardData
 
-    task = "text-to-video" if video else "text-to-image"
+    task = "image-to-video" if image else "text-to-video" if video else "text-to-image"
     tags = TAGS + [task] + (["few-step"] if few_step else []) + list(tags)
     data = ModelCardData(license=license_, base_model=base_model, pipeline_tag=task, library_name="diffusers",
                          tags=tags)

@@ -3,7 +3,10 @@ left, a labelled column per model), every column from the same prompt embeddings
 columns differ only by the denoiser and its schedule: the teacher runs as diffusers' WanPipeline, each student
 through the one sampler (pipeline/sampling.py), decoded by the teacher's VAE. A video run (distill.json's frames
 > 1) draws whole clips at its frame count: the grid's cells are frame strips, and each clip is also an animated
-WebP and an mp4 in a folder beside the grid. A LoRA pair (RUN1+RUN2) is one column, each expert its run's adapter."""
+WebP and an mp4 in a folder beside the grid. A LoRA pair (RUN1+RUN2) is one column, each expert its run's adapter.
+An image-to-video student (distill.json's `condition`) draws from --images instead of --prompts: the teacher as
+WanImageToVideoPipeline from each image, the students from the condition latent its VAE makes of the same image, the
+image itself in a first column."""
 
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from pipeline.config import (
     SampleConfig,
 )
 from pipeline.errors import UserError
+from pipeline.image_condition import condition_latent, image_tensor, open_image, read_image_file
+from pipeline.model_call import NONE, PLAIN, InputRule
 from pipeline.progress_bar import progress_bar
-from pipeline.sampling import decode_latents
 from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.sampling import decode_latents
 
 from .models import (
     Student, check_compatible, find_student, load_teacher, model_name, pick_device, student_teacher,
@@ -56,7 +61,7 @@ class SamplingSettings:
 
 
 def student_sampler(student: Student, transformer, steps: int, guidance: float, teacher_scheduler,
-                    expand_timesteps: bool = False):
+                    rule: InputRule = PLAIN):
     """`draw(embeds, latents, negative_embeds=None) -> final latents`: the student through the one sampler."""
     from pipeline.sampling import sample_latents, scheduler_from_config, student_scheduler
 
@@ -66,10 +71,10 @@ def student_sampler(student: Student, transformer, steps: int, guidance: float, 
         conf = {"_class_name": type(teacher_scheduler).__name__, **teacher_scheduler.config}
         make = lambda: scheduler_from_config(conf)  # noqa: E731
 
-    def draw(embeds, latents, negative_embeds=None):
+    def draw(embeds, latents, negative_embeds=None, condition=None):
         return sample_latents(transformer, make(), latents, embeds, steps, guidance=guidance,
-                              negative_embeds=negative_embeds if guidance > 1.0 else None,
-                              expand_timesteps=expand_timesteps)
+                              negative_embeds=negative_embeds if guidance > 1.0 else None, rule=rule,
+                              condition=condition)
 
     return draw
 
@@ -150,7 +155,7 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
                    dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
     """The student and each --compare one, checked against the teacher: ({column: (draw, steps)}, {column: info})."""
     tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
-    drawers, described = {}, {}
+    rule, drawers, described = InputRule.of_pipeline(teacher), {}, {}
     for path in (None, *cfg.compare):
         one, own, name = student, settings, "student"
         if path is not None:
@@ -162,22 +167,22 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
             own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
                                       student_guidance=1.0 if one.guided else settings.guidance)
             name = model_name(path) if model_name(path) not in drawers else f"{model_name(path)}-{len(drawers)}"
-        check_compatible(one, in_channels=tcfg.in_channels, text_dim=tcfg.text_dim,
-                         latent_hw=(settings.height // vs, settings.width // vs),
-                         expand_timesteps=teacher.config.expand_timesteps, against=f"teacher {teacher_name}")
+        check_compatible(one, in_channels=tcfg.in_channels, out_channels=tcfg.out_channels, text_dim=tcfg.text_dim,
+                         latent_hw=(settings.height // vs, settings.width // vs), rule=rule,
+                         against=f"teacher {teacher_name}")
         model = one.kind.load(one, dtype, device)
         drawers[name] = (student_sampler(one, model, own.student_steps or own.steps, own.student_guidance,
-                                         teacher.scheduler, bool(teacher.config.expand_timesteps)), own.student_steps)
+                                         teacher.scheduler, rule), own.student_steps)
         described[name] = one.describe()
     return drawers, described
 
 
 def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingSettings, device: torch.device,
-                 frames: int) -> tuple[list[list[np.ndarray]], dict[str, float]]:
+                 frames: int, images: list | None = None) -> tuple[list[list[np.ndarray]], dict[str, float]]:
     """Rows of uint8 clips of `frames` frames (the teacher's, then each student's, from the same latents and
-    embeddings), seconds a column."""
-    tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
-    shape = (1, tcfg.in_channels, latent_frames(teacher, frames), settings.height // vs, settings.width // vs)
+    embeddings, and `images`' condition), seconds a column."""
+    vs, rule = teacher.vae_scale_factor_spatial, InputRule.of_pipeline(teacher)
+    shape = (1, teacher.vae.config.z_dim, latent_frames(teacher, frames), settings.height // vs, settings.width // vs)
     rows: list[list[np.ndarray]] = []
     seconds = {"teacher": 0.0, **{n: 0.0 for n in drawers}}
     for i, prompt in enumerate(progress_bar(prompts, desc="sample", unit="prompt", dynamic_ncols=True)):
@@ -186,29 +191,56 @@ def _sample_rows(prompts: list[str], teacher, drawers: dict, settings: SamplingS
             embeds, neg = teacher.encode_prompt(prompt, negative_prompt=settings.negative_prompt,
                                                 do_classifier_free_guidance=True,
                                                 max_sequence_length=settings.max_sequence_length, device=device)
+        given, cond = {}, None
+        if images is not None:  # the teacher's image, and the condition latent its VAE makes of it for the students
+            given = {"image": images[i]}
+            cond = condition_latent(teacher.vae, image_tensor(images[i], settings.height, settings.width), frames, rule)
         t = time.perf_counter()
         t_clip = teacher(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents.clone(),
-                         **settings.teacher_call() | {"num_frames": frames}).frames
+                         **settings.teacher_call() | {"num_frames": frames} | given).frames
         seconds["teacher"] += time.perf_counter() - t
         row = to_clips(t_clip)
         for name, (draw, _) in drawers.items():
             t = time.perf_counter()
-            row += to_clips(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg)).numpy())
+            row += to_clips(decode_latents(teacher.vae, draw(embeds, latents.clone(), neg, cond)).numpy())
             seconds[name] += time.perf_counter() - t
         rows.append(row)
     return rows, seconds
 
 
+def _rows(cfg: SampleConfig, student: Student) -> tuple[list[str], list[Path], list | None]:
+    """The grid's prompts and, for an image-to-video student, their images' paths and images (--images); the wrong
+    one of --prompts and --images refused."""
+    learned = student.setting("condition", NONE)
+    if learned != NONE and cfg.images is None:
+        raise UserError(f"{cfg.student} is an image-to-video student (its cache's condition: {learned}): give --images "
+                        "FILE of <image path><TAB><prompt> lines instead of --prompts")
+    if cfg.images is None:
+        prompts, _ = dedupe(read_prompt_file(cfg.prompts))
+        return prompts[: cfg.max_prompts], [], None
+    if student.distill is not None and learned == NONE:
+        raise UserError(f"{cfg.student} is a text-to-video student (its cache had no images): give --prompts FILE "
+                        "instead of --images")
+    pairs = read_image_file(cfg.images)[: cfg.max_prompts]
+    return [p for _, p in pairs], [i for i, _ in pairs], [open_image(i, f"--images {cfg.images}") for i, _ in pairs]
+
+
+def _image_cell(image, settings: SamplingSettings, size: tuple[int, int]) -> Image.Image:
+    """The input image at the sampled size, at the left of a grid cell of `size`."""
+    cell = Image.new("RGB", size, BACKGROUND)
+    cell.paste(image.convert("RGB").resize((settings.width, settings.height)), (0, 0))
+    return cell
+
+
 def run(cfg: SampleConfig) -> dict:
     """Sample every prompt with teacher and student and write the grid; returns the summary."""
     t0 = time.time()
-    prompts, _ = dedupe(read_prompt_file(cfg.prompts))
-    prompts = prompts[: cfg.max_prompts]
     out = Path(cfg.out)
     if out.is_dir() and not out.is_symlink():
         raise UserError(f"--out {out} is a folder; pass the PNG file to write, e.g. {out / 'grid.png'}")
     safe_write.ensure_folder(out.parent, "the folder of --out")  # (now: a typo ends the command before sampling)
     student = find_student(cfg.student, cfg.weights)
+    prompts, paths, images = _rows(cfg, student)
     frames = int(student.setting("frames", 1))  # the cache's, as distill.json copied it: > 1 for a video run
     if cfg.fps is not None and frames == 1:
         raise UserError(f"--fps applies only to video students; {cfg.student} was trained on a one-frame (image) "
@@ -218,14 +250,19 @@ def run(cfg: SampleConfig) -> dict:
         safe_write.ensure_folder(folder, "the video folder")
     teacher_name, teacher_path = student_teacher(cfg, student)
     device, dtype = pick_device(cfg.device, cfg.dtype)
-    teacher = load_teacher(teacher_path, dtype, device)
+    teacher = load_teacher(teacher_path, dtype, device, image=images is not None)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]
-    rows, seconds = _sample_rows(prompts, teacher, drawers, settings, device, frames)
+    rows, seconds = _sample_rows(prompts, teacher, drawers, settings, device, frames, images)
 
-    # save: the grid (clips as frame strips), a video run's clips beside it, and next to it how it was made.
-    grid = draw_grid(prompts, [[frame_strip(c) for c in row] for row in rows], columns)
+    # save: the grid (clips as frame strips, an I2V run's image first), a video run's clips beside it, and next to it
+    # how it was made.
+    cells = [[frame_strip(c) for c in row] for row in rows]
+    if images is not None:
+        cells = [[_image_cell(im, settings, row[0].size), *row] for im, row in zip(images, cells)]
+        columns = ["image", *columns]
+    grid = draw_grid(prompts, cells, columns)
     write_image(grid, out)
     config, video, fps = dataclasses.asdict(cfg), {}, cfg.fps or DEFAULT_FPS
     if frames > 1:
@@ -238,6 +275,8 @@ def run(cfg: SampleConfig) -> dict:
                "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "seconds": {k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(time.time() - t0, 2),
                **video, "config": config}
+    if images is not None:
+        summary["images"] = [str(p) for p in paths]
     safe_write.write_json(out.with_name(out.name + ".json"), summary)
     tqdm.write(f"grid of {len(prompts)} prompt(s) x {columns} written to {out} ({grid.size[0]}x{grid.size[1]}); "
                f"teacher {seconds['teacher']:.1f}s at {settings.steps} steps, "

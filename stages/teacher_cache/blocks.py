@@ -205,8 +205,8 @@ def denoise(runner: TrajectoryRunner, experts, phases, windows: list[list[int]],
         for phase in phases:
             experts.activate(phase)
             for b in window:
-                noise, cond = inputs(b)
+                noise, cond, condition = inputs(b)
                 finals[b], states[b] = runner.run(noise, cond, neg, on_step=partial(keep, into=records[b]),
-                                                  experts=phase, state=states.get(b))
+                                                  experts=phase, state=states.get(b), condition=condition)
         yield from [(b, records[b], finals[b]) for b in window]
         signals.check()

@@ -21,11 +21,12 @@ from pipeline.config_types import read_object
 from pipeline.errors import UserError
 from pipeline.flops import STEP_TABLE, StepFigure, flop, step_flops  # noqa: F401 (StepFigure: importable from here)
 from pipeline.registries import LoraSettings, placement_entry
-from pipeline.sampling import model_timestep
+from pipeline.model_call import InputRule, Inputs, predict
 
 from . import placements
+from .placements import ExpertSet
 from .speed import TeacherSpeed, spelled
-from .teacher import ExpertSet, load_scheduler, resolve_teacher
+from .teacher import load_scheduler, resolve_teacher
 from .trajectory import Schedule, TrajectoryRunner
 
 
@@ -180,8 +181,7 @@ def measure_step(run: TeacherCacheConfig, placement: str, log=print) -> StepTime
         load_s = time.perf_counter() - t0
         scheduler = load_scheduler(spec)
         schedule = Schedule.build(scheduler, 2, None, DEFAULT_GUIDANCE, None)  # one expert, CFG on
-        runner = TrajectoryRunner([experts[0]], scheduler, schedule, 2, p.torch_dtype, p.device,
-                                  spec.expand_timesteps, patch=spec.patch_size)
+        runner = TrajectoryRunner([experts[0]], scheduler, schedule, 2, p.torch_dtype, p.device, InputRule.of(spec))
         seconds = _time_step(runner, experts[0], spec, cfg, p.device, p.torch_dtype)
         experts.close()
     b, options = cfg.batch_size, speed.numerics(p.device)
@@ -198,13 +198,11 @@ def _time_step(runner: TrajectoryRunner, model, spec, cfg: TeacherCacheConfig, d
     """The second of two steps, in seconds (the first warms up)."""
     b = cfg.batch_size
     latents = torch.randn(b, *spec.latent_shape(cfg.height, cfg.width, cfg.frames), device=device).to(dtype)
-    context = torch.zeros(2 * b, cfg.max_sequence_length, spec.transformer_config["text_dim"], device=device,
-                          dtype=dtype)
-    t = torch.full((b,), 999.0, device=device)
-    timestep = model_timestep(t, latents.shape[2:], spec.expand_timesteps, spec.patch_size)
+    text = torch.zeros(b, cfg.max_sequence_length, spec.transformer_config["text_dim"], device=device, dtype=dtype)
+    inputs = Inputs(latents, torch.full((b,), 999.0, device=device), text, text[:1])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
     for _ in range(2):  # the first warms up
         t0 = time.perf_counter()
-        runner.predict(model, latents, timestep, context, DEFAULT_GUIDANCE)
+        predict(model, inputs, DEFAULT_GUIDANCE, runner.rule, batched=True)
         sync(device)
     return time.perf_counter() - t0

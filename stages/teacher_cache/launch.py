@@ -109,13 +109,14 @@ def render(launch: Launch) -> list[str]:
 
 
 def teacher_cache_words(teacher: str, revision: str | None, placement: str, given: dict,
-                        out: str | None = None) -> list[str]:
-    """`wandistiller teacher-cache` with placeholders (or plan's --out), the placement and the settings `plan` was
-    given."""
+                        out: str | None = None, images: bool = False) -> list[str]:
+    """`wandistiller teacher-cache` with placeholders (or plan's --out; an image-to-video teacher's --images), the
+    placement and the settings `plan` was given."""
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]
-    named = PLACEHOLDERS | ({"out": out} if out else {})
+    named = ({"images": "IMAGES.tsv"} if images else {"prompts": PLACEHOLDERS["prompts"]}) | {
+        "out": out or PLACEHOLDERS["out"]}
     words += [w for name, value in named.items() for w in (f"--{name}", value)] + ["--placement", placement]
     for flag, value in given.items():  # a switch: value None
         words += [flag] if value is None else [flag, str(value)]

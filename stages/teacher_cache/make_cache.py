@@ -34,6 +34,8 @@ from pipeline import signals
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
+from pipeline.image_condition import condition_latent, image_tensor, open_image
+from pipeline.model_call import InputRule
 from pipeline.progress_bar import progress_bar
 from pipeline.prompts import prompt_set_sha256
 from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardown
@@ -41,9 +43,9 @@ from pipeline.runtime import barrier, dist_env, init_distributed, print0, teardo
 from . import outdir, placements
 from .blocks import BlockSink, StageOneProgress, denoise, expert_window
 from .part_plan import PartPlan, check_part_count, check_resume, one_frame_note, plan_part, resolve_parts
-from .placements import Placement
+from .placements import ExpertSet, Placement, load_experts
 from .speed import FLAGS, TeacherSpeed
-from .teacher import ExpertSet, encode_prompts, iter_encoded, load_experts, load_scheduler, load_text_encoder
+from .teacher import encode_prompts, iter_encoded, load_scheduler, load_text_encoder, load_vae
 from .trajectory import FeatureRecorder, Schedule, TrajectoryRunner, initial_noise
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 # Initial-noise rows written per call in the encode phase: a whole file of the store's (64 A14B rows: 26 MB).
 NOISE_ROWS = F.ROWS_PER_FILE
+IMAGE_ROWS = 8  # images through the VAE at once
 
 
 @signals.handle_sigterm()
@@ -132,7 +135,7 @@ def _setup(plan: PartPlan) -> _Part:
     speed = TeacherSpeed.of(cfg)
     speed.check(placement)
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
-                                 prompt_set_sha256=prompt_set_sha256(prompts), identity=spec.identity(),
+                                 prompt_set_sha256=prompt_set_sha256(plan.prompt_set), identity=spec.identity(),
                                  numerics=speed.numerics(placement.device))
     out, traj = Path(cfg.out), [(p, s) for p in plan.rows for s in range(cfg.seeds_per_prompt)]
     return _Part(**vars(plan), placement=placement, speed=speed, scheduler=scheduler, schedule=schedule,
@@ -229,7 +232,7 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     tokenizer, encoder = load_text_encoder(job.spec, dtype, device, job.placement.entry.caps.offloads_text_encoder)
     store = create_prompt_store(prompt_store_path(job.out, job.part), len(job.rows), cfg.max_sequence_length,
                                 job.spec.transformer_config["text_dim"], job.placement.dtype, cfg.seeds_per_prompt,
-                                job.latent_shape)
+                                job.latent_shape, job.header.condition, job.header.condition_shape)
     texts = [job.prompts[i] for i in job.rows]
     rows = PromptRowWriter(store)  # written batch by batch: memory does not grow with the prompt count
     for lo, embeds, lens in iter_encoded(tokenizer, encoder, texts, cfg.max_sequence_length, dtype, device,
@@ -249,6 +252,8 @@ def _encode(job: _Part, prog: PartProgress) -> None:
         pairs = [(r, s) for r in range(lo, min(lo + NOISE_ROWS, len(job.rows))) for s in range(cfg.seeds_per_prompt)]
         noise = torch.stack([initial_noise(cfg.seed, job.rows[r], s, job.latent_shape) for r, s in pairs])
         write_latent_rows(store, F.Z_INIT_NOISE, [r for r, _ in pairs], [s for _, s in pairs], noise, behind)
+    if job.images is not None:
+        _encode_images(job, store, behind)
     behind.close()
     # Every file of the store on disk before the record says `encoded`: a power loss must not leave rows the
     # record vouches for that never reached the disk (zarr's own writes are not fsynced).
@@ -262,6 +267,30 @@ def _encode(job: _Part, prog: PartProgress) -> None:
     prog.save(job.out)
 
 
+def _encode_images(job: _Part, store, behind: WriteBehind) -> None:
+    """Each row's condition latent from its image with the teacher's VAE (loaded for this, then freed), every seed's
+    the same, as WanImageToVideoPipeline builds it from the image it is given."""
+    cfg, rule = job.cfg, InputRule.of(job.header)
+    vae = load_vae(job.spec, job.device)
+    bar = progress_bar(total=len(job.rows), desc=f"encode images part {job.part}", unit="image",
+                       disable=job.torchrun and not dist_env().is_main)
+    for lo in range(0, len(job.rows), IMAGE_ROWS):
+        hi = min(lo + IMAGE_ROWS, len(job.rows))
+        pixels = torch.cat([image_tensor(_image(job.images[p], p), cfg.height, cfg.width) for p in job.rows[lo:hi]])
+        latent = condition_latent(vae, pixels, cfg.frames, rule).cpu()
+        pairs = [(r, s) for r in range(lo, hi) for s in range(cfg.seeds_per_prompt)]
+        write_latent_rows(store, F.Z_CONDITION, [r for r, _ in pairs], [s for _, s in pairs],
+                          latent.repeat_interleave(cfg.seeds_per_prompt, dim=0), behind)
+        bar.update(hi - lo)
+    bar.close()
+    del vae
+
+
+def _image(image, prompt_idx: int):
+    """An --images file (read again, checked) or an --images-from frame (in memory)."""
+    return open_image(image, f"--images: prompt {prompt_idx}'s image") if isinstance(image, Path) else image
+
+
 def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[int]) -> float:
     """Run the blocks `todo` to their last step while the writer thread packs shards; returns the loop's seconds."""
     store = open_prompt_store(prompt_store_path(job.out, job.part), mode="r+")
@@ -273,8 +302,7 @@ def _run_blocks(job: _Part, prog: PartProgress, experts: ExpertSet, todo: list[i
         write_projection(job.out, matrix)
         features = FeatureRecorder(cfg.record_features, matrix, cfg.feature_pool, job.dtype)
     runner = TrajectoryRunner(experts, job.scheduler, job.schedule, cfg.steps, job.dtype, job.device,
-                              job.spec.expand_timesteps, keep_cond_uncond=cfg.save_cond_uncond,
-                              patch=job.spec.patch_size, features=features,
+                              InputRule.of(job.header), keep_cond_uncond=cfg.save_cond_uncond, features=features,
                               record=frozenset(job.recorded) if len(job.recorded) < cfg.steps else None)
     warm = _warm_up(job, runner, experts, todo)  # before the bar: the figures count teacher steps alone
     bar, progress = _progress_bar(job, prog, todo)
@@ -340,11 +368,12 @@ def _progress_bar(job: _Part, prog: PartProgress, todo: list[int]) -> tuple[tqdm
     return bar, progress
 
 
-def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """`inputs(b)`: block b's initial noise and its prompts' embeddings (from the prompt store, checked)."""
+def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """`inputs(b)`: block b's initial noise, its prompts' embeddings and (image-to-video) its trajectories' condition
+    latents, from the prompt store, checked."""
     stored = PartRows(job.out, job.part, job.num_parts)  # opened once: zarr re-reads metadata at every open
 
-    def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         rows = [p // job.num_parts for p, _ in job.blocks[b]]
         try:
             read = stored.padded(rows)  # a block's rows are consecutive: their tokens lie together (one read)
@@ -355,7 +384,10 @@ def _block_inputs(job: _Part) -> Callable[[int], tuple[torch.Tensor, torch.Tenso
                                                   f"{store_relpath(job.part)} {why}") from e
         cond = F.storage_to_torch(read, stored.dtype_name)
         noise = torch.stack([initial_noise(job.cfg.seed, p, s, job.latent_shape) for p, s in job.blocks[b]])
-        return noise, cond
+        if job.images is None:
+            return noise, cond, None
+        condition = [torch.from_numpy(stored.latents(F.Z_CONDITION, p // job.num_parts)[s]) for p, s in job.blocks[b]]
+        return noise, cond, torch.stack(condition)
 
     return inputs
 

@@ -15,9 +15,11 @@ from pipeline import lock
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, offline, teacher_folder
+from pipeline.image_condition import image_sha256, read_image_file
 from pipeline.prompts import dedupe, read_prompt_file
 from pipeline.runtime import dist_env, print0
 
+from .first_frames import first_frames
 from . import placements, student_grids
 from .outdir import check_free, listed_shard_bytes, refuse_foreign
 from .placements.base import default_dtype
@@ -40,6 +42,14 @@ class PartPlan:
     spec: TeacherSpec
     hub_configs: bool = False  # a dry run of a Hub id: its configs alone were fetched
     grids: list = field(default_factory=list)  # --for-students: each student grid's boundaries (StudentGrid)
+    images: list | None = None  # --images: each prompt's image (a path), its trajectories' first frame
+
+    @property
+    def prompt_set(self) -> list[str]:
+        """What the cache's prompt set identity covers: the prompts, and each one's image's bytes where given."""
+        if self.images is None:
+            return self.prompts
+        return [f"{image_sha256(i)}\t{p}" for i, p in zip(self.images, self.prompts)]
 
     @property
     def trajectories(self) -> int:
@@ -60,7 +70,13 @@ def resolve_parts(cfg: TeacherCacheConfig, dry: bool = False) -> tuple[int, int,
 
 def plan_part(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, dry: bool = False) -> PartPlan:
     """The part's prompts and teacher, checked, and the placement's checks that need no GPU."""
-    prompts, dropped = dedupe(read_prompt_file(cfg.prompts))
+    if cfg.images:  # image-to-video: each (image, prompt) line a prompt of its own, the image its condition
+        pairs, dropped = dedupe(read_image_file(cfg.images))
+        images, prompts = [i for i, _ in pairs], [p for _, p in pairs]
+    elif cfg.images_from:  # (its prompts are unique already)
+        (images, prompts), dropped = first_frames(cfg.images_from, dry), 0
+    else:
+        (prompts, dropped), images = dedupe(read_prompt_file(cfg.prompts)), None
     rows = list(range(part, len(prompts), num_parts))
     if not rows:
         raise UserError(f"part {part} of {num_parts} gets no prompt: the file has only {len(prompts)}; "
@@ -70,11 +86,12 @@ def plan_part(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool
     spec = configs_spec(teacher_folder(cfg.teacher, cfg.revision, files=CONFIGS, hint_files=PIPELINE), cfg.teacher) \
         if hub else resolve_teacher(cfg.teacher, cfg.revision)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
+    spec.condition_for(images is not None)  # refuses an image-to-video teacher without images, and the reverse
     if cfg.guidance_2 is not None and spec.boundary_ratio is None:
         raise UserError("--guidance-2 applies only to two-expert (Wan 2.2 A14B) teachers; drop it for this teacher")
     placements.get(cfg.placement).check(cfg, spec)
     cfg, grids = student_grids.resolve(cfg, spec)  # --for-students: the steps their boundaries need
-    return PartPlan(cfg, part, num_parts, torchrun, prompts, dropped, rows, spec, hub, grids)
+    return PartPlan(cfg, part, num_parts, torchrun, prompts, dropped, rows, spec, hub, grids, images)
 
 
 def check_part_count(out: Path, num_parts: int) -> None:
@@ -136,12 +153,17 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
         "teacher": f"{cfg.teacher} ({len(spec.experts)} expert(s), latent {c}x{f}x{h}x{w}; {what})",
         "placement": cfg.placement, "out": _out_state(plan),
     }
+    if plan.images is not None:
+        shape = "x".join(map(str, spec.condition_shape(cfg.height, cfg.width, cfg.frames)))
+        summary["condition"] = (f"{spec.condition_for(True)}: each prompt's image through the teacher's VAE, a "
+                                f"{shape} latent per trajectory (float32)")
     summary["disk"] = _disk(plan)  # (refused here as the run refuses it)
     print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
            f"  prompts    {len(plan.prompts)} unique ({plan.dropped} duplicates dropped); part {part} of {num_parts}: "
            f"{len(plan.rows)} prompts, {plan.trajectories} trajectories in {summary['blocks']} blocks of "
            f"{cfg.batch_size}, {summary['samples']} samples ({steps} of {cfg.steps} steps recorded)\n"
            f"  teacher    {summary['teacher']}\n"
+           + (f"  images     {summary['condition']}\n" if "condition" in summary else "") +
            f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
            f"  --out      {cfg.out}: {summary['out']}\n"
            f"  disk       {_disk_words(summary['disk'])}")

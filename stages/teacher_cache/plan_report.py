@@ -31,6 +31,7 @@ from .teacher import TeacherSpec, configs_spec, load_scheduler
 from .trajectory import Schedule
 
 VAE_WHERE = "not loaded in stage one (the cache holds latents)"
+VAE_I2V = "float32 in stage one, encoding each image before the transformers load, then freed"
 NO_STEP_TIME = ("no measured step time for this teacher and placement: run `plan --measure` on the machine that "
                 "will run it, or give --step-time SECONDS")
 
@@ -319,6 +320,9 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     # plan does not print a command the run refuses
     spec = configs_spec(root, teacher)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
+    if spec.image_to_video:  # its VAE encodes each prompt's image before the transformers load
+        for c in plan.components:
+            c["where"] = VAE_I2V if c["name"] == "vae" else c["where"]
     if cfg.frames > 1:
         plan.latent_frames = spec.latent_shape(cfg.height, cfg.width, cfg.frames)[1]
     if note := one_frame_note(spec, cfg.frames):
@@ -337,7 +341,7 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
         value = getattr(cfg, f.name)
         if f.name in given and f.name not in _NAMED and (config_file or value != f.default):
             flags |= _flag(f, value)
-    words = launch.teacher_cache_words(teacher, revision, plan.placement, flags, settings.out)
+    words = launch.teacher_cache_words(teacher, revision, plan.placement, flags, settings.out, spec.image_to_video)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
     on = flops.gpu(settings.gpu, settings.gpu_tflops) if settings.gpu or settings.gpu_tflops else None
@@ -430,14 +434,14 @@ def cache_projection(spec: TeacherSpec, cfg: TeacherCacheConfig, prompts: int | 
     return {"steps": cfg.steps, "recorded_steps": recorded, "seeds_per_prompt": cfg.seeds_per_prompt,
             "max_sequence_length": cfg.max_sequence_length,
             "sample_bytes": size.sample_bytes, "prompt_store_bytes": round(size.prompt_bytes),
-            "bytes_per_prompt": round(per_prompt), "prompts": prompts,
+            "bytes_per_prompt": round(per_prompt), "prompts": prompts, "condition": header.condition_shape,
             "total_bytes": size.total if prompts else None}
 
 
 def _render_cache(c: dict) -> str:
     head = (f"cache       {human(c['sample_bytes'])} per sample x {c['recorded_steps']} of {c['steps']} steps x "
             f"{c['seeds_per_prompt']} seed(s) + {human(c['prompt_store_bytes'])} of prompt store (noise, final latent, "
-            f"the embedding at all {c['max_sequence_length']} tokens: at most) = {human(c['bytes_per_prompt'])} per "
+            + ("the image's condition latent, " if c.get("condition") else "") + f"the embedding at all {c['max_sequence_length']} tokens: at most) = {human(c['bytes_per_prompt'])} per "
             "prompt")
     return head + (f"; {c['prompts']:,} prompts: {human(c['total_bytes'])}" if c["prompts"] else
                    " (--prompts N: the total)")

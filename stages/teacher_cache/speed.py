@@ -12,7 +12,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.registries import QUANTS, STEP_CACHE_WHY, STEP_CACHES, TeacherSpeedSettings
-from pipeline.sampling import model_timestep
+from pipeline.model_call import Inputs, predict
 from pipeline.settings import name_of
 
 FLAGS = {f.name: f"--{name_of(f)}" for f in fields(TeacherSpeedSettings)}  # field -> how the command line spells it
@@ -94,11 +94,10 @@ class TeacherSpeed(TeacherSpeedSettings):
         counted step. `context`: (text tokens, text width)."""
         for b in sorted(set(batches)):
             latents = torch.zeros(b, *latent_shape, device=runner.device, dtype=runner.dtype)
-            timestep = model_timestep(torch.full((b,), 999.0, device=runner.device), latents.shape[2:],
-                                      runner.expand_timesteps, runner.patch)
-            text = torch.zeros(b * (2 if runner.schedule.cfg else 1), *context, device=runner.device,
-                               dtype=runner.dtype)
-            runner.predict(model, latents, timestep, text, 1.0)
+            text = torch.zeros(b, *context, device=runner.device, dtype=runner.dtype)
+            inputs = Inputs(latents, torch.full((b,), 999.0, device=runner.device), text,
+                            text[:1] if runner.schedule.cfg else None)
+            predict(model, inputs, 1.0, runner.rule, batched=True)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
 

@@ -1,23 +1,22 @@
-"""The Wan teacher: find and check it (local folder or hub id), read its configs without weights, load the parts
-stage one runs (where the experts' weights go: placements/) and encode prompts with its own `encode_prompt`."""
+"""The Wan teacher: find and check it (local folder or hub id), read its configs without weights, load its scheduler
+and text encoder (its experts: placements/, where their weights go) and encode prompts with its own
+`encode_prompt`."""
 
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.errors import UserError
 from pipeline.hub import is_hub_id, offline, teacher_folder
+from pipeline.model_call import NONE, InputRule
 from pipeline.progress_bar import progress_bar
-from pipeline.teacher_files import brief, hash_json, missing_weights, read_component, read_index, sample_file
-
-if TYPE_CHECKING:
-    from .placements import Placement
+from pipeline.teacher_files import (
+    I2V_PIPELINE, PIPELINES, brief, hash_json, missing_weights, read_component, read_index, sample_file,
+)
 
 REQUIRED = ("tokenizer", "text_encoder", "vae", "scheduler")
 CONFIG_FILES = {"tokenizer": "", "text_encoder": "config.json", "vae": "config.json",
@@ -60,9 +59,37 @@ class TeacherSpec:
     def patch_size(self) -> tuple[int, int, int]:
         return tuple(self.transformer_config.get("patch_size", (1, 2, 2)))
 
+    @property
+    def image_to_video(self) -> bool:
+        """A WanImageToVideoPipeline: it draws from an image (the condition on its input channels)."""
+        return self.model_index.get("_class_name") == I2V_PIPELINE
+
+    def condition_for(self, images: bool) -> str:
+        """How the teacher takes a trajectory's image (model_call's conditions): Wan I2V's channels, TI2V's first
+        frame, or none (text-to-video)."""
+        if self.image_to_video and not images:
+            raise UserError(f"teacher {self.name!r} is an image-to-video pipeline: give --images FILE (lines of "
+                            "<image path><TAB><prompt>) instead of --prompts")
+        if not images:
+            return NONE
+        if not (self.image_to_video or self.expand_timesteps):
+            raise UserError(f"teacher {self.name!r} is text-to-video only: drop --images and give --prompts, or pass "
+                            "an image-to-video teacher (WanImageToVideoPipeline, or Wan2.2-TI2V-5B)")
+        if self.model_index.get("image_encoder") not in (None, [None, None]):
+            raise UserError(f"teacher {self.name!r} conditions on CLIP image embeddings (Wan2.1-I2V), which stage one "
+                            "does not compute yet; use a Wan2.2 image-to-video teacher (I2V-A14B or TI2V-5B)")
+        return InputRule.of_teacher(self.model_index, self.transformer_config, True).condition
+
+    def condition_shape(self, height: int, width: int, frames: int) -> list[int] | None:
+        """[C, F, H, W] of one trajectory's condition latent, as WanImageToVideoPipeline.prepare_latents makes it."""
+        c, f, h, w = self.latent_shape(height, width, frames)
+        return [c, 1, h, w] if self.expand_timesteps else [self.vae_temporal + c, f, h, w]
+
     def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int, int]:
-        """[C, F, H, W] of the teacher's latents, exactly as WanPipeline.prepare_latents computes it."""
-        return (int(self.transformer_config["in_channels"]), (frames - 1) // self.vae_temporal + 1,
+        """[C, F, H, W] of the teacher's latents, exactly as WanPipeline.prepare_latents computes it (the VAE's
+        channels: an I2V transformer takes the condition's besides)."""
+        tcfg = self.transformer_config
+        return (int(tcfg.get("out_channels") or tcfg["in_channels"]), (frames - 1) // self.vae_temporal + 1,
                 height // self.vae_spatial, width // self.vae_spatial)
 
     def check_sizes(self, height: int, width: int, frames: int) -> None:
@@ -114,8 +141,8 @@ def _experts(mi: dict) -> tuple[str, ...]:
 def configs_spec(root: Path, name: str) -> TeacherSpec:
     """The teacher's shapes from its configs alone (no weights, no tokenizer), for `plan` and a Hub id's dry run."""
     mi = read_json(root, "model_index.json")
-    if mi.get("_class_name") != "WanPipeline":
-        raise UserError(f"{root} is a {brief(mi.get('_class_name'))}, not a WanPipeline")
+    if mi.get("_class_name") not in PIPELINES:
+        raise UserError(f"{root} is a {brief(mi.get('_class_name'))}, not a WanPipeline or {I2V_PIPELINE}")
     experts = _experts(mi)
     if not experts:
         raise UserError(f"teacher {name!r}: {root / 'model_index.json'} names no transformer; pass a Wan pipeline")
@@ -139,9 +166,9 @@ def resolve_teacher(name: str, revision: str | None = None) -> TeacherSpec:
         mi = read_index(p)
     except FileNotFoundError:
         raise UserError(f"teacher {name!r} is not a diffusers pipeline: model_index.json is missing in {p}") from None
-    if mi.get("_class_name") != "WanPipeline":
-        raise UserError(f"teacher {name!r} is a {brief(mi.get('_class_name'))}, not a WanPipeline (text-to-video "
-                        "Wan 2.1/2.2 in diffusers format)")
+    if mi.get("_class_name") not in PIPELINES:
+        raise UserError(f"teacher {name!r} is a {brief(mi.get('_class_name'))}, not a WanPipeline or {I2V_PIPELINE} "
+                        "(Wan 2.1/2.2 in diffusers format)")
     experts = _experts(mi)
     missing = [c for c in REQUIRED if not (isinstance(mi.get(c), list) and mi[c][0])]
     if not experts:
@@ -176,6 +203,14 @@ def load_scheduler(spec: TeacherSpec):
     if cls is None:
         raise UserError(f"teacher scheduler class {cls_name!r} is unknown to diffusers {diffusers.__version__}")
     return cls.from_pretrained(spec.path, subfolder="scheduler")
+
+
+def load_vae(spec: TeacherSpec, device: torch.device):
+    """The teacher's VAE in float32 on `device` (image-to-video: each image's condition latent)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(spec.path, subfolder="vae", torch_dtype=torch.float32,
+                                            use_safetensors=True).to(device).eval().requires_grad_(False)
 
 
 def load_text_encoder(spec: TeacherSpec, dtype: torch.dtype, device: torch.device, model_offload: bool = False):
@@ -223,51 +258,3 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], max_len: int, dt
     """Embeddings [n, L, D] and lengths [n] of a few prompts at once (`iter_encoded`, gathered)."""
     parts = list(iter_encoded(tokenizer, text_encoder, prompts, max_len, dtype, device, batch_size, progress))
     return torch.cat([e for _, e, _ in parts]), torch.cat([n for _, _, n in parts])
-
-
-def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=None) -> ExpertSet:
-    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
-    experts = ExpertSet(spec, placement, log, prepare)
-    if not placement.expert_major:
-        experts.activate(None)
-    return experts
-
-
-class ExpertSet:
-    """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
-
-    def __init__(self, spec: TeacherSpec, placement: Placement, log=print, prepare=None):
-        self.spec, self.placement, self.log = spec, placement, log
-        self.device = placement.device  # where a released expert's memory is handed back
-        self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
-        self.prepare = prepare or (lambda model: model)  # the speed options, as each expert loads (speed.py)
-        self.on_load = None  # called with each expert once prepared (the compile warm-up of make_cache)
-
-    def __len__(self) -> int:
-        return len(self.models)
-
-    def __getitem__(self, i: int) -> torch.nn.Module:
-        m = self.models[i]
-        if m is None:
-            raise RuntimeError(f"expert {i + 1} is not loaded (expert-major order: activate it first)")
-        return m
-
-    def activate(self, experts: tuple[int, ...] | None) -> None:
-        """Make exactly `experts` (1-based; None = all) resident, releasing the others first."""
-        want = set(range(1, len(self.models) + 1)) if experts is None else set(experts)
-        released = [e for e in range(len(self.models)) if e + 1 not in want and self.models[e] is not None]
-        for e in released:
-            self.models[e] = None
-        if released:
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        for e in sorted(want):
-            if self.models[e - 1] is None:
-                m = self.prepare(self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log))
-                self.models[e - 1] = m
-                if self.on_load is not None:
-                    self.on_load(m)
-
-    def close(self) -> None:
-        self.activate(())

@@ -13,7 +13,7 @@ import torch
 
 from cache.feature_projection import project
 from pipeline.errors import UserError
-from pipeline.sampling import model_timestep
+from pipeline.model_call import PLAIN, InputRule, Inputs, predict
 
 
 def initial_noise(base_seed: int, prompt_idx: int, seed_idx: int, shape) -> torch.Tensor:
@@ -111,17 +111,17 @@ class TrajectoryRunner:
     steps: int
     dtype: torch.dtype
     device: torch.device
-    expand_timesteps: bool
+    rule: InputRule = PLAIN
     keep_cond_uncond: bool = False
-    patch: tuple[int, int, int] = (1, 2, 2)
     features: FeatureRecorder | None = None
     record: frozenset[int] | None = None  # steps handed to on_step (None: every step); every step runs either way
 
     @torch.inference_mode()
     def run(self, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | None, on_step=None,
-            experts: tuple[int, ...] | None = None, state=None):
-        """Denoise `noise` [B, C, F, H, W] (float32) with embeddings `cond` [B, L, D], each recorded step to `on_step`;
-        with `experts`, only their steps, the returned state continuing later. Returns (final latents on CPU, state)."""
+            experts: tuple[int, ...] | None = None, state=None, condition: torch.Tensor | None = None):
+        """Denoise `noise` [B, C, F, H, W] (float32) with embeddings `cond` [B, L, D] (and the trajectories' condition
+        latent, where the rule takes one), each recorded step to `on_step`; with `experts`, only their steps, the
+        returned state continuing later. Returns (final latents on CPU, state)."""
         if state is None:
             sched = copy.deepcopy(self.scheduler)
             sched.set_timesteps(self.steps, device=self.device)
@@ -130,8 +130,8 @@ class TrajectoryRunner:
         else:
             latents, sched = state
         cond = cond.to(self.device, self.dtype)
-        context = torch.cat([cond, uncond.to(self.device, self.dtype).expand(cond.shape[0], -1, -1)]) \
-            if self.schedule.cfg else cond
+        negative = uncond.to(self.device, self.dtype) if self.schedule.cfg else None
+        condition = None if condition is None else condition.to(self.device, torch.float32)
         b = latents.shape[0]
         for i, t in enumerate(sched.timesteps):
             expert = self.schedule.experts[i]
@@ -140,26 +140,16 @@ class TrajectoryRunner:
             model = self.experts[expert - 1]
             scale = self.schedule.guidance[i]
             latent_in = latents.to(self.dtype)
-            timestep = model_timestep(t.expand(b), latents.shape[2:], self.expand_timesteps, self.patch)
             kept = on_step is not None and (self.record is None or i in self.record)
             recording = self.features.capture(model, b) if self.features and kept else contextlib.nullcontext()
             with recording:
-                noise_pred, noise_cond, noise_uncond = self.predict(model, latent_in, timestep, context, scale)
+                pred = predict(model, Inputs(latent_in, t.expand(b), cond, negative, condition), scale, self.rule,
+                               batched=True)
             if kept:
-                keep = self.keep_cond_uncond and noise_cond is not None
-                pair = [n.to(self.dtype).cpu() if keep else None for n in (noise_cond, noise_uncond)]
+                keep = self.keep_cond_uncond and pred.cond is not None
+                pair = [n.to(self.dtype).cpu() if keep else None for n in (pred.cond, pred.uncond)]
                 on_step(StepRecord(i, float(t), self.schedule.sigmas[i], expert, scale, latent_in.cpu(),
-                                   noise_pred.to(self.dtype).cpu(), *pair,
+                                   pred.guided.to(self.dtype).cpu(), *pair,
                                    self.features.result() if self.features else None))
-            latents = sched.step(noise_pred, t, latents, return_dict=False)[0]
-        return latents.float().cpu(), (latents, sched)
-
-    def predict(self, model, latent_in, timestep, context, scale):
-        """(guided prediction, conditional, unconditional) of one step, as WanPipeline computes them."""
-        if self.schedule.cfg:
-            out = model(hidden_states=torch.cat([latent_in, latent_in]), timestep=torch.cat([timestep, timestep]),
-                        encoder_hidden_states=context, return_dict=False)[0]
-            noise_cond, noise_uncond = out.chunk(2)
-            return noise_uncond + scale * (noise_cond - noise_uncond), noise_cond, noise_uncond
-        return model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=context,
-                     return_dict=False)[0], None, None
+            latents = sched.step(pred.guided, t, latents, return_dict=False)[0]
+        return self.rule.finish(latents, condition).float().cpu(), (latents, sched)

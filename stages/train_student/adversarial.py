@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as nnf
 
 from pipeline.errors import UserError
+from pipeline.model_call import InputRule, Inputs, predict
 
 R1_SIGMA = 0.01  # approximate R1 (APT): the real sample perturbed by this much noise, the logits' change penalised
 
@@ -33,11 +34,11 @@ class Discriminator(torch.nn.Module):
         self.head = torch.nn.Linear(trunk.config.num_attention_heads * trunk.config.attention_head_dim, 1)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Inputs, rule: InputRule) -> torch.Tensor:
         last: list[torch.Tensor] = []
         hook = self.trunk.blocks[-1].register_forward_hook(lambda _m, _i, out: last.append(out))
         try:
-            self.trunk(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)
+            predict(self.trunk, x, rule=rule)
         finally:
             hook.remove()
         return self.head(last[0].float()).mean(dim=(1, 2))
@@ -45,7 +46,7 @@ class Discriminator(torch.nn.Module):
 
 def build(student_config: dict, path: str | None) -> Discriminator:
     """The discriminator, its trunk shaped as the student and copied from `path` (--segment-disc-init)."""
-    from .student import build_student, init_from_teacher
+    from stages.students.compact import build_student, init_from_teacher
 
     if not path:
         raise UserError("--segment-adversarial-weight needs --segment-disc-init PATH: the velocity student (its "
@@ -81,13 +82,16 @@ class AdversarialTerm:
         disc.calls += 1
         level = s.view(-1, *[1] * (real.dim() - 1))
         renoise = lambda x: (1 - level) * x + level * eps  # noqa: E731 (flow matching's path, as the teacher's)
-        t = (s * 1000).view(-1, *[1] * (batch.timestep.dim() - 1)).expand_as(batch.timestep)
+        t = s * 1000
         real_s, fake_s = renoise(real), renoise(fake)
+        one = batch.inputs(fake_s, t)
+        three = Inputs(torch.cat([real_s, fake_s.detach(), real_s + R1_SIGMA * r1_noise]), t.repeat(3),
+                       one.text.repeat(3, 1, 1), condition=None if one.condition is None else one.condition.repeat(
+                           3, *[1] * (one.condition.dim() - 1)))
         with autocast():  # real, detached fake and perturbed real in one forward
-            logits = disc(torch.cat([real_s, fake_s.detach(), real_s + R1_SIGMA * r1_noise]), t.repeat(3, *[1] * (
-                t.dim() - 1)), batch.context.repeat(3, 1, 1)).float()
+            logits = disc(three, batch.rule).float()
             frozen = {k: v.detach() for k, v in disc.named_parameters()}
-            g_logits = torch.func.functional_call(disc, frozen, (fake_s, t, batch.context)).float()
+            g_logits = torch.func.functional_call(disc, frozen, (one, batch.rule)).float()
         d_real, d_fake, d_pert = logits.chunk(3)
         terms = {"discriminator": nnf.softplus(-d_real) + nnf.softplus(d_fake) + self.r1 * (d_real - d_pert).pow(2)}
         on = float(self.weight) if int(disc.calls) > self.warmup else 0.0

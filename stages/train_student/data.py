@@ -5,6 +5,7 @@ micro-batch holds lists of the samples' own tensors, laid out where they are use
 from __future__ import annotations
 
 import zlib
+from functools import partial
 
 import numpy as np
 import torch
@@ -22,12 +23,14 @@ from .epoch import RankBatches
 # The derived field a SegmentDataset adds to each item: the average velocity from the sample's state to the end of
 # its segment (not a cache field: it is computed from two cached states).
 SEGMENT_VELOCITY = "segment_velocity"
+CONDITION_BYTES = 1 << 30  # what one reader process keeps of image-to-video conditions (an LRU of prompts) at most
 
 
 class SampleDataset(Dataset):
     """Items are (row, weight) pairs; reads the sample's `fields` (cache/schema.py names, checked against the schema by
     the reader) and its prompt's real tokens (an LRU of `embedding_cache_size` prompts per process). Readers are
-    opened on first use, so each DataLoader worker opens its own after the fork."""
+    opened on first use, so each DataLoader worker opens its own after the fork. On an image-to-video cache each item
+    carries its trajectory's condition latent too (under F.T_CONDITION, from the prompt store, an LRU of prompts)."""
 
     def __init__(self, index: CacheIndex, embedding_cache_size: int, fields: tuple[str, ...] = (F.T_X_T, F.T_TARGET)):
         self.index = index
@@ -36,15 +39,23 @@ class SampleDataset(Dataset):
         self.max_len = int(index.manifest.max_sequence_length)
         self._reader: SampleReader | None = None
         self._embeds: list[EmbeddingCache] | None = None
+        self._conditions: list[RowCache] | None = None
 
     def _open(self) -> None:
         self._reader = SampleReader(self.index)
         self._embeds = [EmbeddingCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size)
                         for c in self.index.caches]
+        m = self.index.manifest
+        if m.condition != F.NO_CONDITION:  # every seed of a prompt per entry, float32
+            per_prompt = 4 * int(m.seeds_per_prompt) * int(np.prod(m.condition_shape))
+            size = max(1, min(self.embedding_cache_size, CONDITION_BYTES // per_prompt))
+            self._conditions = [RowCache(c.path, int(c.manifest.num_parts), size, partial(_latents, F.Z_CONDITION))
+                                for c in self.index.caches]
 
     def __getstate__(self) -> dict:
         """Pickled (a worker process spawned, not forked): readers and stores are the process's own."""
-        return {k: None if k in ("_reader", "_embeds", "_finals") else v for k, v in self.__dict__.items()}
+        return {k: None if k in ("_reader", "_embeds", "_finals", "_conditions") else v
+                for k, v in self.__dict__.items()}
 
     def __getitem__(self, item: tuple[int, float]) -> dict:
         if self._reader is None:
@@ -64,7 +75,11 @@ class SampleDataset(Dataset):
         if padded != self.max_len:
             raise CacheError(f"prompt store of {cache.path} pads to {padded} tokens, the manifest says "
                              f"max_sequence_length {self.max_len}")
-        return {"fields": {name: tensors[name] for name in self.fields}, "context": context,
+        fields = {name: tensors[name] for name in self.fields}
+        if self._conditions is not None:
+            fields[F.T_CONDITION] = _seed(self._conditions[int(r[C_CACHE])][int(r[C_PROMPT])], int(r[C_SEED]),
+                                          F.Z_CONDITION)
+        return {"fields": fields, "context": context,
                 "timestep": float(meta[F.M_TIMESTEP]), "sigma": float(meta[F.M_SIGMA]), "step": int(meta[F.M_STEP]),
                 "weight": float(weight), "key": self.index.key(row), "max_len": self.max_len}
 
@@ -96,9 +111,18 @@ def later_state_rows(index: CacheIndex, rows: np.ndarray, end_step: np.ndarray) 
     return out
 
 
-def _final_latents(rows: PartRows, row: int) -> tuple[PartRows, int, torch.Tensor]:
-    """Every seed's final latent of a prompt's row, float32 [seeds, C, F, H, W], checked against its crc32c."""
-    return rows, row, torch.from_numpy(np.ascontiguousarray(rows.latents(F.Z_FINAL_LATENTS, row), dtype=np.float32))
+def _latents(name: str, rows: PartRows, row: int) -> tuple[PartRows, int, torch.Tensor]:
+    """Every seed's per-trajectory array `name` of a prompt's row (final latents, condition), float32 [seeds, ...],
+    checked against its crc32c."""
+    return rows, row, torch.from_numpy(np.ascontiguousarray(rows.latents(name, row), dtype=np.float32))
+
+
+def _seed(entry: tuple[PartRows, int, torch.Tensor], seed: int, name: str) -> torch.Tensor:
+    """One seed's array of a `_latents` entry; RowError where that trajectory's was never written (zeros)."""
+    rows, prow, values = entry
+    if not bool(values[seed].any()):
+        raise rows.error(ROW_LATENT_UNWRITTEN, f"{name} of {rows.where(prow)} seed {seed} were never written")
+    return values[seed]
 
 
 class SegmentDataset(SampleDataset):
@@ -118,8 +142,8 @@ class SegmentDataset(SampleDataset):
 
     def _open(self) -> None:
         super()._open()
-        self._finals = [RowCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size, _final_latents)
-                        for c in self.index.caches]
+        self._finals = [RowCache(c.path, int(c.manifest.num_parts), self.embedding_cache_size,
+                                 partial(_latents, F.Z_FINAL_LATENTS)) for c in self.index.caches]
 
     def __getitem__(self, item: tuple[int, float]) -> dict:
         out = super().__getitem__(item)
@@ -129,11 +153,7 @@ class SegmentDataset(SampleDataset):
         if end_row >= 0:
             x_end = self._reader.read_tensors(end_row)[F.T_X_T]
         else:  # the trajectory's final latent [C, F, H, W] (an LRU of prompts), unless it was never written
-            rows, prow, latents = self._finals[int(r[C_CACHE])][int(r[C_PROMPT])]
-            if not bool(latents[seed].any()):
-                raise rows.error(ROW_LATENT_UNWRITTEN, f"{F.Z_FINAL_LATENTS} of {rows.where(prow)} seed {seed} were "
-                                                       "never written")
-            x_end = latents[seed]
+            x_end = _seed(self._finals[int(r[C_CACHE])][int(r[C_PROMPT])], seed, F.Z_FINAL_LATENTS)
         # in float32, the constant velocity that carries x_t at its sigma to x_end at sigma_end along a straight line,
         # i.e. what one Euler step of that size must predict
         x_k = out["fields"][F.T_X_T]

@@ -28,14 +28,14 @@ from pipeline.errors import UserError
 from pipeline.faults import fault_point
 from pipeline.progress_bar import progress_bar
 from pipeline.runtime import barrier
-from pipeline.sampling import model_timestep
+from pipeline.model_call import InputRule
+from stages.students.student_kind import trained_parameters
 
 from . import checkpoint
 from .comm import all_gather_bytes, all_reduce
 from .data import collate, make_loader, padded_context, to_device
 from .epoch import RankBatches, eval_batches
 from .objective_base import Batch
-from .student import trained_parameters
 from .tracking import Tracker
 from .train_plan import TrainPlan, lr_at
 
@@ -94,14 +94,13 @@ class TrainState:
     extra: dict = field(default_factory=dict)  # its place in trainer_state.json: the run identity (Trainer)
 
 
-def to_batch(batch: dict, device: torch.device, expand_timesteps: bool, patch: tuple[int, int, int]) -> Batch:
-    """A collated micro-batch on the device, with the transformer's timestep input laid out as WanPipeline's."""
+def to_batch(batch: dict, device: torch.device, rule: InputRule) -> Batch:
+    """A collated micro-batch on the device, its inputs following the cache teacher's `rule`."""
     fields = {k: to_device(v, device) for k, v in batch["fields"].items()}
-    t = model_timestep(batch["timestep"].to(device), fields[F.T_X_T].shape[2:], expand_timesteps, patch)
     # collate passes the real tokens alone; the padding, zeros as WanPipeline pads, is added here on the device
     # (a padded A14B embedding is 4 MiB, trimmed ~0.5 MiB)
-    return Batch(fields, t, padded_context(batch, device), batch["weight"].to(device),
-                 {k: batch[k].to(device) for k in ("timestep", "sigma", "step", "sample")})
+    return Batch(fields, batch["timestep"].to(device), padded_context(batch, device), batch["weight"].to(device),
+                 {k: batch[k].to(device) for k in ("timestep", "sigma", "step", "sample")}, rule)
 
 
 def nonfinite_input(b: Batch, keys: list[str]) -> str | None:
@@ -142,7 +141,7 @@ class Trainer:
         self.optimizer, self.scaler = parts.optimizer, parts.scaler
         self.objective, self.data, self.plan, self.total = plan.objective, plan.data, plan.epochs, plan.total
         self.state, self.out, self.identity = state, out, plan.identity
-        self.expand_timesteps, self.patch = plan.manifest.expand_timesteps, tuple(plan.manifest.patch_size)
+        self.rule = InputRule.of(plan.manifest)
         self.dataset = plan.objective.dataset(plan.data.index, self.cfg.embedding_cache_size)
         mixed = plan.mixed
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=mixed)) if mixed else contextlib.nullcontext
@@ -182,8 +181,7 @@ class Trainer:
             most = len(eval_batches(rows, 0, self.env.world_size, self.cfg.batch_size))
             batches += [None] * (most - len(batches))
         for items in batches:
-            b = to_batch(collate([self.dataset[i] for i in items or [(int(rows[0]), 0.0)]]), self.device,
-                         self.expand_timesteps, self.patch)
+            b = to_batch(collate([self.dataset[i] for i in items or [(int(rows[0]), 0.0)]]), self.device, self.rule)
             per, _ = self.objective.loss(self.model, b, self.autocast, self.heads)
             if items is not None:
                 total += torch.tensor([per.sum().item(), len(items)], dtype=torch.float64)
@@ -279,7 +277,7 @@ class Trainer:
             self.data_wait_s += time.perf_counter() - t_wait  # blocked on the loader, not computing
             if self.debug_dir:
                 self.trained_keys.append(batch["keys"])
-            b = to_batch(batch, self.device, self.expand_timesteps, self.patch)
+            b = to_batch(batch, self.device, self.rule)
             with self.strategy.accumulate(j == len(micros) - 1):
                 per, terms = self.objective.loss(self.ddp or self.model, b, self.autocast, self.heads)
                 weighted = (per * b.weight).sum()

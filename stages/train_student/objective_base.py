@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from cache import format as F
 from cache.schema import SAMPLE_FIELDS, missing_fields, sample_fields
 from pipeline.errors import UserError
+from pipeline.model_call import PLAIN, InputRule, Inputs, predict
 from pipeline.registries import OBJECTIVES
 from pipeline.sampling import SAMPLER, mse  # noqa: F401 (mse: every objective's loss term, with the base)
 
@@ -29,10 +30,16 @@ class Batch:
     """One micro-batch on the device: the cache fields an objective asked for, the model inputs, weights."""
 
     fields: dict[str, torch.Tensor]  # schema field name -> [B, ...] float32
-    timestep: torch.Tensor  # the transformer's timestep input (per token for TI2V)
+    timestep: torch.Tensor  # per-sample timesteps [B] (the rule lays them out per token where the teacher does)
     context: torch.Tensor  # prompt embeddings [B, L, D]
     weight: torch.Tensor  # [B]: 1 for a sample, 0 for an epoch's padding dummy
     meta: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample metadata (timestep, sigma, step)
+    rule: InputRule = PLAIN  # how the cache's teacher takes its inputs (its header's)
+
+    def inputs(self, latent: torch.Tensor | None = None, t: torch.Tensor | None = None) -> Inputs:
+        """The model call's inputs for this batch: its x_t at its timesteps, or `latent` at `t`."""
+        return Inputs(self.x_t if latent is None else latent, self.timestep if t is None else t, self.context,
+                      condition=self.fields.get(F.T_CONDITION))
 
     @property
     def x_t(self) -> torch.Tensor:
@@ -69,12 +76,21 @@ def student_forward(model: torch.nn.Module, batch: Batch, autocast: Callable, bl
         lambda _m, _in, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in blocks]
     try:
         with autocast():
-            pred = model(hidden_states=batch.x_t, timestep=batch.timestep, encoder_hidden_states=batch.context,
-                         return_dict=False)[0]
+            pred = predict(model, batch.inputs(), rule=batch.rule).guided
     finally:
         for h in handles:
             h.remove()
     return Outputs(pred, captured)
+
+
+def scored(out: Outputs, batch: Batch) -> tuple[Outputs, Batch]:
+    """What an objective's distances see: everything, except the frames a condition gives, which the prediction and
+    the batch's latent-shaped fields lose, so that no term learns (or is diluted by) what sampling throws away."""
+    shape = out.prediction.shape
+    if (kept := batch.rule.learned_frames(shape[2])) is None:
+        return out, batch
+    fields = {k: v[:, :, kept] if v.shape == shape else v for k, v in batch.fields.items()}
+    return replace(out, prediction=out.prediction[:, :, kept]), replace(batch, fields=fields)
 
 
 class Objective:
@@ -116,7 +132,7 @@ class Objective:
              heads: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(per-sample loss [B], its terms)."""
         out = student_forward(model, batch, autocast, self.blocks())
-        terms = self.terms(out, batch, heads) | self.model_terms(out, batch, heads, autocast)
+        terms = self.terms(*scored(out, batch), heads) | self.model_terms(out, batch, heads, autocast)
         first, *rest = terms.values()
         return sum(rest, first), terms
 
@@ -171,6 +187,9 @@ def check_cache(objective: Objective, manifest: dict, cache: str, num_layers: in
                         f"{cache} does not carry (its samples hold {', '.join(sample_fields(manifest))}); "
                         + (f"rebuild it with {how}" if how else "rebuild it with a stage one that records them")
                         + " or choose another --objective")
+    if InputRule.of(manifest).learned_frames(int(manifest.latent_shape[1])) == []:
+        raise UserError(f"the cache {cache} is image-to-video of one latent frame, which sampling takes from the image "
+                        "whole: a student has nothing to learn; rebuild it with --frames 5 or more")
     objective.check(manifest, cache)
     for o in objective.outputs:
         if o != PREDICTION and (not o.startswith("block:") or not 0 <= int(o.split(":")[1]) < num_layers):

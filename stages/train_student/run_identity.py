@@ -15,8 +15,6 @@ from pipeline.settings import OWNER, SOURCE
 if TYPE_CHECKING:
     from pipeline.config import TrainStudentConfig
 
-    from .train_plan import TrainPlan
-
 
 def _kept(what: str, flags: str, optional: bool = False, keys: dict | None = None):
     """An identity field a resume must keep: `what` it is and the `flags` that set it, in the refusal's words (and,
@@ -140,28 +138,29 @@ def _data_difference(then: KeptSettings, now: KeptSettings, flags: str) -> tuple
     return "other rows to train on or hold out", f"the same {flags}"
 
 
-def _differences(saved: dict, then: RunIdentity, p: TrainPlan):
-    """(what, detail, fix) of each identity field, then each kept setting, that differs between `then` and this run."""
+def _differences(saved: dict, then: RunIdentity, now: RunIdentity, cfg: TrainStudentConfig):
+    """(what, detail, fix) of each identity field, then each kept setting, that differs between `then` and `now`."""
     for f in sorted(dataclasses.fields(RunIdentity), key=lambda f: f.name):
-        old, new = getattr(then, f.name), getattr(p.identity, f.name)
+        old, new = getattr(then, f.name), getattr(now, f.name)
         if f.name != "settings" and old != new:
-            yield f.metadata["what"], *(_data_difference(then.settings, p.identity.settings, f.metadata["flags"])
-                                        if f.name == "data" else _difference(f, old, new, saved, p.cfg))
+            yield f.metadata["what"], *(_data_difference(then.settings, now.settings, f.metadata["flags"])
+                                        if f.name == "data" else _difference(f, old, new, saved, cfg))
     for s in dataclasses.fields(KeptSettings):
-        old, new = getattr(then.settings, s.name), getattr(p.identity.settings, s.name)
+        old, new = getattr(then.settings, s.name), getattr(now.settings, s.name)
         if old != new:
             yield _changed(s.name, old, new)
 
 
-def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, p: TrainPlan) -> str | None:
-    """Why checkpoint `ckpt` (its trainer state `saved`, its identity `then`) cannot be continued by this run, in one
-    line naming the flag, the checkpoint's value and this run's, and the fix; None when it can. What the run is
-    first (caches, data, student, objective, ...), then the kept settings, a flag each."""
-    if (written_by := saved["strategy"]) != p.strategy.name:
+def resume_problem(ckpt: Path, saved: dict, then: RunIdentity, now: RunIdentity, cfg: TrainStudentConfig,
+                   strategy: str) -> str | None:
+    """Why checkpoint `ckpt` (its trainer state `saved`, its identity `then`) cannot be continued by this run (`now`,
+    `cfg`, `strategy`), in one line naming the flag, the checkpoint's value and this run's, and the fix; None when it
+    can. What the run is first (caches, data, student, objective, ...), then the kept settings, a flag each."""
+    if (written_by := saved["strategy"]) != strategy:
         sharded = written_by in STRATEGIES and STRATEGIES[written_by].caps.shards
         return (f"checkpoint {ckpt} was written with --strategy {written_by} (its weights are "
                 f"{'sharded' if sharded else 'whole'}); resume with --strategy {written_by}, or use a new --out")
-    if (found := next(_differences(saved, then, p), None)) is None:
+    if (found := next(_differences(saved, then, now, cfg), None)) is None:
         return None
     what, detail, fix = found
     return (f"checkpoint {ckpt} was made with another {what} ({detail}); a resume continues the run its checkpoint "
@@ -177,19 +176,20 @@ def length_flag(cfg: TrainStudentConfig, total: int) -> str:
 _STATE_KEYS = ("strategy", "total", "world_size", "rng", "scaler", "extra")  # what a resume reads beside the position
 
 
-def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
+def check_resumable(ckpt: Path, saved: dict, now: RunIdentity, cfg: TrainStudentConfig, strategy: str,
+                    total: int) -> None:
     """Checkpoint `ckpt`'s trainer state `saved` may be continued by this run (every rank checks alike): written by
-    this version, the same identity (`resume_problem`) and a run that does not end before the checkpoint's step."""
+    this version, the same identity (`resume_problem`) and a run of `total` steps, not ending before its step."""
     try:
         if missing := next((k for k in _STATE_KEYS if k not in saved), None):
             raise ValueError(missing)
-        problem = resume_problem(ckpt, saved, RunIdentity.from_json(saved["extra"]), p)
+        problem = resume_problem(ckpt, saved, RunIdentity.from_json(saved["extra"]), now, cfg, strategy)
     except ValueError as e:
         problem = (f"checkpoint {ckpt} was written by another version of train-student (its trainer state's {e} is "
                    "missing or not this version's); resume it with that version, or use a new --out")
-    if problem is None and saved["step"] > p.total:
+    if problem is None and saved["step"] > total:
         problem = (f"--resume: the newest sound checkpoint, {ckpt.name}, is at step {saved['step']}, past this run's "
-                   f"end at step {p.total} ({length_flag(p.cfg, p.total)}); pass --max-steps {saved['step']} or more "
+                   f"end at step {total} ({length_flag(cfg, total)}); pass --max-steps {saved['step']} or more "
                    "to continue that run, or use a new --out to train a shorter one")
     if problem is not None:
         err = UserError(problem)
@@ -197,10 +197,10 @@ def check_resumable(ckpt: Path, saved: dict, p: TrainPlan) -> None:
         raise err
 
 
-def length_note(saved: dict, p: TrainPlan) -> str | None:
-    """One line when this resume ends the run at another step than the checkpoint's run would have."""
-    if (before := saved["total"]) == p.total:
+def length_note(saved: dict, cfg: TrainStudentConfig, total: int) -> str | None:
+    """One line when this resume ends the run at another step (`total`) than the checkpoint's run would have."""
+    if (before := saved["total"]) == total:
         return None
-    return (f"note: --resume: the run now ends at step {p.total} ({length_flag(p.cfg, p.total)}), not {before}: "
-            f"from step {saved['step'] + 1} the learning rate follows the schedule of {p.total} steps, so the "
-            f"student is neither the {before}-step run's nor that of {p.total} steps uninterrupted")
+    return (f"note: --resume: the run now ends at step {total} ({length_flag(cfg, total)}), not {before}: "
+            f"from step {saved['step'] + 1} the learning rate follows the schedule of {total} steps, so the "
+            f"student is neither the {before}-step run's nor that of {total} steps uninterrupted")

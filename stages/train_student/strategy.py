@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from pipeline.registries import STRATEGIES, StrategyCaps
 from pipeline.runtime import DistEnv
+from stages.students.student_kind import StudentKind, trained_parameters
 
 from . import checkpoint
 from .comm import all_gather_bytes
 from .objective_base import WithHeads
-from .student import StudentKind, trained_parameters
 
 
 def get_strategy(name: str, env: DistEnv, device: torch.device, mixed: torch.dtype | None) -> Strategy:

@@ -21,12 +21,13 @@ from pipeline.config import TrainStudentConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
 from pipeline.runtime import DistEnv, barrier, dist_env, init_distributed, print0, teardown
+from stages.students.compact import init_from_teacher
+from stages.students.student_kind import trained_parameters
 
 from . import checkpoint, train_dry_run
 from .comm import all_gather_bytes
 from .loop import Parts, TrainState, Trainer, make_ema, metric_lines, plot_losses, truncate_metrics
 from .run_identity import check_resumable, length_note
-from .student import init_from_teacher, trained_parameters
 from .tracking import open_tracker, require_backend
 from .train_plan import TrainPlan, make_plan
 from .validation import make_validator
@@ -219,12 +220,12 @@ def _start(p: TrainPlan) -> tuple[Parts, TrainState, Path | None] | dict:
     ckpt = _pick_checkpoint(p) if cfg.resume else None
     if ckpt is not None:
         saved = checkpoint.read_state(ckpt)
-        check_resumable(ckpt, saved, p)
+        check_resumable(ckpt, saved, p.identity, cfg, p.strategy.name, p.total)
         if _finished(saved, p):  # (the SLURM script passes --resume to every start)
             print0(f"train-student: {p.layout.root} is finished ({p.total} steps, {p.layout.student} written); "
                    "nothing to do (to train longer, rerun with --resume and a larger --max-steps)")
             return {"out": str(p.layout.root), "steps": p.total, "finished": True}
-        if note := length_note(saved, p):
+        if note := length_note(saved, cfg, p.total):
             print0(note)
     parts = _build(p, fresh=ckpt is None)
     state, ema_state = _resume(ckpt, p, parts) if ckpt is not None else (TrainState(), None)

@@ -15,11 +15,11 @@ from pipeline import flops
 from pipeline.cache_status import frames_words
 from pipeline.flops import flop
 from pipeline.runtime import print0
+from stages.students.student_kind import trained_parameters
 
 from .data import make_loader
 from .epoch import RankBatches
 from .loop import Parts, TrainState, Trainer, make_ema, peak_memory_gib
-from .student import trained_parameters
 from .train_plan import TrainPlan, lr_at
 
 TRAINING_BYTES, EMA_BYTES = 16, 4  # per parameter: fp32 weights, gradients, AdamW's two moments; an EMA copy

@@ -17,13 +17,13 @@ from pipeline.artifact import RunLayout
 from pipeline.config import TrainStudentConfig
 from pipeline.errors import UserError
 from pipeline.runtime import DistEnv, dist_env, print0
+from stages.students.student_kind import StudentKind, student_kind
 
 from .epoch import EpochPlan, epoch_plan, order_identity
 from .index import DataSplit, prepare
 from .objective_base import Objective, check_cache, get_objective
 from .run_identity import KeptSettings, RunIdentity
 from .strategy import Strategy, get_strategy
-from .student import StudentKind, student_kind
 
 
 @dataclass

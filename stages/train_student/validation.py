@@ -1,4 +1,5 @@
-"""Validation by sampling, teacher-free (`final_latent_mse`, and with --val-decode the teacher's VAE alone);
+"""Validation by sampling, teacher-free (`final_latent_mse`, and with --val-decode the teacher's VAE alone), each
+trajectory from its cached noise (and, image-to-video, its cached condition) as the student will be sampled;
 docs/usage.md "Watch a run" and docs/architecture.md "The run artifact" have what it runs and costs."""
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from cache import format as F
 from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
 from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError, first_line
 from pipeline.hub import is_hub_id, teacher_folder
+from pipeline.model_call import NONE, InputRule
 from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
 
 _GAP = 2  # pixels between grid cells
@@ -39,30 +42,31 @@ class Validator:
         self.caches = [index.caches[where[t]].path for t in self.trajectories]
         self.steps = student_steps(record)
         self.guidance = 1.0 if record.guided else float(self.manifest.guidance)
-        self.expand = self.manifest.expand_timesteps
-        self.patch = tuple(self.manifest.patch_size)
-        self._inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.rule = InputRule.of(self.manifest)
+        self._inputs: list[tuple[torch.Tensor, ...]] | None = None
         self._neg: torch.Tensor | None = None
         self._vae = None
         self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer, with --val-decode
         self._teacher_frames: np.ndarray | None = None
 
-    def _load_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(initial noise, teacher's final latents, prompt embeddings) per batch, read once from the cache."""
+    def _load_inputs(self) -> list[tuple[torch.Tensor, ...]]:
+        """(initial noise, teacher's final latents, prompt embeddings, condition latents or None) per batch, read once
+        from the cache."""
         if self._inputs is None:
             num_parts = int(self.manifest.num_parts)
+            names = (F.Z_INIT_NOISE, F.Z_FINAL_LATENTS, *((F.Z_CONDITION,) if self.rule.condition != NONE else ()))
             embeds: dict[Path, EmbeddingCache] = {}
-            init, final, emb = [], [], []
+            arrays, emb = [], []
             for (p, s), cache in zip(self.trajectories, self.caches):
-                i, f = read_latents(cache, num_parts, [(p, s)])
-                init.append(i[0])
-                final.append(f[0])
+                arrays.append([a[0] for a in read_latents(cache, num_parts, [(p, s)], names)])
                 emb.append(embeds.setdefault(cache, EmbeddingCache(cache, num_parts, len(self.trajectories))).get(p))
             if self.guidance > 1.0:
                 self._neg = negative_embeds(self.caches[0])[None]
             b = self.batch_size
-            self._inputs = [(torch.stack(init[k:k + b]), torch.stack(final[k:k + b]), torch.stack(emb[k:k + b]))
-                            for k in range(0, len(init), b)]
+            self._inputs = []
+            for k in range(0, len(emb), b):
+                init, final, *cond = (torch.stack(a) for a in zip(*arrays[k:k + b]))
+                self._inputs.append((init, final, torch.stack(emb[k:k + b]), cond[0] if cond else None))
         return self._inputs
 
     @torch.no_grad()
@@ -70,9 +74,9 @@ class Validator:
         t0 = time.perf_counter()
         model.eval()
         errors, latents = [], []
-        for init, final, emb in self._load_inputs():
+        for init, final, emb, cond in self._load_inputs():
             out = sample_latents(model, student_scheduler(self.record), init, emb, self.steps, self.guidance,
-                                 self._neg, expand_timesteps=self.expand, patch=self.patch).float().cpu()
+                                 self._neg, rule=self.rule, condition=cond).float().cpu()
             errors += (out - final.float()).pow(2).flatten(1).mean(1).tolist()
             latents.append(out)
         record = {"final_latent_mse": float(np.mean(errors)),
@@ -109,7 +113,7 @@ class Validator:
                            "goes on without images")
                 return None
         if self._teacher_frames is None:
-            self._teacher_frames = self._frames(torch.cat([f for _, f, _ in self._load_inputs()]))
+            self._teacher_frames = self._frames(torch.cat([b[1] for b in self._load_inputs()]))
         return image_grid(self._teacher_frames, self._frames(student_latents))
 
     def _frames(self, latents: torch.Tensor) -> np.ndarray:

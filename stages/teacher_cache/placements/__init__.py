@@ -3,7 +3,9 @@ declared in pipeline/registries.py (docs/placements.md, "How to add a placement"
 
 from __future__ import annotations
 
-from .base import Layout, Placement, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get
+from .base import (
+    ExpertSet, Layout, Placement, PlacementKind, PlanInput, check_ranks_fit_gpus, default_dtype, get, load_experts,
+)
 
 
 def choose_placement(cfg, spec) -> Placement:
@@ -14,5 +16,5 @@ def choose_placement(cfg, spec) -> Placement:
     return entry.resolve(cfg, spec)
 
 
-__all__ = ["Layout", "Placement", "PlacementKind", "PlanInput", "check_ranks_fit_gpus", "choose_placement",
-           "default_dtype", "get"]
+__all__ = ["ExpertSet", "Layout", "Placement", "PlacementKind", "PlanInput", "check_ranks_fit_gpus",
+           "choose_placement", "default_dtype", "get", "load_experts"]

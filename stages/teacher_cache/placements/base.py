@@ -1,7 +1,9 @@
-"""What every placement provides (`PlacementKind`) and resolves to (`Placement`): docs/placements.md."""
+"""What every placement provides (`PlacementKind`), resolves to (`Placement`) and loads (`ExpertSet`, the teacher's
+experts as the placement keeps them): docs/placements.md."""
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,3 +213,51 @@ def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inve
     sizes = placement_choice.teacher_sizes(spec.path, dtype)
     act = placement_choice.activation_bytes(sizes, cfg)
     return Needs.of(sizes, act, cfg.batch_size), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)
+
+
+def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=None) -> ExpertSet:
+    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
+    experts = ExpertSet(spec, placement, log, prepare)
+    if not placement.expert_major:
+        experts.activate(None)
+    return experts
+
+
+class ExpertSet:
+    """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
+
+    def __init__(self, spec: TeacherSpec, placement: Placement, log=print, prepare=None):
+        self.spec, self.placement, self.log = spec, placement, log
+        self.device = placement.device  # where a released expert's memory is handed back
+        self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
+        self.prepare = prepare or (lambda model: model)  # the speed options, as each expert loads (speed.py)
+        self.on_load = None  # called with each expert once prepared (the compile warm-up of make_cache)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        m = self.models[i]
+        if m is None:
+            raise RuntimeError(f"expert {i + 1} is not loaded (expert-major order: activate it first)")
+        return m
+
+    def activate(self, experts: tuple[int, ...] | None) -> None:
+        """Make exactly `experts` (1-based; None = all) resident, releasing the others first."""
+        want = set(range(1, len(self.models) + 1)) if experts is None else set(experts)
+        released = [e for e in range(len(self.models)) if e + 1 not in want and self.models[e] is not None]
+        for e in released:
+            self.models[e] = None
+        if released:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        for e in sorted(want):
+            if self.models[e - 1] is None:
+                m = self.prepare(self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log))
+                self.models[e - 1] = m
+                if self.on_load is not None:
+                    self.on_load(m)
+
+    def close(self) -> None:
+        self.activate(())
