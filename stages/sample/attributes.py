@@ -109,7 +109,7 @@ def caption_noise(pipe, seed: int, start: int, n: int, height: int, width: int, 
     from .sample import initial_latents
 
     vs = pipe.vae_scale_factor_spatial
-    shape = (pipe.transformer.config.in_channels, frames, height // vs, width // vs)
+    shape = (pipe.vae.config.z_dim, frames, height // vs, width // vs)  # (an I2V transformer takes more channels)
     return torch.stack([initial_latents(seed + start + i, shape) for i in range(n)])
 
 
