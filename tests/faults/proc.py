@@ -180,12 +180,14 @@ class Running:
         p = self.process
         p.join(kill_after_s if kill_after_s is not None else timeout_s)
         if p.is_alive() and kill_after_s is not None:
-            os.kill(p.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # it ended on its own between the two lines
+                os.kill(p.pid, sig)
             p.join(timeout_s)
         wall = time.perf_counter() - self.t0
         code = p.exitcode
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
             p.join()
             code = None
         out, err = (Path(x).read_text(errors="replace") if Path(x).exists() else "" for x in (self.out_path, self.err_path))
