@@ -130,21 +130,10 @@ class ImageFlowMatching(tt.FlowMatching):
     pipeline's input rule."""
 
     def step(self, ctx: dict) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = tt.cosine_lr(self.step_no, self.steps, self.lr, self.warmup)
+        self.schedule()
         xt, sigma, e, c, target = noisy_batch(ctx, self.lo, self.hi)
-        loss = (predict(self.model, Inputs(xt, sigma * 1000, e, condition=c), rule=ctx["rule"]).guided
-                - target).pow(2).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        decay = min(self.ema_decay, (1 + self.step_no) / (10 + self.step_no))
-        with torch.no_grad():
-            for pe, pm in zip(self.ema.parameters(), self.model.parameters()):
-                pe.lerp_(pm, 1 - decay)
-        self.losses.append(loss.item())
-        self.step_no += 1
+        self.update((predict(self.model, Inputs(xt, sigma * 1000, e, condition=c), rule=ctx["rule"]).guided
+                     - target).pow(2).mean())
 
 
 @torch.no_grad()

@@ -191,8 +191,7 @@ class FlowMatching:
     def step(self, ctx: dict) -> None:
         lat, emb, uncond, gen, batch, shift, p_uncond = (ctx[k] for k in (
             "lat", "emb", "uncond", "gen", "batch", "shift", "p_uncond"))
-        for g in self.opt.param_groups:
-            g["lr"] = cosine_lr(self.step_no, self.steps, self.lr, self.warmup)
+        self.schedule()
         idx = torch.randint(0, lat.shape[0], (batch,), generator=gen)
         x0, e = lat[idx], emb[idx].clone()
         drop = torch.rand(batch, generator=gen) < p_uncond
@@ -204,7 +203,15 @@ class FlowMatching:
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         pred = predict(self.model, Inputs(xt, sigma * 1000, e)).guided
-        loss = (pred - (noise - x0)).pow(2).mean()
+        self.update((pred - (noise - x0)).pow(2).mean())
+
+    def schedule(self) -> None:
+        """This step's learning rate: linear warm-up, then cosine."""
+        for g in self.opt.param_groups:
+            g["lr"] = cosine_lr(self.step_no, self.steps, self.lr, self.warmup)
+
+    def update(self, loss: torch.Tensor) -> None:
+        """One optimizer step on `loss` (gradients clipped to norm 1), then the EMA's, and the step counted."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
