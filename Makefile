@@ -32,10 +32,10 @@ CONFIG_FLAG := $(if $(CONFIG),--config $(CONFIG),)
 TEACHER_CACHE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo demo-video one-step test faults bench gpu-check clean help
+.PHONY: install tiny-teacher tiny-teacher-train teacher-cache train-student demo demo-video demo-i2v one-step test faults bench gpu-check clean help
 
 help:
-	@echo "make demo | demo-video | one-step | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
+	@echo "make demo | demo-video | demo-i2v | one-step | test | faults | bench | gpu-check | teacher-cache | train-student | install | clean"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -222,6 +222,64 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	@echo "  grid       $(DEMO_VIDEO)/grid.png (frame strips, teacher | students, same noise) and $(DEMO_VIDEO)/grid-videos/"
 	@echo "  eval       $(DEMO_VIDEO)/eval.json (motion_right, motion_kept, speed_ratio per model; clips"
 	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"
+
+# Image-to-video, offline (docs/i2v.md): the tiny I2V teacher (data/tiny-i2v-teacher-pretrained: the video teacher
+# fine-tuned to move the shape of a first frame; two experts, 36 input channels as Wan2.2-I2V-A14B) -> first frames
+# of the clip captions from the clip generator (scripts/clip_images.py) -> stage one with --images -> a velocity
+# student, a DEMO_I2V_STEPS-step segment student and a per-expert LoRA pair, all from that cache -> export of the pair
+# -> sample (the image, then teacher | students) -> eval --attributes on the 128 held-out captions' first frames
+# (motion kept, speed ratio, first-frame fidelity) -> the export drawn through diffusers as its card says.
+DEMO_I2V ?= $(RUNS)/demo-i2v
+I2V_TEACHER := $(RUNS)/tiny-i2v-teacher-pretrained
+I2V_TEACHER_FILES := $(wildcard data/tiny-i2v-teacher-pretrained/*/*)
+DEMO_I2V_STEPS ?= 4
+DEMO_I2V_FEW := $(DEMO_I2V)/student-$(DEMO_I2V_STEPS)step
+DEMO_I2V_LORA := $(DEMO_I2V)/lora-$(DEMO_I2V_STEPS)step
+DEMO_I2V_FEW_ARGS ?= --objective segment --student-steps $(DEMO_I2V_STEPS) --segment-velocity-weight 1
+DEMO_I2V_TRAIN_ARGS ?= $(DEMO_VIDEO_BASE_ARGS) --lr 1e-3 --epochs 2 --init-from-teacher $(I2V_TEACHER)
+DEMO_I2V_LORA_ARGS ?= $(DEMO_VIDEO_BASE_ARGS) --lr 1e-3 --epochs 1 --lora-of $(I2V_TEACHER) --lora-rank 16
+DEMO_I2V_CAPTIONS ?= data/clips-prompts.txt
+$(I2V_TEACHER)/model_index.json: $(I2V_TEACHER_FILES) | $(STAMP)
+	$(BIN)/wandistiller tiny-teacher --out $(I2V_TEACHER) --variant i2v-pretrained
+	touch $@
+$(DEMO_I2V)/cache.stamp: $(I2V_TEACHER_FILES) configs/clips-teacher-cache.toml $(DEMO_I2V_CAPTIONS) scripts/clip_images.py
+	rm -rf $(DEMO_I2V)/cache $(DEMO_I2V)/images
+	$(BIN)/python scripts/clip_images.py --captions $(DEMO_I2V_CAPTIONS) --out $(DEMO_I2V)/images
+	mkdir -p $(DEMO_I2V) && touch $@
+demo-i2v: $(STAMP) $(I2V_TEACHER)/model_index.json $(DEMO_I2V)/cache.stamp
+	$(BIN)/python scripts/clip_images.py --captions data/clips-heldout.txt --out $(DEMO_I2V)/heldout-images --seed 1
+	$(BIN)/wandistiller teacher-cache --teacher $(I2V_TEACHER) --config configs/clips-teacher-cache.toml \
+		--images $(DEMO_I2V)/images/images.tsv --out $(DEMO_I2V)/cache
+	rm -rf $(DEMO_I2V)/student $(DEMO_I2V_FEW) $(DEMO_I2V_LORA)-1 $(DEMO_I2V_LORA)-2 $(DEMO_I2V_LORA)-export \
+		$(DEMO_I2V_LORA)-wan
+	$(BIN)/wandistiller train-student --cache $(DEMO_I2V)/cache --out $(DEMO_I2V)/student \
+		--student-config configs/student-clips-i2v.json $(DEMO_I2V_TRAIN_ARGS)
+	$(BIN)/wandistiller train-student --cache $(DEMO_I2V)/cache --out $(DEMO_I2V_FEW) \
+		--student-config configs/student-clips-i2v.json $(DEMO_I2V_TRAIN_ARGS) $(DEMO_I2V_FEW_ARGS)
+	for e in 1 2; do $(BIN)/wandistiller train-student --cache $(DEMO_I2V)/cache --out $(DEMO_I2V_LORA)-$$e \
+		$(DEMO_I2V_LORA_ARGS) $(DEMO_I2V_FEW_ARGS) --lora-experts $$e --val-every 0 --no-val-decode || exit 1; done
+	$(BIN)/wandistiller export --student $(DEMO_I2V_LORA)-1 --student $(DEMO_I2V_LORA)-2 --out $(DEMO_I2V_LORA)-export
+	$(BIN)/wandistiller export --student $(DEMO_I2V_LORA)-1 --student $(DEMO_I2V_LORA)-2 --out $(DEMO_I2V_LORA)-wan \
+		--lora-format wan
+	$(BIN)/wandistiller sample --student $(DEMO_I2V)/student --compare $(DEMO_I2V_FEW) \
+		--compare $(DEMO_I2V_LORA)-1+$(DEMO_I2V_LORA)-2 --teacher $(I2V_TEACHER) \
+		--images $(DEMO_I2V)/heldout-images/images.tsv --out $(DEMO_I2V)/grid.png --max-prompts 8
+	$(BIN)/wandistiller eval --student $(DEMO_I2V)/student --student-steps $(DEMO_I2V_STEPS),8 \
+		--compare $(DEMO_I2V_FEW) --compare $(DEMO_I2V_LORA)-1+$(DEMO_I2V_LORA)-2 --cache $(DEMO_I2V)/cache \
+		--teacher $(I2V_TEACHER) --report $(DEMO_I2V)/eval.json --attributes $(DEMO_I2V)/heldout-images/images.tsv
+	$(BIN)/python scripts/check_lora_export.py --export $(DEMO_I2V_LORA)-export --teacher $(I2V_TEACHER) \
+		--grid $(DEMO_I2V)/grid.png --max-prompts 2
+	@echo
+	@echo "demo-i2v done:"
+	@echo "  images     $(DEMO_I2V)/images/images.tsv (first frames of the training captions), $(DEMO_I2V)/heldout-images/"
+	@echo "  cache      $(DEMO_I2V)/cache   (wandistiller cache info $(DEMO_I2V)/cache: condition concat, 3 latent frames)"
+	@echo "  students   $(DEMO_I2V)/student (velocity), $(DEMO_I2V_FEW) ($(DEMO_I2V_STEPS)-step segment)"
+	@echo "  LoRA       $(DEMO_I2V_LORA)-1, -2 (one run per expert); the pair exported as $(DEMO_I2V_LORA)-export"
+	@echo "             (a WanImageToVideoPipeline LoRA: its README's call) and $(DEMO_I2V_LORA)-wan (Wan key names,"
+	@echo "             comfyui-workflow.json and first_frame.png for ComfyUI)"
+	@echo "  grid       $(DEMO_I2V)/grid.png (image | teacher | students, same noise) and $(DEMO_I2V)/grid-videos/"
+	@echo "  eval       $(DEMO_I2V)/eval.json (motion_kept, speed_ratio and first_frame fidelity per model; clips"
+	@echo "                                  $(DEMO_I2V)/eval-attributes.png)"
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process), each test file whole on one worker so that a
 # module's fixtures (the fault suite's reference runs) are built once. On 2 cores: 14 min instead of 19-24. The 20

@@ -115,12 +115,13 @@ def _stage_command(name: str, cls, errors: str):
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Folder to write the pipeline to: new, empty, or an earlier tiny-teacher output (rebuilt whole).")
 @click.option("--variant", type=click.Choice(["wan2.2", "wan2.1", "ti2v", "i2v", "ti2v-i2v", "pretrained",
-                                              "video-pretrained"]),
+                                              "video-pretrained", "i2v-pretrained"]),
               default="wan2.2", show_default=True, help="wan2.2: two experts + boundary ratio; wan2.1: one "
               "transformer; ti2v: expand_timesteps; i2v: image-to-video as Wan2.2-I2V-A14B (two experts, 36 input "
               "channels); ti2v-i2v: ti2v's image mode (all five random); pretrained: a Wan 2.2 teacher trained to draw "
               "shapes captions (data/tiny-teacher-pretrained); video-pretrained: one trained to draw 9-frame 64x64 "
-              "clips of a shape moving (data/tiny-video-teacher-pretrained; teacher-cache --frames 9).")
+              "clips of a shape moving (data/tiny-video-teacher-pretrained; teacher-cache --frames 9); i2v-pretrained: one "
+              "trained to move the shape of a first frame (data/tiny-i2v-teacher-pretrained; teacher-cache --images).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Weights seed of the random variants (same seed, same bytes).")
 @user_errors("tiny-teacher")
@@ -184,7 +185,8 @@ def export_cmd(config_file, **flags):
 def eval_cmd(config_file, **flags):
     """Compare the student with the teacher's cached trajectories: velocity error per step, error of the sampled final
     latent (trained and untrained), and sampling time of student vs teacher; with --attributes, also what share of the
-    teacher's attribute accuracy (shape and background colours, position) the student keeps on shapes captions.
+    teacher's attribute accuracy (shape and background colours, position) the student keeps on shapes captions, the
+    motion it keeps on clip captions, and on an image-to-video cache (an image list) how closely frame 0 keeps the image.
 
     \b
     Example:

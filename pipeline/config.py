@@ -513,9 +513,12 @@ class EvalConfig(_Inference):
                                     default_text="student_init/ if saved, else distill.json's, else 0")
     batch_size: int = setting(8, help="Samples (velocity MSE) or trajectories (sampling) per forward.",
                               check=at_least(1))
-    attributes: str | None = setting(None, check=non_empty, path=True, help="Shapes captions "
-                                     "(data/shapes-heldout.txt) that teacher and student draw, scored by the attribute "
-                                     "checker (colours, position); needs the teacher's text encoder and VAE.")
+    attributes: str | None = setting(None, check=non_empty, path=True, help="Captions that teacher and student "
+                                     "draw, scored by the attribute checker: shapes captions (data/shapes-heldout.txt; "
+                                     "clip captions, data/clips-heldout.txt, on a video cache: motion too); on an "
+                                     "image-to-video cache a file of <image path><TAB><clip caption> lines, as "
+                                     "sample --images, each image its clip's first frame (first-frame fidelity too); "
+                                     "needs the teacher's text encoder and VAE.")
     attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
                                                 check=at_least(1), default_text="all")
     attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
@@ -574,6 +577,9 @@ class PlanSettings(StudentSchedule):
                                                          "student's JSON (configs/student-*.json).")
     train_epochs: int = setting(1, check=at_least(1), help="Stage two's passes over the cache, for its GPU-hours "
                                                            "(docs/lora.md's recipe trains 2).")
+    image_to_video: bool = setting(False, help="TI2V-5B's image mode (teacher-cache --images): count each prompt's "
+                                   "first-frame condition and print --images. An image-to-video pipeline (I2V-A14B) "
+                                   "is planned so without it.")
     gradient_checkpointing: bool = setting(True, help="Stage two recomputes each block's forward in the backward "
                                                       "(train-student --gradient-checkpointing, the recipe's): one "
                                                       "more forward a sample.")

@@ -16,11 +16,15 @@ I2V_VARIANTS = ("i2v", "ti2v-i2v")  # WanImageToVideoPipeline folders (image-to-
 # Tiny Wan 2.2 teachers whose weights are trained and committed, not built: `write_tiny_teacher(out, variant)` copies
 # them. PRETRAINED draws the shapes of pipeline/shapes.py (scripts/train_tiny_teacher.py, docs/tiny-teacher.md);
 # VIDEO_PRETRAINED 9-frame clips of a shape moving (pipeline/clips.py; scripts/train_tiny_video_teacher.py,
-# docs/tiny-video-teacher.md). RETRAIN: how each one is made again.
-PRETRAINED, VIDEO_PRETRAINED = "pretrained", "video-pretrained"
+# docs/tiny-video-teacher.md); I2V_PRETRAINED those clips from their first frame (a WanImageToVideoPipeline;
+# scripts/train_tiny_i2v_teacher.py). RETRAIN: how each one is made again.
+PRETRAINED, VIDEO_PRETRAINED, I2V_PRETRAINED = "pretrained", "video-pretrained", "i2v-pretrained"
 PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny-teacher-pretrained"
 VIDEO_PRETRAINED_DIR = PRETRAINED_DIR.with_name("tiny-video-teacher-pretrained")
-RETRAIN = {PRETRAINED: "make tiny-teacher-train", VIDEO_PRETRAINED: "python scripts/train_tiny_video_teacher.py"}
+I2V_PRETRAINED_DIR = PRETRAINED_DIR.with_name("tiny-i2v-teacher-pretrained")
+RETRAIN = {PRETRAINED: "make tiny-teacher-train", VIDEO_PRETRAINED: "python scripts/train_tiny_video_teacher.py",
+           I2V_PRETRAINED: "python scripts/train_tiny_i2v_teacher.py --out data/tiny-i2v-teacher-pretrained "
+                           "--eval-every 500 --eval-captions 32"}
 
 # Words that get a whole-word piece in the tiny tokenizer; anything else falls back to characters.
 _WORDS = """
@@ -157,7 +161,8 @@ def write_tiny_teacher(out: str | Path, variant: str = "wan2.2", seed: int = 0) 
     from .teacher_files import copy_tree
 
     out = Path(out)
-    committed = {PRETRAINED: PRETRAINED_DIR, VIDEO_PRETRAINED: VIDEO_PRETRAINED_DIR}.get(variant)
+    committed = {PRETRAINED: PRETRAINED_DIR, VIDEO_PRETRAINED: VIDEO_PRETRAINED_DIR,
+                 I2V_PRETRAINED: I2V_PRETRAINED_DIR}.get(variant)
     if committed is not None and not (committed / "model_index.json").is_file():
         raise UserError(f"the {variant} tiny teacher is missing from {committed}; restore it with "
                         f"`git checkout -- data/` or retrain it with `{RETRAIN[variant]}`")

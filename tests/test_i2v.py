@@ -108,10 +108,13 @@ def test_plan_counts_the_condition_of_an_image_to_video_teacher():
     from conftest import ROOT
     from pipeline.cli import main
 
-    def plan(teacher):
+    def plan(teacher, *more, code=0):
         r = CliRunner().invoke(main, ["plan", "--teacher", str(ROOT / "tests" / "data" / teacher), "--prompts", "10",
-                                      "--frames", "81", "--assume-gpus", "8x80GiB", "--assume-ram", "1TiB", "--json"])
-        assert r.exit_code == 0, r.output
+                                      "--frames", "81", "--assume-gpus", "8x80GiB", "--assume-ram", "1TiB", "--json",
+                                      *more])
+        assert r.exit_code == code, r.output
+        if code:
+            return r.output
         import json
 
         return json.loads(r.output)
@@ -122,3 +125,47 @@ def test_plan_counts_the_condition_of_an_image_to_video_teacher():
     assert i2v["cache"]["condition"] == [20, 21, 60, 104] and t2v["cache"]["condition"] is None
     extra = i2v["cache"]["prompt_store_bytes"] - t2v["cache"]["prompt_store_bytes"]
     assert 0 <= extra - 20 * 21 * 60 * 104 * 4 <= 64  # (and its chunk's crc32c)
+    # TI2V-5B: text-to-video unless --image-to-video, then its first-frame latent (48 channels, one latent frame)
+    ti2v, t2v5 = plan("wan22-ti2v-5b-configs", "--image-to-video"), plan("wan22-ti2v-5b-configs")
+    assert "--images IMAGES.tsv" in ti2v["launch"]["commands"][0]["command"]
+    assert ti2v["cache"]["condition"] == [48, 1, 30, 52] and t2v5["cache"]["condition"] is None
+    assert 0 <= ti2v["cache"]["prompt_store_bytes"] - t2v5["cache"]["prompt_store_bytes"] - 48 * 30 * 52 * 4 <= 64
+    assert "text-to-video only" in plan("wan22-a14b-configs", "--image-to-video", code=2)
+
+
+@pytest.mark.slow
+def test_the_committed_i2v_teacher_moves_the_shape_of_its_first_frame(tmp_path):
+    """`tiny-teacher --variant i2v-pretrained` copies data/tiny-i2v-teacher-pretrained byte for byte, and diffusers'
+    WanImageToVideoPipeline of it, given a clip's first frame and its caption, starts the shape where the image
+    shows it (within 2.5 px; its radius is 10) and moves it the caption's way."""
+    import filecmp
+    import json
+    import random
+
+    from click.testing import CliRunner
+    from diffusers import WanImageToVideoPipeline
+
+    from conftest import ROOT
+    from pipeline import clips, tiny_teacher
+    from pipeline.cli import main
+    from pipeline.prompts import read_prompt_file
+    from stages.sample import motion
+    from stages.sample.sample import initial_latents, to_clips
+
+    out = tmp_path / "i2v-teacher"
+    r = CliRunner().invoke(main, ["tiny-teacher", "--out", str(out), "--variant", "i2v-pretrained"])
+    assert r.exit_code == 0, r.output
+    data = tiny_teacher.I2V_PRETRAINED_DIR
+    assert all(filecmp.cmp(f, out / f.relative_to(data), shallow=False) for f in data.rglob("*") if f.is_file())
+    pipe = WanImageToVideoPipeline.from_pretrained(out)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.transformer.config.in_channels == 36 and pipe.transformer_2 is not None
+    settings = json.loads((out / "TRAINING.json").read_text())["eval_settings"]
+    vs = pipe.vae_scale_factor_spatial
+    for i, caption in enumerate(read_prompt_file(ROOT / "data" / "clips-heldout.txt")[:3]):
+        given = clips.render(clips.parse_caption(caption), random.Random(f"test:{i}"))
+        frames = pipe(image=Image.fromarray(given[0]), prompt=caption, output_type="np", **settings,
+                      latents=initial_latents(i, (16, 3, 64 // vs, 64 // vs))[None]).frames
+        clip = to_clips(frames)[0]
+        assert motion.check(clip, caption)["direction_right"], caption
+        assert motion.fidelity([clip], [given[:1]], [motion.read(clip)])["start_px"] < 2.5, caption

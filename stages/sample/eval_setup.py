@@ -14,11 +14,13 @@ from cache import format as F
 from cache import safe_write
 from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
 from cache.reader import open_caches
+from pipeline import clips
 from pipeline.artifact import EVAL_REPORT as REPORT_NAME
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
+from pipeline.image_condition import open_image, read_image_file
 from pipeline.model_call import NONE, InputRule
-from pipeline.prompts import dedupe, read_prompt_file
+from pipeline.prompts import dedupe, file_lines, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
@@ -48,6 +50,7 @@ class Setup:
     report_path: Path
     teacher_path: Path | None
     captions: list[str] | None  # --attributes' captions (shapes; clips on a video cache)
+    images: list | None  # on an image-to-video cache, each caption's first frame (PIL images of --attributes' list)
     trajs: list[Trajectory]
     selection: dict
     in_training: bool | None  # whether the cache is the student's training cache (None: unknown)
@@ -159,6 +162,31 @@ def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | No
                         f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e
 
 
+def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[str], list | None]:
+    """--attributes' captions and, on an image-to-video cache, their first frames: a text-to-video cache takes
+    captions alone (`attribute_captions`), an image-to-video one an image list of clip captions (as sample --images);
+    the other form refused in one line."""
+    path = cfg.attributes
+    named = ("image list", "pass --attributes a file of <image path><TAB><clip caption> lines") if image else ()
+    listed = Path(path).suffix.lower() != ".jsonl" and any(  # (a .jsonl file is prompts: JSON may hold a tab)
+        "\t" in t for _, t in file_lines(Path(path), *named) if not t.lstrip().startswith("#"))
+    if listed != image:
+        raise UserError(f"--attributes {path} is " + (
+            "an image list (<image path><TAB><caption> lines), and the cache is text-to-video; pass the captions "
+            "alone, one a line" if listed else "captions alone, and the cache is image-to-video; pass a file of "
+            "<image path><TAB><clip caption> lines (as sample --images), each image its clip's first frame"))
+    if not image:
+        return attribute_captions(path, cfg.attribute_max_prompts, manifest.frames), None
+    pairs = read_image_file(path)[:cfg.attribute_max_prompts]
+    for _, caption in pairs:
+        try:
+            clips.parse_caption(caption)
+        except ValueError as e:
+            raise UserError(f"--attributes {path}: {e}; the motion checker reads captions of pipeline/clips.py's "
+                            "grammar, e.g. data/clips-heldout.txt") from e
+    return [c for _, c in pairs], [open_image(i, f"--attributes {path}") for i, _ in pairs]
+
+
 def setup(cfg: EvalConfig) -> Setup:
     """Cache, student, teacher and selection, checked before the long part (not after it)."""
     cache_dir = Path(cfg.cache)
@@ -174,21 +202,18 @@ def setup(cfg: EvalConfig) -> Setup:
         raise UserError(f"--report {report_path} is a folder; pass the JSON file to write")
     safe_write.ensure_folder(report_path.parent, "the folder of --report")  # (before any model loads)
     _check_against_cache(student, manifest, cache_dir)
-    image = manifest.condition != NONE  # an image-to-video cache: the teacher's runs need the images, not recorded
-    if image and cfg.attributes:
-        raise UserError(f"--attributes scores text-to-video captions, and the cache {cache_dir} is image-to-video; "
-                        "drop --attributes")
-    teacher_path = None if image else _teacher_path(cfg, manifest, cache_dir)
-    captions = (attribute_captions(cfg.attributes, cfg.attribute_max_prompts, manifest.frames)
-                if cfg.attributes else None)
+    image = manifest.condition != NONE  # image-to-video: the teacher runs on --attributes' images alone (none recorded)
+    teacher_path = _teacher_path(cfg, manifest, cache_dir) if cfg.attributes or not image else None
+    captions, images = _attribute_rows(cfg, manifest, image) if cfg.attributes else (None, None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
     in_training = (manifest.fingerprint in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
     trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     warnings = _settings_warnings(student, manifest)
-    if image and cfg.teacher_timing:
-        warnings.append("teacher timing re-runs a text-to-video teacher: skipped on this image-to-video cache")
+    if image and cfg.teacher_timing and not cfg.attributes:
+        warnings.append("teacher timing on an image-to-video cache draws from --attributes' images (the cache records "
+                        "none): skipped without --attributes")
     if in_training:
         seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
         if seen:
@@ -197,8 +222,9 @@ def setup(cfg: EvalConfig) -> Setup:
     if student.setting("init_from_teacher") and not student.kind.init_exact(student, cfg.init_seed):
         warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
                         "random initialisation, not its starting point (save student_init/ to compare with that)")
-    return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, trajs, selection, in_training,
-                 device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET, warnings)
+    return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, images, trajs, selection,
+                 in_training, device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET,
+                 warnings)
 
 
 def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:

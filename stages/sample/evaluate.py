@@ -28,18 +28,19 @@ COLORS = {"student": "tab:blue", "untrained": "tab:gray", "teacher re-run": "tab
 
 
 def _against_teacher(cfg: EvalConfig, su: Setup, entries: list[Entry], neg) -> tuple[dict | None, dict | None]:
-    """(timing, attributes), None where not asked (or not run: an image-to-video cache's); the teacher loaded once
-    (whole with --attributes: timed too)."""
+    """(timing, attributes), None where not asked (or not run: an image-to-video cache's without --attributes); the
+    teacher loaded once (whole with --attributes: timed too; an image-to-video cache's as WanImageToVideoPipeline)."""
     if su.teacher_path is None:
         return None, None
+    image = su.images is not None
     teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
-                           vae=su.captions is not None)
-    channels = int(su.manifest.latent_shape[0])  # a teacher whose latents are not the cache's is another model
+                           vae=su.captions is not None, image=image)
+    channels = int(su.manifest.in_channels)  # a teacher whose inputs are not the cache's is another model
     if int(teacher.transformer.config.in_channels) != channels:
-        raise UserError(f"teacher {su.teacher_path} has {teacher.transformer.config.in_channels} latent channels, "
-                        f"the cache {channels}: it is not the cache's teacher; pass the right --teacher")
+        raise UserError(f"teacher {su.teacher_path} has {teacher.transformer.config.in_channels} input channels, "
+                        f"the cache's {channels}: it is not the cache's teacher; pass the right --teacher")
     timing = None
-    if cfg.teacher_timing:
+    if cfg.teacher_timing:  # (an image-to-video cache's teacher is loaded only with --attributes' images to time on)
         timing = time_sampling(su, entries, teacher, neg, cfg.timing_runs) | {"teacher_path": str(su.teacher_path)}
     attrs = attribute_scores(cfg, su, teacher, entries) if su.captions is not None else None
     return timing, attrs
@@ -96,7 +97,8 @@ def few_step_table(report: dict) -> list[dict]:
         a = attrs[name]
         if "motion_right" in a:  # a video eval: attributes per frame, then the motion checker's figures
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"]) / 2, "shape_colour": a["shape_colour"],
-                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "speed_ratio") if k in a}}
+                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "speed_ratio") if k in a},
+                   **{k: a["first_frame"][k] for k in ("first_frame_mad", "start_px") if "first_frame" in a}}
         else:
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
                    "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
@@ -127,9 +129,11 @@ def format_table(rows: list[dict]) -> str:
 
     video = any("speed_ratio" in r for r in rows)  # the motion columns only for a video eval
     image = any("first_frame_mse" in r for r in rows)  # and the first frame's only for an image-to-video one
+    given = any("first_frame_mad" in r for r in rows)  # (drawn frame 0 against the given image: --attributes')
     lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} " + (f"{'frame 0 MSE':>11} " if image else "")
              + f"{'attr acc':>8} {'all right':>9} {'kept':>6} "
              + (f"{'motion kept':>11} {'speed x':>7} " if video else "")
+             + (f"{'frame 0 MAD':>11} {'start px':>8} " if given else "")
              + f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
     for r in rows:
         lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
@@ -137,6 +141,7 @@ def format_table(rows: list[dict]) -> str:
                      + f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
                      f"{f(r.get('kept_all_right'), '.0%'):>6} "
                      + (f"{f(r.get('motion_kept'), '.0%'):>11} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
+                     + (f"{f(r.get('first_frame_mad'), '.2f'):>11} {f(r.get('start_px'), '.2f'):>8} " if given else "")
                      + f"{f(r.get('denoise_s_per_image'), '.4f'):>9} "
                      f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
                      f"{f(r.get('speedup_pipeline'), '.1f'):>8}")
@@ -158,9 +163,13 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
         share = ("n/a (the teacher drew no clip all right)" if s["motion_kept"] is None
                  else f"{s['motion_kept']:.1%} of the teacher's all-right clips")
         ratio = "n/a" if s["speed_ratio"] is None else f"{s['speed_ratio']:.2f}"
+        ff = lambda a: (f"{a['first_frame_mad']:.2f} levels, shape start "  # noqa: E731
+                        + ("n/a" if a["start_px"] is None else f"{a['start_px']:.2f} px off"))
+        given = (f"; frame 0 against the given image: teacher {ff(t['first_frame'])}, student "
+                 f"{ff(s['first_frame'])}") if "first_frame" in t else ""
         kept = (f"; motion on {attrs['captions']} clips of {attrs['frames']} frames: motion right teacher "
-                f"{t['motion_right']:.1%}, student {s['motion_right']:.1%}, kept {share}, speed ratio {ratio}; "
-                f"grid {attrs['grid']}")
+                f"{t['motion_right']:.1%}, student {s['motion_right']:.1%}, kept {share}, speed ratio {ratio}"
+                f"{given}; grid {attrs['grid']}")
     elif attrs:
         t, s, share = attrs["teacher"], attrs["student"], attrs["student_vs_teacher"]["colour"]
         share = "n/a (teacher 0%)" if share is None else f"{share:.1%} of the teacher's"

@@ -95,3 +95,23 @@ def speed_ratio(teacher_reads: list[dict], reads: list[dict]) -> float | None:
     both = [r["speed"] / t["speed"] for t, r in zip(teacher_reads, reads, strict=True)
             if t["direction_right"] and r["direction_right"]]
     return float(np.mean(both)) if both else None
+
+
+def fidelity(drawn, given, reads: list[dict]) -> dict:
+    """How closely drawn clips start from the given ones, clip by clip (`given`: each clip [F, H, W, 3], or its
+    first frame alone [1, H, W, 3]; `reads`: the drawn clips' `read`s): `first_frame_mad`, the mean absolute
+    difference of drawn frame 0 to given frame 0 in 8-bit levels; `start_px`, the mean distance in pixels between the
+    shape's centroid in drawn and given frame 0 over the clips where both show it (their share: `start_read`; None
+    where none do); with whole given clips (more than one frame) `track_px`, the same distance over every frame."""
+    mad = float(np.mean([np.abs(d[0].astype(np.float32) - g[0].astype(np.float32)).mean()
+                         for d, g in zip(drawn, given, strict=True)]))
+    wants = [read(g)["centres"] for g in given]
+
+    def dist(frames: slice):
+        d = [float(np.hypot(a[0] - b[0], a[1] - b[1])) for r, w in zip(reads, wants)
+             for a, b in zip(r["centres"][frames], w[frames]) if a is not None and b is not None]
+        return (float(np.mean(d)) if d else None), len(d)
+
+    (start, n_start), (track, _) = dist(slice(0, 1)), dist(slice(None))
+    out = {"first_frame_mad": mad, "start_px": start, "start_read": n_start / max(len(drawn), 1)}
+    return out | ({"track_px": track} if all(len(g) > 1 for g in given) else {})

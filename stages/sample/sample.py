@@ -225,7 +225,7 @@ def _rows(cfg: SampleConfig, student: Student) -> tuple[list[str], list[Path], l
     return [p for _, p in pairs], [i for i, _ in pairs], [open_image(i, f"--images {cfg.images}") for i, _ in pairs]
 
 
-def _image_cell(image, settings: SamplingSettings, size: tuple[int, int]) -> Image.Image:
+def image_cell(image, settings: SamplingSettings, size: tuple[int, int]) -> Image.Image:
     """The input image at the sampled size, at the left of a grid cell of `size`."""
     cell = Image.new("RGB", size, BACKGROUND)
     cell.paste(image.convert("RGB").resize((settings.width, settings.height)), (0, 0))
@@ -260,7 +260,7 @@ def run(cfg: SampleConfig) -> dict:
     # how it was made.
     cells = [[frame_strip(c) for c in row] for row in rows]
     if images is not None:
-        cells = [[_image_cell(im, settings, row[0].size), *row] for im, row in zip(images, cells)]
+        cells = [[image_cell(im, settings, row[0].size), *row] for im, row in zip(images, cells)]
         columns = ["image", *columns]
     grid = draw_grid(prompts, cells, columns)
     write_image(grid, out)

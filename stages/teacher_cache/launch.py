@@ -11,8 +11,9 @@ from . import placements
 
 HEAD_PORT = 29500
 WIDTH = 112  # where printed commands wrap (shell continuation lines)
-# What the printed command's --prompts and --out say: the prompts and the cache are the user's to choose.
+# What the printed command's --prompts (--images: IMAGES) and --out say: the user's to choose.
 PLACEHOLDERS = {"prompts": "PROMPTS.txt", "out": "CACHE_DIR"}
+IMAGES = "IMAGES.tsv"
 
 
 @dataclass
@@ -115,7 +116,7 @@ def teacher_cache_words(teacher: str, revision: str | None, placement: str, give
     words = ["wandistiller", "teacher-cache", "--teacher", teacher]
     if revision:
         words += ["--revision", revision]
-    named = ({"images": "IMAGES.tsv"} if images else {"prompts": PLACEHOLDERS["prompts"]}) | {
+    named = ({"images": IMAGES} if images else {"prompts": PLACEHOLDERS["prompts"]}) | {
         "out": out or PLACEHOLDERS["out"]}
     words += [w for name, value in named.items() for w in (f"--{name}", value)] + ["--placement", placement]
     for flag, value in given.items():  # a switch: value None

@@ -320,7 +320,10 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
     # plan does not print a command the run refuses
     spec = configs_spec(root, teacher)
     spec.check_sizes(cfg.height, cfg.width, cfg.frames)
-    if spec.image_to_video:  # its VAE encodes each prompt's image before the transformers load
+    if settings.image_to_video:  # TI2V's image mode (a text-to-video-only teacher refused as teacher-cache refuses)
+        spec.condition_for(True)
+        cfg = replace(cfg, prompts=None, images=launch.IMAGES)
+    if image := spec.image_to_video or settings.image_to_video:  # its VAE encodes each image before the experts load
         for c in plan.components:
             c["where"] = VAE_I2V if c["name"] == "vae" else c["where"]
     if cfg.frames > 1:
@@ -341,7 +344,7 @@ def plan_from_flags(settings: PlanSettings, cfg: TeacherCacheConfig, *, given: t
         value = getattr(cfg, f.name)
         if f.name in given and f.name not in _NAMED and (config_file or value != f.default):
             flags |= _flag(f, value)
-    words = launch.teacher_cache_words(teacher, revision, plan.placement, flags, settings.out, spec.image_to_video)
+    words = launch.teacher_cache_words(teacher, revision, plan.placement, flags, settings.out, image)
     plan.launch = launch.plan_launch(plan.placement, settings.nodes, len(inv.gpus), settings.ranks_per_node,
                                      words).to_dict()
     on = flops.gpu(settings.gpu, settings.gpu_tflops) if settings.gpu or settings.gpu_tflops else None
