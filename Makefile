@@ -228,7 +228,8 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 # of the clip captions from the clip generator (scripts/clip_images.py) -> stage one with --images -> a velocity
 # student, a DEMO_I2V_STEPS-step segment student and a per-expert LoRA pair, all from that cache -> export of the pair
 # -> sample (the image, then teacher | students) -> eval --attributes on the 128 held-out captions' first frames
-# (motion kept, speed ratio, first-frame fidelity) -> the export drawn through diffusers as its card says.
+# (motion kept, speed ratio, first-frame fidelity) -> the export drawn through diffusers as its card says. About 20
+# minutes on 2 CPU cores; figures: docs/results.md, "Image-to-video".
 DEMO_I2V ?= $(RUNS)/demo-i2v
 I2V_TEACHER := $(RUNS)/tiny-i2v-teacher-pretrained
 I2V_TEACHER_FILES := $(wildcard data/tiny-i2v-teacher-pretrained/*/*)
@@ -275,8 +276,8 @@ demo-i2v: $(STAMP) $(I2V_TEACHER)/model_index.json $(DEMO_I2V)/cache.stamp
 	@echo "  cache      $(DEMO_I2V)/cache   (wandistiller cache info $(DEMO_I2V)/cache: condition concat, 3 latent frames)"
 	@echo "  students   $(DEMO_I2V)/student (velocity), $(DEMO_I2V_FEW) ($(DEMO_I2V_STEPS)-step segment)"
 	@echo "  LoRA       $(DEMO_I2V_LORA)-1, -2 (one run per expert); the pair exported as $(DEMO_I2V_LORA)-export"
-	@echo "             (a WanImageToVideoPipeline LoRA: its README's call) and $(DEMO_I2V_LORA)-wan (Wan key names,"
-	@echo "             comfyui-workflow.json and first_frame.png for ComfyUI)"
+	@echo "             (a WanImageToVideoPipeline LoRA: its README's call) and $(DEMO_I2V_LORA)-wan (Wan key names and"
+	@echo "             comfyui-workflow.json, whose LoadImage reads first_frame.png from ComfyUI's input folder)"
 	@echo "  grid       $(DEMO_I2V)/grid.png (image | teacher | students, same noise) and $(DEMO_I2V)/grid-videos/"
 	@echo "  eval       $(DEMO_I2V)/eval.json (motion_kept, speed_ratio and first_frame fidelity per model; clips"
 	@echo "                                  $(DEMO_I2V)/eval-attributes.png)"
