@@ -99,8 +99,8 @@ def _run_stage(cls, config_file, flags, module: str) -> None:
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="wandistiller")
 def main():
-    """WanDistiller: distill a Wan 2.x video teacher into a compact student or a few-step LoRA of it, text-to-image
-    or text-to-video, offline.
+    """WanDistiller: distill a Wan 2.x video teacher into a compact student or a few-step LoRA of it, text-to-image,
+    text-to-video or image-to-video, offline.
 
     Stage one (teacher-cache) runs the teacher once and writes a cache; stage two (train-student) trains the student (on
     one GPU or many: ddp or fsdp) from that cache alone."""
