@@ -143,3 +143,13 @@ def test_motion_kept_and_speed_ratio_from_the_drawn_clips():
     half = clips.SPEEDS["slowly"] / clips.SPEEDS["quickly"]
     assert motion.speed_ratio(teacher, slow) == pytest.approx(half, abs=0.03)
     assert motion.kept(reversed_, teacher) is None  # a teacher with no all-right clip: nothing to keep
+
+
+def test_kept_counts_and_their_wilson_interval():
+    """A kept share's denominator is the teacher's all-right clips, and its 95% Wilson interval is the textbook one
+    (84 of 87: 90.3-98.8%); the interval stays inside [0, 1] at the ends and is None without a denominator."""
+    t = [{"all_right": a} for a in (True, True, True, False)]
+    assert motion.kept_counts(t, [{"all_right": a} for a in (True, False, True, True)]) == (2, 3)
+    lo, hi = motion.wilson(84, 87)
+    assert (round(lo, 3), round(hi, 3)) == (0.903, 0.988)
+    assert motion.wilson(0, 10)[0] == 0.0 and motion.wilson(10, 10)[1] == 1.0 and motion.wilson(0, 0) is None

@@ -404,6 +404,11 @@ def test_eval_scores_motion_on_a_video_cache(trained_run, video_cache, tiny_cach
     s = att["student"]
     assert s["motion_kept"] is None or 0.0 <= s["motion_kept"] <= 1.0
     assert s["speed_ratio"] is None or s["speed_ratio"] > 0.0
+    # every share with its denominator and 95% interval: all right over the clips, kept over the teacher's right ones
+    assert all(att[w]["all_of"] == 2 and 0 <= att[w]["all_interval"][0] <= att[w]["all"] <= att[w]["all_interval"][1]
+               for w in ("teacher", "student"))
+    n = s["motion_kept_of"]
+    assert (s["motion_kept_interval"] is None) == (n == 0) and n == round(att["teacher"]["all"] * 2)
     teacher_row, row = report["table"]
     assert row["label"] == "student" and {"motion_right", "motion_kept", "speed_ratio"} <= row.keys()
     assert "motion_kept" not in teacher_row and isinstance(teacher_row["motion_right"], float)

@@ -97,7 +97,8 @@ def few_step_table(report: dict) -> list[dict]:
         a = attrs[name]
         if "motion_right" in a:  # a video eval: attributes per frame, then the motion checker's figures
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"]) / 2, "shape_colour": a["shape_colour"],
-                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "speed_ratio") if k in a},
+                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "motion_kept_of",
+                                                                "motion_kept_interval", "speed_ratio") if k in a},
                    **{k: a["first_frame"][k] for k in ("first_frame_mad", "start_px") if "first_frame" in a}}
         else:
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
@@ -127,12 +128,16 @@ def format_table(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    def kept_cell(r: dict) -> str:  # "97% (90-99)": the paired share and its 95% interval
+        ci = r.get("motion_kept_interval")
+        return f(r.get("motion_kept"), ".0%") + (f" ({ci[0]:.0%}-{ci[1]:.0%})".replace("%-", "-") if ci else "")
+
     video = any("speed_ratio" in r for r in rows)  # the motion columns only for a video eval
     image = any("first_frame_mse" in r for r in rows)  # and the first frame's only for an image-to-video one
     given = any("first_frame_mad" in r for r in rows)  # (drawn frame 0 against the given image: --attributes')
     lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} " + (f"{'frame 0 MSE':>11} " if image else "")
              + f"{'attr acc':>8} {'all right':>9} {'kept':>6} "
-             + (f"{'motion kept':>11} {'speed x':>7} " if video else "")
+             + (f"{'motion kept (95%)':>17} {'speed x':>7} " if video else "")
              + (f"{'frame 0 MAD':>11} {'start px':>8} " if given else "")
              + f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
     for r in rows:
@@ -140,7 +145,7 @@ def format_table(rows: list[dict]) -> str:
                      + (f"{f(r.get('first_frame_mse'), '.4g'):>11} " if image else "")
                      + f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
                      f"{f(r.get('kept_all_right'), '.0%'):>6} "
-                     + (f"{f(r.get('motion_kept'), '.0%'):>11} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
+                     + (f"{kept_cell(r):>17} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
                      + (f"{f(r.get('first_frame_mad'), '.2f'):>11} {f(r.get('start_px'), '.2f'):>8} " if given else "")
                      + f"{f(r.get('denoise_s_per_image'), '.4f'):>9} "
                      f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
@@ -161,7 +166,8 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
     if attrs and "motion_right" in attrs["teacher"]:
         t, s = attrs["teacher"], attrs["student"]
         share = ("n/a (the teacher drew no clip all right)" if s["motion_kept"] is None
-                 else f"{s['motion_kept']:.1%} of the teacher's all-right clips")
+                 else f"{s['motion_kept']:.1%} of the teacher's {s['motion_kept_of']} all-right clips (95% "
+                      f"interval {s['motion_kept_interval'][0]:.1%}-{s['motion_kept_interval'][1]:.1%})")
         ratio = "n/a" if s["speed_ratio"] is None else f"{s['speed_ratio']:.2f}"
         ff = lambda a: (f"{a['first_frame_mad']:.2f} levels, shape start "  # noqa: E731
                         + ("n/a" if a["start_px"] is None else f"{a['start_px']:.2f} px off"))

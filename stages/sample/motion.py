@@ -6,6 +6,8 @@ per frame. What it reads and why: docs/tiny-video-teacher.md.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from pipeline.clips import DIRECTIONS, SPEEDS, parse_caption
@@ -85,8 +87,24 @@ def score(clips, captions) -> dict:
 def kept(teacher_reads: list[dict], reads: list[dict]) -> float | None:
     """Share of the teacher's all-right clips (`check` reads, caption by caption) that `reads` draws all right too;
     None when the teacher drew none all right."""
+    k, n = kept_counts(teacher_reads, reads)
+    return k / n if n else None
+
+
+def kept_counts(teacher_reads: list[dict], reads: list[dict]) -> tuple[int, int]:
+    """(of the teacher's all-right clips, how many `reads` draws all right too; how many the teacher drew)."""
     mine = [r["all_right"] for t, r in zip(teacher_reads, reads, strict=True) if t["all_right"]]
-    return sum(mine) / len(mine) if mine else None
+    return sum(mine), len(mine)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    """The 95% Wilson score interval [low, high] of a share of k in n (None for n = 0): a kept figure's
+    uncertainty, honest near 0 and 1 where the normal approximation is not."""
+    if not n:
+        return None
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [max(0.0, mid - half), min(1.0, mid + half)]
 
 
 def speed_ratio(teacher_reads: list[dict], reads: list[dict]) -> float | None:
