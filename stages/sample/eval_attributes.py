@@ -62,17 +62,14 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
 
 
 def _motion_scores(clips: dict[str, list], captions: list[str], entries: list[Entry], given: list | None) -> dict:
-    """motion.py's scores of each one's clips (with `given` first frames, its `first_frame` fidelity to them; `all`
-    with its clip count and 95% interval); each entry's also `motion_kept` (with the teacher's all-right clips it
-    counts and its interval) and `speed_ratio` against the teacher's clips, caption by caption."""
+    """motion.py's scores of each one's clips (with `given` first frames, its `first_frame` fidelity to them); each
+    entry's also `motion_kept` (with the teacher's all-right clips it counts and its 95% interval) and `speed_ratio`
+    against the teacher's clips, caption by caption."""
     reads = {name: motion.score(cs, captions) for name, cs in clips.items()}
     res = {name: {k: v for k, v in r.items() if k != "clip_reads"} for name, r in reads.items()}
     if given is not None:
         for name, cs in clips.items():
             res[name]["first_frame"] = motion.fidelity(cs, given, reads[name]["clip_reads"])
-    for name, r in reads.items():  # every share with its denominator and 95% interval
-        right = sum(x["all_right"] for x in r["clip_reads"])
-        res[name] |= {"all_of": len(r["clip_reads"]), "all_interval": motion.wilson(right, len(r["clip_reads"]))}
     for e in entries:
         t, r = reads["teacher"]["clip_reads"], reads[e.label]["clip_reads"]
         k, n = motion.kept_counts(t, r)

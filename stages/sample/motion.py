@@ -65,7 +65,8 @@ def check(clip, caption: str) -> dict:
 def score(clips, captions) -> dict:
     """Scores in [0, 1] of `clips` against their `captions` (same order): `background`, `shape_colour` and
     `attributes` (both) per frame; per clip `direction`, `speed` (of the captions with a speed word), `motion_right`,
-    `all`; `speed_px`: mean speed read per speed word over the clips read in the right direction; `clip_reads`."""
+    `all` (of `clips`, with its 95% `all_interval`); `speed_px`: mean speed read per speed word over the clips read in
+    the right direction; `clip_reads`."""
     clips, captions = list(clips), list(captions)
     if len(clips) != len(captions):
         raise ValueError(f"{len(clips)} clips but {len(captions)} captions")
@@ -81,6 +82,7 @@ def score(clips, captions) -> dict:
             "direction": sum(r["direction_right"] for r in reads) / n,
             "speed": sum(r["speed_right"] for r in worded) / max(len(worded), 1),
             "motion_right": sum(r["motion_right"] for r in reads) / n, "all": sum(r["all_right"] for r in reads) / n,
+            "all_interval": wilson(sum(r["all_right"] for r in reads), len(reads)),
             "speed_px": {w: float(np.mean(v)) if v else None for w, v in speeds.items()}, "clip_reads": reads}
 
 
