@@ -40,7 +40,7 @@ help:
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,quant]"
+	$(BIN)/python -m pip install -q -e ".[dev,quant,motion]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -168,8 +168,9 @@ one-step: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json
 # The same on video: the tiny video teacher (data/tiny-video-teacher-pretrained: 9-frame 64x64 clips of a moving
 # shape) over the 3,632 clip training captions -> a 4-block velocity student, a DEMO_VIDEO_STEPS-step segment student
 # and a DEMO_VIDEO_STEPS-step per-expert LoRA of the teacher (exported in diffusers' and in Wan's key names) -> sample
-# (frame-strip grid and animated WebPs) -> eval on the 128 held-out clip captions with the motion checker (motion
-# right, motion kept, speed ratio). About 20 minutes on 2 CPU cores; figures: docs/results.md, "Video".
+# (frame-strip grid and animated WebPs) -> eval on all 400 held-out clip captions at two noises (800 clips) with the
+# motion checker (motion right, paired kept, speed ratio) and optical flow (flow ratio, dynamic degree, flicker), the
+# teacher re-drawn at 16, 4 and 2 steps as rows. About 25 minutes on 2 CPU cores; figures: docs/results.md, "Video".
 DEMO_VIDEO ?= $(RUNS)/demo-video
 VIDEO_TEACHER := $(RUNS)/tiny-video-teacher-pretrained
 VIDEO_TEACHER_FILES := $(wildcard data/tiny-video-teacher-pretrained/*/*)
@@ -209,7 +210,8 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 		--out $(DEMO_VIDEO)/grid.png --max-prompts 8
 	$(BIN)/wandistiller eval --student $(DEMO_VIDEO)/student --student-steps $(DEMO_VIDEO_STEPS),8 \
 		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --cache $(DEMO_VIDEO)/cache \
-		--teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout.txt --timing-runs 8
+		--teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout-all.txt \
+		--attribute-seeds 2 --teacher-redraw 16,4,2 --timing-runs 8
 	$(BIN)/python scripts/check_lora_export.py --export $(DEMO_VIDEO_LORA)-export --teacher $(VIDEO_TEACHER) \
 		--grid $(DEMO_VIDEO)/grid.png --max-prompts 2
 	@echo
@@ -220,7 +222,7 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	@echo "             (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names and comfyui-workflow.json, ComfyUI)"
 	@echo "  videos     $(DEMO_VIDEO)/grid-videos/ (animated WebP and H.264 mp4 per clip)"
 	@echo "  grid       $(DEMO_VIDEO)/grid.png (frame strips, teacher | students, same noise) and $(DEMO_VIDEO)/grid-videos/"
-	@echo "  eval       $(DEMO_VIDEO)/eval.json (motion_right, motion_kept, speed_ratio per model; clips"
+	@echo "  eval       $(DEMO_VIDEO)/eval.json (kept, speed_ratio, flow_ratio, dynamic_degree per model; clips"
 	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"
 
 # Image-to-video, offline (docs/i2v.md): the tiny I2V teacher (data/tiny-i2v-teacher-pretrained: the video teacher
@@ -279,7 +281,7 @@ demo-i2v: $(STAMP) $(I2V_TEACHER)/model_index.json $(DEMO_I2V)/cache.stamp
 	@echo "             (a WanImageToVideoPipeline LoRA: its README's call) and $(DEMO_I2V_LORA)-wan (Wan key names and"
 	@echo "             comfyui-workflow.json, whose LoadImage reads first_frame.png from ComfyUI's input folder)"
 	@echo "  grid       $(DEMO_I2V)/grid.png (image | teacher | students, same noise) and $(DEMO_I2V)/grid-videos/"
-	@echo "  eval       $(DEMO_I2V)/eval.json (motion_kept, speed_ratio and first_frame fidelity per model; clips"
+	@echo "  eval       $(DEMO_I2V)/eval.json (kept, speed_ratio, flow_ratio and first_frame fidelity per model; clips"
 	@echo "                                  $(DEMO_I2V)/eval-attributes.png)"
 
 # One pytest-xdist worker per core (TEST_WORKERS=0: one process), each test file whole on one worker so that a

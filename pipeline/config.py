@@ -521,6 +521,16 @@ class EvalConfig(_Inference):
                                      "needs the teacher's text encoder and VAE.")
     attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
                                                 check=at_least(1), default_text="all")
+    attribute_seeds: int = setting(1, check=at_least(1), help="Noise draws per --attributes or --motion caption "
+                                   "(more clips, narrower intervals).")
+    motion: str | None = setting(None, check=non_empty, path=True, help="Prompts of any wording that teacher and "
+                                 "models draw on a video cache, scored by optical flow (dynamic degree, flow ratio, "
+                                 "flicker; --attributes' clips get them too); on an image-to-video cache a file of "
+                                 "<image path><TAB><prompt> lines.")
+    teacher_redraw: tuple[int, ...] | None = setting(
+        None, parse=int_list, check=must(lambda v: min(v) >= 1, "list integers >= 1"),
+        help="Also draw the teacher at each of these step counts (its scheduler and guidance), as rows beside the "
+             "students: e.g. 16,4,2 for its own floor, a 4-step student's steps and its forward passes.")
     attribute_grid: int = setting(8, help="Teacher | student pairs drawn into REPORT-attributes.png (0: none).",
                                   check=at_least(0))
     student_steps: tuple[int, ...] | None = setting(

@@ -85,7 +85,7 @@ def main() -> None:
     table = {e["label"]: e for e in json.loads(report.read_text())["table"]}
     table[names[0]] = table["student"]  # (eval's label for its --student)
     images = round(table["teacher"]["all_right"] * 128)  # the teacher's all-right images among 128 captions
-    result["kept"] = {name: table[name]["kept_all_right"] for name in names}
+    result["kept"] = {name: table[name]["all_right_ratio"] for name in names}
     result["latent_mse"] = {name: round(table[name]["final_latent_mse"], 4) for name in names}
     result["flattens_at"] = {}
     print(f"\nkept (share of the teacher's {images} all-right held-out images) by trajectories trained on:")

@@ -58,7 +58,7 @@ def main(out: Path) -> None:
             wall = f"{t['wall_s'] / 60:.1f}" if t["wall_s"] else "?"
             cost = (f"| {t['trained_m']:.2f}M | {t['steps']} | {t['median_s'] / 60:.1f} min; {wall} min |")
         model = "teacher (CFG, 2 experts)" if r["label"] == "teacher" else label(name_of(r["path"]))
-        kept = r.get("kept_all_right")
+        kept = r.get("all_right_ratio")  # (the ratio of all-right rates these tables printed as kept)
         print(f"| {model} | {r['steps']} {cost} {r['final_latent_mse']:.4f} | {r['attribute_accuracy']:.1%} | "
               f"{r['all_right']:.1%} | {'–' if kept is None else f'{kept:.0%}'} | {r['denoise_s_per_image']:.4f} | "
               f"{r.get('speedup_denoise') or 1:.1f} |")

@@ -101,13 +101,13 @@ def test_eval_scores_motion_and_first_frame_fidelity_on_an_i2v_cache(built, tmp_
         assert set(ff) == FIDELITY and math.isfinite(ff["first_frame_mad"]) and ff["first_frame_mad"] >= 0
         assert (ff["start_px"] is None) == (ff["start_read"] == 0)
     s = att["student"]
-    assert s["motion_kept"] is None or 0.0 <= s["motion_kept"] <= 1.0
+    assert s["kept"] is None or 0.0 <= s["kept"] <= 1.0
     assert s["speed_ratio"] is None or s["speed_ratio"] > 0.0
     teacher_row, row = rep["table"]
     for r, who in ((teacher_row, "teacher"), (row, "student")):
         assert r["first_frame_mad"] == att[who]["first_frame"]["first_frame_mad"]
         assert r["start_px"] == att[who]["first_frame"]["start_px"]
-    assert {"motion_kept", "speed_ratio"} <= row.keys() and "motion_kept" not in teacher_row
+    assert {"kept", "speed_ratio"} <= row.keys() and "kept" not in teacher_row
     assert "frame 0 MAD" in output and "start px" in output
     assert f"frame 0 against the given image: teacher {att['teacher']['first_frame']['first_frame_mad']:.2f}" in output
 
@@ -139,7 +139,7 @@ def test_eval_scores_motion_and_first_frame_fidelity_on_an_i2v_cache(built, tmp_
     for who in ("teacher", "student"):
         assert again["attributes"][who] == att[who]
     other = again["attributes"]["transformer"]
-    assert set(other["first_frame"]) == FIDELITY and {"motion_kept", "speed_ratio"} <= other.keys()
+    assert set(other["first_frame"]) == FIDELITY and {"kept", "speed_ratio"} <= other.keys()
     assert [r["label"] for r in again["table"]] == ["teacher", "student", "transformer"]
 
 

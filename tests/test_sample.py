@@ -381,7 +381,7 @@ def video_cache(tiny_teacher, tmp_path_factory):
 @pytest.mark.slow
 def test_eval_scores_motion_on_a_video_cache(trained_run, video_cache, tiny_cache, tmp_path):
     """--attributes with clip captions on a video cache: the teacher and the student draw whole clips from the same
-    noise and the motion checker scores them; each entry's motion_right, motion_kept and speed_ratio beside its
+    noise and the motion checker scores them; each entry's motion_right, kept and speed_ratio beside its
     name, the table's motion columns, a grid of frame strips (a random teacher draws noise: keys and types, not
     values). Clip captions on a one-frame cache and shapes captions on a video cache end in one line."""
     m = load_manifest(video_cache)
@@ -391,28 +391,50 @@ def test_eval_scores_motion_on_a_video_cache(trained_run, video_cache, tiny_cach
     shape_caps.write_text("\n".join(read_prompt_file("data/shapes-heldout.txt")[:2]) + "\n")
     report_path = tmp_path / "ev" / "eval.json"
     r = invoke(["eval", "--student", trained_run, "--cache", video_cache, "--report", report_path,
-                "--no-teacher-timing", "--attributes", clip_caps, "--attribute-grid", 1])
+                "--no-teacher-timing", "--attributes", clip_caps, "--attribute-grid", 1, "--attribute-seeds", 2,
+                "--teacher-redraw", 2])
     assert r.exit_code == 0, r.output
-    assert "motion on 2 clips of 5 frames" in r.output and "motion kept" in r.output and "speed x" in r.output
+    assert "motion on 4 clips of 5 frames" in r.output and "optical flow on 4 clips" in r.output
+    assert all(h in r.output for h in ("kept (95%)", "speed x", "flow x (95%)", "dyn deg", "flicker", "passes"))
     report = json.loads(report_path.read_text())
     att = report["attributes"]
-    assert att["frames"] == 5 and att["captions"] == 2 and "clip_reads" not in att["teacher"]
-    for who in ("teacher", "student"):
-        assert att[who]["clips"] == 2
+    assert att["frames"] == 5 and att["captions"] == 2 and att["seeds"] == 2 and "clip_reads" not in att["teacher"]
+    for who in ("teacher", "student", "teacher@2"):
+        assert att[who]["clips"] == 4 and att[who]["dynamic_degree_of"] == 4 and att[who]["flicker"] >= 0
         assert all(0.0 <= att[who][k] <= 1.0 for k in ("background", "shape_colour", "attributes", "motion_right",
                                                            "all"))
     s = att["student"]
-    assert s["motion_kept"] is None or 0.0 <= s["motion_kept"] <= 1.0
+    assert s["kept"] is None or 0.0 <= s["kept"] <= 1.0
     assert s["speed_ratio"] is None or s["speed_ratio"] > 0.0
     # every share with its denominator and 95% interval: all right over the clips, kept over the teacher's right ones
     assert all(0 <= att[w]["all_interval"][0] <= att[w]["all"] <= att[w]["all_interval"][1] for w in ("teacher",
                                                                                                      "student"))
-    n = s["motion_kept_of"]
-    assert (s["motion_kept_interval"] is None) == (n == 0) and n == round(att["teacher"]["all"] * 2)
-    teacher_row, row = report["table"]
-    assert row["label"] == "student" and {"motion_right", "motion_kept", "speed_ratio"} <= row.keys()
-    assert "motion_kept" not in teacher_row and isinstance(teacher_row["motion_right"], float)
-    assert Image.open(att["grid"]).size == grid_layout(["teacher", "student"], 5 * SIDE, SIDE).size(1, 2)
+    n = s["kept_of"]
+    assert (s["kept_interval"] is None) == (n == 0) and n == round(att["teacher"]["all"] * 4)
+    teacher_row, row, redraw = report["table"]
+    assert row["label"] == "student" and {"motion_right", "kept", "speed_ratio", "flow_ratio", "latent_motion",
+                                          "all_right_ratio"} <= row.keys()
+    assert "kept" not in teacher_row and isinstance(teacher_row["motion_right"], float)
+    # the teacher re-drawn at 2 steps from the same noise: a row like a student's, its passes counted with CFG
+    assert redraw["label"] == "teacher@2" and redraw["objective"] == "teacher redraw" and "kept" in redraw
+    assert (teacher_row["passes"], row["passes"], redraw["passes"]) == (2 * m.steps * m.cfg + m.steps * (not m.cfg),
+                                                                        row["steps"], 4 if m.cfg else 2)
+    assert Image.open(att["grid"]).size == grid_layout(["teacher", "student", "teacher@2"], 5 * SIDE,
+                                                       SIDE).size(1, 3)
+    # --motion: prompts of any wording, scored by the optical flow alone
+    plain = tmp_path / "plain.txt"
+    plain.write_text("\n".join(TEST_PROMPTS[:2]) + "\n")
+    r = invoke(["eval", "--student", trained_run, "--cache", video_cache, "--report", report_path,
+                "--no-teacher-timing", "--motion", plain, "--attribute-grid", 0])
+    assert r.exit_code == 0, r.output
+    att = json.loads(report_path.read_text())["attributes"]
+    assert not att["checked"] and "motion_right" not in att["student"] and "kept" not in att["student"]
+    assert {"dynamic_degree", "flow_ratio", "flow_ratio_interval", "direction", "flicker"} <= att["student"].keys()
+    assert "optical flow on 2 clips" in r.output and "flow x (95%)" in r.output and "all right" not in r.output
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--motion", clip_caps,
+                                  "--no-teacher-timing"]), "holds images (1 frame)", "video cache")
+    assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", video_cache, "--motion", plain,
+                                  "--attributes", clip_caps]), "--attributes", "--motion", "not both")
     assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", video_cache, "--attributes", shape_caps,
                                   "--no-teacher-timing"]), "shapes captions on a 5-frame cache", "clips-heldout.txt")
     assert_one_line_error(invoke(["eval", "--student", trained_run, "--cache", tiny_cache, "--attributes", clip_caps,

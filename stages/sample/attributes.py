@@ -70,14 +70,16 @@ def _rates(checks) -> dict:
 
 
 def score(images, captions) -> dict:
-    """Accuracy in [0, 1] of `images` against their `captions`, overall and per shape count ("by_shapes": "1", "2")."""
+    """Accuracy in [0, 1] of `images` against their `captions`, overall and per shape count ("by_shapes": "1", "2");
+    `image_reads`: per image whether it is `all_right`, for pairing with another model's (`motion.kept_counts`)."""
     images, captions = list(images), list(captions)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions")
     checks = [_checks(img, parse_caption(cap)) for img, cap in zip(images, captions)]
     counts = sorted({len(cs) for _, cs, _ in checks})
     return {**_rates(checks),
-            "by_shapes": {str(k): _rates([c for c in checks if len(c[1]) == k]) for k in counts}}
+            "by_shapes": {str(k): _rates([c for c in checks if len(c[1]) == k]) for k in counts},
+            "image_reads": [{"all_right": b and all(cs) and all(ps)} for b, cs, ps in checks]}
 
 
 def attribute_captions(path: str, max_prompts: int | None, frames: int = 1) -> list[str]:

@@ -15,7 +15,7 @@ from pipeline.model_call import InputRule
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents
 
-from . import motion
+from . import flow, motion
 from .attributes import caption_noise, score
 from .eval_setup import Entry, Setup
 from .sample import SamplingSettings, image_cell, draw_grid, frame_strip, to_clips, write_image
@@ -63,8 +63,8 @@ def _draw_all(teacher, entries: list[Entry], captions: list[str], settings: Samp
 
 def _motion_scores(clips: dict[str, list], captions: list[str], entries: list[Entry], given: list | None) -> dict:
     """motion.py's scores of each one's clips (with `given` first frames, its `first_frame` fidelity to them); each
-    entry's also `motion_kept` (with the teacher's all-right clips it counts and its 95% interval) and `speed_ratio`
-    against the teacher's clips, caption by caption."""
+    entry's also `kept`, the paired share of the teacher's all-right clips it draws all right too (`kept_of` of them,
+    its 95% `kept_interval`), and `speed_ratio` against the teacher's clips, caption by caption."""
     reads = {name: motion.score(cs, captions) for name, cs in clips.items()}
     res = {name: {k: v for k, v in r.items() if k != "clip_reads"} for name, r in reads.items()}
     if given is not None:
@@ -73,14 +73,38 @@ def _motion_scores(clips: dict[str, list], captions: list[str], entries: list[En
     for e in entries:
         t, r = reads["teacher"]["clip_reads"], reads[e.label]["clip_reads"]
         k, n = motion.kept_counts(t, r)
-        res[e.label] |= {"motion_kept": k / n if n else None, "motion_kept_of": n,
-                         "motion_kept_interval": motion.wilson(k, n), "speed_ratio": motion.speed_ratio(t, r)}
+        res[e.label] |= {"kept": k / n if n else None, "kept_of": n, "kept_interval": motion.wilson(k, n),
+                         "speed_ratio": motion.speed_ratio(t, r)}
     return res
 
 
+def _image_scores(clips: dict[str, list], captions: list[str], entries: list[Entry]) -> dict:
+    """attributes.py's scores of each one's first frames, the all-right share with its 95% interval; each entry's also
+    `kept`, the paired share of the teacher's all-right images it draws all right too (`kept_of`, `kept_interval`)."""
+    reads = {name: score([c[0] for c in cs], captions) for name, cs in clips.items()}
+    res = {name: {k: v for k, v in r.items() if k != "image_reads"} for name, r in reads.items()}
+    for name, r in reads.items():
+        res[name]["all_interval"] = motion.wilson(sum(i["all_right"] for i in r["image_reads"]), r["images"])
+    for e in entries:
+        k, n = motion.kept_counts(reads["teacher"]["image_reads"], reads[e.label]["image_reads"])
+        res[e.label] |= {"kept": k / n if n else None, "kept_of": n, "kept_interval": motion.wilson(k, n)}
+    return res
+
+
+def _flow_scores(clips: dict[str, list], entries: list[Entry]) -> dict:
+    """flow.py's figures of each one's clips: the teacher's own (dynamic degree, flow, flicker), each entry's also
+    against the teacher's clips of the same prompt and noise (flow ratio, direction)."""
+    reads = {name: [flow.read(c) for c in cs] for name, cs in clips.items()}
+    return {"teacher": flow.summary(reads["teacher"]), **{e.label: flow.compare(reads["teacher"], reads[e.label])
+                                                          for e in entries}}
+
+
 def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) -> dict:
-    """Each one's scores (the first entry's also as "student"), shares of the teacher's, settings, grid path."""
-    m, captions = su.manifest, su.captions
+    """Each one's scores (the first entry's also as "student"), shares of the teacher's, settings, grid path: of
+    --attributes' captions (the checker's and, on video, the flow's figures) or --motion's prompts (the flow's), each
+    drawn from --attribute-seeds noises."""
+    m, seeds = su.manifest, cfg.attribute_seeds
+    captions, images = su.captions * seeds, None if su.images is None else su.images * seeds
     g2 = m.guidance_2
     settings = SamplingSettings(
         steps=int(m.steps), guidance=float(m.guidance),
@@ -90,24 +114,30 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
         seed=0, student_steps=entries[0].steps)
     frames, video = int(m.frames), int(m.frames) > 1 or su.images is not None
     clips, given = _draw_all(teacher, entries, captions, settings, su.device, cfg.batch_size, m.latent_shape, frames,
-                             InputRule.of(m), su.images)
+                             InputRule.of(m), images)
+    res: dict = {}
     if video:
-        res, kept = _motion_scores(clips, captions, entries, given), KEPT_MOTION
+        res = _flow_scores(clips, entries)
+        if su.checked:
+            res = {name: r | res[name] for name, r in _motion_scores(clips, captions, entries, given).items()}
+        kept = KEPT_MOTION
     else:
-        res, kept = {name: score([c[0] for c in cs], captions) for name, cs in clips.items()}, KEPT
-    t = res["teacher"]
-    res["vs_teacher"] = {e.label: {k: round(res[e.label][k] / t[k], 4) if t[k] else None for k in kept + ("all",)}
-                         for e in entries}
+        res, kept = _image_scores(clips, captions, entries), KEPT
+    if su.checked:
+        t = res["teacher"]
+        res["vs_teacher"] = {e.label: {k: round(res[e.label][k] / t[k], 4) if t[k] else None for k in kept + ("all",)}
+                             for e in entries}
+        res["student_vs_teacher"] = {k: res["vs_teacher"][entries[0].label][k] for k in kept}
     res["student"] = res[entries[0].label]
-    res["student_vs_teacher"] = {k: res["vs_teacher"][entries[0].label][k] for k in kept}
     keep = range(min(cfg.attribute_grid, len(captions)))
     rows = [[frame_strip(clips[name][i]) for name in clips] for i in keep]
-    columns = ["image"] * (su.images is not None) + list(clips)
-    if su.images is not None:  # the given image first, as sample's grid
-        rows = [[image_cell(su.images[i], settings, r[0].size), *r] for i, r in zip(keep, rows)]
+    columns = ["image"] * (images is not None) + list(clips)
+    if images is not None:  # the given image first, as sample's grid
+        rows = [[image_cell(images[i], settings, r[0].size), *r] for i, r in zip(keep, rows)]
     grid_path = su.report_path.with_name(su.report_path.stem + "-attributes.png")
     if rows:
         grid_path.parent.mkdir(parents=True, exist_ok=True)
         write_image(draw_grid(captions[:len(rows)], rows, columns), grid_path)
-    return {"prompts": cfg.attributes, "captions": len(captions), "settings": dataclasses.asdict(settings), **res,
+    return {"prompts": cfg.attributes or cfg.motion, "checked": su.checked, "captions": len(su.captions),
+            "seeds": seeds, "clips": len(captions), "settings": dataclasses.asdict(settings), **res,
             "grid": str(grid_path) if rows else None, **({"frames": frames} if video else {})}

@@ -49,8 +49,9 @@ class Setup:
     student: Student
     report_path: Path
     teacher_path: Path | None
-    captions: list[str] | None  # --attributes' captions (shapes; clips on a video cache)
-    images: list | None  # on an image-to-video cache, each caption's first frame (PIL images of --attributes' list)
+    captions: list[str] | None  # --attributes' captions (shapes; clips on a video cache), or --motion's prompts
+    images: list | None  # on an image-to-video cache, each caption's first frame (PIL images of the list's)
+    checked: bool  # whether the captions are of a checker's grammar (--attributes), not any prompts (--motion)
     trajs: list[Trajectory]
     selection: dict
     in_training: bool | None  # whether the cache is the student's training cache (None: unknown)
@@ -86,10 +87,36 @@ class Entry:
     steps: int
     guidance: float
     draw: Callable
+    teacher: Path | None = None  # a --teacher-redraw row: the teacher's folder (`student` is None)
+
+    @property
+    def passes(self) -> int:
+        """Forward passes of one draw: a step is two with guidance (conditional and unconditional), else one."""
+        return self.steps * (2 if self.guidance > 1.0 else 1)
 
     def describe(self) -> dict:
-        return {"label": self.label, "path": str(self.student.path), "objective": self.student.setting("objective"),
-                "trained_steps": self.student.setting("student_steps"), "steps": self.steps, "guidance": self.guidance}
+        s = self.student
+        return {"label": self.label, "path": str(self.teacher if s is None else s.path),
+                "objective": "teacher redraw" if s is None else s.setting("objective"),
+                "trained_steps": s and s.setting("student_steps"), "steps": self.steps, "guidance": self.guidance,
+                "passes": self.passes}
+
+
+def teacher_entry(pipe, path: Path, manifest: dict, steps: int) -> Entry:
+    """The cache's teacher pipeline `pipe` drawn again at `steps` (its scheduler, the cache's guidance), from the
+    latents it is given: a --teacher-redraw row, sampled and scored as the students are."""
+    kw = dict(num_inference_steps=steps, height=int(manifest.height), width=int(manifest.width),
+              num_frames=int(manifest.frames), max_sequence_length=int(manifest.max_sequence_length),
+              guidance_scale=float(manifest.guidance), output_type="latent")
+    if pipe.config.boundary_ratio is not None and manifest.guidance_2 is not None:
+        kw["guidance_scale_2"] = float(manifest.guidance_2)
+
+    def draw(embeds, latents, negative_embeds=None, condition=None):
+        neg = None if negative_embeds is None or kw["guidance_scale"] <= 1 else \
+            negative_embeds.expand(embeds.shape[0], -1, -1)
+        return pipe(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents, **kw).frames
+
+    return Entry(f"teacher@{steps}", None, pipe.transformer, steps, float(manifest.guidance), draw, path)
 
 
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
@@ -153,38 +180,48 @@ def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> N
 
 def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | None:
     """The cache's teacher (or --teacher), when timing or --attributes needs it."""
-    if not (cfg.teacher_timing or cfg.attributes):
+    if not (cfg.teacher_timing or cfg.attributes or cfg.motion or cfg.teacher_redraw):
         return None
     try:
         return named_teacher(cfg, manifest.teacher, manifest.revision, f"{cache_dir}/{F.MANIFEST}")
     except UserError as e:
-        raise UserError(f"{e} (timing and --attributes need the cache's teacher: pass --teacher PATH"
-                        f"{'' if cfg.attributes else ' or --no-teacher-timing'})") from e
+        drawn = cfg.attributes or cfg.motion or cfg.teacher_redraw
+        raise UserError(f"{e} (timing, --attributes, --motion and --teacher-redraw need the cache's teacher: pass "
+                        f"--teacher PATH{'' if drawn else ' or --no-teacher-timing'})") from e
 
 
 def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[str], list | None]:
-    """--attributes' captions and, on an image-to-video cache, their first frames: a text-to-video cache takes
-    captions alone (`attribute_captions`), an image-to-video one an image list of clip captions (as sample --images);
-    the other form refused in one line."""
-    path = cfg.attributes
-    named = ("image list", "pass --attributes a file of <image path><TAB><clip caption> lines") if image else ()
+    """--attributes' captions (or --motion's prompts) and, on an image-to-video cache, their first frames: a
+    text-to-video cache takes captions alone (`attribute_captions`; --motion's any prompts), an image-to-video one an
+    image list (as sample --images); the other form refused in one line."""
+    if cfg.attributes and cfg.motion:
+        raise UserError("pass --attributes (clip captions: the checker's figures and the flow's) or --motion (prompts "
+                        "of any wording: the flow's figures), not both")
+    path, flag, what = (cfg.attributes, "--attributes", "clip caption") if cfg.attributes else (
+        cfg.motion, "--motion", "prompt")
+    if cfg.motion and int(manifest.frames) == 1 and not image:
+        raise UserError(f"--motion {path}: the cache holds images (1 frame), which do not move; pass a video cache, or "
+                        "score images with --attributes")
+    named = ("image list", f"pass {flag} a file of <image path><TAB><{what}> lines") if image else ()
     listed = Path(path).suffix.lower() != ".jsonl" and any(  # (a .jsonl file is prompts: JSON may hold a tab)
         "\t" in t for _, t in file_lines(Path(path), *named) if not t.lstrip().startswith("#"))
     if listed != image:
-        raise UserError(f"--attributes {path} is " + (
+        raise UserError(f"{flag} {path} is " + (
             "an image list (<image path><TAB><caption> lines), and the cache is text-to-video; pass the captions "
             "alone, one a line" if listed else "captions alone, and the cache is image-to-video; pass a file of "
-            "<image path><TAB><clip caption> lines (as sample --images), each image its clip's first frame"))
+            f"<image path><TAB><{what}> lines (as sample --images), each image its clip's first frame"))
     if not image:
+        if cfg.motion:
+            return dedupe(read_prompt_file(path))[0][:cfg.attribute_max_prompts], None
         return attribute_captions(path, cfg.attribute_max_prompts, manifest.frames), None
     pairs = read_image_file(path)[:cfg.attribute_max_prompts]
-    for _, caption in pairs:
+    for _, caption in pairs if cfg.attributes else ():
         try:
             clips.parse_caption(caption)
         except ValueError as e:
             raise UserError(f"--attributes {path}: {e}; the motion checker reads captions of pipeline/clips.py's "
-                            "grammar, e.g. data/clips-heldout.txt") from e
-    return [c for _, c in pairs], [open_image(i, f"--attributes {path}") for i, _ in pairs]
+                            "grammar, e.g. data/clips-heldout.txt (--motion takes prompts of any wording)") from e
+    return [c for _, c in pairs], [open_image(i, f"{flag} {path}") for i, _ in pairs]
 
 
 def setup(cfg: EvalConfig) -> Setup:
@@ -203,17 +240,21 @@ def setup(cfg: EvalConfig) -> Setup:
     safe_write.ensure_folder(report_path.parent, "the folder of --report")  # (before any model loads)
     _check_against_cache(student, manifest, cache_dir)
     image = manifest.condition != NONE  # image-to-video: the teacher runs on --attributes' images alone (none recorded)
-    teacher_path = _teacher_path(cfg, manifest, cache_dir) if cfg.attributes or not image else None
-    captions, images = _attribute_rows(cfg, manifest, image) if cfg.attributes else (None, None)
+    drawn = bool(cfg.attributes or cfg.motion)
+    if image and cfg.teacher_redraw:
+        raise UserError("--teacher-redraw on an image-to-video cache: not supported (the teacher's pipeline takes the "
+                        "image, which the cache does not record); drop it")
+    teacher_path = _teacher_path(cfg, manifest, cache_dir) if drawn or not image else None
+    captions, images = _attribute_rows(cfg, manifest, image) if drawn else (None, None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
     in_training = (manifest.fingerprint in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
     trajs, selection = _select(cache_dir, manifest, cfg.prompts, cfg.max_prompts, only=kept_aside)
     device, dtype = pick_device(cfg.device, cfg.dtype)
     warnings = _settings_warnings(student, manifest)
-    if image and cfg.teacher_timing and not cfg.attributes:
-        warnings.append("teacher timing on an image-to-video cache draws from --attributes' images (the cache records "
-                        "none): skipped without --attributes")
+    if image and cfg.teacher_timing and not drawn:
+        warnings.append("teacher timing on an image-to-video cache draws from --attributes' (or --motion's) images (the "
+                        "cache records none): skipped without them")
     if in_training:
         seen = sorted({t.prompt_idx for t in trajs} - set(kept_aside))
         if seen:
@@ -222,7 +263,8 @@ def setup(cfg: EvalConfig) -> Setup:
     if student.setting("init_from_teacher") and not student.kind.init_exact(student, cfg.init_seed):
         warnings.append("train-student initialised the student from teacher blocks: the untrained baseline here is a "
                         "random initialisation, not its starting point (save student_init/ to compare with that)")
-    return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, images, trajs, selection,
+    return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, images, bool(cfg.attributes),
+                 trajs, selection,
                  in_training, device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET,
                  warnings)
 

@@ -18,7 +18,7 @@ from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 
 from .eval_attributes import attribute_scores
-from .eval_setup import REPORT_NAME, Entry, Setup, entries as make_entries, make_entry, setup
+from .eval_setup import REPORT_NAME, Setup, entries as make_entries, make_entry, setup, teacher_entry
 from .eval_timing import time_sampling
 from .eval_velocity import final_latent_errors, velocity_errors
 from .models import load_teacher
@@ -27,23 +27,18 @@ __all__ = ["REPORT_NAME", "run"]
 COLORS = {"student": "tab:blue", "untrained": "tab:gray", "teacher re-run": "tab:green"}
 
 
-def _against_teacher(cfg: EvalConfig, su: Setup, entries: list[Entry], neg) -> tuple[dict | None, dict | None]:
-    """(timing, attributes), None where not asked (or not run: an image-to-video cache's without --attributes); the
-    teacher loaded once (whole with --attributes: timed too; an image-to-video cache's as WanImageToVideoPipeline)."""
+def _teacher(su: Setup):
+    """The cache's teacher, loaded once when anything needs it (None otherwise): whole with --attributes or --motion
+    (text encoder and VAE: it draws captions), an image-to-video cache's as WanImageToVideoPipeline."""
     if su.teacher_path is None:
-        return None, None
-    image = su.images is not None
+        return None
     teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
-                           vae=su.captions is not None, image=image)
+                           vae=su.captions is not None, image=su.images is not None)
     channels = int(su.manifest.in_channels)  # a teacher whose inputs are not the cache's is another model
     if int(teacher.transformer.config.in_channels) != channels:
         raise UserError(f"teacher {su.teacher_path} has {teacher.transformer.config.in_channels} input channels, "
                         f"the cache's {channels}: it is not the cache's teacher; pass the right --teacher")
-    timing = None
-    if cfg.teacher_timing:  # (an image-to-video cache's teacher is loaded only with --attributes' images to time on)
-        timing = time_sampling(su, entries, teacher, neg, cfg.timing_runs) | {"teacher_path": str(su.teacher_path)}
-    attrs = attribute_scores(cfg, su, teacher, entries) if su.captions is not None else None
-    return timing, attrs
+    return teacher
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -59,9 +54,15 @@ def run(cfg: EvalConfig) -> dict:
     # the untrained twin at the first entry's steps is the baseline
     untrained = make_entry("untrained", su.student, models["untrained"], manifest, entries[0].steps)
     velocity = velocity_errors(su, models, cfg.batch_size)
+    teacher = _teacher(su)
+    entries += [teacher_entry(teacher, su.teacher_path, manifest, k) for k in cfg.teacher_redraw or ()]
     neg = negative_embeds(su.cache_dir)[None]
     finals = final_latent_errors(su, [*entries, untrained], neg, cfg.batch_size)
-    timing, attrs = _against_teacher(cfg, su, entries, neg)
+    timing = attrs = None  # (an image-to-video cache's teacher is timed only on --attributes' or --motion's images)
+    if teacher is not None and cfg.teacher_timing:
+        timing = time_sampling(su, entries, teacher, neg, cfg.timing_runs) | {"teacher_path": str(su.teacher_path)}
+    if su.captions is not None:
+        attrs = attribute_scores(cfg, su, teacher, entries)
     report = {
         "student": {**su.student.describe(), "init": init_how},
         "cache": {"path": str(su.cache_dir), "fingerprint": manifest.fingerprint, "teacher": manifest.teacher,
@@ -85,8 +86,10 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def few_step_table(report: dict) -> list[dict]:
-    """One row for the teacher and one per entry: steps, final-latent MSE, an image-to-video cache's first-frame MSE,
-    attribute scores, times and speed-ups."""
+    """One row for the teacher and one per entry: steps, forward passes, final-latent MSE, an image-to-video cache's
+    first-frame MSE, attribute scores (`kept`: the paired share of the teacher's all-right clips or images the model
+    draws all right too; `all_right_ratio`: the ratio of the two all-right rates, not paired), motion figures, times
+    and speed-ups."""
     attrs, timing = report["attributes"], report["timing"]
     first = report["final_latent_mse"].get("first_frame")
     image = lambda name: {"first_frame_mse": first[name]} if first else {}  # noqa: E731
@@ -94,17 +97,21 @@ def few_step_table(report: dict) -> list[dict]:
     def attr(name: str) -> dict:
         if not attrs:
             return {}
-        a = attrs[name]
+        a, out = attrs[name], {}
         if "motion_right" in a:  # a video eval: attributes per frame, then the motion checker's figures
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"]) / 2, "shape_colour": a["shape_colour"],
-                   "all_right": a["all"], **{k: a[k] for k in ("motion_right", "motion_kept", "motion_kept_of",
-                                                                "motion_kept_interval", "speed_ratio") if k in a},
+                   "motion_right": a["motion_right"],
                    **{k: a["first_frame"][k] for k in ("first_frame_mad", "start_px") if "first_frame" in a}}
-        else:
+        elif "background" in a:
             out = {"attribute_accuracy": (a["background"] + a["shape_colour"] + a["position"]) / 3,
-                   "shape_colour": a["shape_colour"], "position": a["position"], "all_right": a["all"]}
-        if name != "teacher":
-            out["kept_all_right"] = attrs["vs_teacher"][name]["all"]
+                   "shape_colour": a["shape_colour"], "position": a["position"]}
+        if "all" in a:
+            out |= {"all_right": a["all"], "all_right_interval": a.get("all_interval")}
+        if "kept" in a:
+            out |= {k: a[k] for k in ("kept", "kept_of", "kept_interval")}
+            out["all_right_ratio"] = attrs["vs_teacher"][name]["all"]
+        out |= {k: a[k] for k in ("speed_ratio", "flow_px", "flow_ratio", "flow_ratio_interval", "direction",
+                                  "dynamic_degree", "dynamic_degree_interval", "flicker") if k in a}
         return out
 
     def times(name: str) -> dict:
@@ -114,43 +121,51 @@ def few_step_table(report: dict) -> list[dict]:
         return {k: t.get(k) for k in ("denoise_s_per_image", "pipeline_s_per_image", "speedup_denoise",
                                       "speedup_pipeline") if k in t}
 
-    rows = [{"label": "teacher", "objective": None, "steps": int(report["cache"]["steps"]),
-             "guidance": float(report["cache"]["guidance"]), "final_latent_mse": 0.0, **image("teacher"),
+    steps, guidance = int(report["cache"]["steps"]), float(report["cache"]["guidance"])
+    rows = [{"label": "teacher", "objective": None, "steps": steps, "guidance": guidance,
+             "passes": steps * (2 if guidance > 1 else 1), "final_latent_mse": 0.0, **image("teacher"),
              **attr("teacher"), **times("teacher")}]
+    moves = report["final_latent_mse"].get("latent_motion", {})
     for e in report["entries"]:
         rows.append({**e, "final_latent_mse": report["final_latent_mse"][e["label"]], **image(e["label"]),
-                     **attr(e["label"]), **times(e["label"])})
+                     **({"latent_motion": moves[e["label"]]} if moves else {}), **attr(e["label"]),
+                     **times(e["label"])})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    """`few_step_table` as text, a line per model, `-` where a figure was not measured."""
+    """`few_step_table` as text, a line per model, `-` where a figure was not measured; a share with its 95%
+    interval reads "97% (90-99)"."""
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    def kept_cell(r: dict) -> str:  # "97% (90-99)": the paired share and its 95% interval
-        ci = r.get("motion_kept_interval")
-        return f(r.get("motion_kept"), ".0%") + (f" ({ci[0]:.0%}-{ci[1]:.0%})".replace("%-", "-") if ci else "")
+    def share(r: dict, key: str, spec: str = ".0%") -> str:
+        ci = r.get(f"{key}_interval")
+        return f(r.get(key), spec) + (f" ({format(ci[0], spec)}-{format(ci[1], spec)})".replace("%-", "-")
+                                      if ci and r.get(key) is not None else "")
 
-    video = any("speed_ratio" in r for r in rows)  # the motion columns only for a video eval
-    image = any("first_frame_mse" in r for r in rows)  # and the first frame's only for an image-to-video one
-    given = any("first_frame_mad" in r for r in rows)  # (drawn frame 0 against the given image: --attributes')
-    lines = [f"{'model':<24} {'steps':>5} {'latent MSE':>10} " + (f"{'frame 0 MSE':>11} " if image else "")
-             + f"{'attr acc':>8} {'all right':>9} {'kept':>6} "
-             + (f"{'motion kept (95%)':>17} {'speed x':>7} " if video else "")
-             + (f"{'frame 0 MAD':>11} {'start px':>8} " if given else "")
-             + f"{'denoise s':>9} {'x faster':>8} {'pipeline s':>10} {'x faster':>8}"]
-    for r in rows:
-        lines.append(f"{r['label'][:24]:<24} {r['steps']:>5} {f(r['final_latent_mse'], '.4g'):>10} "
-                     + (f"{f(r.get('first_frame_mse'), '.4g'):>11} " if image else "")
-                     + f"{f(r.get('attribute_accuracy'), '.1%'):>8} {f(r.get('all_right'), '.1%'):>9} "
-                     f"{f(r.get('kept_all_right'), '.0%'):>6} "
-                     + (f"{kept_cell(r):>17} {f(r.get('speed_ratio'), '.2f'):>7} " if video else "")
-                     + (f"{f(r.get('first_frame_mad'), '.2f'):>11} {f(r.get('start_px'), '.2f'):>8} " if given else "")
-                     + f"{f(r.get('denoise_s_per_image'), '.4f'):>9} "
-                     f"{f(r.get('speedup_denoise'), '.1f'):>8} {f(r.get('pipeline_s_per_image'), '.4f'):>10} "
-                     f"{f(r.get('speedup_pipeline'), '.1f'):>8}")
-    return "\n".join(lines)
+    cols = [("model", 24, lambda r: r["label"][:24]), ("steps", 5, lambda r: str(r["steps"])),
+            ("passes", 6, lambda r: f(r.get("passes"), "d")),
+            ("latent MSE", 10, lambda r: f(r["final_latent_mse"], ".4g"))]
+    has = lambda k: any(k in r for r in rows)  # noqa: E731  (a column only where some model has the figure)
+    cols += [("frame 0 MSE", 11, lambda r: f(r.get("first_frame_mse"), ".4g"))] * has("first_frame_mse")
+    cols += [("attr acc", 8, lambda r: f(r.get("attribute_accuracy"), ".1%")),
+             ("all right (95%)", 15, lambda r: share(r, "all_right")),
+             ("kept (95%)", 14, lambda r: share(r, "kept"))] * has("all_right")
+    cols += [("latent mv x", 11, lambda r: f(r.get("latent_motion"), ".2f"))] * has("latent_motion")
+    cols += [("speed x", 7, lambda r: f(r.get("speed_ratio"), ".2f"))] * has("speed_ratio")
+    cols += [("flow x (95%)", 16, lambda r: share(r, "flow_ratio", ".2f")),
+             ("dyn deg", 7, lambda r: f(r.get("dynamic_degree"), ".0%")),
+             ("flicker", 7, lambda r: f(r.get("flicker"), ".2f"))] * has("flicker")
+    cols += [("frame 0 MAD", 11, lambda r: f(r.get("first_frame_mad"), ".2f")),
+             ("start px", 8, lambda r: f(r.get("start_px"), ".2f"))] * has("first_frame_mad")
+    cols += [("denoise s", 9, lambda r: f(r.get("denoise_s_per_image"), ".4f")),
+             ("x faster", 8, lambda r: f(r.get("speedup_denoise"), ".1f")),
+             ("pipeline s", 10, lambda r: f(r.get("pipeline_s_per_image"), ".4f")),
+             ("x faster", 8, lambda r: f(r.get("speedup_pipeline"), ".1f"))]
+    line = lambda cells: " ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                  for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
+    return "\n".join([line([name for name, _, _ in cols])] + [line([cell(r) for _, _, cell in cols]) for r in rows])
 
 
 def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
@@ -163,25 +178,36 @@ def summary_line(report: dict, report_path: Path, plot_path: Path) -> str:
     kept, first = "", finals.get("first_frame")
     frame0 = (f"; frame-0 latent MSE against the image {first[report['entries'][0]['label']]:.4g} (teacher "
               f"{first['teacher']:.4g}, untrained {first['untrained']:.4g})") if first else ""
+    s = attrs and attrs["student"]
+    unit = "clips" if attrs and "frames" in attrs else "images"
+    share = "" if not s or "kept" not in s else (
+        f"n/a (the teacher drew no {unit[:-1]} all right)" if s["kept"] is None else
+        f"{s['kept']:.1%} of the teacher's {s['kept_of']} all-right {unit} (95% interval "
+        f"{s['kept_interval'][0]:.1%}-{s['kept_interval'][1]:.1%})")
     if attrs and "motion_right" in attrs["teacher"]:
-        t, s = attrs["teacher"], attrs["student"]
-        share = ("n/a (the teacher drew no clip all right)" if s["motion_kept"] is None
-                 else f"{s['motion_kept']:.1%} of the teacher's {s['motion_kept_of']} all-right clips (95% "
-                      f"interval {s['motion_kept_interval'][0]:.1%}-{s['motion_kept_interval'][1]:.1%})")
+        t = attrs["teacher"]
         ratio = "n/a" if s["speed_ratio"] is None else f"{s['speed_ratio']:.2f}"
         ff = lambda a: (f"{a['first_frame_mad']:.2f} levels, shape start "  # noqa: E731
                         + ("n/a" if a["start_px"] is None else f"{a['start_px']:.2f} px off"))
         given = (f"; frame 0 against the given image: teacher {ff(t['first_frame'])}, student "
                  f"{ff(s['first_frame'])}") if "first_frame" in t else ""
-        kept = (f"; motion on {attrs['captions']} clips of {attrs['frames']} frames: motion right teacher "
+        kept = (f"; motion on {attrs['clips']} clips of {attrs['frames']} frames: motion right teacher "
                 f"{t['motion_right']:.1%}, student {s['motion_right']:.1%}, kept {share}, speed ratio {ratio}"
-                f"{given}; grid {attrs['grid']}")
-    elif attrs:
-        t, s, share = attrs["teacher"], attrs["student"], attrs["student_vs_teacher"]["colour"]
-        share = "n/a (teacher 0%)" if share is None else f"{share:.1%} of the teacher's"
+                f"{given}")
+    elif attrs and attrs["checked"]:
+        t = attrs["teacher"]
         kept = (f"; attributes on {attrs['captions']} captions: colour accuracy teacher {t['colour']:.1%} (background "
                 f"{t['background']:.1%}, shape {t['shape_colour']:.1%}), student {s['colour']:.1%} (background "
-                f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {share}; grid {attrs['grid']}")
+                f"{s['background']:.1%}, shape {s['shape_colour']:.1%}), kept {share}")
+    if attrs and "flicker" in attrs["teacher"]:
+        t, s = attrs["teacher"], attrs["student"]
+        ci = s["flow_ratio_interval"]
+        ratio = "n/a" if s["flow_ratio"] is None else f"{s['flow_ratio']:.2f}" + (
+            f" (95% {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+        kept += (f"; optical flow on {attrs['clips']} clips: dynamic degree teacher {t['dynamic_degree']:.0%}, student "
+                 f"{s['dynamic_degree']:.0%}, flow ratio {ratio}, flicker teacher {t['flicker']:.2f}, student "
+                 f"{s['flicker']:.2f} levels")
+    kept += f"; grid {attrs['grid']}" if attrs else ""
     return (f"eval of {report['trajectories']} trajectories: velocity MSE {velocity['mean']['student']:.4g} "
             f"(untrained {velocity['mean']['untrained']:.4g}), final-latent MSE {finals['student']:.4g} "
             f"(untrained {finals['untrained']:.4g}){frame0}{speed}{kept}; report {report_path}, plot {plot_path}")

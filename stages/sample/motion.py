@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.clips import DIRECTIONS, SPEEDS, parse_caption
 
-from .attributes import MIN_PIXELS, NAMES, labels
+from .attributes import MIN_PIXELS, NAMES, PALETTE, _as_array, labels
 
 MIN_SPEED = 0.5  # pixels per frame along the track's main axis; slower reads as standing still (no direction)
 
@@ -21,12 +21,11 @@ def read(clip) -> dict:
     """What a clip [F, 64, 64, 3] (uint8, or float in [0, 1]) shows: per frame the background and the shape colour
     (None: no colour but the background's covers MIN_PIXELS), the centroid of the clip's shape colour in each
     frame, and the track's velocity, direction and speed (None when fewer than half the frames show the shape)."""
-    labs = [labels(f) for f in clip]
+    imgs = [_as_array(f) for f in clip]
+    labs = [labels(a) for a in imgs]
     counts = np.stack([np.bincount(lab.ravel(), minlength=len(NAMES)) for lab in labs])  # [F, colours]
     bgs = counts.argmax(1)
-    fg = counts.copy()
-    fg[np.arange(len(fg)), bgs] = 0
-    shapes = [int(c) if n >= MIN_PIXELS else None for c, n in zip(fg.argmax(1), fg.max(1))]
+    shapes = [shape_colour(a, lab, n, b) for a, lab, n, b in zip(imgs, labs, counts, bgs)]
     colour = max(set(shapes) - {None}, key=shapes.count, default=None)  # the clip's shape: its most common colour
     centres = []
     for lab in labs:
@@ -43,6 +42,17 @@ def read(clip) -> dict:
     return {"backgrounds": [NAMES[b] for b in bgs], "shapes": [None if s is None else NAMES[s] for s in shapes],
             "centres": centres, "velocity": None if velocity is None else [float(v) for v in velocity],
             "direction": direction, "speed": speed}
+
+
+def shape_colour(img: np.ndarray, lab: np.ndarray, counts: np.ndarray, bg: int) -> int | None:
+    """One frame's shape colour (None: no colour but the background's covers MIN_PIXELS): of those that do, the one
+    whose pixels' squared RGB distances from the background's palette colour sum highest: a blur's halo (the edge's
+    blend with the background, nearest a third colour: yellow on red reads orange) weighs less a pixel than the shape,
+    lying nearer the background (docs/tiny-video-teacher.md, "The checker on the VAE round trip")."""
+    dist = ((img.astype(np.float32) - PALETTE[bg]) ** 2).sum(-1)
+    weight = np.bincount(lab.ravel(), weights=dist.ravel(), minlength=len(NAMES))
+    weight[(counts < MIN_PIXELS) | (np.arange(len(NAMES)) == bg)] = 0
+    return int(weight.argmax()) if weight.max() > 0 else None
 
 
 def speed_word(speed: float) -> str:
