@@ -269,6 +269,20 @@ def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b).pow(2).flatten(1).mean(1)
 
 
+def latent_motion(latents) -> list[float]:
+    """Motion without decoding, of latents [N, C, F, h, w] (torch or numpy): per clip the mean absolute difference of
+    consecutive latent frames (eval's and validation's `latent_motion`: a sampled model's over the teacher's cached
+    final latents', `motion_ratio`)."""
+    x = torch.as_tensor(latents).detach().float()
+    return [float(v) for v in abs(x[:, :, 1:] - x[:, :, :-1]).reshape(len(x), -1).mean(1)]
+
+
+def motion_ratio(mine: list[float], teacher: list[float]) -> float | None:
+    """The mean over clips of mine / the teacher's, clips where the teacher's is 0 left out (None: none left)."""
+    r = [m / t for m, t in zip(mine, teacher, strict=True) if t > 0]
+    return sum(r) / len(r) if r else None
+
+
 def pseudo_huber(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
     """Per-sample pseudo-Huber distance in float32, sqrt(mse + c^2) - c: quadratic below c, the RMS error above."""
     return (mse(a, b) + c * c).sqrt() - c

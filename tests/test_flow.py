@@ -12,6 +12,7 @@ from PIL import Image
 
 from pipeline import clips
 from pipeline.errors import UserError
+from pipeline.sampling import latent_motion, motion_ratio
 from stages.sample import flow
 
 pytest.importorskip("cv2", reason="flow.py needs OpenCV: pip install -e '.[motion]' (opencv-python-headless)")
@@ -109,11 +110,11 @@ def test_latent_motion():
     torch = pytest.importorskip("torch")
     x = torch.randn(3, 4, 5, 8, 8, generator=torch.Generator().manual_seed(0))
     still = x[:, :, :1].repeat(1, 1, 5, 1, 1)
-    assert flow.latent_motion(still) == [0.0] * 3
-    assert flow.ratio(flow.latent_motion(x), flow.latent_motion(x)) == pytest.approx(1)
-    assert flow.ratio(flow.latent_motion(x.numpy() * 2), flow.latent_motion(x)) == pytest.approx(2)
-    assert flow.latent_motion(x.to(torch.bfloat16)) == pytest.approx(flow.latent_motion(x), rel=0.02)
-    assert flow.ratio([1.0, 2.0], [0.0, 1.0]) == 2.0 and flow.ratio([1.0], [0.0]) is None  # a still teacher clip: no ratio
+    assert latent_motion(still) == [0.0] * 3
+    assert motion_ratio(latent_motion(x), latent_motion(x)) == pytest.approx(1)
+    assert motion_ratio(latent_motion(x.numpy() * 2), latent_motion(x)) == pytest.approx(2)
+    assert latent_motion(x.to(torch.bfloat16)) == pytest.approx(latent_motion(x), rel=0.02)
+    assert motion_ratio([1.0, 2.0], [0.0, 1.0]) == 2.0 and motion_ratio([1.0], [0.0]) is None  # a still teacher clip: no ratio
 
 
 def test_without_opencv_the_figures_say_what_to_install(monkeypatch):

@@ -80,6 +80,8 @@ def test_compact_student_trains_validates_and_evaluates_on_an_i2v_cache(image_ca
     last = vals[-1]["final_latent_mse_per_prompt"]
     for t in rep["final_latent_mse"]["per_trajectory"]:
         assert t["student"] == pytest.approx(last[f"p{t['prompt_idx']}_s{t['seed_idx']}"], rel=1e-6)
+    # the latent frame-difference ratio to the teacher's final latents: validation's and eval's, of the same clips
+    assert rep["final_latent_mse"]["latent_motion"]["student"] == pytest.approx(vals[-1]["latent_motion"], rel=1e-5)
     first = rep["final_latent_mse"]["first_frame"]
     assert set(first) == {"teacher", "student", "untrained"} and all(v > 0 for v in first.values()), first
     assert [r["first_frame_mse"] for r in rep["table"]] == [first["teacher"], first["student"]]
@@ -95,6 +97,7 @@ def test_a_lora_of_the_i2v_teacher_starts_as_the_teacher(image_caches, tmp_path)
     train(cache, out, None, lora_of=str(teacher), max_steps=1, holdout_prompts=1, val_every=1)
     assert records(out, "train")[0]["loss"] < 1e-10
     assert records(out, "val")[0]["step"] == 0 and records(out, "val")[0]["final_latent_mse"] < 1e-10
+    assert records(out, "val")[0]["latent_motion"] == pytest.approx(1, abs=1e-4)  # the teacher's own motion
 
 
 def test_a_student_that_does_not_take_the_condition_is_refused(image_caches, tmp_path):

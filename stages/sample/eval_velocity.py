@@ -14,9 +14,8 @@ from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.progress_bar import progress_bar
 from pipeline.model_call import InputRule, Inputs, predict
-from pipeline.sampling import mse
+from pipeline.sampling import latent_motion, motion_ratio, mse
 
-from . import flow
 from .eval_setup import Entry, Setup
 
 
@@ -87,7 +86,7 @@ def first_frame_error(final: torch.Tensor, condition: torch.Tensor) -> list[floa
 def final_latent_errors(su: Setup, entries: list[Entry], neg: torch.Tensor, batch_size: int) -> dict:
     """MSE of each entry's sampled final latent against the teacher's, per trajectory and mean; on an image-to-video
     cache also `first_frame`: each model's (the teacher's cached latents' too) first-frame error, mean; on a video
-    cache `latent_motion`: each entry's latent frame-difference ratio to the teacher's (`flow.latent_motion`)."""
+    cache `latent_motion`: each entry's latent frame-difference ratio to the teacher's (`latent_motion`)."""
     embeds = su.embeddings()
     errs = {e.label: [] for e in entries}
     first, moves = {name: [] for name in ("teacher", *errs)}, {name: [] for name in ("teacher", *errs)}
@@ -100,19 +99,19 @@ def final_latent_errors(su: Setup, entries: list[Entry], neg: torch.Tensor, batc
         cond = su.conditions([(t.prompt_idx, t.seed_idx) for t in chunk])
         if cond is not None:
             first["teacher"] += first_frame_error(final, cond)
-        moves["teacher"] += flow.latent_motion(final) if video else []
+        moves["teacher"] += latent_motion(final) if video else []
         for e in entries:
             out = e.draw(emb, init.to(su.device), neg.to(su.device),
                          condition=None if cond is None else cond.to(su.device)).float().cpu()
             errs[e.label] += mse(out, final).tolist()
-            moves[e.label] += flow.latent_motion(out) if video else []
+            moves[e.label] += latent_motion(out) if video else []
             if cond is not None:
                 first[e.label] += first_frame_error(out, cond)
             bar.update(len(chunk))
     bar.close()
     image = {"first_frame": {name: sum(v) / len(v) for name, v in first.items()}} if first["teacher"] else {}
     if video:  # the latent frame-difference ratio: motion kept without decoding
-        image["latent_motion"] = {name: flow.ratio(v, moves["teacher"]) for name, v in moves.items() if name != "teacher"}
+        image["latent_motion"] = {name: motion_ratio(v, moves["teacher"]) for name, v in moves.items() if name != "teacher"}
     return {**{name: sum(v) / len(v) for name, v in errs.items()}, **image,
             "per_trajectory": [{"prompt_idx": t.prompt_idx, "seed_idx": t.seed_idx,
                                 **{name: errs[name][j] for name in errs}} for j, t in enumerate(su.trajs)],

@@ -107,17 +107,5 @@ def compare(teacher_reads: list[dict], reads: list[dict]) -> dict:
                              "direction_of": len(cosines)}
 
 
-def latent_motion(latents) -> list[float]:
-    """Motion without decoding, of latents [N, C, F, h, w] (torch or numpy): per clip the mean absolute difference of
-    consecutive latent frames (eval's `latent_motion`: each entry's against the teacher's cached final latents)."""
-    x = latents.detach().float() if hasattr(latents, "detach") else np.asarray(latents, np.float32)
-    return [float(v) for v in abs(x[:, :, 1:] - x[:, :, :-1]).reshape(len(x), -1).mean(1)]
-
-
-def ratio(mine: list[float], teacher: list[float]) -> float | None:
-    """The mean over clips of mine / the teacher's, clips where the teacher's is 0 left out (None: none left)."""
-    return _mean([m / t for m, t in zip(mine, teacher, strict=True) if t > 0])
-
-
 def _mean(x) -> float | None:
     return float(np.mean(x)) if len(x) else None

@@ -19,7 +19,8 @@ from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError, first_line
 from pipeline.hub import is_hub_id, teacher_folder
 from pipeline.model_call import NONE, InputRule
-from pipeline.sampling import decode_latents, sample_latents, student_scheduler, student_steps
+from pipeline.sampling import (decode_latents, latent_motion, motion_ratio, sample_latents, student_scheduler,
+                               student_steps)
 
 _GAP = 2  # pixels between grid cells
 VAE_FILES = ("vae/*.json", "vae/*.safetensors")  # what --val-decode reads of a teacher (huggingface_hub patterns)
@@ -82,6 +83,9 @@ class Validator:
         record = {"final_latent_mse": float(np.mean(errors)),
                   "final_latent_mse_per_prompt": {f"p{p}_s{s}": e for (p, s), e in zip(self.trajectories, errors)},
                   "trajectories": len(errors), "sampling_steps": self.steps}
+        if latents[0].shape[2] > 1:  # video: the latent frame-difference ratio to the teacher's (below 1: slower)
+            record["latent_motion"] = motion_ratio(latent_motion(torch.cat(latents)),
+                                                   latent_motion(torch.cat([f for _, f, _, _ in self._load_inputs()])))
         grid = self._grid(torch.cat(latents)) if self.decode else None
         if self._vae is not None:
             record["vae_mib"] = self.vae_mib
