@@ -170,7 +170,7 @@ one-step: $(STAMP) $(PRETRAINED_TEACHER)/model_index.json
 # and a DEMO_VIDEO_STEPS-step per-expert LoRA of the teacher (exported in diffusers' and in Wan's key names) -> sample
 # (frame-strip grid and animated WebPs) -> eval on all 400 held-out clip captions at two noises (800 clips) with the
 # motion checker (motion right, paired kept, speed ratio) and optical flow (flow ratio, dynamic degree, flicker), the
-# teacher re-drawn at 16, 4 and 2 steps as rows. About 25 minutes on 2 CPU cores; figures: docs/results.md, "Video".
+# teacher re-drawn at 16, 4 and 2 steps as rows. About 30 minutes on 2 CPU cores; figures: docs/results.md, "Video".
 DEMO_VIDEO ?= $(RUNS)/demo-video
 VIDEO_TEACHER := $(RUNS)/tiny-video-teacher-pretrained
 VIDEO_TEACHER_FILES := $(wildcard data/tiny-video-teacher-pretrained/*/*)
