@@ -173,3 +173,28 @@ def test_a_deleted_record_or_trainer_state_is_damage_not_a_silent_skip(runs, tmp
     assert "\n" not in msg
     assert f"{NEWEST} (digests.json: missing)" in msg and f"{OLDER} (trainer_state.json: missing)" in msg
     assert "step-00000003 (digests.json: unreadable (UnsafeFileError: " in msg and "is not valid JSON" in msg
+
+
+def test_a_kill_while_pruning_leaves_no_partial_checkpoint_under_a_final_name(tmp_path, monkeypatch):
+    """CI's random SIGKILL once landed inside prune's delete of an old checkpoint: its final-named folder was left
+    half deleted. prune renames it to a temporary name first; the delete, killed after one file, leaves only that."""
+    root = tmp_path / checkpoint.CHECKPOINTS
+    for step in (3, 6, 9):
+        d = root / checkpoint.step_dirname(step)
+        d.mkdir(parents=True)
+        for name in ("model.safetensors", "optimizer.pt", checkpoint.STATE):
+            (d / name).write_text("x")
+
+    def killed_after_one_file(path, ignore_errors=False):
+        files = sorted(Path(path).iterdir()) if Path(path).is_dir() else []
+        if files:
+            files[0].unlink()
+            raise KeyboardInterrupt  # the kill, mid-delete
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune(tmp_path, keep=2, step=9)
+    named = [d for d in root.iterdir() if not d.name.endswith(checkpoint.TMP)]
+    assert sorted(d.name for d in named) == ["step-00000006", NEWEST]
+    assert all(len(list(d.iterdir())) == 3 for d in named)
+    assert [d.name for d in checkpoint.complete(tmp_path)] == ["step-00000006", NEWEST]

@@ -183,11 +183,8 @@ def _seal(out: str | os.PathLike, tmp: Path, step: int, files: dict[str, dict], 
     honour_umask(tmp)  # (safetensors writes 0600 whatever the umask: colleagues could not read the checkpoint)
     fsync_dir(tmp)
     fault_point("before_checkpoint_rename")
-    if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged
-        # one): the old folder is renamed aside first (a `.tmp` name, removed by `prune`), never half deleted
-        aside = root / f"{step_dirname(step)}.{os.getpid()}.old{TMP}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
+    if final.exists():  # the same step written again (a resumed run that re-reached it, e.g. past a damaged one)
+        _set_aside(final)
     os.replace(tmp, final)
     fsync_dir(root)
     fault_point("after_checkpoint_rename")
@@ -358,12 +355,19 @@ def complete(out: str | os.PathLike) -> list[Path]:
     return [d for d in _named(out) if (d / STATE).is_file()]
 
 
+def _set_aside(d: Path) -> None:
+    """Rename checkpoint folder `d` to a temporary name (`prune` removes it): never half deleted under its final name."""
+    aside = d.with_name(f"{d.name}.{os.getpid()}.old{TMP}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(d, aside)
+
+
 def prune(out: str | os.PathLike, keep: int, step: int | None = None) -> None:
     """Keep the newest `keep` complete checkpoints at or before `step`; remove leftovers of interrupted writes.
     Those past `step` (damaged ones a resume skipped, written again) are left alone and not counted."""
     found = [d for d in complete(out) if step is None or d.name <= step_dirname(step)]
     for d in found[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
+        _set_aside(d)  # removed just below
     for d in (Path(out) / CHECKPOINTS).glob(f"*{TMP}"):
         shutil.rmtree(d, ignore_errors=True)
 
