@@ -289,9 +289,10 @@ class DistillRecord(Record):
     @classmethod
     def of_cache(cls, manifest: CacheHeader, **learned) -> DistillRecord:
         """The record of a student trained on the cache `manifest` describes: the fields the two records share
-        copied from it as they are, `learned` (the run's own fields) for the rest."""
+        copied from it as they are (unless `learned` changes them: a student of another guidance), `learned` (the
+        run's own fields) for the rest."""
         shared = {f.name for f in fields(CacheHeader)} & {f.name for f in fields(cls)}
-        return cls(**{k: getattr(manifest, k) for k in shared}, **learned)
+        return cls(**{k: getattr(manifest, k) for k in shared} | learned)
 
     guided = property(lambda self: self.cfg)  # the student learned CFG-guided targets: it samples at guidance 1
     sampling_steps = property(lambda self: self.steps if self.student_steps is None else self.student_steps)

@@ -394,6 +394,11 @@ class _Inference:
     weights: str = _weights()
     device: str = setting("auto", help="auto (the first GPU if any) | cpu | cuda | cuda:N.", check=_DEVICE)
     dtype: str | None = setting(None, help="Model dtype.", check=DTYPES, default_text=DTYPE_DEFAULT)
+    hybrid: tuple[str, ...] = _compare("A few-step segment run (or LoRA pair) drawn as a hybrid: the teacher, guided, "
+                                       "over its own steps up to the run's --hybrid-steps'th boundary, then the run "
+                                       "(repeatable).")
+    hybrid_steps: int | None = setting(None, check=at_least(1), help="--hybrid: how many of the run's steps the "
+                                       "teacher draws instead.", default_text="those on the high-noise expert")
 
     cpu_only = property(_asks_cpu)
 

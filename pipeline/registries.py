@@ -295,7 +295,13 @@ _OBJ = "stages.train_student.objective_velocity:"
                                  "teacher's steps", impl=_OBJ + "Velocity")
 @dataclass(frozen=True, kw_only=True)
 class VelocitySettings:
-    """The velocity objective takes no settings."""
+    """The velocity objective's one setting: the guidance scale of the teacher it learns (docs/architecture.md,
+    "Guidance as a dial")."""
+
+    target_guidance: float | None = setting(
+        None, check=positive(), help="velocity: learn the teacher at this guidance scale instead of the cache's, "
+        "u + w (c - u) from its conditional and unconditional predictions (a cache of teacher-cache "
+        "--save-cond-uncond; both experts alike).", default_text="the cache's guided prediction")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -233,19 +233,20 @@ def student_steps(source) -> int:
 @torch.no_grad()
 def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embeds: torch.Tensor, steps: int,
                    guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *, rule: InputRule = PLAIN,
-                   condition: torch.Tensor | None = None) -> torch.Tensor:
+                   condition: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
     """Final latents [B, C, F, H, W] (float32) of `steps` denoising steps of `transformer` from `init_noise`, op for op
     as WanPipeline (WanImageToVideoPipeline with a `condition` latent); `negative_embeds` [B or 1, L, D] is needed when
-    `guidance` > 1 (CFG, two forwards per step)."""
+    `guidance` > 1 (CFG, two forwards per step). `start`: the steps before it were drawn by another model (a hybrid),
+    `init_noise` being their result."""
     device = next(transformer.parameters()).device
     dtype = transformer.dtype
     embeds = prompt_embeds.to(device).to(dtype)
     neg = negative_embeds.to(device).to(dtype) if guidance > 1.0 and negative_embeds is not None else None
     cond = None if condition is None else condition.to(device=device, dtype=torch.float32)
     scheduler.set_timesteps(steps, device=device)
-    scheduler.set_begin_index(0)
+    scheduler.set_begin_index(start)
     latents = init_noise.to(device=device, dtype=torch.float32)
-    for t in scheduler.timesteps:
+    for t in scheduler.timesteps[start:]:
         inputs = Inputs(latents.to(dtype), t.expand(latents.shape[0]), embeds, neg,
                         None if cond is None else cond.to(dtype))
         pred = predict(transformer, inputs, guidance, rule, attention_kwargs=None).guided

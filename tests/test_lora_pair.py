@@ -243,3 +243,46 @@ def test_eval_takes_the_pair_and_writes_beside_its_runs(pair):
     assert rep["trajectories"] == 1 and rep["student"]["path"] == f"{pair['lora-1']}/student+{pair['lora-2']}/student"
     assert not (pair["lora-1"] / "eval.json").exists() and not (pair["lora-2"] / "eval.json").exists()
     assert rep["final_latent_mse"]["student"] != rep["final_latent_mse"]["untrained"]  # (the untrained: the teacher)
+
+
+@pytest.mark.slow
+def test_eval_draws_the_teacher_then_the_pair_as_a_hybrid(pair, tmp_path):
+    """--hybrid RUN1+RUN2: the teacher, guided, over its steps before the pair's first boundary on the low-noise
+    expert (equal segments 0,2,4,6 of 8 steps; experts 1,1,1,2,...: boundary 4, so the teacher's steps 0-3), then the
+    pair's last 2 steps, from the same noise; closer to the teacher than the pair alone, its passes counted (4 guided
+    steps and 2: 10). --hybrid-steps leaving the run no step ends in one line."""
+    spelled = f"{pair['lora-1']}+{pair['lora-2']}"
+    report_path = tmp_path / "eval.json"
+    r = invoke(["eval", "--student", spelled, "--cache", pair["cache"], "--report", report_path, "--hybrid", spelled,
+                "--device", "cpu", "--timing-runs", 1])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(report_path.read_text())
+    row = next(e for e in rep["entries"] if e["objective"] == "hybrid")
+    assert row["label"] == "teacher:2+lora-1+lora-2"
+    assert (row["teacher_steps"], row["steps"], row["passes"], row["guidance"]) == (4, 6, 10, 2.0)
+    finals = rep["final_latent_mse"]
+    assert finals[row["label"]] < finals["student"]
+    assert rep["timing"]["entries"][row["label"]]["passes"] == 10
+    assert_one_line_error(invoke(["eval", "--student", spelled, "--cache", pair["cache"], "--hybrid", spelled,
+                                  "--hybrid-steps", 4, "--no-teacher-timing", "--report", report_path]),
+                          "the teacher would draw 4 of the run's 4 steps")
+
+
+@pytest.mark.slow
+def test_sample_draws_the_hybrid_as_a_column(pair, tmp_path):
+    """sample --hybrid RUN1+RUN2: a column of the teacher's first 4 steps (guided) and the pair's last 2, from the
+    same noise: unlike the pair's own clip, and nearer the teacher's than it."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(clip_for(0, 1).caption + "\n")
+    spelled = f"{pair['lora-1']}+{pair['lora-2']}"
+    grid = tmp_path / "grid.png"
+    r = invoke(["sample", "--student", spelled, "--hybrid", spelled, "--prompts", prompts, "--out", grid,
+                "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads(grid.with_name("grid.png.json").read_text())
+    assert meta["columns"] == ["teacher", "student (4 steps)", "teacher:2+lora-1+lora-2 (4+2 steps)"]
+    assert meta["students"]["teacher:2+lora-1+lora-2"]["hybrid_teacher_steps"] == 4
+    clip = {n: np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(paths[0]))])
+            .astype(float) for n, paths in meta["videos"].items()}
+    hybrid = clip["teacher:2+lora-1+lora-2"]
+    assert np.abs(hybrid - clip["teacher"]).mean() < np.abs(clip["student"] - clip["teacher"]).mean()

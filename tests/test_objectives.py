@@ -165,3 +165,31 @@ def test_distill_record_has_one_spelling_per_key(tmp_path):
         DistillRecord.read(path)
     assert sample_distill(student_steps=2).sampling_steps == 2
     assert Path(RunLayout(tmp_path).student).name == "student"
+
+
+def test_target_guidance_mixes_the_recorded_branches(tiny_teacher, prompts_file, tiny_cache, tmp_path):
+    """velocity --target-guidance w learns u + w (c - u) from the cache's two branches (--save-cond-uncond): at each
+    sample's own guidance that is the guided target the cache holds (to its dtype's rounding), at another it is
+    another; distill.json then records w as the guidance the student learned (sample draws the teacher at it). A
+    cache without the branches is refused in one line naming the flag that records them."""
+    from conftest import make_cache, read_all_samples
+
+    cache = make_cache(tiny_teacher, prompts_file, tmp_path / "cache", save_cond_uncond=True)
+    for key, (t, meta) in read_all_samples(cache).items():
+        fields = {k: t[k][None] for k in (F.T_X_T, F.T_TARGET, F.T_TARGET_COND, F.T_TARGET_UNCOND)}
+        batch = Batch(fields, torch.zeros(1), torch.zeros(1, 2, 8), torch.ones(1))
+        guided = Outputs(fields[F.T_TARGET].float())  # a prediction equal to the cached guided target
+        own = Velocity({"target_guidance": meta[F.M_GUIDANCE]}).terms(guided, batch, None)["velocity"]
+        other = Velocity({"target_guidance": meta[F.M_GUIDANCE] + 2.0}).terms(guided, batch, None)["velocity"]
+        c, u = fields[F.T_TARGET_COND].float(), fields[F.T_TARGET_UNCOND].float()
+        two_more = (2.0 * (c - u)).pow(2).mean()  # what 2 more of guidance adds to the target, squared
+        assert own.item() < 1e-3 * fields[F.T_TARGET].float().pow(2).mean(), key
+        assert torch.allclose(other, two_more, rtol=0.05), key
+    report = train(cache, tmp_path / "w3", target_guidance=3.0, max_steps=1)
+    record = json.loads((tmp_path / "w3" / "distill.json").read_text())
+    assert record["guidance"] == 3.0 and record["objective_settings"] == {"target_guidance": 3.0}, report
+    assert record["guidance_2"] in (None, 3.0)
+    r = CliRunner().invoke(main, ["train-student", "--cache", str(tiny_cache), "--student-config", TINY, "--out",
+                                  str(tmp_path / "no"), "--target-guidance", "3"])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert "target_cond, target_uncond" in r.stderr and "--save-cond-uncond" in r.stderr

@@ -25,7 +25,7 @@ from pipeline.sampling import scheduler_from_config
 
 from .attributes import attribute_captions
 from .models import Student, check_compatible, find_student, model_name, named_teacher, pick_device
-from .sample import student_sampler
+from .sample import hybrid_sampler, student_sampler, teacher_drawer
 
 # distill.json fields whose value should match the cache's for the comparison to mean what it says.
 COMPARED = ("cfg", "guidance", "guidance_2", "max_sequence_length", "latent_shape", "steps", "negative_prompt")
@@ -88,35 +88,48 @@ class Entry:
     guidance: float
     draw: Callable
     teacher: Path | None = None  # a --teacher-redraw row: the teacher's folder (`student` is None)
+    handover: int | None = None  # a --hybrid row: of its `steps`, the teacher's (at `guidance`) before the student's
 
     @property
     def passes(self) -> int:
-        """Forward passes of one draw: a step is two with guidance (conditional and unconditional), else one."""
-        return self.steps * (2 if self.guidance > 1.0 else 1)
+        """Forward passes of one draw: a step is two with guidance (conditional and unconditional), else one; a
+        hybrid's student steps are one each."""
+        per = 2 if self.guidance > 1.0 else 1
+        return per * self.steps if self.handover is None else per * self.handover + self.steps - self.handover
 
     def describe(self) -> dict:
         s = self.student
         return {"label": self.label, "path": str(self.teacher if s is None else s.path),
-                "objective": "teacher redraw" if s is None else s.setting("objective"),
+                "objective": "teacher redraw" if s is None else "hybrid" if self.handover else s.setting("objective"),
                 "trained_steps": s and s.setting("student_steps"), "steps": self.steps, "guidance": self.guidance,
-                "passes": self.passes}
+                "passes": self.passes, **({"teacher_steps": self.handover} if self.handover else {})}
 
 
-def teacher_entry(pipe, path: Path, manifest: dict, steps: int) -> Entry:
-    """The cache's teacher pipeline `pipe` drawn again at `steps` (its scheduler, the cache's guidance), from the
-    latents it is given: a --teacher-redraw row, sampled and scored as the students are."""
+def teacher_call(pipe, manifest: dict, steps: int) -> dict:
+    """The keyword arguments of the teacher's pipeline drawing the cache's latents at `steps` (its guidance, both
+    experts')."""
     kw = dict(num_inference_steps=steps, height=int(manifest.height), width=int(manifest.width),
               num_frames=int(manifest.frames), max_sequence_length=int(manifest.max_sequence_length),
               guidance_scale=float(manifest.guidance), output_type="latent")
     if pipe.config.boundary_ratio is not None and manifest.guidance_2 is not None:
         kw["guidance_scale_2"] = float(manifest.guidance_2)
+    return kw
 
-    def draw(embeds, latents, negative_embeds=None, condition=None):
-        neg = None if negative_embeds is None or kw["guidance_scale"] <= 1 else \
-            negative_embeds.expand(embeds.shape[0], -1, -1)
-        return pipe(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents, **kw).frames
 
+def teacher_entry(pipe, path: Path, manifest: dict, steps: int) -> Entry:
+    """The cache's teacher pipeline `pipe` drawn again at `steps` (its scheduler, the cache's guidance), from the
+    latents it is given: a --teacher-redraw row, sampled and scored as the students are."""
+    draw = teacher_drawer(pipe, teacher_call(pipe, manifest, steps))
     return Entry(f"teacher@{steps}", None, pipe.transformer, steps, float(manifest.guidance), draw, path)
+
+
+def hybrid_entry(pipe, path: str, manifest: dict, student: Student, model, steps: int | None) -> Entry:
+    """The --hybrid row of the segment run `student` at `path`: `sample.hybrid_sampler` on the cache's steps."""
+    call = teacher_call(pipe, manifest, int(manifest.steps))
+    draw, stop, m = hybrid_sampler(pipe, call, student, model, steps, InputRule.of(manifest), f"--hybrid {path}")
+    k = len(student.distill.objective_settings["boundaries"])
+    return Entry(f"teacher:{m}+{model_name(path)}", student, model, stop + k - m, call["guidance_scale"], draw,
+                 handover=stop)
 
 
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:
@@ -180,14 +193,14 @@ def _check_against_cache(student: Student, manifest: dict, cache_dir: Path) -> N
 
 def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | None:
     """The cache's teacher (or --teacher), when timing or --attributes needs it."""
-    if not (cfg.teacher_timing or cfg.attributes or cfg.motion or cfg.teacher_redraw):
+    if not (cfg.teacher_timing or cfg.attributes or cfg.motion or cfg.teacher_redraw or cfg.hybrid):
         return None
     try:
         return named_teacher(cfg, manifest.teacher, manifest.revision, f"{cache_dir}/{F.MANIFEST}")
     except UserError as e:
-        drawn = cfg.attributes or cfg.motion or cfg.teacher_redraw
-        raise UserError(f"{e} (timing, --attributes, --motion and --teacher-redraw need the cache's teacher: pass "
-                        f"--teacher PATH{'' if drawn else ' or --no-teacher-timing'})") from e
+        drawn = cfg.attributes or cfg.motion or cfg.teacher_redraw or cfg.hybrid
+        raise UserError(f"{e} (timing, --attributes, --motion, --teacher-redraw and --hybrid need the cache's "
+                        f"teacher: pass --teacher PATH{'' if drawn else ' or --no-teacher-timing'})") from e
 
 
 def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[str], list | None]:
@@ -241,9 +254,9 @@ def setup(cfg: EvalConfig) -> Setup:
     _check_against_cache(student, manifest, cache_dir)
     image = manifest.condition != NONE  # image-to-video: the teacher runs on --attributes' images alone (none recorded)
     drawn = bool(cfg.attributes or cfg.motion)
-    if image and cfg.teacher_redraw:
-        raise UserError("--teacher-redraw on an image-to-video cache: not supported (the teacher's pipeline takes the "
-                        "image, which the cache does not record); drop it")
+    if image and (cfg.teacher_redraw or cfg.hybrid):
+        raise UserError(f"--{'teacher-redraw' if cfg.teacher_redraw else 'hybrid'} on an image-to-video cache: not "
+                        "supported (the teacher's pipeline takes the image, which the cache does not record); drop it")
     teacher_path = _teacher_path(cfg, manifest, cache_dir) if drawn or not image else None
     captions, images = _attribute_rows(cfg, manifest, image) if drawn else (None, None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
@@ -276,16 +289,21 @@ def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:
     out = [make_entry(lab, su.student, model, su.manifest, k) for lab, k in zip(labels, steps_list)]
     taken = set(labels) | {"teacher", "untrained"}
     for path in cfg.compare:
-        other = find_student(path, cfg.weights)
-        _check_against_cache(other, su.manifest, su.cache_dir)
-        if other.fingerprints and su.manifest.fingerprint in other.fingerprints:
-            seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
-            if seen:
-                su.warnings.append(f"--compare {path} was trained on {len(seen)} of the prompts evaluated")
         name = model_name(path)
         label, i = name, 2
         while label in taken:  # two runs' student/ folders, or a run named like an entry
             label, i = f"{name}-{i}", i + 1
         taken.add(label)
-        out.append(make_entry(label, other, other.kind.load(other, su.dtype, su.device), su.manifest))
+        out.append(make_entry(label, *other_student(cfg, su, path, "--compare"), su.manifest))
     return out
+
+
+def other_student(cfg: EvalConfig, su: Setup, path: str, flag: str) -> tuple[Student, torch.nn.Module]:
+    """A --compare or --hybrid run, checked against the cache (a warning if it trained on prompts evaluated), loaded."""
+    other = find_student(path, cfg.weights)
+    _check_against_cache(other, su.manifest, su.cache_dir)
+    if other.fingerprints and su.manifest.fingerprint in other.fingerprints:
+        seen = {t.prompt_idx for t in su.trajs} - {int(p) for p in other.setting("heldout_prompts", [])}
+        if seen:
+            su.warnings.append(f"{flag} {path} was trained on {len(seen)} of the prompts evaluated")
+    return other, other.kind.load(other, su.dtype, su.device)

@@ -14,7 +14,7 @@ from pipeline.model_call import InputRule
 from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents, mse
 
-from .eval_setup import Entry, Setup
+from .eval_setup import Entry, Setup, teacher_call
 
 
 def _timed(fn, device: torch.device) -> tuple:
@@ -65,7 +65,7 @@ def _per_image(entries: list[Entry], denoise: dict[str, list[float]], pipeline: 
     t = per["teacher"]
     for e in entries:
         p = per[e.label]
-        p.update(steps=e.steps, forwards_per_step=2 if e.guidance > 1.0 else 1,
+        p.update(steps=e.steps, passes=e.passes, forwards_per_step=2 if e.guidance > 1.0 else 1,
                  speedup_denoise=t["denoise_s_per_image"] / max(p["denoise_s_per_image"], 1e-9),
                  speedup_pipeline=(t["pipeline_s_per_image"] / max(p["pipeline_s_per_image"], 1e-9)
                                    if p["pipeline_s_per_image"] else None))
@@ -79,11 +79,7 @@ def time_sampling(su: Setup, entries: list[Entry], pipe, neg: torch.Tensor, runs
     with that image's encoding by the teacher's VAE, the pipeline's own first step."""
     manifest, device = su.manifest, su.device
     embeds = su.embeddings()
-    kw = dict(num_inference_steps=int(manifest.steps), height=int(manifest.height),
-              width=int(manifest.width), num_frames=int(manifest.frames), output_type="latent",
-              max_sequence_length=int(manifest.max_sequence_length), guidance_scale=float(manifest.guidance))
-    if pipe.config.boundary_ratio is not None and manifest.guidance_2 is not None:
-        kw["guidance_scale_2"] = float(manifest.guidance_2)
+    kw = teacher_call(pipe, manifest, int(manifest.steps))
     whole = pipe.text_encoder is not None and pipe.vae is not None
     negative, image, rule = manifest.negative_prompt, su.images is not None, InputRule.of(manifest)
     denoise = {n: [] for n in ("teacher", *(e.label for e in entries))}

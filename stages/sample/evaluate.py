@@ -18,7 +18,8 @@ from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 
 from .eval_attributes import attribute_scores
-from .eval_setup import REPORT_NAME, Setup, entries as make_entries, make_entry, setup, teacher_entry
+from .eval_setup import (REPORT_NAME, Setup, entries as make_entries, hybrid_entry, make_entry, other_student, setup,
+                         teacher_entry)
 from .eval_timing import time_sampling
 from .eval_velocity import final_latent_errors, velocity_errors
 from .models import load_teacher
@@ -56,6 +57,8 @@ def run(cfg: EvalConfig) -> dict:
     velocity = velocity_errors(su, models, cfg.batch_size)
     teacher = _teacher(su)
     entries += [teacher_entry(teacher, su.teacher_path, manifest, k) for k in cfg.teacher_redraw or ()]
+    entries += [hybrid_entry(teacher, p, manifest, *other_student(cfg, su, p, "--hybrid"),
+                             cfg.hybrid_steps) for p in cfg.hybrid]
     neg = negative_embeds(su.cache_dir)[None]
     finals = final_latent_errors(su, [*entries, untrained], neg, cfg.batch_size)
     timing = attrs = None  # (an image-to-video cache's teacher is timed only on --attributes' or --motion's images)

@@ -61,8 +61,9 @@ class SamplingSettings:
 
 
 def student_sampler(student: Student, transformer, steps: int, guidance: float, teacher_scheduler,
-                    rule: InputRule = PLAIN):
-    """`draw(embeds, latents, negative_embeds=None) -> final latents`: the student through the one sampler."""
+                    rule: InputRule = PLAIN, start: int = 0):
+    """`draw(embeds, latents, negative_embeds=None) -> final latents`: the student through the one sampler (from
+    its step `start`: a hybrid's)."""
     from pipeline.sampling import sample_latents, scheduler_from_config, student_scheduler
 
     if student.distill is not None and student.distill.scheduler:
@@ -74,9 +75,59 @@ def student_sampler(student: Student, transformer, steps: int, guidance: float, 
     def draw(embeds, latents, negative_embeds=None, condition=None):
         return sample_latents(transformer, make(), latents, embeds, steps, guidance=guidance,
                               negative_embeds=negative_embeds if guidance > 1.0 else None, rule=rule,
-                              condition=condition)
+                              condition=condition, start=start)
 
     return draw
+
+
+def teacher_drawer(pipe, call: dict):
+    """`draw(embeds, latents, negative_embeds=None, condition=None, **more) -> final latents` of the teacher's pipeline
+    (`call`: its keyword arguments, output_type latent; `more`: the pipeline's others)."""
+    def draw(embeds, latents, negative_embeds=None, condition=None, **more):
+        neg = None if negative_embeds is None or call["guidance_scale"] <= 1 else \
+            negative_embeds.expand(embeds.shape[0], -1, -1)
+        return pipe(prompt_embeds=embeds, negative_prompt_embeds=neg, latents=latents, **call, **more).frames
+
+    return draw
+
+
+def hybrid_sampler(pipe, call: dict, student: Student, model, steps: int | None, rule: InputRule, name: str):
+    """(draw, the teacher's steps, M): the teacher's pipeline (`call`, guided) over its own steps before the segment
+    run `student`'s boundary number M (`steps`; by default its first on the low-noise expert), then `student` from
+    there with its own scheduler: the hybrid users run by hand to keep the teacher's motion. One-line UserErrors
+    (`name` first) for a run of no boundaries, an M leaving either side no step, a boundary off the teacher's step."""
+    from pipeline.sampling import student_scheduler
+
+    bounds = student.distill and student.distill.objective_settings.get("boundaries")
+    if not bounds:
+        raise UserError(f"{name}: not a few-step segment run (no boundaries in its distill.json); pass one trained "
+                        "with --objective segment")
+    (sched := pipe.scheduler).set_timesteps(call["num_inference_steps"])
+    ratio = pipe.config.boundary_ratio
+    m = steps or sum(ratio is not None and float(sched.timesteps[b]) >= ratio * sched.config.num_train_timesteps
+                     for b in bounds)
+    if not 1 <= m < len(bounds):
+        raise UserError(f"{name}: " + ("this teacher runs one expert: pass --hybrid-steps M, the run's steps the "
+                        "teacher draws instead" if ratio is None and not steps else f"the teacher would draw {m} of "
+                        f"the run's {len(bounds)} steps") + f"; choose 1-{len(bounds) - 1}")
+    stop = int(bounds[m])  # the teacher's steps drawn: those before the run's m-th boundary
+    (own := student_scheduler(student.distill)).set_timesteps(len(bounds))
+    if abs(float(own.sigmas[m]) - float(sched.sigmas[stop])) > 1e-3:
+        raise UserError(f"{name}: its step {m} starts at sigma {float(own.sigmas[m]):.4f}, not on the teacher's step "
+                        f"{stop} (sigma {float(sched.sigmas[stop]):.4f}); pass another --hybrid-steps")
+    teacher = teacher_drawer(pipe, call)
+    rest = student_sampler(student, model, len(bounds), 1.0 if student.guided else call["guidance_scale"], sched,
+                           rule, start=m)
+
+    def interrupt(p, i, t, kw):
+        p._interrupt = p._interrupt or i + 1 >= stop  # (diffusers' way to end a pipeline's loop early)
+        return {}
+
+    def draw(embeds, latents, negative_embeds=None, condition=None):
+        z = teacher(embeds, latents, negative_embeds, callback_on_step_end=interrupt)
+        return rest(embeds, z, negative_embeds, condition)
+
+    return draw, stop, m
 
 
 def resolve_settings(cfg: SampleConfig, student: Student, teacher) -> SamplingSettings:
@@ -174,6 +225,18 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
         drawers[name] = (student_sampler(one, model, own.student_steps or own.steps, own.student_guidance,
                                          teacher.scheduler, rule), own.student_steps)
         described[name] = one.describe()
+    for path in cfg.hybrid:  # the teacher at the run's cache's steps, guided, then the run: steps "T+K"
+        one = find_student(path, cfg.weights)
+        check_compatible(one, in_channels=tcfg.in_channels, out_channels=tcfg.out_channels, text_dim=tcfg.text_dim,
+                         latent_hw=(settings.height // vs, settings.width // vs), rule=rule,
+                         against=f"teacher {teacher_name}")
+        call = settings.teacher_call() | {"num_frames": student.setting("frames", 1), "output_type": "latent",
+                                          "num_inference_steps": int(one.setting("steps", settings.steps))}
+        draw, stop, m = hybrid_sampler(teacher, call, one, one.kind.load(one, dtype, device), cfg.hybrid_steps, rule,
+                                       f"--hybrid {path}")
+        name = f"teacher:{m}+{model_name(path)}"
+        drawers[name] = (draw, f"{stop}+{len(one.distill.objective_settings['boundaries']) - m}")
+        described[name] = one.describe() | {"hybrid_teacher_steps": stop}
     return drawers, described
 
 

@@ -142,6 +142,11 @@ class Objective:
         discriminator), added after `terms`; none by default."""
         return {}
 
+    def record_fields(self, manifest: dict) -> dict:
+        """distill.json's sampling fields this objective's targets change from the cache's (velocity's
+        --target-guidance: the guidance); none by default."""
+        return {}
+
     def student_steps(self, manifest: dict) -> int | None:
         """Sampling steps the trained student is meant to use; None: the teacher's."""
         return None

@@ -29,8 +29,27 @@ class Velocity(Objective):
     Config = VelocitySettings
     fields = (F.T_X_T, F.T_TARGET)
 
+    def __init__(self, settings: dict | None = None):
+        super().__init__(settings)  # --target-guidance unset: unrecorded, the run's record as before the dial
+        self.settings = {k: v for k, v in self.settings.items() if v is not None}
+        if "target_guidance" in self.settings:  # the two branches instead of the guided prediction
+            self.fields = (F.T_X_T, F.T_TARGET_COND, F.T_TARGET_UNCOND)
+
+    def check(self, manifest: dict, cache: str) -> None:
+        if "target_guidance" in self.settings and not manifest.cfg:
+            raise UserError(f"--target-guidance: the cache {cache} was drawn without CFG (guidance "
+                            f"{float(manifest.guidance):g}): it holds no unconditional prediction; rebuild it with "
+                            "--guidance above 1 and --save-cond-uncond")
+
+    def record_fields(self, manifest: dict) -> dict:
+        w = self.settings.get("target_guidance")
+        return {} if w is None else {"guidance": w, "guidance_2": None if manifest.guidance_2 is None else w}
+
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
-        return {"velocity": mse(out.prediction, batch.fields[F.T_TARGET])}
+        w, f = self.settings.get("target_guidance"), batch.fields
+        target = f[F.T_TARGET] if w is None else \
+            f[F.T_TARGET_UNCOND].float() + w * (f[F.T_TARGET_COND].float() - f[F.T_TARGET_UNCOND].float())
+        return {"velocity": mse(out.prediction, target)}
 
 
 class Segment(Objective):

@@ -124,7 +124,8 @@ def _distill_record(p: TrainPlan, state: TrainState, ema: bool) -> DistillRecord
         train_trajectories=cfg.train_trajectories or None, init_seed=cfg.seed, init_from_teacher=cfg.init_from_teacher,
         student_config=cfg.student_config,
         optimizer_steps=state.step, samples_seen=state.samples, epochs_completed=state.epoch, objective=objective.name,
-        objective_settings=objective.record(), student_steps=objective.student_steps(m), lora=p.student.record())
+        objective_settings=objective.record(), student_steps=objective.student_steps(m), lora=p.student.record(),
+        **objective.record_fields(m))
 
 
 def _build(p: TrainPlan, fresh: bool) -> Parts:
