@@ -286,3 +286,28 @@ def test_sample_draws_the_hybrid_as_a_column(pair, tmp_path):
             .astype(float) for n, paths in meta["videos"].items()}
     hybrid = clip["teacher:2+lora-1+lora-2"]
     assert np.abs(hybrid - clip["teacher"]).mean() < np.abs(clip["student"] - clip["teacher"]).mean()
+
+
+@pytest.mark.slow
+def test_the_hybrid_workflow_runs_the_teacher_then_the_low_noise_adapter(pair, tmp_path):
+    """export of the pair also writes comfyui-hybrid-workflow.json, eval's --hybrid as ComfyUI runs it: the teacher's
+    own models (no adapter) at the cache's CFG 2 and its UniPC schedule over its 8-step schedule's steps 0-3 (high-noise)
+    and 3-4 (low-noise, up to the pair's first low-noise boundary, step 4), then the low-noise adapter over steps 2-4
+    of its own 4 at CFG 1, the latent handed on with its leftover noise; the negative prompt is the cache's; the card
+    says where ComfyUI's two schedules hand over."""
+    out = tmp_path / "export"
+    assert invoke(["export", "--student", pair["lora-1"], "--student", pair["lora-2"], "--out", out]).exit_code == 0
+    nodes = json.loads((out / comfyui.HYBRID_WORKFLOW).read_text())
+    of = lambda kind: [n["inputs"] for n in nodes.values() if n["class_type"] == kind]  # noqa: E731
+    runs = [(s["steps"], s["start_at_step"], s["end_at_step"], s["cfg"], s["sampler_name"], s["add_noise"],
+             s["return_with_leftover_noise"]) for s in of("KSamplerAdvanced")]
+    teacher = json.loads((pair["lora-1"] / "distill.json").read_text())["scheduler"]
+    uni = "uni_pc_bh2" if teacher.get("solver_type") == "bh2" else "uni_pc"
+    assert runs == [(8, 0, 3, 2.0, uni, "enable", "enable"), (8, 3, 4, 2.0, uni, "disable", "enable"),
+                    (4, 2, 4, 1.0, "euler", "disable", "disable")]
+    assert [n["lora_name"] for n in of("LoraLoaderModelOnly")] == [FILES[1]] and len(of("UNETLoader")) == 2
+    assert [n["text"] for n in of("CLIPTextEncode")][1] == CACHE["negative_prompt"]
+    for link in (v for n in nodes.values() for v in n["inputs"].values() if isinstance(v, list)):
+        assert link[0] in nodes
+    card = (out / "README.md").read_text()
+    assert f"`{comfyui.HYBRID_WORKFLOW}` is the hybrid" in card and "hands over at sigma" in card

@@ -12,6 +12,7 @@ from pipeline.model_call import CONCAT, InputRule
 from pipeline.sampling import FLOW_EULER, own_sampler, student_scheduler
 
 WORKFLOW = "comfyui-workflow.json"
+HYBRID_WORKFLOW = "comfyui-hybrid-workflow.json"  # the teacher, then the run (hybrid_passes)
 # ComfyUI's files of the teachers it ships templates for (Comfy-Org's repackaged weights, the names its Wan
 # templates load): {Hub id: (a diffusion model per expert, text encoder, VAE)}
 KNOWN = {
@@ -98,12 +99,76 @@ def model_files(base_model: str | None, experts: int, teacher: str) -> tuple[tup
     return models, f"{teacher}-umt5.safetensors", f"{teacher}-vae.safetensors", False
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One KSamplerAdvanced of a workflow: expert `comp`'s model (through its adapter when `lora`) patched to `shift`,
+    steps `start`-`end` of a `steps`-step `sampler` schedule, at `cfg`."""
+
+    comp: str
+    lora: bool
+    shift: float
+    sampler: str
+    cfg: float
+    steps: int
+    start: int
+    end: int
+    who: str = ""  # the title's owner: "teacher" in a hybrid's teacher part
+
+
+def own_passes(sched: Schedule, experts: list[str], adapters: dict[str, str], cfg: float) -> list[Pass]:
+    """The run's own: the K steps split at the switch step, each expert's through its adapter (an expert of no step
+    left out)."""
+    spans = dict(zip(experts, [(0, sched.switch), (sched.switch, sched.steps)]))  # (one expert: all K steps)
+    return [Pass(c, c in adapters, sched.shift, sched.sampler, cfg, sched.steps, *spans[c]) for c in experts
+            if spans[c][0] < spans[c][1]]
+
+
+def hybrid_passes(record: DistillRecord, sched: Schedule, experts: list[str], boundary_timestep: float) -> list[Pass]:
+    """eval's and sample's --hybrid as ComfyUI runs it: the teacher's own models (no adapter) at the cache's guidance,
+    sampler and shift over its steps up to the run's first low-noise boundary (its high-noise steps, then any low-noise
+    ones before that boundary), then the run's low-noise adapter from its step `switch` on, at CFG 1. Empty for a
+    run without boundaries or a one-expert teacher."""
+    bounds = record.objective_settings.get("boundaries")
+    if not bounds or len(experts) < 2 or not 0 < sched.switch < sched.steps:
+        return []
+    n, stop = record.steps, int(bounds[sched.switch])
+    switch = sum(float(t) >= boundary_timestep for t in record.timesteps)
+    conf = record.scheduler
+    shift = float(conf.get("shift" if conf["_class_name"] == FLOW_EULER else "flow_shift", 1.0))
+    sampler = ("uni_pc_bh2" if conf.get("solver_type") == "bh2" else "uni_pc") if conf["_class_name"] != FLOW_EULER \
+        else "euler"
+    guidance = [record.guidance, record.guidance if record.guidance_2 is None else record.guidance_2]
+    teacher = [Pass(c, False, shift, sampler, g, n, a, b, "teacher") for c, g, (a, b) in
+               zip(experts, guidance, [(0, switch), (switch, stop)]) if a < b]
+    return teacher + [Pass(experts[1], True, sched.shift, sched.sampler, 1.0, sched.steps, sched.switch, sched.steps)]
+
+
+def hybrid_card(passes: list[Pass]) -> str:
+    """The card's paragraph on the hybrid workflow: its samplers and how far apart ComfyUI's two schedules hand over."""
+    *teacher, run = passes
+    last = teacher[-1]
+    left, starts = _sigma_at(last), _sigma_at(run, run.start)
+    return (f"\n`{HYBRID_WORKFLOW}` is the hybrid users run to keep the teacher's motion, as `wandistiller eval "
+            f"--hybrid` measures it: the teacher's own models, no adapter, at CFG {last.cfg:g} over steps 0-{last.end} "
+            f"of its {last.steps}-step {last.sampler} schedule (shift {last.shift:g}), then the low-noise adapter over "
+            f"steps {run.start}-{run.end} of its own {run.steps} at CFG 1. ComfyUI's teacher schedule hands over at "
+            f"sigma {left:.4f}, where the adapter's starts at {starts:.4f}.\n")
+
+
+def _sigma_at(p: Pass, step: int | None = None) -> float:
+    """The sigma ComfyUI's simple schedule of pass `p` reaches at `step` (its end by default; 0 past the last)."""
+    at = p.end if step is None else step
+    return comfy_sigmas(p.shift, p.steps)[at] if at < p.steps else 0.0
+
+
 def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hints: dict, files: tuple,
-             rule: InputRule, prompt: str = "a lighthouse at night") -> dict:
+             rule: InputRule, prompt: str = "a lighthouse at night", passes: list[Pass] | None = None) -> dict:
     """The API-format workflow (node id -> class_type, inputs, links as [node id, output]): each expert's model
     through its LoraLoaderModelOnly (strength 1) and ModelSamplingSD3, a KSamplerAdvanced per expert (the
     high-noise one's leftover noise handed to the low-noise one at the switch step), decoded and saved; an
-    image-to-video student's (hints' `condition`) from a loaded first frame, as ComfyUI's Wan templates take it."""
+    image-to-video student's (hints' `condition`) from a loaded first frame, as ComfyUI's Wan templates take it.
+    `passes`: other samplers than the run's own (`hybrid_passes`)."""
+    passes = passes or own_passes(sched, experts, adapters, hints.get("guidance_scale", 1.0))
     models, clip, vae, _ = files
     nodes: dict[str, dict] = {}
 
@@ -114,8 +179,9 @@ def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hint
     text = add("CLIPLoader", "Load CLIP (umt5)", clip_name=clip, type="wan", device="default")
     vae_node = add("VAELoader", "Load VAE", vae_name=vae)
     positive = add("CLIPTextEncode", "Prompt", text=prompt, clip=text)
-    negative = add("CLIPTextEncode", "Negative prompt (unused at CFG 1)",
-                   text="" if hints.get("guidance_scale", 1.0) == 1.0 else hints.get("negative_prompt", ""), clip=text)
+    guided = any(p.cfg != 1.0 for p in passes)
+    negative = add("CLIPTextEncode", "Negative prompt" + ("" if guided else " (unused at CFG 1)"),
+                   text=hints.get("negative_prompt", "") if guided else "", clip=text)
     size = dict(width=hints.get("width"), height=hints.get("height"), length=hints.get("num_frames", 1), batch_size=1)
     condition = hints.get("condition")
     image = {"start_image": add("LoadImage", "First frame", image=FIRST_FRAME_FILE)} if condition else {}
@@ -126,20 +192,24 @@ def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hint
     else:  # (TI2V: the image in latent frame 0)
         latent = (add("Wan22ImageToVideoLatent", "Empty latent video", vae=vae_node, **size, **image)
                   if rule.per_token else add("EmptyHunyuanLatentVideo", "Empty latent video", **size))
-    spans = dict(zip(experts, [(0, sched.switch), (sched.switch, sched.steps)]))  # (one expert: all K steps)
-    for comp in (c for c in experts if spans[c][0] < spans[c][1]):  # (an expert of no step is left out)
-        role = ROLES[comp] if len(experts) > 1 else "the"
-        model = add("UNETLoader", f"Load {role} model", unet_name=models[experts.index(comp)], weight_dtype="default")
-        if comp in adapters:
-            model = add("LoraLoaderModelOnly", f"LoRA ({role})", model=model, lora_name=adapters[comp],
+    loaded = {}
+    for i, p in enumerate(passes):
+        role = ROLES[p.comp] if len(experts) > 1 else "the"
+        if p.comp not in loaded:
+            loaded[p.comp] = add("UNETLoader", f"Load {role} model", unet_name=models[experts.index(p.comp)],
+                                 weight_dtype="default")
+        model = loaded[p.comp]
+        if p.lora and p.comp in adapters:
+            model = add("LoraLoaderModelOnly", f"LoRA ({role})", model=model, lora_name=adapters[p.comp],
                         strength_model=1.0)
-        model = add("ModelSamplingSD3", f"Shift ({role})", model=model, shift=sched.shift)
-        start, end = spans[comp]
-        latent = add("KSamplerAdvanced", f"Sampler ({role}: steps {start}-{end})", model=model,
-                     add_noise="enable" if start == 0 else "disable", noise_seed=0, steps=sched.steps,
-                     cfg=hints.get("guidance_scale", 1.0), sampler_name=sched.sampler, scheduler="simple",
-                     positive=positive, negative=negative, latent_image=latent, start_at_step=start, end_at_step=end,
-                     return_with_leftover_noise="enable" if end < sched.steps else "disable")
+        who = f"{p.who}, {role}" if p.who else role
+        model = add("ModelSamplingSD3", f"Shift ({who})", model=model, shift=p.shift)
+        latent = add("KSamplerAdvanced", f"Sampler ({who}: steps {p.start}-{p.end}" +
+                     (f" of {p.steps})" if p.who else ")"), model=model,
+                     add_noise="enable" if i == 0 else "disable", noise_seed=0, steps=p.steps, cfg=p.cfg,
+                     sampler_name=p.sampler, scheduler="simple", positive=positive, negative=negative,
+                     latent_image=latent, start_at_step=p.start, end_at_step=p.end,
+                     return_with_leftover_noise="enable" if i < len(passes) - 1 else "disable")
     images = add("VAEDecode", "Decode", samples=latent, vae=vae_node)
     add("SaveAnimatedWEBP", "Save", images=images, filename_prefix="wandistiller", fps=16, lossless=False,
         quality=90, method="default")

@@ -115,7 +115,7 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
         raise UserError("--lora-format wan names the adapter files' keys, and --fuse writes a merged pipeline without "
                         "adapter files; drop one of them")
     base_model, base = hub_card.public_teacher(student.lora.teacher, student.teacher_path, cfg.base_model)
-    comfy, workflow = "", None
+    comfy, workflow, hybrid = "", None, None
     if not cfg.fuse:  # ComfyUI's workflow for the adapter files, on the run's own schedule
         lora = student.lora
         sched = comfyui.schedule(student.distill, lora.experts, lora.boundary_timestep)
@@ -123,6 +123,10 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
         workflow = comfyui.workflow(sched, lora.experts, lora.files, hints, files, InputRule.of(student.distill))
         comfy = comfyui.card(sched, lora.experts, lora.files, lora.boundary_timestep, hints, files, base,
                              cfg.lora_format == "wan")
+        if hybrid := comfyui.hybrid_passes(student.distill, sched, lora.experts, lora.boundary_timestep):
+            comfy += comfyui.hybrid_card(hybrid)
+            hybrid = comfyui.workflow(sched, lora.experts, lora.files, hints, files, InputRule.of(student.distill),
+                                      passes=hybrid)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",),
                              video="num_frames" in hints, image="condition" in hints)
@@ -149,6 +153,8 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
             safe_write.write_json(tmp / LORA_JSON, lora | {MARK: mark}, indent=1)
             student_scheduler(student.distill).save_pretrained(tmp / "scheduler")
             safe_write.write_json(tmp / comfyui.WORKFLOW, workflow)
+            if hybrid:
+                safe_write.write_json(tmp / comfyui.HYBRID_WORKFLOW, hybrid)
         public = replace(student.distill.lora, teacher=base).to_json()
         record = hub_card.public_record(student.distill, base) | {"lora": public}
         safe_write.write_json(tmp / DISTILL, record)
