@@ -206,12 +206,13 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	$(BIN)/wandistiller export --student $(DEMO_VIDEO_LORA)-1 --student $(DEMO_VIDEO_LORA)-2 --out $(DEMO_VIDEO_LORA)-wan \
 		--lora-format wan
 	$(BIN)/wandistiller sample --student $(DEMO_VIDEO)/student --compare $(DEMO_VIDEO_FEW) \
-		--compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --teacher $(VIDEO_TEACHER) --prompts data/clips-heldout.txt \
-		--out $(DEMO_VIDEO)/grid.png --max-prompts 8
-	$(BIN)/wandistiller eval --student $(DEMO_VIDEO)/student --student-steps $(DEMO_VIDEO_STEPS),8 \
+		--compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --hybrid $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 \
+		--teacher $(VIDEO_TEACHER) --prompts data/clips-heldout.txt --out $(DEMO_VIDEO)/grid.png --max-prompts 8
+	# the hybrid: the teacher, guided, up to the LoRA pair's first low-noise boundary, then the pair (eval --hybrid)
+	$(BIN)/wandistiller eval --student $(DEMO_VIDEO)/student --student-steps $(DEMO_VIDEO_STEPS) \
 		--compare $(DEMO_VIDEO_FEW) --compare $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --cache $(DEMO_VIDEO)/cache \
-		--teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json --attributes data/clips-heldout-all.txt \
-		--attribute-seeds 2 --teacher-redraw 16,4,2 --timing-runs 8
+		--hybrid $(DEMO_VIDEO_LORA)-1+$(DEMO_VIDEO_LORA)-2 --teacher $(VIDEO_TEACHER) --report $(DEMO_VIDEO)/eval.json \
+		--attributes data/clips-heldout-all.txt --attribute-seeds 2 --teacher-redraw 16,4,2 --timing-runs 8
 	$(BIN)/python scripts/check_lora_export.py --export $(DEMO_VIDEO_LORA)-export --teacher $(VIDEO_TEACHER) \
 		--grid $(DEMO_VIDEO)/grid.png --max-prompts 2
 	@echo
@@ -219,10 +220,12 @@ demo-video: $(STAMP) $(VIDEO_TEACHER)/model_index.json $(DEMO_VIDEO)/cache.stamp
 	@echo "  cache      $(DEMO_VIDEO)/cache   (wandistiller cache info $(DEMO_VIDEO)/cache: 9 frames, 3 latent)"
 	@echo "  students   $(DEMO_VIDEO)/student (velocity), $(DEMO_VIDEO_FEW) ($(DEMO_VIDEO_STEPS)-step segment)"
 	@echo "  LoRA       $(DEMO_VIDEO_LORA)-1, -2 (one run per expert); the pair exported as $(DEMO_VIDEO_LORA)-export"
-	@echo "             (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names and comfyui-workflow.json, ComfyUI)"
+	@echo "             (diffusers' format) and $(DEMO_VIDEO_LORA)-wan (Wan key names and comfyui-workflow.json, ComfyUI;"
+	@echo "             comfyui-hybrid-workflow.json: the teacher's first steps, then the low-noise LoRA)"
 	@echo "  videos     $(DEMO_VIDEO)/grid-videos/ (animated WebP and H.264 mp4 per clip)"
 	@echo "  grid       $(DEMO_VIDEO)/grid.png (frame strips, teacher | students, same noise) and $(DEMO_VIDEO)/grid-videos/"
-	@echo "  eval       $(DEMO_VIDEO)/eval.json (kept, speed_ratio, flow_ratio, dynamic_degree per model; clips"
+	@echo "  eval       $(DEMO_VIDEO)/eval.json (kept, speed_ratio, flow_ratio, dynamic_degree per model, the hybrid"
+	@echo "                                  teacher:2+LoRA among them; clips"
 	@echo "                                  $(DEMO_VIDEO)/eval-attributes.png)"
 
 # Image-to-video, offline (docs/i2v.md): the tiny I2V teacher (data/tiny-i2v-teacher-pretrained: the video teacher
