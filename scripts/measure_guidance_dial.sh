@@ -1,13 +1,18 @@
 #!/bin/bash
 # Guidance as a dial (docs/results.md, "Guidance as a dial"): one cache of the pretrained shapes teacher drawn at
 # guidance 2 with both branches recorded (--save-cond-uncond); from it, velocity students for guidance 2 (the cached
-# guided target) and for guidance 3 (--target-guidance 3: u + 3 (c - u)); each evaluated against the teacher drawn
-# at guidance 3 (and at 2) on the held-out captions, from the same noise (final-latent MSE). Run after `make install`.
+# guided target) and for each other scale of WS (--target-guidance w: u + w (c - u)); each evaluated against the
+# teacher drawn at each scale of WS on the held-out captions, from the same noise (final-latent MSE). Run after
+# `make install`. STUDENT=compact: configs/student-shapes.json from teacher blocks; STUDENT=lora: a rank-16 LoRA of
+# the teacher; NAME: the runs' folder names (another EPOCHS: another NAME).
 set -euo pipefail
 OUT=${OUT:-runs/guidance-dial}
 BIN=${BIN:-.venv/bin}
 TEACHER=${TEACHER:-runs/tiny-teacher-pretrained}
 EPOCHS=${EPOCHS:-1}
+STUDENT=${STUDENT:-compact}
+NAME=${NAME:-$STUDENT}
+WS=${WS:-2 3}
 test -f "$TEACHER/model_index.json" || "$BIN/wandistiller" tiny-teacher --out "$TEACHER" --variant pretrained
 mkdir -p "$OUT"
 cache() {  # cache NAME PROMPTS GUIDANCE [flags]
@@ -17,24 +22,26 @@ cache() {  # cache NAME PROMPTS GUIDANCE [flags]
     --guidance-2 "$g" "$@"
 }
 cache train-g2 data/shapes-prompts.txt 2 --save-cond-uncond
-cache heldout-g2 data/shapes-heldout.txt 2
-cache heldout-g3 data/shapes-heldout.txt 3
-ARGS="--student-config configs/student-shapes.json --init-from-teacher $TEACHER --batch-size 64 --lr 1e-3 \
-  --warmup-steps 50 --ema-decay 0.995 --holdout-prompts 64 --val-every 0 --epochs $EPOCHS"
-for w in 2 3; do
-  extra=""; test "$w" = 2 || extra="--target-guidance $w"
-  test -f "$OUT/student-w$w/distill.json" || "$BIN/wandistiller" train-student --cache "$OUT/train-g2" \
-    --out "$OUT/student-w$w" $ARGS $extra
+if [ "$STUDENT" = lora ]; then KIND="--lora-of $TEACHER --lora-rank 16"
+else KIND="--student-config configs/student-shapes.json --init-from-teacher $TEACHER"; fi
+ARGS="$KIND --batch-size 64 --lr 1e-3 --warmup-steps 50 --ema-decay 0.995 --holdout-prompts 64 --val-every 0 \
+  --epochs $EPOCHS"
+others=()
+for w in $WS; do
+  cache "heldout-g$w" data/shapes-heldout.txt "$w"
+  extra=""; test "$w" = 2 || { extra="--target-guidance $w"; others+=(--compare "$OUT/$NAME-w$w"); }
+  test -f "$OUT/$NAME-w$w/distill.json" || "$BIN/wandistiller" train-student --cache "$OUT/train-g2" \
+    --out "$OUT/$NAME-w$w" $ARGS $extra
 done
-for g in 2 3; do
-  "$BIN/wandistiller" eval --student "$OUT/student-w2" --compare "$OUT/student-w3" --cache "$OUT/heldout-g$g" \
-    --teacher "$TEACHER" --report "$OUT/eval-g$g.json" --no-teacher-timing
+for g in $WS; do
+  "$BIN/wandistiller" eval --student "$OUT/$NAME-w2" "${others[@]}" --cache "$OUT/heldout-g$g" \
+    --teacher "$TEACHER" --report "$OUT/eval-$NAME-g$g.json" --no-teacher-timing
 done
-"$BIN/python" - "$OUT" <<'PY'
+"$BIN/python" - "$OUT" "$NAME" $WS <<'PY'
 import json, sys
-out = sys.argv[1]
-for g in (2, 3):
-    mse = json.load(open(f"{out}/eval-g{g}.json"))["final_latent_mse"]
-    print(f"against the teacher at guidance {g}: student for 2 {mse['student']:.5f}, student for 3 "
-          f"{mse['student-w3']:.5f}, untrained {mse['untrained']:.5f}")
+out, name, *ws = sys.argv[1:]
+for g in ws:
+    mse = json.load(open(f"{out}/eval-{name}-g{g}.json"))["final_latent_mse"]
+    rows = ", ".join(f"for {w} {mse['student' if w == '2' else f'{name}-w{w}']:.5f}" for w in ws)
+    print(f"{name} against the teacher at guidance {g}: trained {rows}, untrained {mse['untrained']:.5f}")
 PY
