@@ -101,11 +101,11 @@ def model_files(base_model: str | None, experts: int, teacher: str) -> tuple[tup
 
 @dataclass(frozen=True)
 class Pass:
-    """One KSamplerAdvanced of a workflow: expert `comp`'s model (through its adapter when `lora`) patched to `shift`,
+    """One KSamplerAdvanced of a workflow: expert `comp`'s model (through its adapter when `adapted`) patched to `shift`,
     steps `start`-`end` of a `steps`-step `sampler` schedule, at `cfg`."""
 
     comp: str
-    lora: bool
+    adapted: bool
     shift: float
     sampler: str
     cfg: float
@@ -199,7 +199,7 @@ def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hint
             loaded[p.comp] = add("UNETLoader", f"Load {role} model", unet_name=models[experts.index(p.comp)],
                                  weight_dtype="default")
         model = loaded[p.comp]
-        if p.lora and p.comp in adapters:
+        if p.adapted and p.comp in adapters:
             model = add("LoraLoaderModelOnly", f"LoRA ({role})", model=model, lora_name=adapters[p.comp],
                         strength_model=1.0)
         who = f"{p.who}, {role}" if p.who else role
