@@ -80,14 +80,18 @@ def schedule(record: DistillRecord, experts: list[str], boundary_timestep: float
     else:
         timesteps, trained = sched.timesteps.tolist()[:steps], sched.sigmas.tolist()[:steps]
     switch = steps if len(experts) == 1 else sum(float(t) >= boundary_timestep for t in timesteps)
-    shift = record.objective_settings.get("student_shift")
-    chosen = shift is not None
-    if not chosen:
-        shift = record.scheduler.get("shift" if record.scheduler["_class_name"] == FLOW_EULER else "flow_shift", 1.0)
-    multistep = own_sampler(record) is None and record.scheduler["_class_name"] != FLOW_EULER  # (the teacher's UniPC)
-    sampler = ("uni_pc_bh2" if record.scheduler.get("solver_type") == "bh2" else "uni_pc") if multistep else "euler"
+    teacher_shift, sampler = teacher_sampling(record.scheduler)
+    chosen = (shift := record.objective_settings.get("student_shift")) is not None
+    shift, sampler = (shift if chosen else teacher_shift), (sampler if own_sampler(record) is None else "euler")
     return Schedule(steps, switch, float(shift), chosen, sampler, [round(float(s), 4) for s in trained],
                     [round(s, 4) for s in comfy_sigmas(float(shift), steps)])
+
+
+def teacher_sampling(conf: dict) -> tuple[float, str]:
+    """(ModelSamplingSD3's shift, the KSampler's sampler name) of the teacher's scheduler config `conf`."""
+    flow = conf["_class_name"] == FLOW_EULER
+    sampler = "euler" if flow else "uni_pc_bh2" if conf.get("solver_type") == "bh2" else "uni_pc"
+    return float(conf.get("shift" if flow else "flow_shift", 1.0)), sampler
 
 
 def model_files(base_model: str | None, experts: int, teacher: str) -> tuple[tuple[str, ...], str, str, bool]:
@@ -133,10 +137,7 @@ def hybrid_passes(record: DistillRecord, sched: Schedule, experts: list[str], bo
         return []
     n, stop = record.steps, int(bounds[sched.switch])
     switch = sum(float(t) >= boundary_timestep for t in record.timesteps)
-    conf = record.scheduler
-    shift = float(conf.get("shift" if conf["_class_name"] == FLOW_EULER else "flow_shift", 1.0))
-    sampler = ("uni_pc_bh2" if conf.get("solver_type") == "bh2" else "uni_pc") if conf["_class_name"] != FLOW_EULER \
-        else "euler"
+    shift, sampler = teacher_sampling(record.scheduler)
     guidance = [record.guidance, record.guidance if record.guidance_2 is None else record.guidance_2]
     teacher = [Pass(c, False, shift, sampler, g, n, a, b, "teacher") for c, g, (a, b) in
                zip(experts, guidance, [(0, switch), (switch, stop)]) if a < b]
@@ -145,8 +146,7 @@ def hybrid_passes(record: DistillRecord, sched: Schedule, experts: list[str], bo
 
 def hybrid_card(passes: list[Pass]) -> str:
     """The card's paragraph on the hybrid workflow: its samplers and how far apart ComfyUI's two schedules hand over."""
-    *teacher, run = passes
-    last = teacher[-1]
+    *_, last, run = passes  # (the teacher's last sampler, then the run's)
     left, starts = _sigma_at(last), _sigma_at(run, run.start)
     return (f"\n`{HYBRID_WORKFLOW}` is the hybrid users run to keep the teacher's motion, as `wandistiller eval "
             f"--hybrid` measures it: the teacher's own models, no adapter, at CFG {last.cfg:g} over steps 0-{last.end} "

@@ -127,9 +127,8 @@ def hybrid_entry(pipe, path: str, manifest: dict, student: Student, model, steps
     """The --hybrid row of the segment run `student` at `path`: `sample.hybrid_sampler` on the cache's steps."""
     call = teacher_call(pipe, manifest, int(manifest.steps))
     draw, stop, m = hybrid_sampler(pipe, call, student, model, steps, InputRule.of(manifest), f"--hybrid {path}")
-    k = len(student.distill.objective_settings["boundaries"])
-    return Entry(f"teacher:{m}+{model_name(path)}", student, model, stop + k - m, call["guidance_scale"], draw,
-                 handover=stop)
+    return Entry(f"teacher:{m}+{model_name(path)}", student, model, stop + student.setting("student_steps") - m,
+                 call["guidance_scale"], draw, handover=stop)
 
 
 def make_entry(label: str, student: Student, model, manifest: dict, steps: int | None = None) -> Entry:

@@ -15,6 +15,7 @@ from pipeline.progress_bar import progress_bar
 from pipeline.sampling import decode_latents, mse
 
 from .eval_setup import Entry, Setup, teacher_call
+from .sample import teacher_drawer
 
 
 def _timed(fn, device: torch.device) -> tuple:
@@ -40,8 +41,8 @@ def _conditioner(pipe, image, kw: dict, rule: InputRule):
 def _denoisers(entries: list[Entry], pipe, emb, lat, neg, kw: dict, given: dict, cond) -> dict:
     """name -> one denoising of the trajectory: the teacher's pipeline (final latent on the CPU), then each entry
     (`given`, `cond`: `_conditioner`'s)."""
-    teacher_kw = {**kw, "negative_prompt_embeds": neg.expand(emb.shape[0], -1, -1)} if kw["guidance_scale"] > 1 else kw
-    return {"teacher": lambda: pipe(prompt_embeds=emb, latents=lat.clone(), **teacher_kw, **given).frames.float().cpu(),
+    teacher = teacher_drawer(pipe, kw)
+    return {"teacher": lambda: teacher(emb, lat.clone(), neg, **given).float().cpu(),
             **{e.label: (lambda e=e: e.draw(emb, lat.clone(), neg, cond())) for e in entries}}
 
 

@@ -30,7 +30,7 @@ from pipeline.image_condition import condition_latent, image_tensor, open_image,
 from pipeline.model_call import NONE, PLAIN, InputRule
 from pipeline.progress_bar import progress_bar
 from pipeline.prompts import dedupe, read_prompt_file
-from pipeline.sampling import decode_latents
+from pipeline.sampling import decode_latents, sample_latents, scheduler_from_config, student_scheduler
 
 from .models import (
     Student, check_compatible, find_student, load_teacher, model_name, pick_device, student_teacher,
@@ -64,8 +64,6 @@ def student_sampler(student: Student, transformer, steps: int, guidance: float, 
                     rule: InputRule = PLAIN, start: int = 0):
     """`draw(embeds, latents, negative_embeds=None) -> final latents`: the student through the one sampler (from
     its step `start`: a hybrid's)."""
-    from pipeline.sampling import sample_latents, scheduler_from_config, student_scheduler
-
     if student.distill is not None and student.distill.scheduler:
         make = lambda: student_scheduler(student.distill)  # noqa: E731
     else:  # a bare student folder: the teacher's scheduler
@@ -96,8 +94,6 @@ def hybrid_sampler(pipe, call: dict, student: Student, model, steps: int | None,
     run `student`'s boundary number M (`steps`; by default its first on the low-noise expert), then `student` from
     there with its own scheduler: the hybrid users run by hand to keep the teacher's motion. One-line UserErrors
     (`name` first) for a run of no boundaries, an M leaving either side no step, a boundary off the teacher's step."""
-    from pipeline.sampling import student_scheduler
-
     bounds = student.distill and student.distill.objective_settings.get("boundaries")
     if not bounds:
         raise UserError(f"{name}: not a few-step segment run (no boundaries in its distill.json); pass one trained "
@@ -207,35 +203,36 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
     """The student and each --compare one, checked against the teacher: ({column: (draw, steps)}, {column: info})."""
     tcfg, vs = teacher.transformer.config, teacher.vae_scale_factor_spatial
     rule, drawers, described = InputRule.of_pipeline(teacher), {}, {}
+
+    def loaded(one: Student, path: str | None, flag: str) -> torch.nn.Module:
+        """The model of `one` (the student, or --compare's or --hybrid's `path`), its frames and shapes checked."""
+        want = student.setting("frames", 1)
+        if path is not None and (n := one.setting("frames", want)) != want:  # (a bare folder draws the student's)
+            raise UserError(f"{flag} {path} was trained on a {n}-frame cache, the student on a {want}-frame one: a "
+                            "grid compares students of one frame count; sample them in separate grids")
+        check_compatible(one, in_channels=tcfg.in_channels, out_channels=tcfg.out_channels, text_dim=tcfg.text_dim,
+                         latent_hw=(settings.height // vs, settings.width // vs), rule=rule,
+                         against=f"teacher {teacher_name}")
+        return one.kind.load(one, dtype, device)
+
     for path in (None, *cfg.compare):
         one, own, name = student, settings, "student"
         if path is not None:
             one = find_student(path, cfg.weights)
-            want = student.setting("frames", 1)
-            if (n := one.setting("frames", want)) != want:  # a bare folder (no distill.json) draws the student's
-                raise UserError(f"--compare {path} was trained on a {n}-frame cache, the student on a {want}-frame "
-                                "one: a grid compares students of one frame count; sample them in separate grids")
             own = dataclasses.replace(settings, student_steps=one.setting("sampling_steps") or settings.steps,
                                       student_guidance=1.0 if one.guided else settings.guidance)
             name = model_name(path) if model_name(path) not in drawers else f"{model_name(path)}-{len(drawers)}"
-        check_compatible(one, in_channels=tcfg.in_channels, out_channels=tcfg.out_channels, text_dim=tcfg.text_dim,
-                         latent_hw=(settings.height // vs, settings.width // vs), rule=rule,
-                         against=f"teacher {teacher_name}")
-        model = one.kind.load(one, dtype, device)
-        drawers[name] = (student_sampler(one, model, own.student_steps or own.steps, own.student_guidance,
-                                         teacher.scheduler, rule), own.student_steps)
+        drawers[name] = (student_sampler(one, loaded(one, path, "--compare"), own.student_steps or own.steps,
+                                         own.student_guidance, teacher.scheduler, rule), own.student_steps)
         described[name] = one.describe()
     for path in cfg.hybrid:  # the teacher at the run's cache's steps, guided, then the run: steps "T+K"
         one = find_student(path, cfg.weights)
-        check_compatible(one, in_channels=tcfg.in_channels, out_channels=tcfg.out_channels, text_dim=tcfg.text_dim,
-                         latent_hw=(settings.height // vs, settings.width // vs), rule=rule,
-                         against=f"teacher {teacher_name}")
         call = settings.teacher_call() | {"num_frames": student.setting("frames", 1), "output_type": "latent",
                                           "num_inference_steps": int(one.setting("steps", settings.steps))}
-        draw, stop, m = hybrid_sampler(teacher, call, one, one.kind.load(one, dtype, device), cfg.hybrid_steps, rule,
+        draw, stop, m = hybrid_sampler(teacher, call, one, loaded(one, path, "--hybrid"), cfg.hybrid_steps, rule,
                                        f"--hybrid {path}")
         name = f"teacher:{m}+{model_name(path)}"
-        drawers[name] = (draw, f"{stop}+{len(one.distill.objective_settings['boundaries']) - m}")
+        drawers[name] = (draw, f"{stop}+{one.setting('student_steps') - m}")
         described[name] = one.describe() | {"hybrid_teacher_steps": stop}
     return drawers, described
 
