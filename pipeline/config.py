@@ -480,6 +480,10 @@ class ExportConfig:
     private: bool = setting(False, help="Create the --push-to-hub repo private.")
     fuse: bool = setting(False, help="A LoRA run: a standalone pipeline with the adapters merged into the teacher's "
                                      "transformers, instead of the adapter files for load_lora_weights.")
+    guidance_scale: float | None = setting(None, check=positive(), help="A student that takes the guidance scale as "
+                                           "an input (train-student --guidance-range): the scale baked into the "
+                                           "exported transformer (WanPipeline has no way to pass it).",
+                                           default_text="none: such a student is refused without it")
     lora_format: str = setting("diffusers", check=one_of(("diffusers", "wan"), cli_choice=False), help="A LoRA run's "
                                "adapter files: diffusers (peft key names) or wan (the original Wan key names, "
                                "diffusion_model.blocks.N...lora_down/lora_up/alpha: for ComfyUI, and diffusers).")

@@ -6,12 +6,13 @@ WanPipeline and WanImageToVideoPipeline both end in one transformer call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from cache import format as F
 
+from . import guidance_input
 from .teacher_files import I2V_PIPELINE
 
 NONE, CONCAT, FIRST_FRAME = F.NO_CONDITION, F.CONCAT, F.FIRST_FRAME
@@ -115,7 +116,8 @@ PLAIN = InputRule()
 class Inputs:
     """One call's inputs: the noisy latent [B, C, F, H, W], per-sample timesteps [B], the text embeddings [B, L, D]
     and, where the rule asks, the negative embeddings (classifier-free guidance), the condition latent and the image
-    embeddings (Wan2.1-I2V's CLIP tokens)."""
+    embeddings (Wan2.1-I2V's CLIP tokens); for a student that takes the guidance scale as an input
+    (pipeline/guidance_input.py), the scale asked of it [B]."""
 
     latent: torch.Tensor
     t: torch.Tensor
@@ -123,6 +125,7 @@ class Inputs:
     negative: torch.Tensor | None = None
     condition: torch.Tensor | None = None
     image: torch.Tensor | None = None
+    guidance_input: torch.Tensor | None = None
 
 
 @dataclass
@@ -149,6 +152,9 @@ def predict(model, x: Inputs, guidance: float = 1.0, rule: InputRule = PLAIN, *,
     branches run whenever `x.negative` is given (a guidance of 1 then still records them)."""
     if x.negative is None and guidance > 1.0:
         raise ValueError("guidance > 1 needs negative embeddings (classifier-free guidance)")
+    if x.guidance_input is not None:  # (a student taking the scale as an input: it reads it during this forward)
+        with guidance_input.given(model, x.guidance_input):
+            return predict(model, replace(x, guidance_input=None), guidance, rule, batched=batched, **kwargs)
     hidden = rule.hidden(x.latent, x.condition)
     timestep = rule.timestep(x.t, x.latent.shape[2:])
     if x.negative is None:

@@ -288,6 +288,18 @@ class ObjectiveCaps:
 
 
 OBJECTIVES = Registry("objective", caps=ObjectiveCaps())
+
+
+def _scale_range(name: str, value) -> tuple[float, float]:
+    """'1.5,3' or [1.5, 3] -> (1.5, 3.0): two guidance scales, the first the lower (a `parse`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        lo, hi = (float(str(v).strip()) for v in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be two guidance scales LO,HI like 1.5,3, got {value!r}") from None
+    if not 0 < lo < hi < float("inf"):
+        raise ValueError(f"{name} must be LO,HI with 0 < LO < HI, got {value!r}")
+    return lo, hi
 _OBJ = "stages.train_student.objective_velocity:"
 
 
@@ -295,13 +307,18 @@ _OBJ = "stages.train_student.objective_velocity:"
                                  "teacher's steps", impl=_OBJ + "Velocity")
 @dataclass(frozen=True, kw_only=True)
 class VelocitySettings:
-    """The velocity objective's one setting: the guidance scale of the teacher it learns (docs/architecture.md,
-    "Guidance as a dial")."""
+    """The velocity objective's settings: the guidance scale of the teacher it learns, one or a range taken as the
+    student's input (docs/architecture.md, "Guidance as a dial")."""
 
     target_guidance: float | None = setting(
         None, check=positive(), help="velocity: learn the teacher at this guidance scale instead of the cache's, "
         "u + w (c - u) from its conditional and unconditional predictions (a cache of teacher-cache "
         "--save-cond-uncond; both experts alike).", default_text="the cache's guided prediction")
+    guidance_range: tuple[float, float] | None = setting(
+        None, parse=_scale_range, help="velocity: LO,HI: learn the teacher at every guidance scale between, the scale "
+        "an input of the student embedded beside its timestep (each sample's drawn uniformly; the same cache as "
+        "--target-guidance); sample and eval then ask it for theirs, export bakes one in (--guidance-scale). A "
+        "compact student.", default_text="one scale")
 
 
 @dataclass(frozen=True, kw_only=True)

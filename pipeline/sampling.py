@@ -233,11 +233,12 @@ def student_steps(source) -> int:
 @torch.no_grad()
 def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embeds: torch.Tensor, steps: int,
                    guidance: float = 1.0, negative_embeds: torch.Tensor | None = None, *, rule: InputRule = PLAIN,
-                   condition: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+                   condition: torch.Tensor | None = None, start: int = 0, scale: float | None = None) -> torch.Tensor:
     """Final latents [B, C, F, H, W] (float32) of `steps` denoising steps of `transformer` from `init_noise`, op for op
     as WanPipeline (WanImageToVideoPipeline with a `condition` latent); `negative_embeds` [B or 1, L, D] is needed when
     `guidance` > 1 (CFG, two forwards per step). `start`: the steps before it were drawn by another model (a hybrid),
-    `init_noise` being their result."""
+    `init_noise` being their result. `scale`: the guidance scale a student that takes it as an input is asked for
+    (pipeline/guidance_input.py)."""
     device = next(transformer.parameters()).device
     dtype = transformer.dtype
     embeds = prompt_embeds.to(device).to(dtype)
@@ -246,9 +247,10 @@ def sample_latents(transformer, scheduler, init_noise: torch.Tensor, prompt_embe
     scheduler.set_timesteps(steps, device=device)
     scheduler.set_begin_index(start)
     latents = init_noise.to(device=device, dtype=torch.float32)
+    w = None if scale is None else torch.full((latents.shape[0],), float(scale), device=device)
     for t in scheduler.timesteps[start:]:
         inputs = Inputs(latents.to(dtype), t.expand(latents.shape[0]), embeds, neg,
-                        None if cond is None else cond.to(dtype))
+                        None if cond is None else cond.to(dtype), guidance_input=w)
         pred = predict(transformer, inputs, guidance, rule, attention_kwargs=None).guided
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     return rule.finish(latents, cond)

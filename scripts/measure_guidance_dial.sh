@@ -13,6 +13,8 @@ EPOCHS=${EPOCHS:-1}
 STUDENT=${STUDENT:-compact}
 NAME=${NAME:-$STUDENT}
 WS=${WS:-2 3}
+RANGE=${RANGE:-}
+RANGE_EPOCHS=${RANGE_EPOCHS:-$EPOCHS}
 test -f "$TEACHER/model_index.json" || "$BIN/wandistiller" tiny-teacher --out "$TEACHER" --variant pretrained
 mkdir -p "$OUT"
 cache() {  # cache NAME PROMPTS GUIDANCE [flags]
@@ -33,15 +35,22 @@ for w in $WS; do
   test -f "$OUT/$NAME-w$w/distill.json" || "$BIN/wandistiller" train-student --cache "$OUT/train-g2" \
     --out "$OUT/$NAME-w$w" $ARGS $extra
 done
+RANGED=$NAME-range-${RANGE_EPOCHS}ep
+if [ -n "$RANGE" ]; then
+  test -f "$OUT/$RANGED/distill.json" || "$BIN/wandistiller" train-student --cache "$OUT/train-g2" \
+    --out "$OUT/$RANGED" ${ARGS/--epochs $EPOCHS/--epochs $RANGE_EPOCHS} --guidance-range "$RANGE"
+  others+=(--compare "$OUT/$RANGED")
+fi
 for g in $WS; do
   "$BIN/wandistiller" eval --student "$OUT/$NAME-w2" "${others[@]}" --cache "$OUT/heldout-g$g" \
     --teacher "$TEACHER" --report "$OUT/eval-$NAME-g$g.json" --no-teacher-timing
 done
-"$BIN/python" - "$OUT" "$NAME" $WS <<'PY'
+"$BIN/python" - "$OUT" "$NAME" "$RANGED" $WS <<'PY'
 import json, sys
-out, name, *ws = sys.argv[1:]
+out, name, ranged, *ws = sys.argv[1:]
 for g in ws:
     mse = json.load(open(f"{out}/eval-{name}-g{g}.json"))["final_latent_mse"]
     rows = ", ".join(f"for {w} {mse['student' if w == '2' else f'{name}-w{w}']:.5f}" for w in ws)
-    print(f"{name} against the teacher at guidance {g}: trained {rows}, untrained {mse['untrained']:.5f}")
+    over = f", over the range ({ranged}) {mse[ranged]:.5f}" if ranged in mse else ""
+    print(f"{name} against the teacher at guidance {g}: trained {rows}{over}, untrained {mse['untrained']:.5f}")
 PY

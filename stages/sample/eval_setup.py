@@ -14,7 +14,7 @@ from cache import format as F
 from cache import safe_write
 from cache.prompt_store import EmbeddingCache, prompt_texts, read_latents
 from cache.reader import open_caches
-from pipeline import clips
+from pipeline import clips, guidance_input
 from pipeline.artifact import EVAL_REPORT as REPORT_NAME
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
@@ -136,13 +136,14 @@ def make_entry(label: str, student: Student, model, manifest: dict, steps: int |
     steps = steps or student.setting("sampling_steps") or int(manifest.steps)
     guidance = 1.0 if student.guided else float(manifest.guidance)
     draw = student_sampler(student, model, steps, guidance, scheduler_from_config(manifest.scheduler),
-                           InputRule.of(manifest))
+                           InputRule.of(manifest), teacher_guidance=float(manifest.guidance))
     return Entry(label, student, model, steps, guidance, draw)
 
 
 def _settings_warnings(student: Student, manifest: dict) -> list[str]:
     notes = []
-    for key in COMPARED:
+    asked = guidance_input.trained_range(student.config) is not None  # (the cache's scale is asked of it)
+    for key in COMPARED[3:] if asked else COMPARED:
         mine, theirs = student.setting(key), getattr(manifest, key)
         if mine is not None and theirs is not None and mine != theirs:
             notes.append(f"student trained with {key}={mine!r}, the cache has {theirs!r}")

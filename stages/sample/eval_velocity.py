@@ -13,6 +13,7 @@ from cache.reader import SampleReader, open_index, prompt_rows
 from cache.schema import recorded_steps
 from pipeline.errors import UserError
 from pipeline.progress_bar import progress_bar
+from pipeline import guidance_input
 from pipeline.model_call import InputRule, Inputs, predict
 from pipeline.sampling import latent_motion, motion_ratio, mse
 
@@ -56,7 +57,9 @@ def velocity_errors(su: Setup, models: dict, batch_size: int) -> dict:
         cond = su.conditions(trajs)
         cond = None if cond is None else cond[[trajs.index(k) for k in keys]].to(device, dtype)
         for name, model in models.items():
-            pred = predict(model, Inputs(x, t, enc, condition=cond), rule=rule).guided
+            w = guidance_input.scale_for(model, float(manifest.guidance))  # (a student taking the scale: the cache's)
+            w = None if w is None else torch.full((len(batch),), w, device=device)
+            pred = predict(model, Inputs(x, t, enc, condition=cond, guidance_input=w), rule=rule).guided
             for (_, m), e in zip(batch, mse(pred[:, :, kept], target[:, :, kept]).tolist()):
                 sums[name][m[F.M_STEP]] += e
         for _, m in batch:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from cache import safe_write
+from pipeline import guidance_input
 from pipeline.artifact import DISTILL
 from pipeline.config import ExportConfig
 from pipeline.errors import UserError
@@ -55,7 +57,11 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
     g = hints["guidance_scale"]
     g_text = (f"guidance_scale={g}" if g is not None else
               "guidance_scale=<the teacher's scale> (distill.json did not record it)")
-    why = ("The student learned the teacher's CFG-guided predictions, so guidance is already inside it: "
+    baked = hints.get("baked_guidance_scale")
+    why = (f"The student learned the teacher over a range of guidance scales, the scale an input; this export has "
+           f"{baked:g} baked in (`wandistiller export --guidance-scale` bakes another), with guidance inside it: "
+           "sample at guidance_scale=1.0." if baked is not None else
+           "The student learned the teacher's CFG-guided predictions, so guidance is already inside it: "
            "sample at guidance_scale=1.0 (one forward per step; larger values apply CFG twice)."
            if student.guided else
            "The student learned the teacher's conditional predictions: sample with classifier-free guidance "
@@ -134,7 +140,11 @@ def _teacher(cfg: ExportConfig, student: Student) -> tuple[str, Path, dict, Inpu
 def _fill(tmp: Path, cfg: ExportConfig, student: Student, tpath: Path, index: dict, hints: dict,
           own_scheduler: bool, teacher: str, card: str) -> None:
     """Write the pipeline folder's content into `tmp`."""
-    copy_tree(student.path, tmp / "transformer", FIX)
+    if "baked_guidance_scale" in hints:  # the scale folded into the time embedding: a plain WanTransformer3DModel
+        model = student.kind.load(student, torch.float32, torch.device("cpu"))
+        guidance_input.bake(model, hints["baked_guidance_scale"]).save_pretrained(tmp / "transformer")
+    else:
+        copy_tree(student.path, tmp / "transformer", FIX)
     for comp in progress_bar(BORROWED, desc="export", unit="component", dynamic_ncols=True):
         if comp == "scheduler" and own_scheduler:  # the student's schedule: num_inference_steps=K reproduces it
             student_scheduler(student.distill).save_pretrained(tmp / comp)
@@ -168,11 +178,19 @@ def run(cfg: ExportConfig) -> dict:
     if asked and not student.kind.adapters:
         raise UserError(f"{asked[0]} applies to a LoRA run's adapter files, and {cfg.student[0]} is a compact student "
                         f"(its export is already a standalone pipeline); drop {asked[0]}")
+    learned = guidance_input.trained_range(student.config)
+    if (learned is None) != (cfg.guidance_scale is None):
+        raise UserError(f"{cfg.student[0]} takes the guidance scale as an input, which WanPipeline cannot pass: give "
+                        f"--guidance-scale W to bake one in (it learned {learned[0]:g}..{learned[1]:g})" if learned
+                        else f"--guidance-scale bakes a scale into a student that takes it as an input "
+                             f"(train-student --guidance-range), and {cfg.student[0]} does not; drop it")
     teacher = _teacher(cfg, student)
     out = Path(cfg.out)
     safe_write.claim_folder(out, "export", replace=cfg.overwrite, hint=" or add --overwrite to replace this earlier "
                             "export")
     hints = _sampling_hints(student, teacher[1], teacher[3].condition)
+    if learned:
+        hints["baked_guidance_scale"] = cfg.guidance_scale
     # a pipeline folder here; a student's adapters in diffusers' LoRA format, or with --fuse a merged pipeline
     summary = (export_lora.run(cfg, student, hints, out) if student.kind.adapters
                else write_pipeline(cfg, student, hints, out, *teacher[:3]))

@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
 from cache import safe_write
+from pipeline import guidance_input
 from pipeline.config import (
     DEFAULT_FPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH,
     SampleConfig,
@@ -61,9 +62,11 @@ class SamplingSettings:
 
 
 def student_sampler(student: Student, transformer, steps: int, guidance: float, teacher_scheduler,
-                    rule: InputRule = PLAIN, start: int = 0):
+                    rule: InputRule = PLAIN, start: int = 0, teacher_guidance: float | None = None):
     """`draw(embeds, latents, negative_embeds=None) -> final latents`: the student through the one sampler (from
-    its step `start`: a hybrid's)."""
+    its step `start`: a hybrid's); a student that takes the guidance scale as an input is asked for
+    `teacher_guidance`, the teacher's it is drawn beside."""
+    scale = None if teacher_guidance is None else guidance_input.scale_for(transformer, teacher_guidance)
     if student.distill is not None and student.distill.scheduler:
         make = lambda: student_scheduler(student.distill)  # noqa: E731
     else:  # a bare student folder: the teacher's scheduler
@@ -73,7 +76,7 @@ def student_sampler(student: Student, transformer, steps: int, guidance: float, 
     def draw(embeds, latents, negative_embeds=None, condition=None):
         return sample_latents(transformer, make(), latents, embeds, steps, guidance=guidance,
                               negative_embeds=negative_embeds if guidance > 1.0 else None, rule=rule,
-                              condition=condition, start=start)
+                              condition=condition, start=start, scale=scale)
 
     return draw
 
@@ -113,7 +116,7 @@ def hybrid_sampler(pipe, call: dict, student: Student, model, steps: int | None,
                         f"{stop} (sigma {float(sched.sigmas[stop]):.4f}); pass another --hybrid-steps")
     teacher = teacher_drawer(pipe, call)
     rest = student_sampler(student, model, len(bounds), 1.0 if student.guided else call["guidance_scale"], sched,
-                           rule, start=m)
+                           rule, start=m, teacher_guidance=call["guidance_scale"])
 
     def interrupt(p, i, t, kw):
         p._interrupt = p._interrupt or i + 1 >= stop  # (diffusers' way to end a pipeline's loop early)
@@ -223,7 +226,8 @@ def _load_students(cfg: SampleConfig, student: Student, teacher, teacher_name: s
                                       student_guidance=1.0 if one.guided else settings.guidance)
             name = model_name(path) if model_name(path) not in drawers else f"{model_name(path)}-{len(drawers)}"
         drawers[name] = (student_sampler(one, loaded(one, path, "--compare"), own.student_steps or own.steps,
-                                         own.student_guidance, teacher.scheduler, rule), own.student_steps)
+                                         own.student_guidance, teacher.scheduler, rule,
+                                         teacher_guidance=settings.guidance), own.student_steps)
         described[name] = one.describe()
     for path in cfg.hybrid:  # the teacher at the run's cache's steps, guided, then the run: steps "T+K"
         one = find_student(path, cfg.weights)

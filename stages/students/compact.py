@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cache import safe_open
+from pipeline import guidance_input
 from pipeline.artifact import DISTILL, STUDENT, STUDENT_EMA, STUDENT_INIT, RunLayout, tensor_mismatch
 from pipeline.config_types import read_object
 from pipeline.errors import UserError
@@ -20,6 +21,7 @@ from pipeline.teacher_files import PICKLED
 
 from .student_kind import (
     FIX, PAIR, TRANSFORMER_CLASS, Student, StudentKind, check_compatible, meta_model, model_class, read_distill,
+    with_guidance,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class CompactStudent(StudentKind):
     @classmethod
     def load(cls, student, dtype, device):
         try:
-            model = model_class().from_pretrained(student.path, torch_dtype=dtype, use_safetensors=True)
+            model = _from_pretrained(student.path, student.config, dtype)
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(f"cannot load the student from {student.path} ({str(e).splitlines()[0]}); "
                             "rerun train-student or pass another --student") from e
@@ -88,15 +90,14 @@ class CompactStudent(StudentKind):
         `init_seed`, else 0), as train-student builds it."""
         exact = cls.init_exact(student, seed)
         if seed is None and _has_init_dir(student):
-            model = model_class().from_pretrained(RunLayout(student.root).student_init, torch_dtype=dtype,
-                                                  use_safetensors=True)
+            model = _from_pretrained(RunLayout(student.root).student_init, student.config, dtype)
             how = {"source": f"{STUDENT_INIT}/", "exact": exact}
         else:
             if seed is None:
                 seed = int(student.setting("init_seed", 0))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = model_class().from_config(student.config)
+                model = with_guidance(_quiet(student.config, model_class().from_config, student.config), student.config)
             how = {"source": "config.json + torch.manual_seed", "seed": seed, "exact": exact}
         return model.to(device, dtype).eval().requires_grad_(False), how
 
@@ -226,6 +227,31 @@ def check_weights(folder: Path, config: dict) -> None:
     if problem := tensor_mismatch(found, {k: tuple(v.shape) for k, v in model.state_dict().items()}):
         raise UserError(f"student folder {folder}: its weights are not what its config.json builds ({problem}); "
                         f"{FIX}")
+
+
+def _from_pretrained(folder: Path, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """The student in `folder` (checked by `check_weights`); a guidance-conditioned one with its embedding's tensors,
+    which diffusers' loader does not know (pipeline/guidance_input.py)."""
+    model = _quiet(config, model_class().from_pretrained, folder, torch_dtype=dtype, use_safetensors=True)
+    if guidance_input.trained_range(config) is not None:
+        guidance_input.load_tensors(with_guidance(model, config), folder, sorted(
+            f.name for f in folder.glob("*.safetensors")))
+    return model
+
+
+def _quiet(config: dict, build, *args, **kw):
+    """`build(*args, **kw)`; for a guidance-conditioned student's `config`, without diffusers' warnings about its
+    embedding's config key and tensors, which diffusers skips (and `_from_pretrained` loads)."""
+    from diffusers.utils import logging as dlog
+
+    if guidance_input.trained_range(config) is None:
+        return build(*args, **kw)
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        return build(*args, **kw)
+    finally:
+        dlog.set_verbosity(level)
 
 
 def _has_init_dir(student: Student) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cache.cache_error import UnsafeFileError
+from pipeline import guidance_input
 from pipeline.artifact import DistillRecord, LoraRecord
 from pipeline.config_types import read_object
 from pipeline.errors import UserError, first_line
@@ -142,7 +143,7 @@ class StudentKind:
         if not is_main:
             return None
         with torch.device("meta"):  # no memory behind its weights: the gathered tensors become them
-            plain = model_class()(**{k: v for k, v in model.config.items() if not k.startswith("_")})
+            plain = meta_model(model.config, "the student")
         plain.load_state_dict(full, assign=True)
         return plain
 
@@ -205,12 +206,19 @@ def read_distill(path: Path) -> DistillRecord:
 
 
 def meta_model(config: dict, where: Path):
-    """The WanTransformer3DModel `config` builds, on the meta device (no memory, no weights): its tensors' shapes."""
+    """The WanTransformer3DModel `config` builds, on the meta device (no memory, no weights): its tensors' shapes; with
+    the guidance embedding its config names (pipeline/guidance_input.py)."""
     try:
         with torch.device("meta"):
-            return model_class().from_config(config)
+            return with_guidance(model_class().from_config(config), config)
     except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, OverflowError) as e:
         raise UserError(f"{where} does not describe a {TRANSFORMER_CLASS} ({first_line(e)}); {FIX}") from e
+
+
+def with_guidance(model: torch.nn.Module, config) -> torch.nn.Module:
+    """`model` with the guidance embedding `config` names (a student of --guidance-range), untrained; else as it is."""
+    r = guidance_input.trained_range(config)
+    return model if r is None else guidance_input.attach(model, *r)
 
 
 def teacher_dir(name: str, revision: str | None = None, recorded_in: str | None = None) -> Path:

@@ -35,11 +35,12 @@ class Batch:
     weight: torch.Tensor  # [B]: 1 for a sample, 0 for an epoch's padding dummy
     meta: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample metadata (timestep, sigma, step)
     rule: InputRule = PLAIN  # how the cache's teacher takes its inputs (its header's)
+    guidance_input: torch.Tensor | None = None  # [B]: the scale asked of a student that takes it (--guidance-range)
 
     def inputs(self, latent: torch.Tensor | None = None, t: torch.Tensor | None = None) -> Inputs:
         """The model call's inputs for this batch: its x_t at its timesteps, or `latent` at `t`."""
         return Inputs(self.x_t if latent is None else latent, self.timestep if t is None else t, self.context,
-                      condition=self.fields.get(F.T_CONDITION))
+                      condition=self.fields.get(F.T_CONDITION), guidance_input=self.guidance_input)
 
     @property
     def x_t(self) -> torch.Tensor:
@@ -115,6 +116,11 @@ class Objective:
         """The objective with its settings (its `Config`, filled from the stage-two config's flags)."""
         settings = cfg.objective_settings if cls.Config is not None else None
         return cls(asdict(settings) if settings is not None else None)
+
+    def adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The student as this objective trains it, given what it adds to its inputs (velocity's --guidance-range:
+        the scale's embedding, pipeline/guidance_input.py); by default as built."""
+        return model
 
     def heads(self, student_config: dict, manifest: dict) -> torch.nn.Module | None:
         """Trainable modules beyond the student (checkpointed with it, never exported); None if there are none."""

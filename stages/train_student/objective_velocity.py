@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from cache import format as F
 from cache.schema import recorded_steps
+from pipeline import guidance_input
 from pipeline.errors import UserError
 from pipeline.registries import CHOSEN, FeatureSettings, SegmentSettings, VelocitySettings
 from pipeline.sampling import pseudo_huber
@@ -30,23 +31,42 @@ class Velocity(Objective):
     fields = (F.T_X_T, F.T_TARGET)
 
     def __init__(self, settings: dict | None = None):
-        super().__init__(settings)  # --target-guidance unset: unrecorded, the run's record as before the dial
-        self.settings = {k: v for k, v in self.settings.items() if v is not None}
-        if "target_guidance" in self.settings:  # the two branches instead of the guided prediction
+        super().__init__(settings)  # --target-guidance, --guidance-range unset: unrecorded, the record as before them
+        self.settings = {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings.items() if v is not None}
+        if self.settings.keys() & {"target_guidance", "guidance_range"}:  # the two branches, not the guided prediction
             self.fields = (F.T_X_T, F.T_TARGET_COND, F.T_TARGET_UNCOND)
 
     def check(self, manifest: dict, cache: str) -> None:
-        if "target_guidance" in self.settings and not manifest.cfg:
-            raise UserError(f"--target-guidance: the cache {cache} was drawn without CFG (guidance "
+        if len(mine := [k for k in ("target_guidance", "guidance_range") if k in self.settings]) > 1:
+            raise UserError("--target-guidance learns one scale and --guidance-range a range of them: drop one")
+        if mine and not manifest.cfg:
+            raise UserError(f"--{mine[0].replace('_', '-')}: the cache {cache} was drawn without CFG (guidance "
                             f"{float(manifest.guidance):g}): it holds no unconditional prediction; rebuild it with "
                             "--guidance above 1 and --save-cond-uncond")
+
+    def adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        if "guidance_range" not in self.settings:
+            return model
+        if not hasattr(model, "condition_embedder"):
+            raise UserError("--guidance-range trains a compact student (--student-config): a LoRA run's adapter files "
+                            "have no place for the scale's embedding; use --target-guidance W, one LoRA a scale")
+        return guidance_input.attach(model, *self.settings["guidance_range"])
 
     def record_fields(self, manifest: dict) -> dict:
         w = self.settings.get("target_guidance")
         return {} if w is None else {"guidance": w, "guidance_2": None if manifest.guidance_2 is None else w}
 
+    def loss(self, model, batch, autocast, heads=None):
+        if "guidance_range" in self.settings:  # each sample's scale, from its noise seed (the same on a resume)
+            lo, hi = self.settings["guidance_range"]
+            u = batch.meta["sample"].to(batch.x_t.device, torch.float64) / 2.0 ** 32
+            batch = replace(batch, guidance_input=(lo + (hi - lo) * u).float())
+        return super().loss(model, batch, autocast, heads)
+
     def terms(self, out: Outputs, batch: Batch, heads) -> dict[str, torch.Tensor]:
-        w, f = self.settings.get("target_guidance"), batch.fields
+        f = batch.fields
+        w = self.settings.get("target_guidance") if batch.guidance_input is None else \
+            batch.guidance_input.view(-1, *[1] * (out.prediction.dim() - 1))
         target = f[F.T_TARGET] if w is None else \
             f[F.T_TARGET_UNCOND].float() + w * (f[F.T_TARGET_COND].float() - f[F.T_TARGET_UNCOND].float())
         return {"velocity": mse(out.prediction, target)}

@@ -132,6 +132,8 @@ def _build(p: TrainPlan, fresh: bool) -> Parts:
     """The student (same seed on every rank) placed by the strategy, the objective's heads, optimizer and scaler."""
     cfg, env = p.cfg, p.env
     model = p.student.build(cfg.seed, p.mixed or torch.float32)
+    with torch.random.fork_rng(devices=[]):  # (what it adds draws apart: the student's weights stay the seed's)
+        model = p.objective.adapt(model)
     if cfg.init_from_teacher and fresh and (env.is_main or not p.strategy.syncs_init):
         rep = init_from_teacher(model, cfg.init_from_teacher, cfg.teacher_blocks, cfg.revision)
         print0(f"initialised {rep['copied']} tensors from {cfg.init_from_teacher} (teacher blocks "

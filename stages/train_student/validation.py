@@ -15,6 +15,7 @@ from cache import format as F
 from cache.manifest import negative_embeds
 from cache.prompt_store import EmbeddingCache, read_latents
 from cache.reader import C_CACHE, C_PROMPT, C_SEED
+from pipeline import guidance_input
 from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError, first_line
 from pipeline.hub import is_hub_id, teacher_folder
@@ -77,7 +78,8 @@ class Validator:
         errors, latents = [], []
         for init, final, emb, cond in self._load_inputs():
             out = sample_latents(model, student_scheduler(self.record), init, emb, self.steps, self.guidance,
-                                 self._neg, rule=self.rule, condition=cond).float().cpu()
+                                 self._neg, rule=self.rule, condition=cond,
+                                 scale=guidance_input.scale_for(model, self.manifest.guidance)).float().cpu()
             errors += (out - final.float()).pow(2).flatten(1).mean(1).tolist()
             latents.append(out)
         record = {"final_latent_mse": float(np.mean(errors)),
