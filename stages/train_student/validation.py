@@ -50,6 +50,7 @@ class Validator:
         self._vae = None
         self._vae_from = vae  # (folder holding vae/, what named it): vae_folder's answer, with --val-decode
         self._teacher_frames: np.ndarray | None = None
+        self._teacher_motion: list[float] | None = None
 
     def _load_inputs(self) -> list[tuple[torch.Tensor, ...]]:
         """(initial noise, teacher's final latents, prompt embeddings, condition latents or None) per batch, read once
@@ -86,8 +87,9 @@ class Validator:
                   "final_latent_mse_per_prompt": {f"p{p}_s{s}": e for (p, s), e in zip(self.trajectories, errors)},
                   "trajectories": len(errors), "sampling_steps": self.steps}
         if latents[0].shape[2] > 1:  # video: the latent frame-difference ratio to the teacher's (below 1: slower)
-            record["latent_motion"] = motion_ratio(latent_motion(torch.cat(latents)),
-                                                   latent_motion(torch.cat([f for _, f, _, _ in self._load_inputs()])))
+            if self._teacher_motion is None:  # (the cached final latents': the same at every validation)
+                self._teacher_motion = latent_motion(torch.cat([f for _, f, _, _ in self._load_inputs()]))
+            record["latent_motion"] = motion_ratio(latent_motion(torch.cat(latents)), self._teacher_motion)
         grid = self._grid(torch.cat(latents)) if self.decode else None
         if self._vae is not None:
             record["vae_mib"] = self.vae_mib
