@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,11 @@ RECORD = ROOT / "tests" / "data" / "byte_identity.json"
 # AVX2 kernels in torch, MKL and oneDNN, whatever the CPU: an AVX-512 machine picks wider ones, which sum in another
 # order (the record was taken with AVX2). Read when torch loads: set for the commands the flows run.
 KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# What else decides these bytes: the libraries' versions and the CPU's widest instructions (the pins above do not
+# reach every kernel: the record of 2026-12-02 fails whole on an AMX machine of 2026-12-03 with the same code). The
+# record holds them; on another environment the test says so and compares nothing.
+PACKAGES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors", "numpy", "zarr", "accelerate", "peft")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 SKIPPED = {"metrics.jsonl", "loss.png", "tensorboard", "checkpoints", "writer.lock", "locks", "progress.json"}
 VOLATILE_KEYS = {"created"}
 PROMPTS = ["a red circle on a blue background", "a small green square in the top left",
@@ -57,6 +63,16 @@ def digest(folder: Path, places: tuple[str, ...]) -> dict[str, str]:
             data = json.dumps(_scrub(json.loads(data), places), sort_keys=False).encode()
         out[str(rel)] = hashlib.sha256(data).hexdigest()
     return out
+
+
+def environment() -> dict:
+    """The packages' versions, the machine and which of CPU_FLAGS its CPU has (Linux: /proc/cpuinfo)."""
+    from importlib.metadata import version
+
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.exists() else set()
+    return {"packages": {p: version(p) for p in PACKAGES}, "machine": platform.machine(),
+            "cpu": [f for f in CPU_FLAGS if f in flags]}
 
 
 def _cli(*args, cwd: Path = ROOT) -> None:
@@ -100,7 +116,7 @@ def main() -> None:
         sys.exit("usage: python -m tests.byte_identity record")
     with tempfile.TemporaryDirectory() as tmp:
         found = run_flows(Path(tmp))
-    RECORD.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    RECORD.write_text(json.dumps({"environment": environment(), **found}, indent=1, sort_keys=True) + "\n")
     print(f"{sum(map(len, found.values()))} files recorded in {RECORD.relative_to(ROOT)}")
 
 
