@@ -18,7 +18,7 @@ from .atomic import atomic_write_bytes, atomic_write_json
 from .cache_error import CacheError, UnfinishedCacheError
 from .format import FORMAT_VERSION, MANIFEST, NEG_EMBEDS, NEGATIVE, PARTS_DIR, T_FEATURES, part_dirname
 from .part_progress import PartProgress
-from .records import CacheHeader, Manifest, PartEntry, check_version, shard_problem
+from .records import CacheHeader, Manifest, PartEntry, TeacherLora, check_version, shard_problem
 from .safe_open import read_bytes
 from .schema import declared_fields, recorded_steps, sample_bytes, sample_fields
 from .size import measured_inputs, project
@@ -205,6 +205,7 @@ def summarize(cache_dir: str | os.PathLike, prompts: int | None = None, m: Manif
         "num_parts": m.num_parts, "seeds_per_prompt": m.seeds_per_prompt,
         "timesteps": m.timesteps, "experts": m.experts, "sample_fields": list(fields),
         **({"condition": f"{m.condition}, {m.condition_shape} per trajectory"} if m.condition_shape else {}),
+        **({"teacher_loras": TeacherLora.describe(m.teacher_loras)} if m.teacher_loras else {}),
         # tensor bytes of one sample, and without the recorded teacher features (what they cost)
         "tensor_bytes_per_sample": sample_bytes(m),
         "tensor_bytes_per_sample_without_features": sample_bytes(m, [f for f in fields if f != T_FEATURES]),

@@ -144,8 +144,9 @@ class Record:
 
     @classmethod
     def _build(cls, obj: dict):
-        return cls(**obj | {name: [kind(**r) for r in obj[name]] if isinstance(obj[name], list) else kind(**obj[name])
-                            for name, (kind, _) in cls.NESTED.items() if obj.get(name) is not None})
+        return cls(**obj | {name: [kind._build(r) for r in obj[name]] if isinstance(obj[name], list)
+                            else kind._build(obj[name]) for name, (kind, _) in cls.NESTED.items()
+                            if obj.get(name) is not None})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +168,26 @@ class PartEntry(Record):
     part: int
     prompts: int
     blocks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherLora(Record):
+    """A LoRA fused into the teacher before stage one ran (`teacher-cache --teacher-lora`): by content, not place."""
+
+    file: str  # the file's name, for people (its folder is in the header's teacher_lora_paths)
+    sha256: str  # of the file's bytes: what the fingerprint holds and what sample/eval check before fusing it again
+    scale: float
+    experts: list[int]  # the experts it was fused into (1 = high-noise `transformer`, 2 = `transformer_2`)
+
+    RANGES = {"sha256": ((lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+                         "64 hex digits"),
+              "experts": _list(_int(1, 2), "expert numbers (1 or 2)")}
+
+    @staticmethod
+    def describe(loras: list[TeacherLora] | None) -> str:
+        """One line naming `loras` (cards, `cache info`): "style.safetensors x0.8 (experts 1, 2, sha256 0123abcd...)"."""
+        return "; ".join(f"{r.file} x{r.scale:g} (expert{'s' * (len(r.experts) > 1)} "
+                         f"{', '.join(map(str, r.experts))}, sha256 {r.sha256[:12]})" for r in loras or ())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,11 +245,17 @@ class CacheHeader(Record):
     # enters the transformer, "none" (text-to-video), "concat" or "first_frame" (pipeline/model_call.py InputRule)
     condition: str = optional(F.NO_CONDITION)
     condition_shape: list[int] | None = optional()
+    # --teacher-lora: the LoRAs fused into the teacher, in the order fused (fingerprinted: another LoRA or scale is
+    # another teacher), and where each file was (not fingerprinted: moving a file does not change what it is)
+    teacher_loras: list[TeacherLora] | None = optional()
+    teacher_lora_paths: list[str] | None = optional()
     teacher_identity: dict  # hashes of the teacher's configs and weight files (fingerprinted)
 
     # Fields that say where the teacher was found, not what it is: left out of the fingerprint (its content enters
     # as `teacher_identity`), so moving the teacher folder does not invalidate a cache.
-    NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path", "teacher_shape")
+    NOT_FINGERPRINTED: ClassVar[tuple[str, ...]] = ("teacher", "revision", "teacher_path", "teacher_shape",
+                                                    "teacher_lora_paths")
+    NESTED = {"teacher_loras": (TeacherLora, "its teacher LoRA: ")}
 
     @classmethod
     def problem(cls, obj, where: str = "") -> str | None:
@@ -236,6 +263,8 @@ class CacheHeader(Record):
         plain = obj.get("condition", F.NO_CONDITION) == F.NO_CONDITION if problem is None else None
         if problem is None and plain != (obj.get("condition_shape") is None):
             return f"{where}its fields 'condition' and 'condition_shape' disagree (a condition has a shape, none none)"
+        if problem is None and len(obj.get("teacher_loras") or ()) != len(obj.get("teacher_lora_paths") or ()):
+            return f"{where}its fields 'teacher_loras' and 'teacher_lora_paths' disagree (one path for each LoRA)"
         return problem
 
     def clip(self) -> dict:
@@ -253,10 +282,11 @@ class CacheHeader(Record):
 
     @classmethod
     def planned(cls, cfg, teacher, scheduler, schedule, *, dtype: str, prompts: int, prompt_set_sha256: str,
-                identity: dict, numerics: dict | None = None) -> CacheHeader:
+                identity: dict, numerics: dict | None = None, teacher_loras=()) -> CacheHeader:
         """The header of the cache `cfg` (teacher-cache's settings) writes with `teacher` (a TeacherSpec), its
         scheduler and `schedule`, at `dtype`, for `prompts` prompts (stage one records it, `plan` projects from it),
-        with the speed options that can change a target (`numerics`)."""
+        with the speed options that can change a target (`numerics`) and the LoRAs fused into the teacher (`teacher_loras`:
+        (TeacherLora, absolute path) pairs)."""
         tcfg, latent = teacher.transformer_config, list(teacher.latent_shape(cfg.height, cfg.width, cfg.frames))
         guidance_2 = cfg.guidance_2 if cfg.guidance_2 is not None else (cfg.guidance if teacher.boundary_ratio
                                                                          else None)
@@ -274,6 +304,8 @@ class CacheHeader(Record):
             cfg=schedule.cfg, save_cond_uncond=cfg.save_cond_uncond, **_features(cfg, teacher, latent),
             **_condition(cfg, teacher),
             **_recorded(cfg), numerics=numerics, teacher_shape={k: tcfg[k] for k in TEACHER_SHAPE},
+            **({"teacher_loras": [r for r, _ in teacher_loras], "teacher_lora_paths": [p for _, p in teacher_loras]}
+               if teacher_loras else {}),
             teacher_identity=identity)
 
 
@@ -345,7 +377,8 @@ class Manifest(CacheHeader):
     negative_sha256: str | None = optional()  # of negative.safetensors
 
     FIRST: ClassVar[tuple[str, ...]] = ("format_version", "fingerprint")
-    NESTED = {"parts": (PartEntry, "a part record: "), "shards": (ShardRecord, "a shard record: ")}
+    NESTED = CacheHeader.NESTED | {"parts": (PartEntry, "a part record: "),
+                                   "shards": (ShardRecord, "a shard record: ")}
 
     def header(self) -> CacheHeader:
         return CacheHeader(**{f.name: getattr(self, f.name) for f in fields(CacheHeader)})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cache import format as F
 from cache import safe_open
-from cache.records import MAX_PROMPTS, MAX_STEPS, CacheHeader, Record, _int, _list, _short, optional
+from cache.records import MAX_PROMPTS, MAX_STEPS, CacheHeader, Record, TeacherLora, _int, _list, _short, optional
 
 from .config import MAX_SEQUENCE_LENGTH
 from .lock import RUN_LOCK, read_head
@@ -244,6 +244,10 @@ class DistillRecord(Record):
     max_sequence_length: int  # the text length of the cache's embeddings: sample with it
     expand_timesteps: bool
     condition: str = optional(F.NO_CONDITION)  # image-to-video: how the cache's condition latent enters (model_call)
+    # the LoRAs fused into the cache's teacher (teacher-cache --teacher-lora): sample and eval fuse them into the
+    # teacher they draw beside the student; their paths are local (None in an export's copy)
+    teacher_loras: list[TeacherLora] | None = optional()
+    teacher_lora_paths: list[str] | None = optional()
     latent_shape: list[int]
     height: int
     width: int
@@ -272,7 +276,7 @@ class DistillRecord(Record):
     # a compact student.
     lora: LoraRecord | None = None
 
-    NESTED = {"lora": (LoraRecord, "its lora: ")}
+    NESTED = {"lora": (LoraRecord, "its lora: "), "teacher_loras": (TeacherLora, "its teacher LoRA: ")}
     # Every number sample, eval and export compute with, bounded by what a Wan teacher takes (a billion steps or
     # frames would run out of memory or abort, not refuse).
     RANGES = {"teacher": _NAME, "student_steps": _int(1, MAX_STEPS), "frames": _int(1, MAX_FRAMES),

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import teacher_lora
 from .flops import DEFAULT_GPU, GPUS, gpu_name
 from .prompts import MAX_PROMPT_CHARS
 from .registries import (
@@ -142,6 +143,11 @@ class TeacherCacheConfig(TeacherRun):
                                       "text-to-video CACHE's prompts, each with the first frame of its seed-0 "
                                       "trajectory decoded (its teacher's VAE), instead of --prompts/--images.")
     out: str = setting(help="CACHE_DIR to write (or resume).", check=non_empty, path=True)
+    teacher_lora: tuple[str, ...] | None = setting(
+        None, parse=str_tuple, multiple=True, default_text="none",
+        help="A LoRA (.safetensors, diffusers' or Wan's key names) fused into the teacher before it runs, as "
+             "[EXPERT=]FILE[:SCALE] (EXPERT 1|high or 2|low, default every expert; SCALE default 1); repeatable. "
+             "Its sha256 and scale enter the fingerprint; sample and eval fuse it into the teacher they draw.")
     seed: int = setting(0, help="Base seed of the initial noise of (prompt, seed index).")
     negative_prompt: str = setting("", help="Negative prompt for CFG.", default_text="empty", check=_prompt_text)
     samples_per_shard: int = setting(1024, help="Samples per tar shard (a shard closes at the first block boundary "
@@ -165,6 +171,8 @@ class TeacherCacheConfig(TeacherRun):
             raise ValueError("give one of --prompts FILE (text-to-video), --images FILE or --images-from CACHE "
                              "(image-to-video)")
         _check_record_steps(self)
+        for text in self.teacher_lora or ():
+            teacher_lora.parse(text)
         if self.record_features is not None and len(set(self.record_features)) != len(self.record_features):
             raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
         if self.seeds_per_prompt > 99:
@@ -528,6 +536,11 @@ class EvalConfig(_Inference):
                                      "image-to-video cache a file of <image path><TAB><clip caption> lines, as "
                                      "sample --images, each image its clip's first frame (first-frame fidelity too); "
                                      "needs the teacher's text encoder and VAE.")
+    checked_captions: str | None = setting(None, check=non_empty, path=True, help="Captions the drawings are scored "
+                                           "against instead, caption i for --attributes' caption i (as many, of the "
+                                           "same grammar; --attributes then lists no caption twice): e.g. the ones a "
+                                           "recolouring LoRA fused into the teacher is meant to draw.",
+                                           default_text="--attributes' own")
     attribute_max_prompts: int | None = setting(None, help="Use the first K --attributes captions.",
                                                 check=at_least(1), default_text="all")
     attribute_seeds: int = setting(1, check=at_least(1), help="Noise draws per --attributes or --motion caption "
@@ -549,6 +562,12 @@ class EvalConfig(_Inference):
     compare: tuple[str, ...] = _compare("Another train-student OUT (or a LoRA pair, RUN1+RUN2) sampled at its own "
                                         "steps from the same noise (repeatable); the report's table lines them up "
                                         "with the teacher.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.checked_captions is not None and self.attributes is None:
+            raise ValueError("checked-captions scores the drawings of --attributes' captions: give --attributes FILE "
+                             "too (or drop --checked-captions)")
 
 
 # -- plan: the machine stage one would run on, and the run's size ---------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cache.records import TeacherLora
 from pipeline.artifact import DistillRecord
 from pipeline.lora_experts import COMPONENTS
 from pipeline.model_call import CONCAT, InputRule
@@ -144,12 +145,15 @@ def hybrid_passes(record: DistillRecord, sched: Schedule, experts: list[str], bo
     return teacher + [Pass(experts[1], True, sched.shift, sched.sampler, 1.0, sched.steps, sched.switch, sched.steps)]
 
 
-def hybrid_card(passes: list[Pass]) -> str:
+def hybrid_card(passes: list[Pass], teacher_loras: list[TeacherLora] | None = None) -> str:
     """The card's paragraph on the hybrid workflow: its samplers and how far apart ComfyUI's two schedules hand over."""
     *_, last, run = passes  # (the teacher's last sampler, then the run's)
     left, starts = _sigma_at(last), _sigma_at(run, run.start)
+    files = ", ".join(r.file for r in teacher_loras or ())
+    models = (f"the teacher's own models with the LoRAs its cache was drawn with ({files}: put them in ComfyUI's "
+              "loras folder)" if files else "the teacher's own models, no adapter")
     return (f"\n`{HYBRID_WORKFLOW}` is the hybrid users run to keep the teacher's motion, as `wandistiller eval "
-            f"--hybrid` measures it: the teacher's own models, no adapter, at CFG {last.cfg:g} over steps 0-{last.end} "
+            f"--hybrid` measures it: {models}, at CFG {last.cfg:g} over steps 0-{last.end} "
             f"of its {last.steps}-step {last.sampler} schedule (shift {last.shift:g}), then the low-noise adapter over "
             f"steps {run.start}-{run.end} of its own {run.steps} at CFG 1. ComfyUI's teacher schedule hands over at "
             f"sigma {left:.4f}, where the adapter's starts at {starts:.4f}.\n")
@@ -162,12 +166,14 @@ def _sigma_at(p: Pass, step: int | None = None) -> float:
 
 
 def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hints: dict, files: tuple,
-             rule: InputRule, prompt: str = "a lighthouse at night", passes: list[Pass] | None = None) -> dict:
+             rule: InputRule, prompt: str = "a lighthouse at night", passes: list[Pass] | None = None,
+             teacher_loras: list[TeacherLora] | None = None) -> dict:
     """The API-format workflow (node id -> class_type, inputs, links as [node id, output]): each expert's model
     through its LoraLoaderModelOnly (strength 1) and ModelSamplingSD3, a KSamplerAdvanced per expert (the
     high-noise one's leftover noise handed to the low-noise one at the switch step), decoded and saved; an
     image-to-video student's (hints' `condition`) from a loaded first frame, as ComfyUI's Wan templates take it.
-    `passes`: other samplers than the run's own (`hybrid_passes`)."""
+    `passes`: other samplers than the run's own (`hybrid_passes`), whose teacher passes load `teacher_loras` (the
+    LoRAs fused into the teacher the run's cache was drawn with) at their scales."""
     passes = passes or own_passes(sched, experts, adapters, hints.get("guidance_scale", 1.0))
     models, clip, vae, _ = files
     nodes: dict[str, dict] = {}
@@ -202,6 +208,10 @@ def workflow(sched: Schedule, experts: list[str], adapters: dict[str, str], hint
         if p.adapted and p.comp in adapters:
             model = add("LoraLoaderModelOnly", f"LoRA ({role})", model=model, lora_name=adapters[p.comp],
                         strength_model=1.0)
+        for r in (teacher_loras or ()) if p.who == "teacher" else ():
+            if experts.index(p.comp) + 1 in r.experts:
+                model = add("LoraLoaderModelOnly", f"Teacher LoRA {r.file} ({role})", model=model, lora_name=r.file,
+                            strength_model=r.scale)
         who = f"{p.who}, {role}" if p.who else role
         model = add("ModelSamplingSD3", f"Shift ({who})", model=model, shift=p.shift)
         latent = add("KSamplerAdvanced", f"Sampler ({who}: steps {p.start}-{p.end}" +

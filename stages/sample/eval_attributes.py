@@ -102,9 +102,10 @@ def _flow_scores(clips: dict[str, list], entries: list[Entry]) -> dict:
 def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) -> dict:
     """Each one's scores (the first entry's also as "student"), shares of the teacher's, settings, grid path: of
     --attributes' captions (the checker's and, on video, the flow's figures) or --motion's prompts (the flow's), each
-    drawn from --attribute-seeds noises."""
+    drawn from --attribute-seeds noises (scored against --checked-captions' when given)."""
     m, seeds = su.manifest, cfg.attribute_seeds
     captions, images = su.captions * seeds, None if su.images is None else su.images * seeds
+    scored = captions if su.checked_captions is None else su.checked_captions * seeds  # (clip i is caption i's)
     g2 = m.guidance_2
     settings = SamplingSettings(
         steps=int(m.steps), guidance=float(m.guidance),
@@ -119,10 +120,10 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
     if video:
         res = _flow_scores(clips, entries)
         if su.checked:
-            res = {name: r | res[name] for name, r in _motion_scores(clips, captions, entries, given).items()}
+            res = {name: r | res[name] for name, r in _motion_scores(clips, scored, entries, given).items()}
         kept = KEPT_MOTION
     else:
-        res, kept = _image_scores(clips, captions, entries), KEPT
+        res, kept = _image_scores(clips, scored, entries), KEPT
     if su.checked:
         t = res["teacher"]
         res["vs_teacher"] = {e.label: {k: round(res[e.label][k] / t[k], 4) if t[k] else None for k in kept + ("all",)}
@@ -138,6 +139,8 @@ def attribute_scores(cfg: EvalConfig, su: Setup, teacher, entries: list[Entry]) 
     if rows:
         grid_path.parent.mkdir(parents=True, exist_ok=True)
         write_image(draw_grid(captions[:len(rows)], rows, columns), grid_path)
-    return {"prompts": cfg.attributes or cfg.motion, "checked": su.checked, "captions": len(su.captions),
-            "seeds": seeds, "clips": len(captions), "settings": dataclasses.asdict(settings), **res,
-            "grid": str(grid_path) if rows else None, **({"frames": frames} if video else {})}
+    checked_file = {"checked_captions": cfg.checked_captions} if cfg.checked_captions else {}
+    return {"prompts": cfg.attributes or cfg.motion, "checked": su.checked, **checked_file,
+            "captions": len(su.captions), "seeds": seeds, "clips": len(captions),
+            "settings": dataclasses.asdict(settings), **res, "grid": str(grid_path) if rows else None,
+            **({"frames": frames} if video else {})}

@@ -23,7 +23,7 @@ from pipeline.model_call import NONE, InputRule
 from pipeline.prompts import dedupe, file_lines, read_prompt_file
 from pipeline.sampling import scheduler_from_config
 
-from .attributes import attribute_captions
+from .attributes import attribute_captions, parse_caption
 from .models import Student, check_compatible, find_student, model_name, named_teacher, pick_device
 from .sample import hybrid_sampler, student_sampler, teacher_drawer
 
@@ -59,6 +59,7 @@ class Setup:
     dtype: torch.dtype
     target_key: str  # the cached target the student learned
     warnings: list[str]
+    checked_captions: list[str] | None = None  # --checked-captions': what caption i's drawings are scored against
 
     def embeddings(self) -> EmbeddingCache:
         """The prompt embeddings of the cache, every prompt eval reads kept."""
@@ -203,10 +204,35 @@ def _teacher_path(cfg: EvalConfig, manifest: dict, cache_dir: Path) -> Path | No
                         f"teacher: pass --teacher PATH{'' if drawn else ' or --no-teacher-timing'})") from e
 
 
-def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[str], list | None]:
-    """--attributes' captions (or --motion's prompts) and, on an image-to-video cache, their first frames: a
-    text-to-video cache takes captions alone (`attribute_captions`; --motion's any prompts), an image-to-video one an
-    image list (as sample --images); the other form refused in one line."""
+def _checked_rows(cfg: EvalConfig, listed: list[str], used: int, video: bool, image: bool) -> list[str] | None:
+    """--checked-captions' captions (None without it): caption i the one --attributes' caption i of `listed` (the
+    whole file, in order) is scored against, the first `used` kept as --attributes' are, each of the checker's grammar
+    (clips on a video cache, shapes on an image one); a file of another count, or a text list of --attributes whose
+    repeats eval drops (not an image list's: each line is drawn) refused in one line."""
+    if cfg.checked_captions is None:
+        return None
+    path, attrs = cfg.checked_captions, cfg.attributes
+    checked = read_prompt_file(path)
+    if len(checked) != len(listed):
+        raise UserError(f"--checked-captions {path} holds {len(checked)} captions and --attributes {attrs} "
+                        f"{len(listed)}; give one checked caption per --attributes caption, caption i for caption i")
+    if not image and (repeats := dedupe(listed)[1]):
+        raise UserError(f"--attributes {attrs} lists {repeats} caption(s) more than once, which eval draws once, so "
+                        f"--checked-captions {path} cannot line up with it; drop the repeats from both files")
+    kind = "clips" if video else "shapes"
+    for i, c in enumerate(checked[:used]):
+        try:
+            (clips.parse_caption if video else parse_caption)(c)
+        except ValueError as e:
+            raise UserError(f"--checked-captions {path} caption {i + 1}: {e}; the attribute checker reads captions of "
+                            f"pipeline/{kind}.py's grammar, e.g. data/{kind}-heldout.txt") from e
+    return checked[:used]
+
+
+def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[str], list | None, list[str] | None]:
+    """--attributes' captions (or --motion's prompts), on an image-to-video cache their first frames, and
+    `_checked_rows`: a text-to-video cache takes captions alone (`attribute_captions`; --motion's any prompts), an
+    image-to-video one an image list (as sample --images); the other form refused in one line."""
     if cfg.attributes and cfg.motion:
         raise UserError("pass --attributes (clip captions: the checker's figures and the flow's) or --motion (prompts "
                         "of any wording: the flow's figures), not both")
@@ -225,16 +251,20 @@ def _attribute_rows(cfg: EvalConfig, manifest: dict, image: bool) -> tuple[list[
             f"<image path><TAB><{what}> lines (as sample --images), each image its clip's first frame"))
     if not image:
         if cfg.motion:
-            return dedupe(read_prompt_file(path))[0][:cfg.attribute_max_prompts], None
-        return attribute_captions(path, cfg.attribute_max_prompts, manifest.frames), None
-    pairs = read_image_file(path)[:cfg.attribute_max_prompts]
+            return dedupe(read_prompt_file(path))[0][:cfg.attribute_max_prompts], None, None
+        captions = attribute_captions(path, cfg.attribute_max_prompts, manifest.frames)
+        listed = read_prompt_file(path) if cfg.checked_captions else []
+        return captions, None, _checked_rows(cfg, listed, len(captions), int(manifest.frames) > 1, image)
+    listed = read_image_file(path)
+    pairs = listed[:cfg.attribute_max_prompts]
     for _, caption in pairs if cfg.attributes else ():
         try:
             clips.parse_caption(caption)
         except ValueError as e:
             raise UserError(f"--attributes {path}: {e}; the motion checker reads captions of pipeline/clips.py's "
                             "grammar, e.g. data/clips-heldout.txt (--motion takes prompts of any wording)") from e
-    return [c for _, c in pairs], [open_image(i, f"{flag} {path}") for i, _ in pairs]
+    checked = _checked_rows(cfg, [c for _, c in listed], len(pairs), True, image)
+    return [c for _, c in pairs], [open_image(i, f"{flag} {path}") for i, _ in pairs], checked
 
 
 def setup(cfg: EvalConfig) -> Setup:
@@ -258,7 +288,7 @@ def setup(cfg: EvalConfig) -> Setup:
         raise UserError(f"--{'teacher-redraw' if cfg.teacher_redraw else 'hybrid'} on an image-to-video cache: not "
                         "supported (the teacher's pipeline takes the image, which the cache does not record); drop it")
     teacher_path = _teacher_path(cfg, manifest, cache_dir) if drawn or not image else None
-    captions, images = _attribute_rows(cfg, manifest, image) if drawn else (None, None)
+    captions, images, checked = _attribute_rows(cfg, manifest, image) if drawn else (None, None, None)
     # Held out: on the training cache, the prompts train-student kept aside (unless --prompts says otherwise).
     in_training = (manifest.fingerprint in student.fingerprints) if student.fingerprints else None
     kept_aside = [int(p) for p in student.setting("heldout_prompts", [])] if in_training else []
@@ -279,7 +309,7 @@ def setup(cfg: EvalConfig) -> Setup:
     return Setup(cache_dir, manifest, student, report_path, teacher_path, captions, images, bool(cfg.attributes),
                  trajs, selection,
                  in_training, device, dtype, F.T_TARGET_COND if manifest.cfg and not student.guided else F.T_TARGET,
-                 warnings)
+                 warnings, checked)
 
 
 def entries(cfg: EvalConfig, su: Setup, model) -> list[Entry]:

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from cache import safe_write
 from cache.manifest import negative_embeds
+from pipeline import teacher_lora
 from pipeline.config import EvalConfig
 from pipeline.errors import UserError
 
@@ -33,8 +34,10 @@ def _teacher(su: Setup):
     (text encoder and VAE: it draws captions), an image-to-video cache's as WanImageToVideoPipeline."""
     if su.teacher_path is None:
         return None
+    m = su.manifest
+    loras = teacher_lora.recorded(m.teacher_loras, m.teacher_lora_paths, f"the cache {su.cache_dir}")
     teacher = load_teacher(su.teacher_path, su.dtype, su.device, text=su.captions is not None,
-                           vae=su.captions is not None, image=su.images is not None)
+                           vae=su.captions is not None, image=su.images is not None, teacher_loras=loras)
     channels = int(su.manifest.in_channels)  # a teacher whose inputs are not the cache's is another model
     if int(teacher.transformer.config.in_channels) != channels:
         raise UserError(f"teacher {su.teacher_path} has {teacher.transformer.config.in_channels} input channels, "

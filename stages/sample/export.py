@@ -93,10 +93,11 @@ def _readme(name: str, hints: dict, student: Student, teacher: str, own_schedule
         ("max_sequence_length", msl), ("num_frames", hints.get("num_frames", 1))))
     video, call = draw(hints, f"{g_text}, {call}", wrap=True)
     passed = f"num_inference_steps, guidance_scale{', num_frames' * bool(video)} and max_sequence_length"
+    carried = hub_card.carried_teacher_loras(student.distill, "The student")
     return f"""# WanDistiller student pipeline
 
 A {student.config.get("num_layers", "?")}-block student ({student.weights} weights) distilled with WanDistiller from teacher
-`{teacher}`, in its pipeline: the student is the only transformer (`transformer_2` and `boundary_ratio` are null).
+`{teacher}`, in its pipeline: the student is the only transformer (`transformer_2` and `boundary_ratio` are null).{carried}
 
 | setting | use |
 |---|---|

@@ -56,7 +56,7 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool, com
         trained = f"one run per expert, trained {trained},"
     else:
         trained = f"trained\n{student.setting('optimizer_steps')} steps"
-    half = ""
+    half, carried = "", hub_card.carried_teacher_loras(student.distill, "This LoRA on the plain base")
     if len(lora.experts) > len(lora.files):  # one expert of two: the other runs with the teacher's weights
         half = ("\nThis export holds one expert's adapter: the other expert runs with the teacher's own weights. "
                 "`wandistiller export --student RUN1 --student RUN2` exports the two one-expert runs as one.\n")
@@ -65,7 +65,7 @@ def readme(student: Student, hints: dict, name: str, base: str, fused: bool, com
 Base: `{lora.teacher}`{f" (revision {lora.revision})" if lora.revision else ''}. Rank {lora.rank},
 alpha {lora.alpha:g}, on {', '.join(lora.targets)} of every block. Adapters: {experts}; {trained} from the \
 teacher's cached guided trajectories (objective
-`{student.setting('objective')}`){', merged into the base (`--fuse`)' if fused else ''}.
+`{student.setting('objective')}`){', merged into the base (`--fuse`)' if fused else ''}.{carried}
 {half}
 | setting | use |
 |---|---|
@@ -124,9 +124,10 @@ def run(cfg: ExportConfig, student: Student, hints: dict, out: Path) -> dict:
         comfy = comfyui.card(sched, lora.experts, lora.files, lora.boundary_timestep, hints, files, base,
                              cfg.lora_format == "wan")
         if hybrid := comfyui.hybrid_passes(student.distill, sched, lora.experts, lora.boundary_timestep):
-            comfy += comfyui.hybrid_card(hybrid)
+            carried = student.setting("teacher_loras")
+            comfy += comfyui.hybrid_card(hybrid, carried)
             hybrid = comfyui.workflow(sched, lora.experts, lora.files, hints, files, InputRule.of(student.distill),
-                                      passes=hybrid)
+                                      passes=hybrid, teacher_loras=carried)
     card = (hub_card.front_matter(hub_card.teacher_license(student.teacher_path, base_model), base_model,
                              own_sampler(student.distill) is not None, tags=() if cfg.fuse else ("lora",),
                              video="num_frames" in hints, image="condition" in hints)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from cache import safe_open, safe_write
+from cache.records import TeacherLora
 from pipeline.artifact import DistillRecord
 from pipeline.errors import UserError
 from pipeline.faults import fault_point
@@ -73,10 +74,20 @@ def public_teacher(teacher: str, folder: Path | None, base_model: str | None = N
     return base, base or Path(teacher).name
 
 
+def carried_teacher_loras(record: DistillRecord | None, what: str) -> str:
+    """The card's paragraph on the LoRAs the teacher carried when the cache was drawn ("" without any): `what` draws
+    their style with no LoRA of them loaded."""
+    if record is None or not record.teacher_loras:
+        return ""
+    return (f"\n\nIts teacher carried LoRAs fused into its experts when its cache was drawn: "
+            f"{TeacherLora.describe(record.teacher_loras)}. {what} draws their style as learned: load none of them "
+            "beside it (they would apply twice).")
+
+
 def public_record(record: DistillRecord, teacher: str) -> dict:
     """distill.json as an export carries it: the teacher by its public name, caches by fingerprint, files by name."""
     name = lambda p: Path(p).name if p else p  # noqa: E731
-    return dataclasses.replace(record, teacher=teacher, teacher_path=None,
+    return dataclasses.replace(record, teacher=teacher, teacher_path=None, teacher_lora_paths=None,
                                caches=[{"fingerprint": c["fingerprint"]} for c in record.caches],
                                init_from_teacher=name(record.init_from_teacher),
                                student_config=name(record.student_config)).to_json()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import teacher_lora
 from pipeline.artifact import STUDENT, STUDENT_EMA, RunLayout
 from pipeline.errors import UserError
 from pipeline.model_call import InputRule
@@ -129,9 +130,10 @@ def student_teacher(cfg, student: Student) -> tuple[str, Path]:
 
 
 def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: bool = True, vae: bool = True,
-                 image: bool = False):
+                 image: bool = False, teacher_loras: list[teacher_lora.Loaded] = ()):
     """The teacher as diffusers' WanPipeline (`image`: WanImageToVideoPipeline, which TI2V's folder loads as too);
-    without its text encoder and/or VAE when they are not needed."""
+    without its text encoder and/or VAE when they are not needed; `teacher_loras` (what its cache's teacher carried,
+    teacher_lora.recorded) fused into its experts before it moves to `device`."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     skip = {} if text else {"text_encoder": None, "tokenizer": None}
@@ -141,6 +143,7 @@ def load_teacher(path: Path, dtype: torch.dtype, device: torch.device, *, text: 
         pipe = (WanImageToVideoPipeline if image else WanPipeline).from_pretrained(path, torch_dtype=dtype, use_safetensors=True, **skip)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load the teacher from {path} ({str(e).splitlines()[0]})") from e
+    teacher_lora.fuse_pipeline(pipe, list(teacher_loras))
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe

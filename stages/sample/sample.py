@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm.auto import tqdm
 
 from cache import safe_write
-from pipeline import guidance_input
+from pipeline import guidance_input, teacher_lora
 from pipeline.config import (
     DEFAULT_FPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_STEPS, DEFAULT_WIDTH,
     SampleConfig,
@@ -314,7 +314,9 @@ def run(cfg: SampleConfig) -> dict:
         safe_write.ensure_folder(folder, "the video folder")
     teacher_name, teacher_path = student_teacher(cfg, student)
     device, dtype = pick_device(cfg.device, cfg.dtype)
-    teacher = load_teacher(teacher_path, dtype, device, image=images is not None)
+    loras = teacher_lora.recorded(student.setting("teacher_loras"), student.setting("teacher_lora_paths"),
+                                  f"{student.root}'s distill.json")
+    teacher = load_teacher(teacher_path, dtype, device, image=images is not None, teacher_loras=loras)
     settings = resolve_settings(cfg, student, teacher)
     drawers, described = _load_students(cfg, student, teacher, teacher_name, settings, dtype, device)
     columns = ["teacher", *(f"{n} ({k} steps)" if len(drawers) > 1 else n for n, (_, k) in drawers.items())]

@@ -282,12 +282,14 @@ def load_disk_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: t
     return model
 
 
-def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Expert `comp` in CPU RAM, streamed layer by layer to a GPU `device` (`offload`: docs/placements.md)."""
+def load_ram_expert(spec: TeacherSpec, comp: str, dtype: torch.dtype, device: torch.device,
+                    fuse=None) -> torch.nn.Module:
+    """Expert `comp` in CPU RAM, streamed layer by layer to a GPU `device` (`offload`: docs/placements.md); `fuse`
+    (the --teacher-lora LoRAs) applied before the streaming copies are made."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=dtype, use_safetensors=True)
-    model.eval().requires_grad_(False)
+    model = (fuse or (lambda m: m))(model).eval().requires_grad_(False)
     if device.type == "cuda":
         model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                    offload_type="leaf_level", use_stream=True, record_stream=True,

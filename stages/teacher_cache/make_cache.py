@@ -30,7 +30,7 @@ from cache.prompt_store import (
 )
 from cache.records import CacheHeader
 from cache.schema import recorded_steps
-from pipeline import signals
+from pipeline import signals, teacher_lora
 from pipeline.config import TeacherCacheConfig, save_resolved
 from pipeline.errors import UserError, exit_rank
 from pipeline.faults import fault_point
@@ -91,7 +91,8 @@ def _run(cfg: TeacherCacheConfig, part: int, num_parts: int, torchrun: bool, t0:
         if todo:
             if job.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(job.device)
-            experts = load_experts(job.spec, job.placement, log=print0, prepare=job.speed.prepare)
+            experts = load_experts(job.spec, job.placement, log=print0, prepare=job.speed.prepare,
+                                   teacher_loras=job.teacher_loras)
             loop_s = _run_blocks(job, prog, experts, todo)
             experts.close()
         prog.complete = True
@@ -117,6 +118,7 @@ class _Part(PartPlan):
     device: torch.device
     owner: bool  # writes the root files (clears them on --overwrite): rank 0 under torchrun, or the only part
     blocks: list[list[tuple[int, int]]]  # the (prompt_idx, seed_idx), batch_size at a time: the unit of work and resume
+    teacher_loras: list[teacher_lora.Loaded]  # --teacher-lora: fused into each expert as it loads
 
 
 def _setup(plan: PartPlan) -> _Part:
@@ -134,16 +136,22 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     speed = TeacherSpeed.of(cfg)
     speed.check(placement)
+    teacher_loras = [teacher_lora.read(t, len(spec.experts)) for t in cfg.teacher_lora or ()]
+    if teacher_loras:  # (before the text encoder runs or any weight is read)
+        placement.check_fuse()
+        teacher_lora.check_fits(spec.configs, teacher_loras)
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
                                  prompt_set_sha256=prompt_set_sha256(plan.prompt_set), identity=spec.identity(),
-                                 numerics=speed.numerics(placement.device))
+                                 numerics=speed.numerics(placement.device),
+                                 teacher_loras=[(x.record, x.path) for x in teacher_loras])
     out, traj = Path(cfg.out), [(p, s) for p in plan.rows for s in range(cfg.seeds_per_prompt)]
     return _Part(**vars(plan), placement=placement, speed=speed, scheduler=scheduler, schedule=schedule,
                  latent_shape=tuple(header.latent_shape), header=header, fingerprint=header.settings_fingerprint(),
                  recorded=recorded_steps(header), out=out, part_dir=out / F.PARTS_DIR / F.part_dirname(plan.part),
                  dtype=F.DTYPES[placement.dtype], device=placement.device,
                  owner=plan.torchrun and plan.part == 0 or plan.num_parts == 1,
-                 blocks=[traj[i:i + cfg.batch_size] for i in range(0, len(traj), cfg.batch_size)])
+                 blocks=[traj[i:i + cfg.batch_size] for i in range(0, len(traj), cfg.batch_size)],
+                 teacher_loras=teacher_loras)
 
 
 def _open_part(job: _Part) -> PartProgress:

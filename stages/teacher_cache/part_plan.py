@@ -9,9 +9,9 @@ import torch
 
 from cache.manifest import manifest_path
 from cache.part_progress import PartProgress, list_parts
-from cache.records import CacheHeader, choose_recorded_steps
+from cache.records import CacheHeader, TeacherLora, choose_recorded_steps
 from cache.size import human
-from pipeline import lock
+from pipeline import lock, teacher_lora
 from pipeline.config import TeacherCacheConfig
 from pipeline.errors import UserError
 from pipeline.hub import CONFIGS, PIPELINE, is_hub_id, offline, teacher_folder
@@ -158,12 +158,17 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
         summary["condition"] = (f"{spec.condition_for(True)}: each prompt's image through the teacher's VAE, a "
                                 f"{shape} latent per trajectory (float32)")
     summary["disk"] = _disk(plan)  # (refused here as the run refuses it)
+    teacher_loras = [teacher_lora.read(t, len(spec.experts)) for t in cfg.teacher_lora or ()]
+    if teacher_loras:  # (read and fitted to the teacher's configs on the meta device, as the run checks them)
+        teacher_lora.check_fits(spec.configs, teacher_loras)
+        summary["teacher_loras"] = TeacherLora.describe([x.record for x in teacher_loras])
     print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
            f"  prompts    {len(plan.prompts)} unique ({plan.dropped} duplicates dropped); part {part} of {num_parts}: "
            f"{len(plan.rows)} prompts, {plan.trajectories} trajectories in {summary['blocks']} blocks of "
            f"{cfg.batch_size}, {summary['samples']} samples ({steps} of {cfg.steps} steps recorded)\n"
            f"  teacher    {summary['teacher']}\n"
            + (f"  images     {summary['condition']}\n" if "condition" in summary else "") +
+           (f"  LoRAs      {summary['teacher_loras']}: fused into the teacher\n" if teacher_loras else "") +
            f"  placement  {placements.get(cfg.placement).describe(cfg)}\n"
            f"  --out      {cfg.out}: {summary['out']}\n"
            f"  disk       {_disk_words(summary['disk'])}")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline import teacher_lora
 from pipeline.errors import UserError
 from pipeline.registries import PLACEMENTS, Entry, placement_entry
 from pipeline.runtime import dist_env
@@ -87,9 +88,18 @@ class Placement:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def load_expert(self, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
-        """Expert `comp` of the teacher, its weights where this placement keeps them, ready to run."""
-        return self.entry.load_expert(self, spec, comp, log)
+    def load_expert(self, spec: TeacherSpec, comp: str, log=print, fuse=None) -> torch.nn.Module:
+        """Expert `comp` of the teacher, its weights where this placement keeps them, ready to run; `fuse` (the
+        --teacher-lora LoRAs) changes the whole weights first, before any are streamed or dispatched."""
+        if fuse is not None:
+            self.check_fuse()
+        return self.entry.load_expert(self, spec, comp, log, fuse)
+
+    def check_fuse(self) -> None:
+        """Refuse --teacher-lora in one line where this placement cannot run a teacher with LoRAs fused into it."""
+        if why := self.entry.cannot_fuse(self):
+            raise UserError(f"--teacher-lora with --placement {self.name}: {why}; use --placement cpu, cuda, offload "
+                            "or balanced with the GPUs to hold the experts")
 
 
 @dataclass(frozen=True)
@@ -192,13 +202,18 @@ class PlacementKind:
         """`step`, or `expert` when the placement's memory tier cannot hold both experts at once."""
         return "step"
 
-    def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print) -> torch.nn.Module:
-        """Expert `comp`, its weights where the placement keeps them; by default all on the execution device."""
+    def load_expert(self, p: Placement, spec: TeacherSpec, comp: str, log=print, fuse=None) -> torch.nn.Module:
+        """Expert `comp`, its weights where the placement keeps them (by default all on the execution device), `fuse`
+        applied to the whole weights first (ExpertSet: the --teacher-lora LoRAs)."""
         from diffusers import WanTransformer3DModel
 
         m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype,
                                                      use_safetensors=True)
-        return m.to(p.device).eval().requires_grad_(False)
+        return (fuse or (lambda x: x))(m).to(p.device).eval().requires_grad_(False)
+
+    def cannot_fuse(self, p: Placement) -> str | None:
+        """Why this placement cannot run a teacher with LoRAs fused into it (None: it can)."""
+        return None
 
     def layout(self, x: PlanInput) -> Layout:
         raise NotImplementedError
@@ -215,9 +230,10 @@ def measure(cfg, spec: TeacherSpec, dtype: str, gpus: bool) -> tuple[Needs, Inve
     return Needs.of(sizes, act, cfg.batch_size), Inventory.measure(offload_dir(cfg), ranks_per_node(), gpus=gpus)
 
 
-def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=None) -> ExpertSet:
-    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major."""
-    experts = ExpertSet(spec, placement, log, prepare)
+def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=None, teacher_loras=()) -> ExpertSet:
+    """The transformer(s) in expert order: all now in step-major order, each as `activate` asks in expert-major;
+    `teacher_loras` (pipeline/teacher_lora.py) fused into each expert as it loads."""
+    experts = ExpertSet(spec, placement, log, prepare, teacher_loras)
     if not placement.expert_major:
         experts.activate(None)
     return experts
@@ -226,8 +242,9 @@ def load_experts(spec: TeacherSpec, placement: Placement, log=print, prepare=Non
 class ExpertSet:
     """The experts of one placement, indexed like a list; `activate((2,))` frees expert 1 before loading expert 2."""
 
-    def __init__(self, spec: TeacherSpec, placement: Placement, log=print, prepare=None):
+    def __init__(self, spec: TeacherSpec, placement: Placement, log=print, prepare=None, teacher_loras=()):
         self.spec, self.placement, self.log = spec, placement, log
+        self.teacher_loras = list(teacher_loras)
         self.device = placement.device  # where a released expert's memory is handed back
         self.models: list[torch.nn.Module | None] = [None] * len(spec.experts)
         self.prepare = prepare or (lambda model: model)  # the speed options, as each expert loads (speed.py)
@@ -254,7 +271,9 @@ class ExpertSet:
                 torch.cuda.empty_cache()
         for e in sorted(want):
             if self.models[e - 1] is None:
-                m = self.prepare(self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log))
+                fuse = ((lambda m, e=e: teacher_lora.fuse(m, self.teacher_loras, e))
+                        if self.teacher_loras else None)
+                m = self.prepare(self.placement.load_expert(self.spec, self.spec.experts[e - 1], self.log, fuse))
                 self.models[e - 1] = m
                 if self.on_load is not None:
                     self.on_load(m)

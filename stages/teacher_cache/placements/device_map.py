@@ -124,10 +124,14 @@ def map_bytes(model: torch.nn.Module, device_map: dict, dtype: torch.dtype) -> d
 class _DeviceMapPlacement(PlacementKind):
     """Shared by the three: each expert's map (`device_map`; `plan_map` for `plan`), dispatched by diffusers."""
 
-    def load_expert(self, p, spec, comp, log=print):
+    def load_expert(self, p, spec, comp, log=print, fuse=None):
         from diffusers import WanTransformer3DModel
 
         dmap = self.device_map(p, meta_transformer(spec.path, comp, real_buffers=False))
+        if fuse is not None and (off := sorted({str(v) for v in dmap.values() if v in ("cpu", "disk")})):
+            raise UserError(f"--teacher-lora with --placement {p.name}: the map keeps part of {comp} on "
+                            f"{' and '.join(off)}, where accelerate holds weights a fused LoRA cannot change; give "
+                            "the GPUs room for the experts (--max-memory), or use --placement offload")
         folder = None
         if "disk" in dmap.values():
             # accelerate names its files after the parameters alone: one folder per expert (and per rank).
@@ -138,7 +142,7 @@ class _DeviceMapPlacement(PlacementKind):
             m = WanTransformer3DModel.from_pretrained(spec.path, subfolder=comp, torch_dtype=p.torch_dtype,
                                                       device_map=dmap, use_safetensors=True,
                                                       offload_folder=None if folder is None else str(folder))
-        return m.eval().requires_grad_(False)
+        return (fuse or (lambda x: x))(m).eval().requires_grad_(False)
 
     def layout(self, x: PlanInput) -> Layout:
         dtype = getattr(torch, x.sizes.dtype)

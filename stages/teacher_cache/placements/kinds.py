@@ -38,8 +38,8 @@ class Offload(PlacementKind):
     def expert_order(self, needs: Needs, inv: Inventory) -> str:
         return "expert" if len(needs.experts) > 1 and sum(needs.experts) > inv.usable_ram else "step"
 
-    def load_expert(self, p, spec, comp, log=print):
-        return load_ram_expert(spec, comp, p.torch_dtype, p.device)
+    def load_expert(self, p, spec, comp, log=print, fuse=None):
+        return load_ram_expert(spec, comp, p.torch_dtype, p.device, fuse)
 
     def layout(self, x: PlanInput) -> Layout:
         if not x.inv.gpus:
@@ -54,8 +54,11 @@ class Offload(PlacementKind):
 
 
 class Disk(PlacementKind):
-    def load_expert(self, p, spec, comp, log=print):
+    def load_expert(self, p, spec, comp, log=print, fuse=None):
         return load_disk_expert(spec, comp, p.torch_dtype, p.device, p.offload_dir, log)
+
+    def cannot_fuse(self, p) -> str | None:
+        return "its experts stream from an offload folder written from the checkpoint as it is"
 
     def layout(self, x: PlanInput) -> Layout:
         both, block_ram = sum(x.needs.experts), x.needs.block + x.needs.other
