@@ -10,7 +10,6 @@ import os
 import re
 from dataclasses import dataclass
 
-from . import teacher_lora
 from .flops import DEFAULT_GPU, GPUS, gpu_name
 from .prompts import MAX_PROMPT_CHARS
 from .registries import (
@@ -171,8 +170,11 @@ class TeacherCacheConfig(TeacherRun):
             raise ValueError("give one of --prompts FILE (text-to-video), --images FILE or --images-from CACHE "
                              "(image-to-video)")
         _check_record_steps(self)
-        for text in self.teacher_lora or ():
-            teacher_lora.parse(text)
+        if self.teacher_lora:
+            from .teacher_lora import parse  # (here: the CLI loads this module, and that one reads files through cache/)
+
+            for text in self.teacher_lora:
+                parse(text)
         if self.record_features is not None and len(set(self.record_features)) != len(self.record_features):
             raise ValueError(f"record-features must list distinct teacher blocks, got {self.record_features!r}")
         if self.seeds_per_prompt > 99:

@@ -207,7 +207,8 @@ def test_the_fingerprint_hashes_the_header_less_where_the_teacher_was_found(tiny
     less the teacher's name, revision, folder and shape; every other field of the manifest is the manifest's own."""
     m = load_manifest(tiny_cache)
     header = json.loads((tiny_cache / F.PARTS_DIR / F.part_dirname(0) / F.PROGRESS).read_text())["header"]
-    not_hashed = ("teacher", "revision", "teacher_path", "teacher_shape")  # (the shape's config: teacher_identity)
+    # (the shape's config: teacher_identity; teacher_lora_paths, where the LoRAs fused into it were: absent here)
+    not_hashed = ("teacher", "revision", "teacher_path", "teacher_shape", "teacher_lora_paths")
     assert m.fingerprint == fingerprint({k: v for k, v in header.items() if k not in not_hashed})
     assert set(CacheHeader.NOT_FINGERPRINTED) == set(not_hashed) and m.header().to_json() == header
     own = set(m.to_json()) - set(header)
