@@ -92,7 +92,9 @@ def test_two_processes_fsdp_equal_one_process_and_checkpoints_are_sharded(fsdp_t
     assert len(l2) == len(l1) == 10 and max(abs(a - b) / b for a, b in zip(l2, l1)) < 1e-5
     diffs = {name: max_rel_diff(weights(out2 / name), weights(out1 / name)) for name in ("student", "student_ema")}
     print(f"fsdp two processes vs one process, max relative difference: {diffs}")
-    assert max(diffs.values()) <= 2e-5  # 10 AdamW steps of two ranks' sums in another order: 1.2e-5 measured
+    # 10 AdamW steps of two ranks' sums in another order: 1.2e-5 measured on an AVX2 machine, 2.9e-5 on an AVX-512/AMX
+    # one (the same code: the commit of 2026-12-02 that passed with 2e-5 measures 2.9e-5 there)
+    assert max(diffs.values()) <= 5e-5
     for name in ("student", "student_ema"):
         assert (out2 / name / "config.json").read_text() == (out1 / name / "config.json").read_text()
 
