@@ -139,6 +139,22 @@ def read_named(path: str | os.PathLike, what: str, cap: int, fix: str | None = N
     return _read_fd(open_named(path, what, fix), f"{what} {path}", cap, fix or _AS_WRITTEN)
 
 
+def sha256_named(path: str | os.PathLike, what: str, cap: int, fix: str | None = None) -> str:
+    """The sha256 of a file the user or a record named (`open_named`), read 16 MiB at a time: memory stays bounded
+    whatever the file, where `read_named` holds it whole (a record's path is checked before it is read)."""
+    import hashlib
+
+    with os.fdopen(open_named(path, what, fix), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise UnsafeFileError(f"{what} {path} is {size:,} bytes, more than the {cap:,} such a file may hold; "
+                                  f"{fix or _AS_WRITTEN}")
+        h = hashlib.sha256()
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 _TOO_DEEP = object()  # what a parser's RecursionError stands for
 
 

@@ -71,10 +71,11 @@ def read(text: str, experts: int) -> Loaded:
                               experts=list(which or range(1, experts + 1))), path, *_tensors(data, path))
 
 
-def _read(path: str, what: str, fix: str) -> bytes:
-    """The bytes of the LoRA file at `path` (a regular file of at most CAP bytes), or a UserError naming it."""
+def _read(path: str, what: str, fix: str, hashed: bool = False) -> bytes | str:
+    """The bytes of the LoRA file at `path` (a regular file of at most CAP bytes; `hashed`: their sha256, in bounded
+    memory), or a UserError naming it."""
     try:
-        return safe_open.read_named(path, what, CAP, fix)
+        return (safe_open.sha256_named if hashed else safe_open.read_named)(path, what, CAP, fix)
     except FileNotFoundError:
         raise UserError(f"{what} {path} does not exist; {fix}") from None
     except OSError as e:  # (permissions, I/O; a FIFO, a folder or too large a file: UnsafeFileError, one line)
@@ -115,8 +116,10 @@ def recorded(loras: list[TeacherLora] | None, paths: list[str] | None, where: st
     out = []
     for rec, path in zip(loras, paths):
         fix = f"put the file {where} names back at {path} (sha256 {rec.sha256})"
-        data = _read(path, f"the teacher LoRA {where} names:", fix)
-        if hashlib.sha256(data).hexdigest() != rec.sha256:
+        what = f"the teacher LoRA {where} names:"
+        # (hashed a chunk at a time before it is read whole, and the bytes read hashed again: changed in between)
+        if _read(path, what, fix, hashed=True) != rec.sha256 or hashlib.sha256(
+                data := _read(path, what, fix)).hexdigest() != rec.sha256:
             raise UserError(f"the teacher LoRA {path} is not the one {where} was made with (its sha256 differs); {fix}")
         out.append(Loaded(rec, path, *_tensors(data, path)))
     return out

@@ -122,6 +122,10 @@ def test_a_cache_records_the_lora_by_content(tiny_teacher, tiny_cache, style, pr
     assert "teacher_loras" not in json.loads((tiny_cache / "manifest.json").read_text())
     assert zero_m.teacher_loras[0].file == "style.safetensors" and zero_m.teacher_loras[0].experts == [1, 2]
     assert zero_m.teacher_lora_paths == [str(style)]
+    from cache.manifest import summarize  # (`cache info`)
+
+    assert summarize(zero)["teacher_loras"].startswith("style.safetensors x0 (experts 1, 2, sha256 ")
+    assert "teacher_loras" not in summarize(tiny_cache)
     assert len({plain_m.fingerprint, zero_m.fingerprint, one_m.fingerprint}) == 3
     latents = lambda c: {k: v[0] for k, v in read_all_samples(c).items()}  # noqa: E731
     plain_s, zero_s, one_s = latents(tiny_cache), latents(zero), latents(one)
