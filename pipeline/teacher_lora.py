@@ -156,14 +156,15 @@ def fuse(model: torch.nn.Module, loras: list[Loaded], expert: int) -> torch.nn.M
     return model
 
 
-def check_fits(configs: dict[str, dict], loras: list[Loaded]) -> None:
-    """Refuse in one line, before any weight is read or text encoded, a LoRA that does not fit the teacher whose
-    transformer configs (by component) are `configs`: each fused into its experts built on the meta device."""
+def read_fitted(texts: tuple[str, ...] | None, experts: int, configs: dict[str, dict]) -> list[Loaded]:
+    """`read` of each of `texts` for a teacher of `experts` experts, refused in one line where it does not fit the
+    transformer `configs` (by component): fused into them built on the meta device (stage one and its dry run)."""
     import warnings
 
     import torch
     from diffusers import WanTransformer3DModel
 
+    loras = [read(t, experts) for t in texts or ()]
     for expert, comp in EXPERT_NAMES.items():
         if comp in configs and any(expert in x.record.experts for x in loras):
             with torch.device("meta"):
@@ -171,6 +172,7 @@ def check_fits(configs: dict[str, dict], loras: list[Loaded]) -> None:
             with warnings.catch_warnings():  # (torch: "copying from a non-meta parameter ... is a no-op")
                 warnings.simplefilter("ignore")
                 fuse(model, loras, expert)
+    return loras
 
 
 def fuse_pipeline(pipe, loras: list[Loaded]):

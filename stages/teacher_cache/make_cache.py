@@ -136,10 +136,9 @@ def _setup(plan: PartPlan) -> _Part:
     # settings can be checked against the fingerprint (which is what it was before it was recorded).
     speed = TeacherSpeed.of(cfg)
     speed.check(placement)
-    teacher_loras = [teacher_lora.read(t, len(spec.experts)) for t in cfg.teacher_lora or ()]
-    if teacher_loras:  # (before the text encoder runs or any weight is read)
+    if cfg.teacher_lora:  # (before the text encoder runs or any weight is read)
         placement.check_fuse()
-        teacher_lora.check_fits(spec.configs, teacher_loras)
+    teacher_loras = teacher_lora.read_fitted(cfg.teacher_lora, len(spec.experts), spec.configs)
     header = CacheHeader.planned(cfg, spec, scheduler, schedule, dtype=placement.dtype, prompts=len(prompts),
                                  prompt_set_sha256=prompt_set_sha256(plan.prompt_set), identity=spec.identity(),
                                  numerics=speed.numerics(placement.device),

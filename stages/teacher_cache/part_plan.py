@@ -158,9 +158,8 @@ def dry_run(cfg: TeacherCacheConfig) -> dict:
         summary["condition"] = (f"{spec.condition_for(True)}: each prompt's image through the teacher's VAE, a "
                                 f"{shape} latent per trajectory (float32)")
     summary["disk"] = _disk(plan)  # (refused here as the run refuses it)
-    teacher_loras = [teacher_lora.read(t, len(spec.experts)) for t in cfg.teacher_lora or ()]
-    if teacher_loras:  # (read and fitted to the teacher's configs on the meta device, as the run checks them)
-        teacher_lora.check_fits(spec.configs, teacher_loras)
+    teacher_loras = teacher_lora.read_fitted(cfg.teacher_lora, len(spec.experts), spec.configs)
+    if teacher_loras:
         summary["teacher_loras"] = TeacherLora.describe([x.record for x in teacher_loras])
     print0(f"teacher-cache --dry-run: the command is valid; nothing was run or written\n"
            f"  prompts    {len(plan.prompts)} unique ({plan.dropped} duplicates dropped); part {part} of {num_parts}: "
